@@ -1,0 +1,148 @@
+//! The `ClusterRing` API (SPEC §1).
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, LabelSelector};
+use kube::CustomResource;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::labels;
+
+/// Condition type reporting whether the ring was reconciled successfully.
+pub const CONDITION_READY: &str = "Ready";
+/// Reason of a `Ready=True` condition.
+pub const REASON_RECONCILIATION_SUCCEEDED: &str = "ReconciliationSucceeded";
+/// Reason of a `Ready=False` condition (and of the Warning Event emitted with it).
+pub const REASON_RECONCILIATION_FAILED: &str = "ReconciliationFailed";
+/// Message of a `Ready=True` condition.
+pub const MESSAGE_RECONCILIATION_SUCCEEDED: &str = "ClusterRing was successfully reconciled";
+/// Longest ring name: the name ends up in label values and object names.
+pub const MAX_NAME_LEN: usize = 63;
+/// CEL rule enforcing [`MAX_NAME_LEN`] on API servers that support CEL (1.25+).
+pub const NAME_LENGTH_RULE: &str = "size(self.metadata.name) <= 63";
+/// Message of [`NAME_LENGTH_RULE`].
+pub const NAME_LENGTH_MESSAGE: &str = "ClusterRing name must not be longer than 63 characters";
+
+/// Desired state of a ClusterRing: which resources it shards, and in which namespaces.
+///
+/// A ClusterRing is a ring of controller instances (shards) that split the objects of some
+/// resources between them. The sharder assigns every object of the listed resources to one
+/// available shard of the ring by writing the ring's shard label, and moves objects when shards
+/// come and go.
+#[derive(CustomResource, Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[kube(
+    group = "sharding.timebertt.dev",
+    version = "v1alpha1",
+    kind = "ClusterRing",
+    plural = "clusterrings",
+    singular = "clusterring",
+    status = "ClusterRingStatus",
+    printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#,
+    printcolumn = r#"{"name":"Available","type":"string","jsonPath":".status.availableShards"}"#,
+    printcolumn = r#"{"name":"Shards","type":"string","jsonPath":".status.shards"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+)]
+#[serde(rename_all = "camelCase")]
+pub struct ClusterRingSpec {
+    /// Resources whose objects are distributed across the shards of this ring.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["group", "resource"]))]
+    pub resources: Vec<RingResource>,
+
+    /// Selects the namespaces whose objects this ring covers. When unset, the sharder's configured
+    /// default applies (by default every namespace except kube-system and sharding-system).
+    /// Changing it never removes labels already written.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("x-kubernetes-map-type" = "atomic"))]
+    pub namespace_selector: Option<LabelSelector>,
+}
+
+/// A group and resource (plural name), as in `metav1.GroupResource`.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, Eq, Hash, JsonSchema)]
+pub struct GroupResource {
+    /// API group of the resource; empty for the core group.
+    pub group: String,
+    /// Plural resource name, e.g. `configmaps`.
+    pub resource: String,
+}
+
+impl GroupResource {
+    /// Creates a group-resource pair.
+    pub fn new(group: impl Into<String>, resource: impl Into<String>) -> Self {
+        Self {
+            group: group.into(),
+            resource: resource.into(),
+        }
+    }
+}
+
+impl std::fmt::Display for GroupResource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.group.is_empty() {
+            f.write_str(&self.resource)
+        } else {
+            write!(f, "{}.{}", self.resource, self.group)
+        }
+    }
+}
+
+/// A main resource of the ring, optionally with the resources its objects control.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RingResource {
+    /// API group of the main resource; empty for the core group.
+    pub group: String,
+    /// Plural name of the main resource, e.g. `secrets`.
+    pub resource: String,
+    /// Resources whose objects are controlled by objects of the main resource (through an owner
+    /// reference with `controller: true`); they are assigned to the shard of their controller.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["group", "resource"]))]
+    pub controlled_resources: Vec<GroupResource>,
+}
+
+impl RingResource {
+    /// The main resource as a group-resource pair.
+    pub fn group_resource(&self) -> GroupResource {
+        GroupResource::new(&self.group, &self.resource)
+    }
+}
+
+/// Observed state of a ClusterRing.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ClusterRingStatus {
+    /// The `metadata.generation` this status was computed for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// Number of shard Leases of this ring, in any state.
+    #[serde(default)]
+    pub shards: i32,
+    /// Number of available shards of this ring.
+    #[serde(default)]
+    pub available_shards: i32,
+    /// Conditions of the ring; only `Ready` is used.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
+    pub conditions: Vec<Condition>,
+}
+
+impl ClusterRing {
+    /// The label key carrying the shard assignment of this ring's objects.
+    pub fn shard_label(&self) -> String {
+        labels::shard_label(&kube::ResourceExt::name_any(self))
+    }
+
+    /// The label key asking a shard to give up an object of this ring.
+    pub fn drain_label(&self) -> String {
+        labels::drain_label(&kube::ResourceExt::name_any(self))
+    }
+
+    /// The `Ready` condition, if set.
+    pub fn ready_condition(&self) -> Option<&Condition> {
+        self.status
+            .as_ref()?
+            .conditions
+            .iter()
+            .find(|c| c.type_ == CONDITION_READY)
+    }
+}
