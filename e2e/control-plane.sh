@@ -13,12 +13,21 @@
 # source package, whose vendored modern-go/reflect2 1.0.1 crashes under Go >= 1.18 (SIGSEGV in
 # mapiterinit while encoding JSON, e.g. when calling an admission webhook); it is swapped for
 # Debian's reflect2 1.0.2 before building.
+#
+# A second Go-version trap: the vendored OpenAPI type validators treat a value as null when
+# `reflect.DeepEqual(reflect.Zero(t), reflect.ValueOf(v))`. That compares reflect.Value structs; under
+# the Go 1.15 that 1.20 shipped with they never matched, but current Go backs both a zero Value and
+# an interface holding "" with the same static buffer, so every "" in a custom resource (the core
+# group of a ClusterRing, say) fails with 'must be of type string: "null"'. The check is patched to
+# `data == nil`, which is what it did in practice under the original Go.
 set -euo pipefail
 
 KUBE_VERSION=1.20.2
 CACHE_DIR=${CONTROLLER_SHARDING_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/controller-sharding}
-APISERVER_BIN=$CACHE_DIR/bin/kube-apiserver-v$KUBE_VERSION
-REFLECT2_SRC=/usr/share/gocode/src/github.com/modern-go/reflect2
+# Bump BUILD_REVISION whenever the build recipe changes, so cached binaries are rebuilt.
+BUILD_REVISION=3
+APISERVER_BIN=$CACHE_DIR/bin/kube-apiserver-v$KUBE_VERSION-r$BUILD_REVISION
+GOCODE=/usr/share/gocode/src/github.com
 
 log() { echo "control-plane: $*" >&2; }
 die() { log "error: $*"; exit 1; }
@@ -86,14 +95,24 @@ build_apiserver() {
   rm -rf "$build"
   mkdir -p "$build"
   log "fetching Debian's kubernetes source package"
-  (cd "$build" && apt-get source --download-only kubernetes >&2 && dpkg-source -x --no-check ./*.dsc src >&2)
+  (cd "$build" && apt-get source -qq --download-only kubernetes >/dev/null && dpkg-source -x --no-check ./*.dsc src >&2)
   local src="$build/src"
-  [ -d "$src/vendor/github.com/modern-go/reflect2" ] || die "unexpected source layout in $src"
-  [ -d "$REFLECT2_SRC" ] || die "missing $REFLECT2_SRC"
+  local reflect2="$src/vendor/github.com/modern-go/reflect2"
+  [ -d "$reflect2" ] || die "unexpected source layout in $src"
+  [ -d "$GOCODE/modern-go/reflect2" ] || die "missing $GOCODE/modern-go/reflect2"
   log "replacing vendored modern-go/reflect2 with Debian's 1.0.2"
-  rm -rf "$src/vendor/github.com/modern-go/reflect2"
-  cp -r "$REFLECT2_SRC" "$src/vendor/github.com/modern-go/reflect2"
-  rm -f "$src/vendor/github.com/modern-go/reflect2/go.mod"
+  rm -rf "$reflect2"
+  cp -rL "$GOCODE/modern-go/reflect2" "$reflect2"
+  rm -f "$reflect2/go.mod" "$reflect2/go.sum"
+  find "$reflect2" -name '*_test.go' -delete
+  local type_go zero_check='data == nil || reflect.DeepEqual(reflect.Zero(reflect.TypeOf(data)), reflect.ValueOf(data))'
+  for type_go in "$src/vendor/github.com/go-openapi/validate/type.go" \
+    "$src/vendor/k8s.io/kube-openapi/pkg/validation/validate/type.go"; do
+    grep -qF "$zero_check" "$type_go" || die "unexpected content in $type_go"
+    log "patching the zero-value check in ${type_go#"$src/"}"
+    sed -i "s/$zero_check/data == nil/" "$type_go"
+    grep -qF "$zero_check" "$type_go" && die "failed to patch $type_go"
+  done
   log "building kube-apiserver (takes a few minutes)"
   # The tarball has no git metadata; pin the version the binary reports.
   (cd "$src" && KUBE_GIT_VERSION="v$KUBE_VERSION" KUBE_GIT_TREE_STATE=clean \

@@ -484,7 +484,9 @@ impl SharderConfig {
                 if rest.is_empty() || rest.starts_with('/') || url.contains(['?', '#']) {
                     return Err(invalid(
                         "webhook.config.clientConfig.url",
-                        format!("{url:?} must be https://host[:port][/path] without query or fragment"),
+                        format!(
+                            "{url:?} must be https://host[:port][/path] without query or fragment"
+                        ),
                     ));
                 }
             }
@@ -556,7 +558,9 @@ mod tests {
     }
 
     fn error_of(body: &str) -> String {
-        parse(body).expect_err("config must be rejected").to_string()
+        parse(body)
+            .expect_err("config must be rejected")
+            .to_string()
     }
 
     #[test]
@@ -564,21 +568,38 @@ mod tests {
         let config = parse("").expect("valid");
         assert_eq!(config, SharderConfig::default());
         assert!(config.leader_election.leader_elect);
-        assert_eq!(config.leader_election.lease_duration, Duration::from_secs(15));
-        assert_eq!(config.leader_election.renew_deadline, Duration::from_secs(10));
+        assert_eq!(
+            config.leader_election.lease_duration,
+            Duration::from_secs(15)
+        );
+        assert_eq!(
+            config.leader_election.renew_deadline,
+            Duration::from_secs(10)
+        );
         assert_eq!(config.leader_election.retry_period, Duration::from_secs(2));
         assert_eq!(config.leader_election.resource_name, "sharder");
         assert_eq!(config.leader_election.resource_namespace, "sharding-system");
         assert_eq!(config.health.bind_address, ":8081");
         assert_eq!(config.metrics.bind_address, ":8080");
-        assert_eq!(config.controller.sharder.sync_period, Duration::from_secs(300));
+        assert_eq!(
+            config.controller.sharder.sync_period,
+            Duration::from_secs(300)
+        );
         assert_eq!(config.controller.sharder.concurrent_moves, 100);
         assert_eq!(config.webhook.server.bind_address, ":9443");
         assert_eq!(config.webhook.server.cert_name, "tls.crt");
         assert_eq!(config.webhook.server.key_name, "tls.key");
         assert_eq!(config.graceful_shutdown, Duration::from_secs(15));
-        let service = config.webhook.config.client_config.service.expect("service");
-        assert_eq!((service.namespace.as_str(), service.name.as_str()), ("sharding-system", "sharder"));
+        let service = config
+            .webhook
+            .config
+            .client_config
+            .service
+            .expect("service");
+        assert_eq!(
+            (service.namespace.as_str(), service.name.as_str()),
+            ("sharding-system", "sharder")
+        );
         assert_eq!(config.client_connection.qps, None);
     }
 
@@ -602,7 +623,10 @@ gracefulShutdown: 5s
         )
         .expect("valid");
         assert_eq!(config.client_connection.qps, Some(50.0));
-        assert_eq!(config.controller.sharder.sync_period, Duration::from_secs(90));
+        assert_eq!(
+            config.controller.sharder.sync_period,
+            Duration::from_secs(90)
+        );
         assert_eq!(config.metrics.socket_addr(), Ok(None));
         assert_eq!(
             config.webhook.config.client_config.ca_bundle,
@@ -631,15 +655,39 @@ gracefulShutdown: 5s
     #[test]
     fn invalid_values_name_their_field() {
         let cases = [
-            ("leaderElection: {renewDeadline: 20s}", "leaderElection.renewDeadline"),
-            ("leaderElection: {retryPeriod: 10s}", "leaderElection.retryPeriod"),
-            ("leaderElection: {leaseDuration: 0s}", "leaderElection.leaseDuration"),
-            ("leaderElection: {resourceName: Bad_Name}", "leaderElection.resourceName"),
+            (
+                "leaderElection: {renewDeadline: 20s}",
+                "leaderElection.renewDeadline",
+            ),
+            (
+                "leaderElection: {retryPeriod: 10s}",
+                "leaderElection.retryPeriod",
+            ),
+            (
+                "leaderElection: {leaseDuration: 0s}",
+                "leaderElection.leaseDuration",
+            ),
+            (
+                "leaderElection: {resourceName: Bad_Name}",
+                "leaderElection.resourceName",
+            ),
             ("health: {bindAddress: nonsense}", "health.bindAddress"),
-            ("controller: {sharder: {concurrentMoves: 0}}", "controller.sharder.concurrentMoves"),
-            ("controller: {sharder: {syncPeriod: 0s}}", "controller.sharder.syncPeriod"),
-            ("webhook: {server: {bindAddress: \"0\"}}", "webhook.server.bindAddress"),
-            ("webhook: {config: {clientConfig: {}}}", "webhook.config.clientConfig"),
+            (
+                "controller: {sharder: {concurrentMoves: 0}}",
+                "controller.sharder.concurrentMoves",
+            ),
+            (
+                "controller: {sharder: {syncPeriod: 0s}}",
+                "controller.sharder.syncPeriod",
+            ),
+            (
+                "webhook: {server: {bindAddress: \"0\"}}",
+                "webhook.server.bindAddress",
+            ),
+            (
+                "webhook: {config: {clientConfig: {}}}",
+                "webhook.config.clientConfig",
+            ),
             (
                 "webhook: {config: {clientConfig: {url: \"http://x\"}}}",
                 "webhook.config.clientConfig.url",

@@ -78,12 +78,21 @@ mod tests {
     #[test]
     fn crd_shape() {
         let crd = cluster_ring_crd();
-        assert_eq!(crd.metadata.name.as_deref(), Some("clusterrings.sharding.timebertt.dev"));
+        assert_eq!(
+            crd.metadata.name.as_deref(),
+            Some("clusterrings.sharding.timebertt.dev")
+        );
         assert_eq!(crd.spec.scope, "Cluster");
         assert_eq!(crd.spec.names.list_kind.as_deref(), Some("ClusterRingList"));
         let version = &crd.spec.versions[0];
         assert_eq!(version.name, "v1alpha1");
-        assert!(version.subresources.as_ref().and_then(|s| s.status.as_ref()).is_some());
+        assert!(
+            version
+                .subresources
+                .as_ref()
+                .and_then(|s| s.status.as_ref())
+                .is_some()
+        );
         let columns: Vec<_> = version
             .additional_printer_columns
             .iter()
@@ -101,7 +110,10 @@ mod tests {
         );
         let json = serde_json::to_value(&crd).expect("serializes");
         let schema = &json["spec"]["versions"][0]["schema"]["openAPIV3Schema"];
-        assert_eq!(schema["x-kubernetes-validations"][0]["rule"], NAME_LENGTH_RULE);
+        assert_eq!(
+            schema["x-kubernetes-validations"][0]["rule"],
+            NAME_LENGTH_RULE
+        );
         let resources = &schema["properties"]["spec"]["properties"]["resources"];
         assert_eq!(resources["x-kubernetes-list-type"], "map");
         let item = &resources["items"];

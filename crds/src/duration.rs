@@ -91,7 +91,8 @@ impl FromStr for Duration {
                 .ok_or_else(|| err("number too large"))?;
             rest = tail;
         }
-        let secs = u64::try_from(total_nanos / 1_000_000_000).map_err(|_| err("number too large"))?;
+        let secs =
+            u64::try_from(total_nanos / 1_000_000_000).map_err(|_| err("number too large"))?;
         // The remainder is below 10^9 and always fits.
         let subsec = (total_nanos % 1_000_000_000) as u32;
         Ok(Self(StdDuration::new(secs, subsec)))
@@ -161,14 +162,21 @@ mod tests {
     #[test]
     fn rejects_garbage() {
         for bad in ["", "5", "s", "5x", "-1s", "1..5s", "1h-3m", "five seconds"] {
-            assert!(bad.parse::<Duration>().is_err(), "{bad:?} should be rejected");
+            assert!(
+                bad.parse::<Duration>().is_err(),
+                "{bad:?} should be rejected"
+            );
         }
     }
 
     #[test]
     fn display_round_trips() {
         for text in ["15s", "5m0s", "1h30m0s", "1.500s", "300ms", "0s"] {
-            assert_eq!(parse(text), parse(&Duration(parse(text)).to_string()), "{text}");
+            assert_eq!(
+                parse(text),
+                parse(&Duration(parse(text)).to_string()),
+                "{text}"
+            );
         }
         assert_eq!(Duration::from_secs(300).to_string(), "5m0s");
     }

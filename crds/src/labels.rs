@@ -57,7 +57,9 @@ pub fn ring_suffix(ring_name: &str) -> String {
             end -= 1;
         }
         suffix.truncate(end);
-        let trimmed = suffix.trim_end_matches(|c: char| !c.is_ascii_alphanumeric()).len();
+        let trimmed = suffix
+            .trim_end_matches(|c: char| !c.is_ascii_alphanumeric())
+            .len();
         suffix.truncate(trimmed);
     }
     suffix
@@ -126,7 +128,8 @@ pub fn is_dns_subdomain(value: &str) -> bool {
             !b.is_empty()
                 && b[0].is_ascii_alphanumeric()
                 && b[b.len() - 1].is_ascii_alphanumeric()
-                && b.iter().all(|c| c.is_ascii_digit() || c.is_ascii_lowercase() || *c == b'-')
+                && b.iter()
+                    .all(|c| c.is_ascii_digit() || c.is_ascii_lowercase() || *c == b'-')
         })
 }
 
@@ -178,15 +181,28 @@ mod tests {
 
     #[test]
     fn shared_vectors() {
-        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/vectors/labels.json");
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../shared/vectors/labels.json"
+        );
         let Ok(text) = std::fs::read_to_string(path) else {
             panic!("test vectors missing at {path}: the shared/ folder must sit beside the repo");
         };
         let vectors: Vectors = serde_json::from_str(&text).expect("labels.json parses");
         assert!(vectors.cases.len() >= 8, "expected the full vector set");
         for case in vectors.cases {
-            assert_eq!(shard_label(&case.ring), case.shard_label, "ring {}", case.ring);
-            assert_eq!(drain_label(&case.ring), case.drain_label, "ring {}", case.ring);
+            assert_eq!(
+                shard_label(&case.ring),
+                case.shard_label,
+                "ring {}",
+                case.ring
+            );
+            assert_eq!(
+                drain_label(&case.ring),
+                case.drain_label,
+                "ring {}",
+                case.ring
+            );
             assert_eq!(
                 webhook_configuration_name(&case.ring),
                 case.webhook_configuration,

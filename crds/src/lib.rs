@@ -10,4 +10,6 @@ pub mod duration;
 pub mod labels;
 pub mod selector;
 
-pub use cluster_ring::{ClusterRing, ClusterRingSpec, ClusterRingStatus, GroupResource, RingResource};
+pub use cluster_ring::{
+    ClusterRing, ClusterRingSpec, ClusterRingStatus, GroupResource, RingResource,
+};

@@ -112,12 +112,20 @@ mod tests {
             match_expressions: Some(vec![req("x", "Equals", &["a"])]),
             ..Default::default()
         };
-        assert!(validate_label_selector(&bad_op).unwrap_err().contains("operator"));
+        assert!(
+            validate_label_selector(&bad_op)
+                .unwrap_err()
+                .contains("operator")
+        );
         let no_values = LabelSelector {
             match_expressions: Some(vec![req("x", "In", &[])]),
             ..Default::default()
         };
-        assert!(validate_label_selector(&no_values).unwrap_err().contains("non-empty"));
+        assert!(
+            validate_label_selector(&no_values)
+                .unwrap_err()
+                .contains("non-empty")
+        );
         let values_on_exists = LabelSelector {
             match_expressions: Some(vec![req("x", "Exists", &["a"])]),
             ..Default::default()
@@ -127,7 +135,11 @@ mod tests {
             match_labels: Some(labels(&[("-x", "a")])),
             ..Default::default()
         };
-        assert!(validate_label_selector(&bad_key).unwrap_err().contains("key"));
+        assert!(
+            validate_label_selector(&bad_key)
+                .unwrap_err()
+                .contains("key")
+        );
     }
 
     #[test]
@@ -137,8 +149,14 @@ mod tests {
             match_expressions: Some(vec![req("env", "NotIn", &["prod"])]),
         };
         assert!(selector_matches(&sel, &labels(&[("team", "a")])));
-        assert!(selector_matches(&sel, &labels(&[("team", "a"), ("env", "dev")])));
-        assert!(!selector_matches(&sel, &labels(&[("team", "a"), ("env", "prod")])));
+        assert!(selector_matches(
+            &sel,
+            &labels(&[("team", "a"), ("env", "dev")])
+        ));
+        assert!(!selector_matches(
+            &sel,
+            &labels(&[("team", "a"), ("env", "prod")])
+        ));
         assert!(!selector_matches(&sel, &labels(&[("team", "b")])));
         assert!(selector_matches(&LabelSelector::default(), &labels(&[])));
         let exists = LabelSelector {

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# The project's test command: provisions the local control plane (first run: builds and caches
+# kube-apiserver, a few minutes), builds the binaries the end-to-end tests start as processes, and
+# runs every test of the workspace. Extra arguments go to `cargo test`.
+# With KUBECONFIG set, the end-to-end tests use that cluster instead of starting one.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ -z "${KUBECONFIG:-}" ]; then
+  bash e2e/control-plane.sh provision
+fi
+cargo build --workspace --bins
+cargo test --workspace "$@"

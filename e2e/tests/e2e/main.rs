@@ -1,0 +1,5 @@
+//! End-to-end tests against a real kube-apiserver (see the `e2e` crate docs for the harness).
+//!
+//! All tests live in this one binary so the control plane starts once per run.
+
+mod crd;
