@@ -1,0 +1,316 @@
+//! Prometheus metrics of the sharder (SPEC §12).
+//!
+//! Counters are incremented where things happen. State metrics are computed at scrape time from
+//! the caches through a [`StateSource`], so every replica reports them, leader or not.
+
+use std::sync::Arc;
+
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+
+/// Labels of the per-resource counters.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResourceLabels {
+    /// Ring name.
+    pub clusterring: String,
+    /// API group of the resource.
+    pub group: String,
+    /// Plural resource name.
+    pub resource: String,
+}
+
+/// Labels of the per-ring counters.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RingLabels {
+    /// Ring name.
+    pub clusterring: String,
+}
+
+/// Counters the sharder increments.
+#[derive(Clone, Debug, Default)]
+pub struct Metrics {
+    /// Objects assigned by the webhook (dry-run requests excluded).
+    pub assignments: Family<ResourceLabels, Counter>,
+    /// Move patches sent by the sharder controller.
+    pub movements: Family<ResourceLabels, Counter>,
+    /// Drain patches sent by the sharder controller.
+    pub drains: Family<ResourceLabels, Counter>,
+    /// Rebuilds of a ring's hash ring.
+    pub ring_calculations: Family<RingLabels, Counter>,
+}
+
+impl Metrics {
+    /// Registers the counters (prometheus-client appends `_total`).
+    pub fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "controller_sharding_assignments",
+            "Objects assigned to a shard by the sharder webhook",
+            self.assignments.clone(),
+        );
+        registry.register(
+            "controller_sharding_movements",
+            "Move patches sent by the sharder for objects whose shard changed",
+            self.movements.clone(),
+        );
+        registry.register(
+            "controller_sharding_drains",
+            "Drain patches sent by the sharder for objects whose shard changed",
+            self.drains.clone(),
+        );
+        registry.register(
+            "controller_sharding_ring_calculations",
+            "Rebuilds of a ClusterRing's hash ring",
+            self.ring_calculations.clone(),
+        );
+    }
+
+    /// Labels for a resource of a ring.
+    pub fn resource_labels(ring: &str, group: &str, resource: &str) -> ResourceLabels {
+        ResourceLabels {
+            clusterring: ring.into(),
+            group: group.into(),
+            resource: resource.into(),
+        }
+    }
+}
+
+/// What the state metrics report about one ring.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RingSnapshot {
+    /// Ring name.
+    pub name: String,
+    /// Ring UID.
+    pub uid: String,
+    /// `metadata.generation`.
+    pub generation: i64,
+    /// `status.observedGeneration`.
+    pub observed_generation: i64,
+    /// `status.shards`.
+    pub shards: i64,
+    /// `status.availableShards`.
+    pub available_shards: i64,
+}
+
+/// What the state metrics report about one shard Lease.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ShardSnapshot {
+    /// Namespace of the Lease.
+    pub namespace: String,
+    /// Shard name (the Lease name).
+    pub shard: String,
+    /// Ring name.
+    pub clusterring: String,
+    /// UID of the Lease.
+    pub uid: String,
+    /// Current state, one of [`SHARD_STATES`] (`unknown` when it cannot be determined).
+    pub state: &'static str,
+}
+
+/// Every value of the `state` label of `controller_sharding_shard_state`.
+pub const SHARD_STATES: [&str; 6] = [
+    "ready",
+    "expired",
+    "uncertain",
+    "dead",
+    "orphaned",
+    "unknown",
+];
+
+/// Provides the current state at scrape time.
+pub trait StateSource: std::fmt::Debug + Send + Sync + 'static {
+    /// The rings known to this replica.
+    fn rings(&self) -> Vec<RingSnapshot>;
+    /// The shard Leases known to this replica, with their state as of now.
+    fn shards(&self) -> Vec<ShardSnapshot>;
+}
+
+/// Collector computing the state metrics from a [`StateSource`] on every scrape.
+#[derive(Debug)]
+pub struct StateCollector<S>(pub Arc<S>);
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RingUidLabels {
+    clusterring: String,
+    uid: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ShardInfoLabels {
+    namespace: String,
+    shard: String,
+    clusterring: String,
+    uid: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ShardStateLabels {
+    namespace: String,
+    shard: String,
+    clusterring: String,
+    state: String,
+}
+
+fn encode_gauges<L>(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    values: impl IntoIterator<Item = (L, i64)>,
+) -> Result<(), std::fmt::Error>
+where
+    L: EncodeLabelSet + Clone + std::hash::Hash + Eq + std::fmt::Debug + Send + Sync + 'static,
+{
+    let family = Family::<L, Gauge>::default();
+    for (labels, value) in values {
+        family.get_or_create(&labels).set(value);
+    }
+    family.encode(encoder.encode_descriptor(name, help, None, MetricType::Gauge)?)
+}
+
+impl<S: StateSource> prometheus_client::collector::Collector for StateCollector<S> {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let rings = self.0.rings();
+        let ring_gauge = |f: fn(&RingSnapshot) -> i64| {
+            rings
+                .iter()
+                .map(move |r| {
+                    let labels = RingUidLabels {
+                        clusterring: r.name.clone(),
+                        uid: r.uid.clone(),
+                    };
+                    (labels, f(r))
+                })
+                .collect::<Vec<_>>()
+        };
+        encode_gauges(
+            &mut encoder,
+            "controller_sharding_clusterring_metadata_generation",
+            "metadata.generation of the ClusterRing",
+            ring_gauge(|r| r.generation),
+        )?;
+        encode_gauges(
+            &mut encoder,
+            "controller_sharding_clusterring_observed_generation",
+            "status.observedGeneration of the ClusterRing",
+            ring_gauge(|r| r.observed_generation),
+        )?;
+        encode_gauges(
+            &mut encoder,
+            "controller_sharding_clusterring_status_shards",
+            "status.shards of the ClusterRing: all shard Leases of the ring",
+            ring_gauge(|r| r.shards),
+        )?;
+        encode_gauges(
+            &mut encoder,
+            "controller_sharding_clusterring_status_available_shards",
+            "status.availableShards of the ClusterRing",
+            ring_gauge(|r| r.available_shards),
+        )?;
+
+        let shards = self.0.shards();
+        encode_gauges(
+            &mut encoder,
+            "controller_sharding_shard_info",
+            "Information about a shard of a ClusterRing",
+            shards.iter().map(|s| {
+                let labels = ShardInfoLabels {
+                    namespace: s.namespace.clone(),
+                    shard: s.shard.clone(),
+                    clusterring: s.clusterring.clone(),
+                    uid: s.uid.clone(),
+                };
+                (labels, 1)
+            }),
+        )?;
+        encode_gauges(
+            &mut encoder,
+            "controller_sharding_shard_state",
+            "State of a shard as a state set: 1 for its current state, 0 for the others",
+            shards.iter().flat_map(|s| {
+                SHARD_STATES.iter().map(move |state| {
+                    let labels = ShardStateLabels {
+                        namespace: s.namespace.clone(),
+                        shard: s.shard.clone(),
+                        clusterring: s.clusterring.clone(),
+                        state: (*state).to_string(),
+                    };
+                    (labels, i64::from(*state == s.state))
+                })
+            }),
+        )
+    }
+}
+
+/// Renders the registry in the Prometheus text format.
+pub fn render(registry: &Registry) -> Result<String, std::fmt::Error> {
+    let mut out = String::new();
+    prometheus_client::encoding::text::encode(&mut out, registry)?;
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug)]
+    struct Fixed;
+
+    impl StateSource for Fixed {
+        fn rings(&self) -> Vec<RingSnapshot> {
+            vec![RingSnapshot {
+                name: "example".into(),
+                uid: "u1".into(),
+                generation: 3,
+                observed_generation: 2,
+                shards: 3,
+                available_shards: 2,
+            }]
+        }
+
+        fn shards(&self) -> Vec<ShardSnapshot> {
+            vec![ShardSnapshot {
+                namespace: "default".into(),
+                shard: "shard-a".into(),
+                clusterring: "example".into(),
+                uid: "l1".into(),
+                state: "expired",
+            }]
+        }
+    }
+
+    #[test]
+    fn renders_counters_and_state() {
+        let metrics = Metrics::default();
+        let mut registry = Registry::default();
+        metrics.register(&mut registry);
+        registry.register_collector(Box::new(StateCollector(Arc::new(Fixed))));
+        metrics
+            .assignments
+            .get_or_create(&Metrics::resource_labels("example", "", "secrets"))
+            .inc();
+        metrics
+            .ring_calculations
+            .get_or_create(&RingLabels {
+                clusterring: "example".into(),
+            })
+            .inc_by(2);
+        let text = render(&registry).expect("renders");
+        for line in [
+            r#"controller_sharding_assignments_total{clusterring="example",group="",resource="secrets"} 1"#,
+            r#"controller_sharding_ring_calculations_total{clusterring="example"} 2"#,
+            r#"controller_sharding_clusterring_metadata_generation{clusterring="example",uid="u1"} 3"#,
+            r#"controller_sharding_clusterring_observed_generation{clusterring="example",uid="u1"} 2"#,
+            r#"controller_sharding_clusterring_status_shards{clusterring="example",uid="u1"} 3"#,
+            r#"controller_sharding_clusterring_status_available_shards{clusterring="example",uid="u1"} 2"#,
+            r#"controller_sharding_shard_info{namespace="default",shard="shard-a",clusterring="example",uid="l1"} 1"#,
+            r#"controller_sharding_shard_state{namespace="default",shard="shard-a",clusterring="example",state="expired"} 1"#,
+            r#"controller_sharding_shard_state{namespace="default",shard="shard-a",clusterring="example",state="ready"} 0"#,
+            r#"controller_sharding_shard_state{namespace="default",shard="shard-a",clusterring="example",state="unknown"} 0"#,
+        ] {
+            assert!(text.lines().any(|l| l == line), "missing {line}\n{text}");
+        }
+    }
+}

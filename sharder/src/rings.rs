@@ -1,0 +1,281 @@
+//! What the sharder knows about each ring: its resources resolved to kinds and scopes, and the hash
+//! ring of its available shards.
+//!
+//! Views are rebuilt from the watch caches when a ring's spec or its set of available shards
+//! changes, never per request: the webhook and the sync read an `Arc<RingView>` without locking
+//! anything for longer than a map lookup.
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::{Arc, RwLock};
+
+use k8s_openapi::api::coordination::v1::Lease;
+use kube::ResourceExt;
+use sharding_crds::labels::{self, LABEL_CLUSTER_RING};
+use sharding_crds::{ClusterRing, GroupResource};
+
+use crate::key::ControllerKind;
+use crate::ring::Ring;
+use crate::shard_state::ShardLease;
+
+/// Kind and scope of a resource, from API discovery.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct ResourceInfo {
+    /// Kind, e.g. `Secret`.
+    pub kind: String,
+    /// Preferred version, e.g. `v1`.
+    pub version: String,
+    /// Whether objects of the resource live in namespaces.
+    pub namespaced: bool,
+}
+
+/// The role a resource plays in a ring.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Role {
+    /// A main resource: objects are hashed by their own identity.
+    Main {
+        /// Kind and scope of the resource.
+        info: ResourceInfo,
+    },
+    /// A controlled resource: objects follow their controller, which must be of one of these kinds.
+    Controlled {
+        /// Kind and scope of the resource itself (for listing).
+        info: ResourceInfo,
+        /// Kinds allowed to control it.
+        controllers: Vec<ControllerKind>,
+    },
+}
+
+impl Role {
+    /// Kind and scope of the resource itself.
+    pub fn info(&self) -> &ResourceInfo {
+        match self {
+            Self::Main { info } | Self::Controlled { info, .. } => info,
+        }
+    }
+}
+
+/// A consistent snapshot of one ring, as the webhook and the sync use it.
+#[derive(Debug)]
+pub struct RingView {
+    /// Ring name.
+    pub name: String,
+    /// The ring's shard label key.
+    pub shard_label: String,
+    /// The ring's drain label key.
+    pub drain_label: String,
+    /// Hash ring over the available shards.
+    pub ring: Ring,
+    /// Every resolved resource of the ring with its role. A resource that is main in one entry
+    /// and controlled in another counts as main.
+    pub resources: HashMap<GroupResource, Role>,
+    /// Resources of the spec that discovery could not resolve (yet).
+    pub unresolved: Vec<GroupResource>,
+    /// `metadata.generation` of the ring this view was built from.
+    pub generation: Option<i64>,
+}
+
+/// Names of the available shards of `ring_name` among `leases`: Leases carrying the ring label
+/// whose holder is the shard itself (SPEC §4: ready, expired and uncertain are available).
+pub fn available_shards<'a>(
+    ring_name: &str,
+    leases: impl IntoIterator<Item = &'a Lease>,
+) -> BTreeSet<String> {
+    leases
+        .into_iter()
+        .filter(|l| l.labels().get(LABEL_CLUSTER_RING).map(String::as_str) == Some(ring_name))
+        .filter(|l| ShardLease::from_lease(l).is_held_by_shard())
+        .map(|l| l.name_any())
+        .collect()
+}
+
+/// Builds a view from a ring, its available shards and discovery results.
+pub fn build_view(
+    ring: &ClusterRing,
+    shards: &BTreeSet<String>,
+    discovered: &HashMap<GroupResource, ResourceInfo>,
+) -> RingView {
+    let name = ring.name_any();
+    let mut resources = HashMap::new();
+    let mut unresolved = Vec::new();
+    let mut controlled: HashMap<GroupResource, Vec<ControllerKind>> = HashMap::new();
+    for entry in &ring.spec.resources {
+        let main = entry.group_resource();
+        let Some(info) = discovered.get(&main) else {
+            unresolved.push(main);
+            continue;
+        };
+        resources.insert(main.clone(), Role::Main { info: info.clone() });
+        for c in &entry.controlled_resources {
+            controlled
+                .entry(c.clone())
+                .or_default()
+                .push(ControllerKind::new(
+                    &entry.group,
+                    &info.kind,
+                    info.namespaced,
+                ));
+        }
+    }
+    for (gr, controllers) in controlled {
+        if resources.contains_key(&gr) {
+            continue;
+        }
+        match discovered.get(&gr) {
+            Some(info) => {
+                resources.insert(
+                    gr,
+                    Role::Controlled {
+                        info: info.clone(),
+                        controllers,
+                    },
+                );
+            }
+            None => unresolved.push(gr),
+        }
+    }
+    RingView {
+        shard_label: labels::shard_label(&name),
+        drain_label: labels::drain_label(&name),
+        name,
+        ring: Ring::new(shards),
+        resources,
+        unresolved,
+        generation: ring.metadata.generation,
+    }
+}
+
+/// The current view of every ring, shared between the webhook, the controllers and metrics.
+#[derive(Debug, Default)]
+pub struct RingRegistry {
+    views: RwLock<HashMap<String, Arc<RingView>>>,
+}
+
+impl RingRegistry {
+    /// The current view of `ring`, if the ring is known.
+    pub fn get(&self, ring: &str) -> Option<Arc<RingView>> {
+        self.views.read().ok()?.get(ring).cloned()
+    }
+
+    /// Every current view.
+    pub fn all(&self) -> Vec<Arc<RingView>> {
+        self.views
+            .read()
+            .map(|v| v.values().cloned().collect())
+            .unwrap_or_default()
+    }
+
+    /// Replaces the view of a ring.
+    pub fn insert(&self, view: RingView) {
+        if let Ok(mut views) = self.views.write() {
+            views.insert(view.name.clone(), Arc::new(view));
+        }
+    }
+
+    /// Forgets every ring not in `keep`.
+    pub fn retain(&self, keep: &BTreeSet<String>) {
+        if let Ok(mut views) = self.views.write() {
+            views.retain(|name, _| keep.contains(name));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::coordination::v1::LeaseSpec;
+    use kube::api::ObjectMeta;
+    use sharding_crds::{ClusterRingSpec, RingResource};
+
+    fn lease(name: &str, ring: &str, holder: Option<&str>) -> Lease {
+        Lease {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                labels: Some([(LABEL_CLUSTER_RING.to_string(), ring.to_string())].into()),
+                ..Default::default()
+            },
+            spec: Some(LeaseSpec {
+                holder_identity: holder.map(Into::into),
+                ..Default::default()
+            }),
+        }
+    }
+
+    fn info(kind: &str, namespaced: bool) -> ResourceInfo {
+        ResourceInfo {
+            kind: kind.into(),
+            version: "v1".into(),
+            namespaced,
+        }
+    }
+
+    #[test]
+    fn available_shards_are_self_held_leases_of_the_ring() {
+        let leases = [
+            lease("a", "r", Some("a")),
+            lease("b", "r", Some("shardlease-controller")),
+            lease("c", "r", None),
+            lease("d", "other", Some("d")),
+            lease("e", "r", Some("e")),
+        ];
+        let shards = available_shards("r", &leases);
+        assert_eq!(shards.into_iter().collect::<Vec<_>>(), ["a", "e"]);
+    }
+
+    #[test]
+    fn view_resolves_roles() {
+        let ring = ClusterRing::new(
+            "r",
+            ClusterRingSpec {
+                resources: vec![
+                    RingResource {
+                        group: String::new(),
+                        resource: "secrets".into(),
+                        controlled_resources: vec![
+                            GroupResource::new("", "configmaps"),
+                            GroupResource::new("example.com", "unknowns"),
+                        ],
+                    },
+                    RingResource {
+                        group: String::new(),
+                        resource: "namespaces".into(),
+                        controlled_resources: vec![GroupResource::new("", "configmaps")],
+                    },
+                ],
+                namespace_selector: None,
+            },
+        );
+        let discovered = HashMap::from([
+            (GroupResource::new("", "secrets"), info("Secret", true)),
+            (
+                GroupResource::new("", "configmaps"),
+                info("ConfigMap", true),
+            ),
+            (
+                GroupResource::new("", "namespaces"),
+                info("Namespace", false),
+            ),
+        ]);
+        let shards = BTreeSet::from(["s1".to_string()]);
+        let view = build_view(&ring, &shards, &discovered);
+        assert_eq!(view.shard_label, labels::shard_label("r"));
+        assert_eq!(view.ring.shards(), ["s1"]);
+        assert_eq!(
+            view.unresolved,
+            [GroupResource::new("example.com", "unknowns")]
+        );
+        match &view.resources[&GroupResource::new("", "configmaps")] {
+            Role::Controlled { controllers, .. } => assert_eq!(
+                controllers,
+                &[
+                    ControllerKind::new("", "Secret", true),
+                    ControllerKind::new("", "Namespace", false)
+                ]
+            ),
+            other => panic!("unexpected role {other:?}"),
+        }
+        assert!(matches!(
+            view.resources[&GroupResource::new("", "secrets")],
+            Role::Main { .. }
+        ));
+    }
+}

@@ -1,0 +1,153 @@
+//! The webhook's serving certificate, reloaded from disk when the files change.
+//!
+//! cert-manager and kubelet rotate mounted certificates in place; polling the files' modification
+//! times picks rotations up within seconds without restarting the process.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, SystemTime};
+
+use rustls::crypto::CryptoProvider;
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use rustls::server::{ClientHello, ResolvesServerCert};
+use rustls::sign::CertifiedKey;
+use tokio_util::sync::CancellationToken;
+
+/// How often the certificate files are checked for changes.
+pub const RELOAD_INTERVAL: Duration = Duration::from_secs(2);
+
+/// A certificate or key file that could not be used.
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    /// A file could not be read or parsed.
+    #[error("failed to load {path}: {message}")]
+    Load {
+        /// The file.
+        path: PathBuf,
+        /// What went wrong.
+        message: String,
+    },
+    /// The key does not fit any supported signature scheme, or does not match the certificate.
+    #[error("failed to use the private key {path}: {source}")]
+    Key {
+        /// The key file.
+        path: PathBuf,
+        /// The underlying error.
+        #[source]
+        source: rustls::Error,
+    },
+}
+
+/// Serves the most recently loaded certificate to every TLS handshake.
+#[derive(Debug)]
+pub struct CertReloader {
+    cert_path: PathBuf,
+    key_path: PathBuf,
+    current: RwLock<Option<Arc<CertifiedKey>>>,
+    stamp: RwLock<Option<(SystemTime, SystemTime)>>,
+}
+
+impl CertReloader {
+    /// A reloader for the certificate chain and key at the given paths; nothing is loaded yet.
+    pub fn new(cert_path: impl Into<PathBuf>, key_path: impl Into<PathBuf>) -> Self {
+        Self {
+            cert_path: cert_path.into(),
+            key_path: key_path.into(),
+            current: RwLock::new(None),
+            stamp: RwLock::new(None),
+        }
+    }
+
+    /// Whether a certificate is loaded and can be served.
+    pub fn is_loaded(&self) -> bool {
+        self.current.read().is_ok_and(|c| c.is_some())
+    }
+
+    /// Loads the files if they changed since the last successful load. On failure, the previous
+    /// certificate (if any) stays in use.
+    pub fn reload_if_changed(&self) -> Result<bool, TlsError> {
+        let stamp = (mtime(&self.cert_path)?, mtime(&self.key_path)?);
+        if self.stamp.read().is_ok_and(|s| *s == Some(stamp)) && self.is_loaded() {
+            return Ok(false);
+        }
+        let key = load_certified_key(&self.cert_path, &self.key_path)?;
+        if let Ok(mut current) = self.current.write() {
+            *current = Some(Arc::new(key));
+        }
+        if let Ok(mut s) = self.stamp.write() {
+            *s = Some(stamp);
+        }
+        Ok(true)
+    }
+
+    /// Reloads changed files every [`RELOAD_INTERVAL`] until `shutdown` fires.
+    pub async fn watch(self: Arc<Self>, shutdown: CancellationToken) {
+        loop {
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                () = tokio::time::sleep(RELOAD_INTERVAL) => {}
+            }
+            match self.reload_if_changed() {
+                Ok(true) => {
+                    tracing::info!(path = %self.cert_path.display(), "reloaded webhook serving certificate")
+                }
+                Ok(false) => {}
+                Err(error) => {
+                    tracing::warn!(%error, "failed to reload webhook serving certificate, keeping the previous one")
+                }
+            }
+        }
+    }
+
+    /// A rustls server configuration that serves this reloader's certificate over HTTP/1.1 and 2.
+    pub fn server_config(self: &Arc<Self>) -> Result<rustls::ServerConfig, rustls::Error> {
+        let provider = CryptoProvider::get_default()
+            .cloned()
+            .unwrap_or_else(|| Arc::new(rustls::crypto::ring::default_provider()));
+        let mut config = rustls::ServerConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()?
+            .with_no_client_auth()
+            .with_cert_resolver(self.clone());
+        config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+        Ok(config)
+    }
+}
+
+impl ResolvesServerCert for CertReloader {
+    fn resolve(&self, _client_hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
+        self.current.read().ok()?.clone()
+    }
+}
+
+fn mtime(path: &Path) -> Result<SystemTime, TlsError> {
+    std::fs::metadata(path)
+        .and_then(|m| m.modified())
+        .map_err(|e| TlsError::Load {
+            path: path.to_owned(),
+            message: e.to_string(),
+        })
+}
+
+fn load_certified_key(cert_path: &Path, key_path: &Path) -> Result<CertifiedKey, TlsError> {
+    let load_err = |path: &Path, message: String| TlsError::Load {
+        path: path.to_owned(),
+        message,
+    };
+    let certs = CertificateDer::pem_file_iter(cert_path)
+        .map_err(|e| load_err(cert_path, e.to_string()))?
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| load_err(cert_path, e.to_string()))?;
+    if certs.is_empty() {
+        return Err(load_err(cert_path, "no certificate found".into()));
+    }
+    let key =
+        PrivateKeyDer::from_pem_file(key_path).map_err(|e| load_err(key_path, e.to_string()))?;
+    let provider = CryptoProvider::get_default()
+        .cloned()
+        .unwrap_or_else(|| Arc::new(rustls::crypto::ring::default_provider()));
+    CertifiedKey::from_der(certs, key, &provider).map_err(|source| TlsError::Key {
+        path: key_path.to_owned(),
+        source,
+    })
+}

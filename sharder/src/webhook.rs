@@ -1,0 +1,271 @@
+//! The sharder's admission webhook (SPEC §7): assigns unassigned objects of a ring's resources to
+//! a shard in the admission response itself.
+//!
+//! Only the few fields the decision needs are decoded from the `AdmissionReview`, so large objects
+//! cost little. The sharder's own lag never blocks users: anything it cannot decide is allowed
+//! unchanged (the sync repairs it later); the only denial is `generateName` on a main resource.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, Path, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use k8s_openapi::ByteString;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
+use serde::Deserialize;
+use serde_json::{Value, json};
+use sharding_crds::GroupResource;
+
+use crate::key::{self, KeyOutcome, ObjectInfo, ResourceRole};
+use crate::metrics::Metrics;
+use crate::rings::{RingRegistry, Role};
+
+/// Largest request body accepted; the API server caps objects at 3 MiB, so a larger review is not
+/// from it.
+pub const MAX_BODY_BYTES: usize = 3 * 1024 * 1024;
+
+/// Route of the per-ring webhook.
+pub const ROUTE: &str = "/webhooks/sharder/clusterring/{ring}";
+
+/// What the webhook handler needs.
+#[derive(Clone, Debug)]
+pub struct WebhookState {
+    /// Current views of the rings.
+    pub rings: Arc<RingRegistry>,
+    /// Counters to increment on assignments.
+    pub metrics: Metrics,
+}
+
+/// The webhook router: the ring route, 404 elsewhere, bodies capped at [`MAX_BODY_BYTES`].
+pub fn router(state: WebhookState) -> Router {
+    Router::new()
+        .route(ROUTE, post(handle))
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .fallback(|| async {
+            (
+                StatusCode::NOT_FOUND,
+                "not found: the webhook path is /webhooks/sharder/clusterring/<ring>\n",
+            )
+        })
+        .with_state(state)
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Review {
+    api_version: String,
+    kind: String,
+    request: Option<Request>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Request {
+    uid: String,
+    kind: GroupVersionKind,
+    resource: GroupVersionResource,
+    #[serde(default)]
+    sub_resource: Option<String>,
+    #[serde(default)]
+    namespace: Option<String>,
+    #[serde(default)]
+    object: Option<PartialObject>,
+    #[serde(default)]
+    dry_run: Option<bool>,
+}
+
+#[derive(Deserialize)]
+struct GroupVersionKind {
+    #[serde(default)]
+    group: String,
+    kind: String,
+}
+
+#[derive(Deserialize)]
+struct GroupVersionResource {
+    #[serde(default)]
+    group: String,
+    resource: String,
+}
+
+#[derive(Deserialize)]
+struct PartialObject {
+    #[serde(default)]
+    metadata: PartialMeta,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(rename_all = "camelCase")]
+struct PartialMeta {
+    #[serde(default)]
+    name: Option<String>,
+    #[serde(default)]
+    namespace: Option<String>,
+    #[serde(default)]
+    labels: Option<BTreeMap<String, String>>,
+    #[serde(default)]
+    owner_references: Option<Vec<OwnerReference>>,
+}
+
+/// A request the webhook cannot read; answered with HTTP 400.
+struct BadRequest(String);
+
+impl IntoResponse for BadRequest {
+    fn into_response(self) -> Response {
+        (StatusCode::BAD_REQUEST, format!("{}\n", self.0)).into_response()
+    }
+}
+
+/// The answer to one admission request.
+#[derive(Debug, PartialEq)]
+pub enum Decision {
+    /// Allowed without changes, with the reason for logs.
+    Allow(&'static str),
+    /// Allowed with the shard label added.
+    Assign {
+        /// Label key to add.
+        label: String,
+        /// Shard name.
+        shard: String,
+        /// Whether the object has no labels map yet.
+        create_labels: bool,
+    },
+    /// Denied with HTTP code 400 and this message.
+    Deny(String),
+}
+
+async fn handle(
+    State(state): State<WebhookState>,
+    Path(ring): Path<String>,
+    body: Bytes,
+) -> Result<Response, BadRequest> {
+    let review: Review = serde_json::from_slice(&body)
+        .map_err(|e| BadRequest(format!("failed to decode AdmissionReview: {e}")))?;
+    if review.api_version != "admission.k8s.io/v1" || review.kind != "AdmissionReview" {
+        return Err(BadRequest(format!(
+            "expected an admission.k8s.io/v1 AdmissionReview, got {}/{}",
+            review.api_version, review.kind
+        )));
+    }
+    let request = review
+        .request
+        .ok_or_else(|| BadRequest("AdmissionReview has no request".into()))?;
+    let decision = decide(&state, &ring, &request);
+    let mut response = json!({"uid": request.uid, "allowed": true});
+    match &decision {
+        Decision::Allow(reason) => {
+            tracing::debug!(ring = %ring, uid = %request.uid, reason, "allowing object unchanged");
+        }
+        Decision::Assign {
+            label,
+            shard,
+            create_labels,
+        } => {
+            let pointer = format!("/metadata/labels/{}", escape_pointer(label));
+            let mut patch = Vec::with_capacity(2);
+            if *create_labels {
+                patch.push(json!({"op": "add", "path": "/metadata/labels", "value": {}}));
+            }
+            patch.push(json!({"op": "add", "path": pointer, "value": shard}));
+            let bytes = serde_json::to_vec(&patch).unwrap_or_default();
+            response["patchType"] = Value::from("JSONPatch");
+            response["patch"] = serde_json::to_value(ByteString(bytes)).unwrap_or_default();
+            if request.dry_run != Some(true) {
+                state
+                    .metrics
+                    .assignments
+                    .get_or_create(&Metrics::resource_labels(
+                        &ring,
+                        &request.resource.group,
+                        &request.resource.resource,
+                    ))
+                    .inc();
+            }
+        }
+        Decision::Deny(message) => {
+            response["allowed"] = Value::from(false);
+            response["status"] = json!({"code": 400, "message": message, "status": "Failure"});
+        }
+    }
+    let body = json!({
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "response": response,
+    });
+    Ok(axum::Json(body).into_response())
+}
+
+fn decide(state: &WebhookState, ring_name: &str, request: &Request) -> Decision {
+    if request
+        .sub_resource
+        .as_deref()
+        .is_some_and(|s| !s.is_empty())
+    {
+        return Decision::Allow("subresource requests are not assigned");
+    }
+    let Some(object) = request.object.as_ref() else {
+        return Decision::Allow("request carries no object");
+    };
+    let meta = &object.metadata;
+    let Some(view) = state.rings.get(ring_name) else {
+        tracing::warn!(ring = %ring_name, "webhook called for a ring the sharder does not know (yet); allowing unchanged");
+        return Decision::Allow("unknown ring");
+    };
+    if meta
+        .labels
+        .as_ref()
+        .and_then(|l| l.get(&view.shard_label))
+        .is_some_and(|v| !v.is_empty())
+    {
+        return Decision::Allow("object is already assigned");
+    }
+    let resource = GroupResource::new(&request.resource.group, &request.resource.resource);
+    let Some(role) = view.resources.get(&resource) else {
+        tracing::warn!(ring = %ring_name, resource = %resource, "webhook called for a resource that is not part of the ring; allowing unchanged");
+        return Decision::Allow("resource is not part of the ring");
+    };
+    let info = ObjectInfo {
+        namespace: meta.namespace.as_deref().or(request.namespace.as_deref()),
+        name: meta.name.as_deref(),
+        owner_references: meta.owner_references.as_deref().unwrap_or_default(),
+    };
+    let outcome = match role {
+        Role::Main { .. } => key::hash_key(
+            &info,
+            &ResourceRole::Main {
+                group: &request.kind.group,
+                kind: &request.kind.kind,
+            },
+        ),
+        Role::Controlled { controllers, .. } => {
+            key::hash_key(&info, &ResourceRole::Controlled { controllers })
+        }
+    };
+    let key = match outcome {
+        Ok(KeyOutcome::Key(key)) => key,
+        Ok(KeyOutcome::Unassigned(_)) => {
+            return Decision::Allow("object has no eligible controller");
+        }
+        Err(error) => return Decision::Deny(error.to_string()),
+    };
+    match view.ring.shard_for(&key) {
+        None => Decision::Allow("there is no available shard"),
+        Some(shard) => Decision::Assign {
+            label: view.shard_label.clone(),
+            shard: shard.to_string(),
+            create_labels: meta.labels.is_none(),
+        },
+    }
+}
+
+/// Escapes a JSON pointer segment (RFC 6901): `~` → `~0`, `/` → `~1`.
+fn escape_pointer(segment: &str) -> String {
+    segment.replace('~', "~0").replace('/', "~1")
+}
+
+#[cfg(test)]
+mod tests;

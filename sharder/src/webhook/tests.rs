@@ -1,0 +1,312 @@
+use std::collections::{BTreeSet, HashMap};
+
+use axum::body::Body;
+use axum::http::{Request as HttpRequest, StatusCode};
+use http_body_util::BodyExt;
+use kube::api::ObjectMeta;
+use serde_json::{Value, json};
+use sharding_crds::{ClusterRing, ClusterRingSpec, GroupResource, RingResource};
+use tower::ServiceExt;
+
+use super::*;
+use crate::metrics::Metrics;
+use crate::ring::Ring;
+use crate::rings::{ResourceInfo, build_view};
+
+const SHARD_LABEL: &str = "shard.alpha.sharding.timebertt.dev/clusterring-50d858e0-example";
+
+fn state(shards: &[&str]) -> WebhookState {
+    let ring = ClusterRing {
+        metadata: ObjectMeta {
+            name: Some("example".into()),
+            ..Default::default()
+        },
+        spec: ClusterRingSpec {
+            resources: vec![RingResource {
+                group: String::new(),
+                resource: "secrets".into(),
+                controlled_resources: vec![GroupResource::new("", "configmaps")],
+            }],
+            namespace_selector: None,
+        },
+        status: None,
+    };
+    let info = |kind: &str| ResourceInfo {
+        kind: kind.into(),
+        version: "v1".into(),
+        namespaced: true,
+    };
+    let discovered = HashMap::from([
+        (GroupResource::new("", "secrets"), info("Secret")),
+        (GroupResource::new("", "configmaps"), info("ConfigMap")),
+    ]);
+    let shards: BTreeSet<String> = shards.iter().map(|s| s.to_string()).collect();
+    let rings = Arc::new(RingRegistry::default());
+    rings.insert(build_view(&ring, &shards, &discovered));
+    WebhookState {
+        rings,
+        metrics: Metrics::default(),
+    }
+}
+
+fn review(resource: &str, kind: &str, object: Value) -> Value {
+    json!({
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": "705ab4f5-6393-11e8-b7cc-42010a800002",
+            "kind": {"group": "", "version": "v1", "kind": kind},
+            "resource": {"group": "", "version": "v1", "resource": resource},
+            "namespace": "default",
+            "operation": "CREATE",
+            "userInfo": {"username": "admin"},
+            "object": object,
+            "oldObject": null,
+            "dryRun": false,
+        }
+    })
+}
+
+async fn call(state: WebhookState, path: &str, body: impl Into<Body>) -> (StatusCode, Vec<u8>) {
+    let response = router(state)
+        .oneshot(
+            HttpRequest::post(path)
+                .header("content-type", "application/json")
+                .body(body.into())
+                .expect("request"),
+        )
+        .await
+        .expect("infallible");
+    let status = response.status();
+    let bytes = response
+        .into_body()
+        .collect()
+        .await
+        .expect("body")
+        .to_bytes();
+    (status, bytes.to_vec())
+}
+
+const PATH: &str = "/webhooks/sharder/clusterring/example";
+
+async fn admit(state: WebhookState, review: Value) -> Value {
+    let (status, body) = call(state, PATH, review.to_string()).await;
+    assert_eq!(status, StatusCode::OK, "{}", String::from_utf8_lossy(&body));
+    let body: Value = serde_json::from_slice(&body).expect("json response");
+    assert_eq!(body["apiVersion"], "admission.k8s.io/v1");
+    assert_eq!(body["kind"], "AdmissionReview");
+    assert_eq!(
+        body["response"]["uid"],
+        "705ab4f5-6393-11e8-b7cc-42010a800002"
+    );
+    body["response"].clone()
+}
+
+fn patch_of(response: &Value) -> Value {
+    assert_eq!(response["patchType"], "JSONPatch");
+    let bytes: ByteString =
+        serde_json::from_value(response["patch"].clone()).expect("base64 patch");
+    serde_json::from_slice(&bytes.0).expect("patch json")
+}
+
+#[tokio::test]
+async fn assigns_main_object_to_predicted_shard() {
+    let state = state(&["shard-a", "shard-b", "shard-c"]);
+    let metrics = state.metrics.clone();
+    let object =
+        json!({"metadata": {"name": "foo", "namespace": "default", "labels": {"app": "x"}}});
+    let response = admit(state, review("secrets", "Secret", object)).await;
+    assert_eq!(response["allowed"], true);
+    // SPEC §5 vector: /Secret/default/foo -> shard-a.
+    assert_eq!(
+        patch_of(&response),
+        json!([{"op": "add", "path": format!("/metadata/labels/{}", SHARD_LABEL.replace('/', "~1")), "value": "shard-a"}])
+    );
+    let count = metrics
+        .assignments
+        .get_or_create(&Metrics::resource_labels("example", "", "secrets"))
+        .get();
+    assert_eq!(count, 1);
+}
+
+#[tokio::test]
+async fn creates_labels_map_when_missing() {
+    let object = json!({"metadata": {"name": "foo", "namespace": "default"}});
+    let response = admit(
+        state(&["shard-a", "shard-b", "shard-c"]),
+        review("secrets", "Secret", object),
+    )
+    .await;
+    let patch = patch_of(&response);
+    assert_eq!(
+        patch[0],
+        json!({"op": "add", "path": "/metadata/labels", "value": {}})
+    );
+    assert_eq!(patch[1]["value"], "shard-a");
+}
+
+#[tokio::test]
+async fn controlled_object_follows_its_controller() {
+    let state = state(&["shard-a", "shard-b", "shard-c"]);
+    let expected = Ring::new(["shard-a", "shard-b", "shard-c"])
+        .shard_for("/Secret/default/foo")
+        .map(str::to_string);
+    let object = json!({"metadata": {
+        "generateName": "checksums-",
+        "namespace": "default",
+        "ownerReferences": [
+            {"apiVersion": "v1", "kind": "Secret", "name": "other", "uid": "u0"},
+            {"apiVersion": "v1", "kind": "Secret", "name": "foo", "uid": "u1", "controller": true},
+        ],
+    }});
+    let response = admit(state, review("configmaps", "ConfigMap", object)).await;
+    let patch = patch_of(&response);
+    assert_eq!(patch[1]["value"].as_str().map(str::to_string), expected);
+}
+
+#[tokio::test]
+async fn controlled_object_without_controller_stays_unassigned() {
+    let object = json!({"metadata": {"name": "cm", "namespace": "default",
+        "ownerReferences": [{"apiVersion": "v1", "kind": "Secret", "name": "foo", "uid": "u1"}]}});
+    let response = admit(
+        state(&["shard-a"]),
+        review("configmaps", "ConfigMap", object),
+    )
+    .await;
+    assert_eq!(response["allowed"], true);
+    assert!(response.get("patch").is_none(), "{response}");
+    let object = json!({"metadata": {"name": "cm", "namespace": "default",
+        "ownerReferences": [{"apiVersion": "apps/v1", "kind": "Deployment", "name": "d", "uid": "u1", "controller": true}]}});
+    let response = admit(
+        state(&["shard-a"]),
+        review("configmaps", "ConfigMap", object),
+    )
+    .await;
+    assert!(response.get("patch").is_none(), "{response}");
+}
+
+#[tokio::test]
+async fn generate_name_on_main_resource_is_denied() {
+    let object = json!({"metadata": {"generateName": "foo-", "namespace": "default"}});
+    let response = admit(state(&["shard-a"]), review("secrets", "Secret", object)).await;
+    assert_eq!(response["allowed"], false);
+    assert_eq!(response["status"]["code"], 400);
+    assert_eq!(
+        response["status"]["message"],
+        "generateName is not supported on ring resources that are not controlled by another resource"
+    );
+}
+
+#[tokio::test]
+async fn allows_unchanged_when_nothing_to_do() {
+    // Already assigned.
+    let object = json!({"metadata": {"name": "foo", "namespace": "default", "labels": {SHARD_LABEL: "shard-b"}}});
+    let response = admit(state(&["shard-a"]), review("secrets", "Secret", object)).await;
+    assert_eq!(response["allowed"], true);
+    assert!(response.get("patch").is_none());
+    // No available shard.
+    let object = json!({"metadata": {"name": "foo", "namespace": "default"}});
+    let response = admit(state(&[]), review("secrets", "Secret", object.clone())).await;
+    assert_eq!(response["allowed"], true);
+    assert!(response.get("patch").is_none());
+    // Resource not part of the ring.
+    let response = admit(state(&["shard-a"]), review("pods", "Pod", object.clone())).await;
+    assert_eq!(response["allowed"], true);
+    assert!(response.get("patch").is_none());
+    // Unknown ring.
+    let body = review("secrets", "Secret", object).to_string();
+    let (status, body) = call(
+        state(&["shard-a"]),
+        "/webhooks/sharder/clusterring/nope",
+        body,
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    let body: Value = serde_json::from_slice(&body).expect("json");
+    assert_eq!(body["response"]["allowed"], true);
+    assert!(body["response"].get("patch").is_none());
+}
+
+#[tokio::test]
+async fn dry_run_gets_the_same_answer_without_metrics() {
+    let state = state(&["shard-a", "shard-b", "shard-c"]);
+    let metrics = state.metrics.clone();
+    let mut review = review(
+        "secrets",
+        "Secret",
+        json!({"metadata": {"name": "foo", "namespace": "default"}}),
+    );
+    review["request"]["dryRun"] = json!(true);
+    let response = admit(state, review).await;
+    assert_eq!(patch_of(&response)[1]["value"], "shard-a");
+    let count = metrics
+        .assignments
+        .get_or_create(&Metrics::resource_labels("example", "", "secrets"))
+        .get();
+    assert_eq!(count, 0);
+}
+
+#[tokio::test]
+async fn bad_input_gets_4xx_with_a_message() {
+    let cases: Vec<(&str, Body, StatusCode, &str)> = vec![
+        (
+            PATH,
+            Body::from("{not json"),
+            StatusCode::BAD_REQUEST,
+            "failed to decode AdmissionReview",
+        ),
+        (
+            PATH,
+            Body::empty(),
+            StatusCode::BAD_REQUEST,
+            "failed to decode AdmissionReview",
+        ),
+        (
+            PATH,
+            Body::from(r#"{"apiVersion":"admission.k8s.io/v1beta1","kind":"AdmissionReview"}"#),
+            StatusCode::BAD_REQUEST,
+            "expected an admission.k8s.io/v1 AdmissionReview",
+        ),
+        (
+            PATH,
+            Body::from(r#"{"apiVersion":"admission.k8s.io/v1","kind":"AdmissionReview"}"#),
+            StatusCode::BAD_REQUEST,
+            "no request",
+        ),
+        (
+            "/other",
+            Body::from("{}"),
+            StatusCode::NOT_FOUND,
+            "not found",
+        ),
+        (
+            PATH,
+            Body::from(vec![b' '; MAX_BODY_BYTES + 1]),
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "",
+        ),
+    ];
+    let state = state(&["shard-a"]);
+    for (path, body, code, message) in cases {
+        let (status, body) = call(state.clone(), path, body).await;
+        let text = String::from_utf8_lossy(&body);
+        assert_eq!(status, code, "{path}: {text}");
+        assert!(text.contains(message), "{path}: {text}");
+    }
+    // The router keeps serving after bad input.
+    let response = admit(
+        state,
+        review(
+            "secrets",
+            "Secret",
+            json!({"metadata": {"name": "foo", "namespace": "default"}}),
+        ),
+    )
+    .await;
+    assert_eq!(response["allowed"], true);
+}
+
+#[test]
+fn pointer_escaping() {
+    assert_eq!(escape_pointer("a/b~c"), "a~1b~0c");
+}
