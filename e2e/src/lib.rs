@@ -9,6 +9,9 @@
 //! Each test works in its own namespace ([`Cluster::namespace`]) with unique names
 //! ([`unique_name`]), so tests in one process can run in parallel.
 
+pub mod process;
+pub mod sharder;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
@@ -86,11 +89,7 @@ impl Cluster {
                 (dir.join("kubeconfig"), Some(dir))
             }
         };
-        let mut cluster = Self {
-            kubeconfig,
-            state_dir,
-            minor_version: 0,
-        };
+        let mut cluster = Self::external(kubeconfig, state_dir);
         // The harness runs inside tests' runtimes; set-up gets a runtime of its own on a separate
         // thread so it can block regardless of the caller's runtime flavour.
         let setup = std::thread::scope(|s| {
@@ -110,8 +109,17 @@ impl Cluster {
         Ok(cluster)
     }
 
+    /// A cluster reached through `kubeconfig`, not yet prepared.
+    pub(crate) fn external(kubeconfig: PathBuf, state_dir: Option<PathBuf>) -> Self {
+        Self {
+            kubeconfig,
+            state_dir,
+            minor_version: 0,
+        }
+    }
+
     /// Labels built-in namespaces, installs the CRD; returns the server's minor version.
-    async fn prepare(&self) -> anyhow::Result<u32> {
+    pub(crate) async fn prepare(&self) -> anyhow::Result<u32> {
         let client = self.client().await?;
         let info = client
             .apiserver_version()
@@ -126,6 +134,15 @@ impl Cluster {
         for ns in namespaces.list(&Default::default()).await? {
             let name = ns.metadata.name.unwrap_or_default();
             label_namespace(&namespaces, &name).await?;
+        }
+        // What config/crds installs besides the CRD: the system namespace (the sharder's leader
+        // election Lease lives there).
+        let system = sharding_crds::labels::NAMESPACE_SYSTEM;
+        if namespaces.get_opt(system).await?.is_none() {
+            let ns: Namespace = serde_json::from_value(serde_json::json!({
+                "metadata": {"name": system, "labels": {LABEL_NAMESPACE_NAME: system}}
+            }))?;
+            namespaces.create(&PostParams::default(), &ns).await?;
         }
         install_crds(&client, minor).await?;
         Ok(minor)

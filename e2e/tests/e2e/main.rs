@@ -3,3 +3,5 @@
 //! All tests live in this one binary so the control plane starts once per run.
 
 mod crd;
+mod shard;
+mod sharder;

@@ -1,0 +1,217 @@
+//! The project's binaries as child processes of end-to-end tests.
+//!
+//! Binaries of other packages have no `CARGO_BIN_EXE_*` variable here, so [`binary`] finds them
+//! beside the test executable (`cargo build --workspace --bins` puts them there; `e2e/test.sh`
+//! does that). A [`Process`] talks to the test cluster, writes its output to a log file, is killed
+//! when dropped, and prints its log when the test did not pass.
+
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::process::{ExitStatus, Stdio};
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+
+use crate::{cluster, unique_name};
+
+/// Interval at which [`poll_until`] and [`Process::wait_for_record`] look again.
+pub const POLL_INTERVAL: Duration = Duration::from_millis(100);
+
+/// Path of the workspace binary `name`, next to the running test executable
+/// (`target/<profile>/deps/e2e-…` → `target/<profile>/<name>`).
+///
+/// Fails with a message naming the build command when the binary is missing.
+pub fn binary(name: &str) -> anyhow::Result<PathBuf> {
+    let test_exe = std::env::current_exe().context("failed to locate the test executable")?;
+    let mut dir = test_exe
+        .parent()
+        .context("the test executable has no parent directory")?;
+    if dir.file_name().is_some_and(|n| n == "deps") {
+        dir = dir.parent().context("deps/ has no parent directory")?;
+    }
+    let path = dir.join(name);
+    if !path.is_file() {
+        bail!(
+            "binary {name} not found at {}: run `cargo build --workspace --bins` first \
+             (e2e/test.sh does that), with the same profile and CARGO_TARGET_DIR as the tests",
+            path.display()
+        );
+    }
+    Ok(path)
+}
+
+/// Polls `check` every [`POLL_INTERVAL`] until it returns `Some`, failing after `timeout` with
+/// `what` and the last error `check` returned (errors count as "not yet").
+pub async fn poll_until<T, F, Fut>(what: &str, timeout: Duration, mut check: F) -> anyhow::Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = anyhow::Result<Option<T>>>,
+{
+    let deadline = tokio::time::Instant::now() + timeout;
+    let mut last_error = None;
+    loop {
+        match check().await {
+            Ok(Some(value)) => return Ok(value),
+            Ok(None) => {}
+            Err(error) => last_error = Some(error),
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Err(match last_error {
+                Some(error) => {
+                    error.context(format!("timed out after {timeout:?} waiting for {what}"))
+                }
+                None => anyhow::anyhow!("timed out after {timeout:?} waiting for {what}"),
+            });
+        }
+        tokio::time::sleep(POLL_INTERVAL).await;
+    }
+}
+
+/// A running binary of the workspace.
+///
+/// **Dump on failure:** a test that passes calls [`Process::passed`]; any other drop (an early
+/// `?` return or a panic) prints the process's log to stderr, so failures show what the process
+/// did. Dropping always kills the process.
+#[derive(Debug)]
+pub struct Process {
+    name: String,
+    child: tokio::process::Child,
+    log_path: PathBuf,
+    passed: bool,
+}
+
+impl Process {
+    /// Starts binary `name` with `args`, with `KUBECONFIG` pointing at the test cluster and
+    /// stdout and stderr going to a log file.
+    ///
+    /// Must be called within a tokio runtime.
+    pub fn start<I, S>(name: &str, args: I) -> anyhow::Result<Self>
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<std::ffi::OsStr>,
+    {
+        let path = binary(name)?;
+        let log_dir = std::env::temp_dir().join(format!(
+            "controller-sharding-e2e-logs-{}",
+            std::process::id()
+        ));
+        std::fs::create_dir_all(&log_dir)
+            .with_context(|| format!("failed to create {}", log_dir.display()))?;
+        let log_path = log_dir.join(format!("{}.log", unique_name(name)));
+        let log = std::fs::File::create(&log_path)
+            .with_context(|| format!("failed to create {}", log_path.display()))?;
+        let stderr = log
+            .try_clone()
+            .context("failed to duplicate the log file")?;
+        let child = tokio::process::Command::new(&path)
+            .args(args)
+            .env("KUBECONFIG", cluster().kubeconfig())
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(stderr)
+            .kill_on_drop(true)
+            .spawn()
+            .with_context(|| format!("failed to start {}", path.display()))?;
+        Ok(Self {
+            name: name.to_string(),
+            child,
+            log_path,
+            passed: false,
+        })
+    }
+
+    /// The process id, while it runs.
+    pub fn id(&self) -> Option<u32> {
+        self.child.id()
+    }
+
+    /// Path of the log file.
+    pub fn log_path(&self) -> &Path {
+        &self.log_path
+    }
+
+    /// Sends a signal by name (`TERM`, `INT`, `KILL`, …) with `kill(1)`.
+    pub fn signal(&self, signal: &str) -> anyhow::Result<()> {
+        let pid = self
+            .id()
+            .with_context(|| format!("{} has already exited", self.name))?;
+        let status = std::process::Command::new("kill")
+            .arg(format!("-{signal}"))
+            .arg(pid.to_string())
+            .status()
+            .context("failed to run kill")?;
+        if !status.success() {
+            bail!("kill -{signal} {pid} failed with {status}");
+        }
+        Ok(())
+    }
+
+    /// Sends SIGTERM.
+    pub fn terminate(&self) -> anyhow::Result<()> {
+        self.signal("TERM")
+    }
+
+    /// Waits for the process to exit, at most `timeout`.
+    pub async fn wait(&mut self, timeout: Duration) -> anyhow::Result<ExitStatus> {
+        tokio::time::timeout(timeout, self.child.wait())
+            .await
+            .with_context(|| format!("{} did not exit within {timeout:?}", self.name))?
+            .with_context(|| format!("failed to wait for {}", self.name))
+    }
+
+    /// The exit status if the process has exited, without waiting.
+    pub fn try_status(&mut self) -> anyhow::Result<Option<ExitStatus>> {
+        self.child
+            .try_wait()
+            .with_context(|| format!("failed to check on {}", self.name))
+    }
+
+    /// Everything the process wrote so far.
+    pub fn logs(&self) -> String {
+        std::fs::read_to_string(&self.log_path).unwrap_or_default()
+    }
+
+    /// The lines written so far that are JSON objects (with `--log-format=json`), in order.
+    pub fn records(&self) -> Vec<serde_json::Value> {
+        self.logs()
+            .lines()
+            .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+            .filter(serde_json::Value::is_object)
+            .collect()
+    }
+
+    /// Waits until a JSON log record matching `predicate` appears; returns it.
+    pub async fn wait_for_record(
+        &self,
+        what: &str,
+        timeout: Duration,
+        predicate: impl Fn(&serde_json::Value) -> bool,
+    ) -> anyhow::Result<serde_json::Value> {
+        poll_until(what, timeout, || {
+            let found = self.records().into_iter().find(|r| predicate(r));
+            async move { Ok(found) }
+        })
+        .await
+    }
+
+    /// Marks the test as passed: dropping will not print the log.
+    pub fn passed(&mut self) {
+        self.passed = true;
+    }
+}
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        // kill_on_drop reaps it; killing here as well makes the intent explicit.
+        let _ = self.child.start_kill();
+        if !self.passed || std::thread::panicking() {
+            eprintln!(
+                "----- log of {} ({}) -----\n{}----- end of log of {} -----",
+                self.name,
+                self.log_path.display(),
+                self.logs(),
+                self.name
+            );
+        }
+    }
+}

@@ -1,0 +1,334 @@
+//! The sharder in end-to-end tests.
+//!
+//! [`shared`] runs one sharder for the whole test process, in-process through the library on a
+//! thread of its own (so it can never outlive the tests), against the shared cluster. Its logs go
+//! to a file printed by [`SharedSharder::dump_logs`]. Tests that need sharders of their own (leader
+//! election, a missed webhook) start real processes with [`SharderFiles`] against a dedicated
+//! control plane ([`DedicatedCluster`]), because every sharder on one cluster takes part in the
+//! same leader election.
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use tokio_util::sync::CancellationToken;
+
+use crate::process::{Process, poll_until};
+use crate::{Cluster, cluster, control_plane_script};
+
+/// A free TCP port on loopback (closed again before use: a small race other tests rarely hit).
+pub fn free_port() -> anyhow::Result<u16> {
+    let listener = TcpListener::bind("127.0.0.1:0").context("failed to find a free port")?;
+    Ok(listener.local_addr()?.port())
+}
+
+/// Files and addresses of one sharder instance: serving certificate, CA, config.
+#[derive(Debug)]
+pub struct SharderFiles {
+    /// Directory holding everything.
+    pub dir: PathBuf,
+    /// The SharderConfig file.
+    pub config: PathBuf,
+    /// CA bundle that signed the webhook serving certificate.
+    pub ca: PathBuf,
+    /// Webhook port on 127.0.0.1.
+    pub webhook_port: u16,
+    /// Metrics port on 127.0.0.1.
+    pub metrics_port: u16,
+    /// Health port on 127.0.0.1.
+    pub health_port: u16,
+}
+
+/// Settings that differ between test sharders.
+#[derive(Clone, Debug)]
+pub struct SharderSettings {
+    /// Lease timing of leader election, in seconds: duration, renew deadline, retry period.
+    pub leader_election: (u32, u32, u32),
+    /// Periodic sync interval.
+    pub sync_period: String,
+}
+
+impl Default for SharderSettings {
+    fn default() -> Self {
+        Self {
+            leader_election: (4, 3, 1),
+            sync_period: "5m".into(),
+        }
+    }
+}
+
+impl SharderFiles {
+    /// Creates certificates (CA + serving certificate for 127.0.0.1) and a config file that
+    /// registers the webhook by URL on loopback, with the CA bundle from a file.
+    pub fn create(kubeconfig: &Path, settings: &SharderSettings) -> anyhow::Result<Self> {
+        let dir = std::env::temp_dir().join(crate::unique_name("sharder"));
+        std::fs::create_dir_all(&dir)?;
+        generate_certificates(&dir)?;
+        let (webhook_port, metrics_port, health_port) = (free_port()?, free_port()?, free_port()?);
+        let (duration, deadline, retry) = settings.leader_election;
+        let config = format!(
+            r#"apiVersion: config.sharding.timebertt.dev/v1alpha1
+kind: SharderConfig
+clientConnection:
+  kubeconfig: {kubeconfig}
+leaderElection:
+  leaderElect: true
+  leaseDuration: {duration}s
+  renewDeadline: {deadline}s
+  retryPeriod: {retry}s
+health:
+  bindAddress: 127.0.0.1:{health_port}
+metrics:
+  bindAddress: 127.0.0.1:{metrics_port}
+controller:
+  sharder:
+    syncPeriod: {sync}
+webhook:
+  server:
+    bindAddress: 127.0.0.1:{webhook_port}
+    certDir: {dir}
+  config:
+    clientConfig:
+      url: https://127.0.0.1:{webhook_port}
+      caBundleFile: {dir}/ca.crt
+gracefulShutdown: 5s
+"#,
+            kubeconfig = kubeconfig.display(),
+            dir = dir.display(),
+            sync = settings.sync_period,
+        );
+        let config_path = dir.join("config.yaml");
+        std::fs::write(&config_path, config)?;
+        Ok(Self {
+            ca: dir.join("ca.crt"),
+            config: config_path,
+            dir,
+            webhook_port,
+            metrics_port,
+            health_port,
+        })
+    }
+
+    /// The parsed configuration.
+    pub fn load(&self) -> anyhow::Result<sharding_crds::config::SharderConfig> {
+        sharder::load_config(Some(&self.config))
+    }
+
+    /// Starts the `sharder` binary with this config as a child process.
+    pub fn start_process(&self) -> anyhow::Result<Process> {
+        Process::start(
+            "sharder",
+            [
+                "--config".as_ref(),
+                self.config.as_os_str(),
+                "--log-format=json".as_ref(),
+            ],
+        )
+    }
+
+    /// Base URL of the webhook server.
+    pub fn webhook_url(&self) -> String {
+        format!("https://127.0.0.1:{}", self.webhook_port)
+    }
+
+    /// Text of `/metrics`.
+    pub fn metrics(&self) -> anyhow::Result<String> {
+        curl(&[
+            "-sf",
+            &format!("http://127.0.0.1:{}/metrics", self.metrics_port),
+        ])
+    }
+
+    /// Waits until `/readyz` answers 200.
+    pub async fn wait_ready(&self, timeout: Duration) -> anyhow::Result<()> {
+        let url = format!("http://127.0.0.1:{}/readyz", self.health_port);
+        poll_until("sharder /readyz", timeout, || {
+            let ok = curl(&["-sf", &url]).is_ok();
+            async move { Ok(ok.then_some(())) }
+        })
+        .await
+    }
+
+    /// POSTs `body` to the webhook server at `path`; returns the HTTP status and body.
+    pub fn post_webhook(&self, path: &str, body: &[u8]) -> anyhow::Result<(u16, String)> {
+        let body_file = self
+            .dir
+            .join(format!("{}.json", crate::unique_name("body")));
+        std::fs::write(&body_file, body)?;
+        let out = curl(&[
+            "-s",
+            "--cacert",
+            &self.ca.display().to_string(),
+            "-H",
+            "Content-Type: application/json",
+            "--data-binary",
+            &format!("@{}", body_file.display()),
+            "-w",
+            "\n%{http_code}",
+            &format!("{}{path}", self.webhook_url()),
+        ]);
+        let _ = std::fs::remove_file(&body_file);
+        let out = out?;
+        let (text, code) = out.rsplit_once('\n').context("curl printed no status")?;
+        Ok((code.trim().parse()?, text.to_string()))
+    }
+}
+
+fn curl(args: &[&str]) -> anyhow::Result<String> {
+    let out = Command::new("curl")
+        .args(args)
+        .output()
+        .context("failed to run curl")?;
+    if !out.status.success() {
+        bail!(
+            "curl {args:?} failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+fn generate_certificates(dir: &Path) -> anyhow::Result<()> {
+    let script = r#"set -e
+openssl req -x509 -newkey rsa:2048 -nodes -days 30 -subj "/CN=sharder-test-ca" -keyout ca.key -out ca.crt
+openssl req -newkey rsa:2048 -nodes -subj "/CN=sharder" -keyout tls.key -out tls.csr
+printf 'subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n' > tls.ext
+openssl x509 -req -in tls.csr -CA ca.crt -CAkey ca.key -CAcreateserial -days 30 -extfile tls.ext -out tls.crt
+"#;
+    let out = Command::new("bash")
+        .arg("-c")
+        .arg(script)
+        .current_dir(dir)
+        .output()
+        .context("failed to run openssl")?;
+    if !out.status.success() {
+        bail!("openssl failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    Ok(())
+}
+
+/// The sharder shared by all tests of this process.
+#[derive(Debug)]
+pub struct SharedSharder {
+    /// Its files and ports.
+    pub files: SharderFiles,
+    log: PathBuf,
+}
+
+impl SharedSharder {
+    /// Prints the sharder's log to stderr (call when a test fails).
+    pub fn dump_logs(&self) {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        eprintln!(
+            "----- shared sharder log ({}) -----\n{text}",
+            self.log.display()
+        );
+    }
+}
+
+static SHARED: OnceLock<Result<SharedSharder, String>> = OnceLock::new();
+
+/// The shared sharder, started on first use and ready (caches synced, certificate loaded).
+pub fn shared() -> &'static SharedSharder {
+    let result = SHARED.get_or_init(|| start_shared().map_err(|e| format!("{e:#}")));
+    match result {
+        Ok(s) => s,
+        Err(e) => panic!("failed to start the shared sharder: {e}"),
+    }
+}
+
+fn start_shared() -> anyhow::Result<SharedSharder> {
+    let cluster = cluster();
+    let files = SharderFiles::create(cluster.kubeconfig(), &SharderSettings::default())?;
+    let config = files.load()?;
+    let log = files.dir.join("sharder.log");
+    let log_file = std::fs::File::create(&log)?;
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::new("info"))
+        .with_ansi(false)
+        .with_writer(std::sync::Mutex::new(log_file))
+        .try_init();
+    std::thread::Builder::new()
+        .name("shared-sharder".into())
+        .spawn(move || {
+            let runtime = match tokio::runtime::Runtime::new() {
+                Ok(rt) => rt,
+                Err(error) => {
+                    tracing::error!(%error, "failed to start a runtime for the shared sharder");
+                    return;
+                }
+            };
+            // Never cancelled: the sharder lives as long as the test process.
+            let token = CancellationToken::new();
+            if let Err(error) = runtime.block_on(sharder::run(config, "e2e-shared".into(), token)) {
+                tracing::error!(error = %format!("{error:#}"), "shared sharder failed");
+            }
+        })?;
+    // Wait on a runtime of our own: callers may be inside theirs.
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?
+                .block_on(files.wait_ready(Duration::from_secs(60)))
+        })
+        .join()
+        .map_err(|_| anyhow::anyhow!("waiting for the shared sharder panicked"))?
+    })
+    .with_context(|| format!("shared sharder not ready; its log is {}", log.display()))?;
+    Ok(SharedSharder { files, log })
+}
+
+/// A control plane of its own for one test, stopped when dropped.
+#[derive(Debug)]
+pub struct DedicatedCluster {
+    cluster: Cluster,
+    dir: PathBuf,
+}
+
+impl DedicatedCluster {
+    /// Starts etcd and kube-apiserver (about 5 s) and installs the CRD. Fails when the suite
+    /// runs against an external cluster (`KUBECONFIG`), where no second control plane can start.
+    pub async fn start() -> anyhow::Result<Self> {
+        if cluster().state_dir().is_none() {
+            bail!("dedicated control planes need the local control plane (KUBECONFIG is set)");
+        }
+        let dir = std::env::temp_dir().join(crate::unique_name("controller-sharding-dedicated"));
+        let status = tokio::process::Command::new("bash")
+            .arg(control_plane_script())
+            .arg("start")
+            .arg(&dir)
+            .arg(std::process::id().to_string())
+            .status()
+            .await?;
+        if !status.success() {
+            bail!("failed to start a dedicated control plane");
+        }
+        let cluster = Cluster::external(dir.join("kubeconfig"), Some(dir.clone()));
+        let minor = cluster.prepare().await?;
+        let cluster = Cluster {
+            minor_version: minor,
+            ..cluster
+        };
+        Ok(Self { cluster, dir })
+    }
+
+    /// The cluster.
+    pub fn cluster(&self) -> &Cluster {
+        &self.cluster
+    }
+}
+
+impl Drop for DedicatedCluster {
+    fn drop(&mut self) {
+        let _ = Command::new("bash")
+            .arg(control_plane_script())
+            .arg("stop")
+            .arg(&self.dir)
+            .status();
+    }
+}

@@ -1,0 +1,507 @@
+//! The shard library and the `checksum-controller` example against a real API server.
+//!
+//! No sharder runs here: the tests write shard and drain labels themselves, playing the sharder's
+//! part of the protocol.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use anyhow::{Context, ensure};
+use e2e::process::{Process, poll_until};
+use e2e::{cluster, unique_name};
+use futures::{StreamExt, TryStreamExt};
+use k8s_openapi::ByteString;
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::{ConfigMap, Secret};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
+use k8s_openapi::jiff::{SignedDuration, Timestamp};
+use kube::api::{Api, ObjectMeta, Patch, PatchParams, PostParams, WatchEvent, WatchParams};
+use kube::{Client, ResourceExt};
+use serde_json::{Value, json};
+use shard::{LeaseLock, LeaseLockConfig};
+use sharding_crds::labels;
+
+const RING: &str = "checksum-controller";
+/// Short Lease timing so loss and takeover play out within seconds.
+const LEASE_DURATION_SECONDS: i32 = 3;
+const WAIT: Duration = Duration::from_secs(20);
+
+fn shard_key() -> String {
+    labels::shard_label(RING)
+}
+
+fn drain_key() -> String {
+    labels::drain_label(RING)
+}
+
+/// Starts a checksum-controller shard watching and leasing in `namespace`.
+fn start_shard(namespace: &str, shard: &str) -> anyhow::Result<Process> {
+    Process::start(
+        "checksum-controller",
+        [
+            "--clusterring",
+            RING,
+            "--namespace",
+            namespace,
+            "--lease-namespace",
+            namespace,
+            "--shard-name",
+            shard,
+            "--lease-duration",
+            &LEASE_DURATION_SECONDS.to_string(),
+            "--renew-deadline",
+            "2",
+            "--retry-period",
+            "0.5",
+            "--log-format",
+            "json",
+        ],
+    )
+}
+
+fn now() -> anyhow::Result<Timestamp> {
+    let micros = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)?
+        .as_micros();
+    Ok(Timestamp::from_microsecond(i64::try_from(micros)?)?)
+}
+
+fn holder(lease: &Lease) -> &str {
+    lease
+        .spec
+        .as_ref()
+        .and_then(|s| s.holder_identity.as_deref())
+        .unwrap_or_default()
+}
+
+/// Waits until the Lease exists and is held by `identity`.
+async fn wait_for_holder(api: &Api<Lease>, name: &str, identity: &str) -> anyhow::Result<Lease> {
+    poll_until(
+        &format!("Lease {name} held by {identity:?}"),
+        WAIT,
+        || async {
+            let lease = api.get_opt(name).await?;
+            Ok(lease.filter(|l| holder(l) == identity))
+        },
+    )
+    .await
+}
+
+async fn create_secret(
+    client: &Client,
+    namespace: &str,
+    name: &str,
+    shard: Option<&str>,
+    data: &[(&str, &str)],
+) -> anyhow::Result<Secret> {
+    let secret = Secret {
+        metadata: ObjectMeta {
+            name: Some(name.to_string()),
+            labels: shard.map(|s| BTreeMap::from([(shard_key(), s.to_string())])),
+            ..ObjectMeta::default()
+        },
+        data: Some(
+            data.iter()
+                .map(|(k, v)| (k.to_string(), ByteString(v.as_bytes().to_vec())))
+                .collect(),
+        ),
+        ..Secret::default()
+    };
+    let api: Api<Secret> = Api::namespaced(client.clone(), namespace);
+    api.create(&PostParams::default(), &secret)
+        .await
+        .with_context(|| format!("failed to create Secret {name}"))
+}
+
+/// Lowercase hex SHA-256 of the values the tests use, computed independently of the controller
+/// (`printf %s VALUE | sha256sum`).
+fn sha256_hex(value: &str) -> String {
+    match value {
+        "" => "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855",
+        "admin" => "8c6976e5b5410415bde908bd4dee15dfb167a9c873fc4bb8a81f6f2ab448a918",
+        "hunter2" => "f52fbd32b2b3b86ff88ef6c490628285f482af15ddcb29541f94bcf526a3f6c7",
+        "v1" => "3bfc269594ef649228e9a74bab00f042efc91d5acc6fbee31a382e80d42388fe",
+        "v2" => "fb04dcb6970e4c3d1873de51fd5a50d7bb46b3383113602665c350ec40b5f990",
+        other => panic!("no precomputed checksum for {other:?}"),
+    }
+    .to_string()
+}
+
+/// Waits until ConfigMap `checksums-<secret>` holds exactly `expected` checksums.
+async fn wait_for_checksums(
+    client: &Client,
+    namespace: &str,
+    secret: &str,
+    expected: &[(&str, &str)],
+) -> anyhow::Result<ConfigMap> {
+    let api: Api<ConfigMap> = Api::namespaced(client.clone(), namespace);
+    let want: BTreeMap<String, String> = expected
+        .iter()
+        .map(|(k, v)| (k.to_string(), sha256_hex(v)))
+        .collect();
+    let name = format!("checksums-{secret}");
+    poll_until(&format!("ConfigMap {name} with {want:?}"), WAIT, || async {
+        let config_map = api.get_opt(&name).await?;
+        Ok(config_map.filter(|cm| cm.data.as_ref() == Some(&want)))
+    })
+    .await
+}
+
+fn is_record(record: &Value, event: &str, namespace: &str, name: &str) -> bool {
+    record["event"] == event && record["namespace"] == namespace && record["name"] == name
+}
+
+#[tokio::test]
+async fn shard_lease_is_created_renewed_and_released_on_sigterm() -> anyhow::Result<()> {
+    let client = cluster().client().await?;
+    let namespace = cluster().namespace(&client, "shard-lease").await?;
+    let shard = unique_name("shard");
+    let mut process = start_shard(&namespace, &shard)?;
+    let leases: Api<Lease> = Api::namespaced(client.clone(), &namespace);
+
+    let lease = wait_for_holder(&leases, &shard, &shard).await?;
+    assert_eq!(lease.name_any(), shard, "Lease name is the shard name");
+    assert_eq!(
+        lease
+            .labels()
+            .get(labels::LABEL_CLUSTER_RING)
+            .map(String::as_str),
+        Some(RING),
+        "ring label"
+    );
+    let spec = lease.spec.clone().context("Lease has a spec")?;
+    assert_eq!(spec.lease_duration_seconds, Some(LEASE_DURATION_SECONDS));
+    assert_eq!(spec.lease_transitions, Some(0));
+    assert!(spec.acquire_time.is_some());
+    let first_renewal = spec.renew_time.context("renewTime set")?;
+
+    let renewed = poll_until("renewTime to advance", WAIT, || async {
+        let lease = leases.get(&shard).await?;
+        let renew = lease.spec.as_ref().and_then(|s| s.renew_time.clone());
+        Ok(renew.filter(|r| *r > first_renewal).map(|_| lease))
+    })
+    .await?;
+    assert_eq!(holder(&renewed), shard);
+    assert_eq!(
+        renewed.spec.as_ref().and_then(|s| s.acquire_time.clone()),
+        spec.acquire_time,
+        "acquireTime stays while renewing"
+    );
+
+    process.terminate()?;
+    let status = process.wait(WAIT).await?;
+    ensure!(status.success(), "graceful shutdown exits 0, got {status}");
+    let released = leases.get(&shard).await?;
+    assert_eq!(holder(&released), "", "released Lease has an empty holder");
+    assert_eq!(
+        released
+            .labels()
+            .get(labels::LABEL_CLUSTER_RING)
+            .map(String::as_str),
+        Some(RING)
+    );
+    process.passed();
+    Ok(())
+}
+
+#[tokio::test]
+async fn shard_exits_when_its_lease_is_taken_over_and_waits_for_expiry_to_rejoin()
+-> anyhow::Result<()> {
+    let client = cluster().client().await?;
+    let namespace = cluster().namespace(&client, "shard-takeover").await?;
+    let shard = unique_name("shard");
+    let mut process = start_shard(&namespace, &shard)?;
+    let leases: Api<Lease> = Api::namespaced(client.clone(), &namespace);
+    wait_for_holder(&leases, &shard, &shard).await?;
+
+    // Take the Lease over as the sharder does for an unresponsive shard: a compare-and-swap
+    // update, retried when the shard's renewal wins the race.
+    let taken = poll_until("the takeover to be written", WAIT, || async {
+        let mut lease = leases.get(&shard).await?;
+        let spec = lease.spec.get_or_insert_default();
+        let now = MicroTime(now()?);
+        spec.holder_identity = Some(labels::IDENTITY_SHARD_LEASE_CONTROLLER.to_string());
+        spec.lease_duration_seconds = Some(2 * LEASE_DURATION_SECONDS);
+        spec.acquire_time = Some(now.clone());
+        spec.renew_time = Some(now);
+        spec.lease_transitions = Some(spec.lease_transitions.unwrap_or(0) + 1);
+        match leases.replace(&shard, &PostParams::default(), &lease).await {
+            Ok(lease) => Ok(Some(lease)),
+            Err(kube::Error::Api(status)) if status.code == 409 => Ok(None),
+            Err(error) => Err(error.into()),
+        }
+    })
+    .await?;
+
+    let status = process.wait(WAIT).await?;
+    ensure!(
+        !status.success(),
+        "a shard that lost its Lease exits non-zero"
+    );
+    assert!(
+        process
+            .records()
+            .iter()
+            .any(|r| r["level"] == "ERROR"
+                && r["message"].as_str().is_some_and(|m| m.contains("lost"))),
+        "the shard logs the loss"
+    );
+    let lease = leases.get(&shard).await?;
+    assert_eq!(
+        holder(&lease),
+        labels::IDENTITY_SHARD_LEASE_CONTROLLER,
+        "the shard never overwrites the takeover"
+    );
+    process.passed();
+
+    // A restarted shard waits until the takeover expires, then takes the Lease back.
+    let mut restarted = start_shard(&namespace, &shard)?;
+    let rejoined = wait_for_holder(&leases, &shard, &shard).await?;
+    let taken_spec = taken.spec.context("takeover spec")?;
+    let spec = rejoined.spec.context("rejoined spec")?;
+    let taken_expiry = taken_spec
+        .renew_time
+        .context("takeover renewTime")?
+        .0
+        .checked_add(SignedDuration::from_secs(i64::from(
+            2 * LEASE_DURATION_SECONDS,
+        )))?;
+    let acquired = spec.acquire_time.context("acquireTime")?.0;
+    assert!(
+        acquired > taken_expiry,
+        "re-acquired at {acquired} before the takeover expired at {taken_expiry}"
+    );
+    assert_eq!(
+        spec.lease_transitions,
+        taken_spec.lease_transitions.map(|t| t + 1)
+    );
+    restarted.terminate()?;
+    ensure!(restarted.wait(WAIT).await?.success());
+    restarted.passed();
+    Ok(())
+}
+
+#[tokio::test]
+async fn shard_reconciles_only_objects_labelled_with_its_name() -> anyhow::Result<()> {
+    let client = cluster().client().await?;
+    let namespace = cluster().namespace(&client, "shard-select").await?;
+    let shard = unique_name("shard");
+    let mut process = start_shard(&namespace, &shard)?;
+    let leases: Api<Lease> = Api::namespaced(client.clone(), &namespace);
+    wait_for_holder(&leases, &shard, &shard).await?;
+
+    let data = [("user", "admin"), ("password", "hunter2"), ("empty", "")];
+    create_secret(&client, &namespace, "other", Some("other-shard"), &data).await?;
+    create_secret(&client, &namespace, "unassigned", None, &data).await?;
+    let mine = create_secret(&client, &namespace, "mine", Some(&shard), &data).await?;
+
+    let config_map = wait_for_checksums(&client, &namespace, "mine", &data).await?;
+    let owner = config_map
+        .owner_references()
+        .iter()
+        .find(|o| o.controller == Some(true))
+        .context("ConfigMap has a controller reference")?;
+    assert_eq!(owner.kind, "Secret");
+    assert_eq!(owner.name, "mine");
+    assert_eq!(Some(&owner.uid), mine.metadata.uid.as_ref());
+
+    // The others were created before "mine", yet never reached the shard's watch.
+    let config_maps: Api<ConfigMap> = Api::namespaced(client.clone(), &namespace);
+    for name in ["other", "unassigned"] {
+        assert!(
+            config_maps
+                .get_opt(&format!("checksums-{name}"))
+                .await?
+                .is_none(),
+            "{name} must not be reconciled"
+        );
+        assert!(
+            !process
+                .records()
+                .iter()
+                .any(|r| is_record(r, "reconcile", &namespace, name)),
+            "{name} must not be reconciled"
+        );
+    }
+    let record = process
+        .records()
+        .into_iter()
+        .find(|r| is_record(r, "reconcile", &namespace, "mine"))
+        .context("reconcile record for mine")?;
+    assert_eq!(record["shard"], shard.as_str());
+    assert_eq!(record["level"], "INFO");
+
+    // Assigning an object later (as the sharder's webhook would) brings it into the watch.
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), &namespace);
+    secrets
+        .patch(
+            "other",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"labels": {shard_key(): shard}}})),
+        )
+        .await?;
+    wait_for_checksums(&client, &namespace, "other", &data).await?;
+
+    process.terminate()?;
+    ensure!(process.wait(WAIT).await?.success());
+    process.passed();
+    Ok(())
+}
+
+#[tokio::test]
+async fn shard_acknowledges_drain_in_one_write_and_stops_reconciling() -> anyhow::Result<()> {
+    let client = cluster().client().await?;
+    let namespace = cluster().namespace(&client, "shard-drain").await?;
+    let shard = unique_name("shard");
+    let mut process = start_shard(&namespace, &shard)?;
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), &namespace);
+    let config_maps: Api<ConfigMap> = Api::namespaced(client.clone(), &namespace);
+
+    let v1 = [("key", "v1")];
+    create_secret(&client, &namespace, "drained", Some(&shard), &v1).await?;
+    create_secret(&client, &namespace, "canary", Some(&shard), &v1).await?;
+    wait_for_checksums(&client, &namespace, "drained", &v1).await?;
+    wait_for_checksums(&client, &namespace, "canary", &v1).await?;
+
+    // Drain as the sharder does: add the drain label, guarded by resourceVersion.
+    let current = secrets.get("drained").await?;
+    let drained = secrets
+        .patch(
+            "drained",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {
+                "resourceVersion": current.resource_version(),
+                "labels": {drain_key(): "true"},
+            }})),
+        )
+        .await?;
+    let drain_version = drained.resource_version().context("resourceVersion")?;
+
+    // Every version after the drain label was added: the next one must have lost both labels
+    // at once (one merge patch), never just one of them.
+    let watch = WatchParams::default()
+        .fields("metadata.name=drained")
+        .timeout(20);
+    let mut events = secrets.watch(&watch, &drain_version).await?.boxed();
+    let acknowledged = tokio::time::timeout(WAIT, async {
+        while let Some(event) = events.try_next().await? {
+            let secret = match event {
+                WatchEvent::Modified(secret) => secret,
+                WatchEvent::Bookmark(_) => continue,
+                other => anyhow::bail!("unexpected watch event {other:?}"),
+            };
+            return Ok(secret);
+        }
+        anyhow::bail!("watch ended before the drain was acknowledged")
+    })
+    .await
+    .context("drain not acknowledged in time")??;
+    let labels = acknowledged.labels();
+    assert!(
+        !labels.contains_key(&shard_key()) && !labels.contains_key(&drain_key()),
+        "the acknowledgement removes both labels in one write: {labels:?}"
+    );
+
+    let drain_record = process
+        .wait_for_record("drain record", WAIT, |r| {
+            is_record(r, "drain", &namespace, "drained")
+        })
+        .await?;
+    assert_eq!(drain_record["shard"], shard.as_str());
+
+    // Change both Secrets; the canary's update proves the shard processed later events, and the
+    // drained Secret's ConfigMap must stay as it was.
+    let v2 = [("key", "v2")];
+    for name in ["drained", "canary"] {
+        secrets
+            .patch(
+                name,
+                &PatchParams::default(),
+                // base64 of "v2"
+                &Patch::Merge(json!({"data": {"key": "djI="}})),
+            )
+            .await?;
+    }
+    wait_for_checksums(&client, &namespace, "canary", &v2).await?;
+    let drained_checksums = config_maps.get("checksums-drained").await?;
+    assert_eq!(
+        drained_checksums.data,
+        Some(BTreeMap::from([("key".to_string(), sha256_hex("v1"))])),
+        "a drained Secret is not reconciled any more"
+    );
+
+    let records = process.records();
+    let drain_at = records
+        .iter()
+        .position(|r| is_record(r, "drain", &namespace, "drained"))
+        .context("drain record")?;
+    assert!(
+        !records[drain_at..]
+            .iter()
+            .any(|r| is_record(r, "reconcile", &namespace, "drained")),
+        "no reconcile of the drained Secret after its drain was acknowledged"
+    );
+
+    process.terminate()?;
+    ensure!(process.wait(WAIT).await?.success());
+    process.passed();
+    Ok(())
+}
+
+/// The Lease lock as the sharder uses it for leader election: identities differ from the Lease
+/// name, no labels; one holder at a time, handed over on release.
+#[tokio::test]
+async fn lease_lock_elects_one_holder_and_hands_over_on_release() -> anyhow::Result<()> {
+    let client = cluster().client().await?;
+    let namespace = cluster().namespace(&client, "leader").await?;
+    let config = |identity: &str| {
+        LeaseLockConfig::new(&namespace, "leader", identity)
+            .with_lease_duration(Duration::from_secs(3))
+            .with_renew_deadline(Duration::from_secs(2))
+            .with_retry_period(Duration::from_millis(500))
+    };
+    let first = LeaseLock::new(client.clone(), config("replica-1"))?;
+    let second = LeaseLock::new(client.clone(), config("replica-2"))?;
+
+    let held = tokio::time::timeout(WAIT, first.acquire()).await?;
+    assert!(
+        second.try_acquire().await?.is_none(),
+        "a held Lease is not handed out twice"
+    );
+    let leases: Api<Lease> = Api::namespaced(client.clone(), &namespace);
+    let lease = leases.get("leader").await?;
+    assert_eq!(holder(&lease), "replica-1");
+    assert!(lease.metadata.labels.unwrap_or_default().is_empty());
+
+    // The second candidate keeps trying while the first renews, well past the lease duration.
+    let waiting = tokio::spawn(async move { second.acquire().await });
+    poll_until("two renewals by the leader", WAIT, || async {
+        let renewed = leases.get("leader").await?;
+        let renew = renewed
+            .spec
+            .and_then(|s| s.renew_time)
+            .context("renewTime")?;
+        let first_renew = lease
+            .spec
+            .as_ref()
+            .and_then(|s| s.renew_time.clone())
+            .context("renewTime")?;
+        let gap = renew.0.duration_since(first_renew.0);
+        Ok((gap > SignedDuration::from_secs(4)).then_some(()))
+    })
+    .await?;
+    assert!(
+        !waiting.is_finished(),
+        "no second leader while the first renews"
+    );
+    assert!(!held.is_lost());
+
+    assert!(held.release().await?, "release empties the holder");
+    let successor = tokio::time::timeout(WAIT, waiting).await??;
+    let lease = leases.get("leader").await?;
+    assert_eq!(holder(&lease), "replica-2");
+    assert_eq!(lease.spec.and_then(|s| s.lease_transitions), Some(1));
+    assert!(!successor.is_lost());
+    assert!(successor.release().await?);
+    Ok(())
+}

@@ -1,0 +1,380 @@
+//! `checksum-controller`: the example shard (SPEC §13).
+//!
+//! Joins a ring whose main resource is `secrets` and controlled resource is `configmaps`. For each
+//! Secret it owns it applies a ConfigMap `checksums-<secret>`, controlled by the Secret, mapping
+//! every Secret key to the lowercase hex SHA-256 of its value.
+//!
+//! Order of life: acquire the shard Lease, then run the controller; exit non-zero the moment the
+//! Lease is lost; on SIGTERM/SIGINT stop the controller, release the Lease, exit 0.
+//!
+//! Every reconcile and every drain acknowledgement is logged at info level with the fields
+//! `event` (`reconcile`/`drain`), `namespace`, `name` and `shard`; `--log-format=json` prints one
+//! JSON object per line with these fields at the top level.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context as _, bail};
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::{ConfigMap, Secret};
+use kube::api::{Api, ObjectMeta, Patch, PatchParams};
+use kube::runtime::controller::{self, Action, Controller};
+use kube::{Client, Resource, ResourceExt};
+use sha2::{Digest, Sha256};
+use shard::{LeaseLock, ReconcileError, Shard};
+use tokio_util::sync::CancellationToken;
+use tracing::{error, info, warn};
+use tracing_subscriber::EnvFilter;
+
+/// Field manager of the ConfigMaps this controller applies.
+const FIELD_MANAGER: &str = "checksum-controller";
+
+/// Prefix of the ConfigMap names.
+const CONFIG_MAP_PREFIX: &str = "checksums-";
+
+/// How long to wait before retrying a failed reconcile.
+const RETRY_AFTER: Duration = Duration::from_secs(5);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+/// Example shard of controller-sharding: writes SHA-256 checksums of Secrets into ConfigMaps.
+#[derive(Debug, clap::Parser)]
+#[command(version)]
+struct Args {
+    /// Name of the ClusterRing to join.
+    #[arg(long, default_value = "checksum-controller")]
+    clusterring: String,
+    /// Only watch Secrets and ConfigMaps in this namespace (default: all namespaces).
+    #[arg(long)]
+    namespace: Option<String>,
+    /// Namespace of the shard Lease (default: the namespace of the kube config or service
+    /// account, else `default`).
+    #[arg(long)]
+    lease_namespace: Option<String>,
+    /// Name of this shard (default: the host name, i.e. the pod name).
+    #[arg(long)]
+    shard_name: Option<String>,
+    /// Lease duration in seconds.
+    #[arg(long, default_value = "15", value_parser = parse_seconds)]
+    lease_duration: Duration,
+    /// Seconds without a successful renewal after which the Lease counts as lost.
+    #[arg(long, default_value = "10", value_parser = parse_seconds)]
+    renew_deadline: Duration,
+    /// Seconds between renewals and between attempts to acquire the Lease.
+    #[arg(long, default_value = "2", value_parser = parse_seconds)]
+    retry_period: Duration,
+    /// Log format.
+    #[arg(long, value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
+    /// Log filter (`tracing` env-filter syntax); `RUST_LOG` takes precedence when set.
+    #[arg(long, default_value = "info")]
+    log_level: String,
+}
+
+fn parse_seconds(value: &str) -> Result<Duration, String> {
+    let seconds: f64 = value
+        .parse()
+        .map_err(|e| format!("not a number of seconds: {e}"))?;
+    Duration::try_from_secs_f64(seconds)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .ok_or_else(|| "must be a positive number of seconds".to_string())
+}
+
+/// Errors of one reconcile.
+#[derive(Debug, thiserror::Error)]
+enum Error {
+    #[error("failed to apply ConfigMap {namespace}/{name}")]
+    Apply {
+        namespace: String,
+        name: String,
+        #[source]
+        source: kube::Error,
+    },
+    #[error("Secret {0} has no namespace")]
+    NoNamespace(String),
+}
+
+/// What every reconcile needs.
+struct Context {
+    /// Client for writing ConfigMaps.
+    client: Client,
+    /// This shard (for its name and label key).
+    shard: Shard,
+}
+
+/// Hex SHA-256 of every value of the Secret, keyed like the Secret.
+fn checksums(secret: &Secret) -> BTreeMap<String, String> {
+    secret
+        .data
+        .iter()
+        .flatten()
+        .map(|(key, value)| (key.clone(), hex::encode(Sha256::digest(&value.0))))
+        .collect()
+}
+
+/// The ConfigMap to apply for `secret`: checksums as data, controlled by the Secret, labelled
+/// with the owning shard like the sharder's webhook would (controlled objects follow their
+/// controller's shard), so the shard's label-selected watch sees it.
+fn desired_config_map(secret: &Secret, shard: &Shard) -> ConfigMap {
+    ConfigMap {
+        metadata: ObjectMeta {
+            name: Some(format!("{CONFIG_MAP_PREFIX}{}", secret.name_any())),
+            namespace: secret.namespace(),
+            labels: Some(BTreeMap::from([(
+                shard.shard_label_key().to_string(),
+                shard.name().to_string(),
+            )])),
+            owner_references: secret.controller_owner_ref(&()).map(|owner| vec![owner]),
+            ..ObjectMeta::default()
+        },
+        data: Some(checksums(secret)),
+        ..ConfigMap::default()
+    }
+}
+
+async fn reconcile(secret: Arc<Secret>, context: Arc<Context>) -> Result<Action, Error> {
+    let name = secret.name_any();
+    let namespace = secret
+        .namespace()
+        .ok_or_else(|| Error::NoNamespace(name.clone()))?;
+    info!(
+        event = "reconcile",
+        %namespace,
+        %name,
+        shard = %context.shard.name(),
+        "reconciling Secret"
+    );
+    let config_map = desired_config_map(&secret, &context.shard);
+    let config_map_name = config_map.name_any();
+    let api: Api<ConfigMap> = Api::namespaced(context.client.clone(), &namespace);
+    api.patch(
+        &config_map_name,
+        &PatchParams::apply(FIELD_MANAGER).force(),
+        &Patch::Apply(&config_map),
+    )
+    .await
+    .map_err(|source| Error::Apply {
+        namespace: namespace.clone(),
+        name: config_map_name,
+        source,
+    })?;
+    Ok(Action::await_change())
+}
+
+fn error_policy(
+    secret: Arc<Secret>,
+    error: &ReconcileError<Error>,
+    context: Arc<Context>,
+) -> Action {
+    warn!(
+        error = %error_chain(error),
+        namespace = secret.namespace().unwrap_or_default(),
+        name = %secret.name_any(),
+        shard = %context.shard.name(),
+        "reconcile failed, retrying"
+    );
+    Action::requeue(RETRY_AFTER)
+}
+
+fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
+
+/// The host name: `HOSTNAME` (set to the pod name by Kubernetes), else the kernel's.
+fn hostname() -> Option<String> {
+    std::env::var("HOSTNAME")
+        .ok()
+        .or_else(|| std::fs::read_to_string("/proc/sys/kernel/hostname").ok())
+        .or_else(|| std::fs::read_to_string("/etc/hostname").ok())
+        .map(|name| name.trim().to_string())
+        .filter(|name| !name.is_empty())
+}
+
+fn init_tracing(args: &Args) -> anyhow::Result<()> {
+    let filter = match std::env::var("RUST_LOG") {
+        Ok(directives) if !directives.is_empty() => EnvFilter::new(directives),
+        _ => EnvFilter::try_new(&args.log_level).context("invalid --log-level")?,
+    };
+    let builder = tracing_subscriber::fmt().with_env_filter(filter);
+    let result = match args.log_format {
+        LogFormat::Json => builder
+            .json()
+            .flatten_event(true)
+            .with_current_span(false)
+            .with_span_list(false)
+            .try_init(),
+        LogFormat::Text => builder
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stdout()))
+            .try_init(),
+    };
+    result.map_err(|e| anyhow::anyhow!("failed to install the log subscriber: {e}"))
+}
+
+/// Cancels `shutdown` on the first SIGTERM or SIGINT.
+fn spawn_signal_handler(shutdown: CancellationToken) -> anyhow::Result<()> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut terminate = signal(SignalKind::terminate()).context("failed to listen for SIGTERM")?;
+    let mut interrupt = signal(SignalKind::interrupt()).context("failed to listen for SIGINT")?;
+    tokio::spawn(async move {
+        let name = tokio::select! {
+            _ = terminate.recv() => "SIGTERM",
+            _ = interrupt.recv() => "SIGINT",
+        };
+        info!(signal = name, "shutting down");
+        shutdown.cancel();
+    });
+    Ok(())
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = <Args as clap::Parser>::parse();
+    init_tracing(&args)?;
+    // rustls picks a provider by itself only when exactly one is compiled in; feature
+    // unification across a workspace can break that, so choose ring explicitly. An error only
+    // means a provider is installed already.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+
+    let shutdown = CancellationToken::new();
+    spawn_signal_handler(shutdown.clone())?;
+
+    let client = Client::try_default()
+        .await
+        .context("failed to create a Kubernetes client")?;
+    let shard_name = match args.shard_name.clone() {
+        Some(name) => name,
+        None => hostname().context("no --shard-name given and no host name found")?,
+    };
+    let lease_namespace = args
+        .lease_namespace
+        .clone()
+        .unwrap_or_else(|| client.default_namespace().to_string());
+    let shard = Shard::new(&args.clusterring, shard_name, lease_namespace);
+    let lock = LeaseLock::new(
+        client.clone(),
+        shard
+            .lease_config()
+            .with_lease_duration(args.lease_duration)
+            .with_renew_deadline(args.renew_deadline)
+            .with_retry_period(args.retry_period),
+    )?;
+
+    // Membership first: nothing is reconciled before the Lease is ours.
+    info!(shard = %shard.name(), ring = %shard.ring(), namespace = %shard.lease_namespace(), "acquiring shard Lease");
+    let held = tokio::select! {
+        held = lock.acquire() => held,
+        () = shutdown.cancelled() => return Ok(()),
+    };
+
+    let (secrets, config_maps): (Api<Secret>, Api<ConfigMap>) = match &args.namespace {
+        Some(namespace) => (
+            Api::namespaced(client.clone(), namespace),
+            Api::namespaced(client.clone(), namespace),
+        ),
+        None => (Api::all(client.clone()), Api::all(client.clone())),
+    };
+    let context = Arc::new(Context {
+        client: client.clone(),
+        shard: shard.clone(),
+    });
+    let controller = Controller::new(secrets, shard.watcher_config())
+        .owns(config_maps, shard.watcher_config())
+        .graceful_shutdown_on(shutdown.clone().cancelled_owned())
+        .run(
+            shard.reconciler(client.clone(), reconcile),
+            error_policy,
+            context,
+        )
+        .for_each(|result| async move {
+            match result {
+                // Reconcile errors are logged by the error policy.
+                Ok(_) | Err(controller::Error::ReconcilerFailed(..)) => {}
+                Err(controller::Error::ObjectNotFound(_)) => {}
+                Err(error) => warn!(error = %error_chain(&error), "controller error"),
+            }
+        });
+
+    tokio::select! {
+        () = controller => {}
+        () = held.lost() => {
+            error!(shard = %shard.name(), "lost the shard Lease, stopping at once");
+            bail!("lost the shard Lease");
+        }
+    }
+    if held.is_lost() {
+        bail!("lost the shard Lease");
+    }
+    // The controller has stopped: hand our objects over right away.
+    held.release()
+        .await
+        .context("failed to release the shard Lease")?;
+    info!(shard = %shard.name(), "stopped");
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::ByteString;
+
+    #[test]
+    fn config_map_holds_checksums_and_controller_reference() {
+        let secret = Secret {
+            metadata: ObjectMeta {
+                name: Some("creds".into()),
+                namespace: Some("team".into()),
+                uid: Some("1234".into()),
+                ..ObjectMeta::default()
+            },
+            data: Some(BTreeMap::from([
+                ("empty".to_string(), ByteString(Vec::new())),
+                ("hello".to_string(), ByteString(b"hello".to_vec())),
+            ])),
+            ..Secret::default()
+        };
+        let shard = Shard::new("checksum-controller", "shard-0", "default");
+        let config_map = desired_config_map(&secret, &shard);
+        assert_eq!(config_map.metadata.name.as_deref(), Some("checksums-creds"));
+        assert_eq!(config_map.metadata.namespace.as_deref(), Some("team"));
+        let data = config_map.data.expect("data");
+        assert_eq!(
+            data["empty"],
+            "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
+        );
+        assert_eq!(
+            data["hello"],
+            "2cf24dba5fb0a30e26e83b2ac5b9e29e1b161e5c1fa7425e73043362938b9824"
+        );
+        let owner = &config_map.metadata.owner_references.expect("owner")[0];
+        assert_eq!(owner.kind, "Secret");
+        assert_eq!(owner.name, "creds");
+        assert_eq!(owner.uid, "1234");
+        assert_eq!(owner.controller, Some(true));
+        assert_eq!(
+            config_map.metadata.labels.expect("labels")[shard.shard_label_key()],
+            "shard-0"
+        );
+    }
+
+    #[test]
+    fn seconds_flags() {
+        assert_eq!(parse_seconds("2"), Ok(Duration::from_secs(2)));
+        assert_eq!(parse_seconds("0.5"), Ok(Duration::from_millis(500)));
+        assert!(parse_seconds("0").is_err());
+        assert!(parse_seconds("-1").is_err());
+        assert!(parse_seconds("soon").is_err());
+    }
+}

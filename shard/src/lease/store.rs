@@ -1,0 +1,196 @@
+//! Where the Lease lives: the API server, or (in unit tests) an in-memory fake with the same
+//! optimistic-concurrency rules.
+
+use k8s_openapi::api::coordination::v1::Lease;
+use kube::Api;
+use kube::api::PostParams;
+
+/// Access to the single Lease a lock manages.
+#[derive(Clone)]
+#[cfg_attr(
+    test,
+    expect(
+        clippy::large_enum_variant,
+        reason = "the small fake variant exists only in tests"
+    )
+)]
+pub(crate) enum Store {
+    /// The real API server.
+    Api {
+        /// Namespaced Lease API.
+        api: Api<Lease>,
+        /// Name of the Lease.
+        name: String,
+    },
+    /// In-memory stand-in for unit tests.
+    #[cfg(test)]
+    Fake(fake::FakeStore),
+}
+
+impl Store {
+    /// The Lease, or `None` when it does not exist.
+    pub(crate) async fn get(&self) -> Result<Option<Lease>, kube::Error> {
+        match self {
+            Self::Api { api, name } => api.get_opt(name).await,
+            #[cfg(test)]
+            Self::Fake(fake) => fake.get().await,
+        }
+    }
+
+    /// Creates the Lease; fails with 409 when it exists already.
+    pub(crate) async fn create(&self, lease: &Lease) -> Result<Lease, kube::Error> {
+        match self {
+            Self::Api { api, .. } => api.create(&PostParams::default(), lease).await,
+            #[cfg(test)]
+            Self::Fake(fake) => fake.create(lease).await,
+        }
+    }
+
+    /// Replaces the Lease. Callers always pass the `resourceVersion` they read, which turns the
+    /// write into a compare-and-swap: 409 when someone else wrote in between.
+    pub(crate) async fn replace(&self, lease: &Lease) -> Result<Lease, kube::Error> {
+        match self {
+            Self::Api { api, name } => api.replace(name, &PostParams::default(), lease).await,
+            #[cfg(test)]
+            Self::Fake(fake) => fake.replace(lease).await,
+        }
+    }
+}
+
+/// Whether the API refused a write because someone else changed or created the object first.
+pub(crate) fn is_conflict(error: &kube::Error) -> bool {
+    matches!(error, kube::Error::Api(status) if status.code == 409)
+}
+
+/// Whether the object does not exist.
+pub(crate) fn is_not_found(error: &kube::Error) -> bool {
+    matches!(error, kube::Error::Api(status) if status.code == 404)
+}
+
+#[cfg(test)]
+pub(crate) mod fake {
+    use std::sync::{Arc, Mutex, MutexGuard};
+
+    use k8s_openapi::api::coordination::v1::Lease;
+    use kube::core::Status;
+
+    /// How the fake answers the next calls.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub(crate) enum Mode {
+        /// Behave like an API server.
+        Normal,
+        /// Fail every call with 500.
+        Fail,
+        /// Never answer (a hung connection).
+        Hang,
+    }
+
+    #[derive(Debug)]
+    struct State {
+        lease: Option<Lease>,
+        resource_version: u64,
+        mode: Mode,
+        writes: usize,
+    }
+
+    /// An in-memory Lease with resourceVersion checks.
+    #[derive(Clone, Debug)]
+    pub(crate) struct FakeStore(Arc<Mutex<State>>);
+
+    fn status(code: u16, reason: &str) -> kube::Error {
+        kube::Error::Api(Status::failure(reason, reason).with_code(code).boxed())
+    }
+
+    impl FakeStore {
+        pub(crate) fn new() -> Self {
+            Self(Arc::new(Mutex::new(State {
+                lease: None,
+                resource_version: 0,
+                mode: Mode::Normal,
+                writes: 0,
+            })))
+        }
+
+        fn state(&self) -> MutexGuard<'_, State> {
+            self.0.lock().expect("fake store lock")
+        }
+
+        pub(crate) fn set_mode(&self, mode: Mode) {
+            self.state().mode = mode;
+        }
+
+        /// The stored Lease, as a test observer sees it.
+        pub(crate) fn lease(&self) -> Option<Lease> {
+            self.state().lease.clone()
+        }
+
+        /// Number of successful writes so far.
+        pub(crate) fn writes(&self) -> usize {
+            self.state().writes
+        }
+
+        /// Changes the stored Lease as another writer would (bumping the resourceVersion).
+        pub(crate) fn modify(&self, f: impl FnOnce(&mut Lease)) {
+            let mut state = self.state();
+            state.resource_version += 1;
+            let rv = state.resource_version.to_string();
+            if let Some(lease) = state.lease.as_mut() {
+                f(lease);
+                lease.metadata.resource_version = Some(rv);
+            }
+        }
+
+        /// Deletes the stored Lease as another writer would.
+        pub(crate) fn delete(&self) {
+            self.state().lease = None;
+        }
+
+        async fn gate(&self) -> Result<(), kube::Error> {
+            let mode = self.state().mode;
+            match mode {
+                Mode::Normal => Ok(()),
+                Mode::Fail => Err(status(500, "InternalError")),
+                Mode::Hang => futures::future::pending().await,
+            }
+        }
+
+        pub(crate) async fn get(&self) -> Result<Option<Lease>, kube::Error> {
+            self.gate().await?;
+            Ok(self.state().lease.clone())
+        }
+
+        pub(crate) async fn create(&self, lease: &Lease) -> Result<Lease, kube::Error> {
+            self.gate().await?;
+            let mut state = self.state();
+            if state.lease.is_some() {
+                return Err(status(409, "AlreadyExists"));
+            }
+            state.resource_version += 1;
+            state.writes += 1;
+            let mut stored = lease.clone();
+            stored.metadata.resource_version = Some(state.resource_version.to_string());
+            state.lease = Some(stored.clone());
+            Ok(stored)
+        }
+
+        pub(crate) async fn replace(&self, lease: &Lease) -> Result<Lease, kube::Error> {
+            self.gate().await?;
+            let mut state = self.state();
+            let Some(current) = state.lease.as_ref() else {
+                return Err(status(404, "NotFound"));
+            };
+            if lease.metadata.resource_version.is_none() {
+                panic!("the lock wrote a Lease without resourceVersion (a blind write)");
+            }
+            if current.metadata.resource_version != lease.metadata.resource_version {
+                return Err(status(409, "Conflict"));
+            }
+            state.resource_version += 1;
+            state.writes += 1;
+            let mut stored = lease.clone();
+            stored.metadata.resource_version = Some(state.resource_version.to_string());
+            state.lease = Some(stored.clone());
+            Ok(stored)
+        }
+    }
+}

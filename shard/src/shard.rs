@@ -1,0 +1,158 @@
+//! One shard of one ring: its name, the label keys of its ring, its membership Lease and the
+//! watch configuration that limits it to its own objects.
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::runtime::watcher;
+use sharding_crds::labels;
+
+use crate::drain::{self, Disposition};
+use crate::lease::LeaseLockConfig;
+
+/// A shard: a controller instance that joins the ring `ring` under the name `name`, announcing
+/// its membership with a Lease in `lease_namespace`.
+///
+/// ```
+/// let shard = shard::Shard::new("example", "shard-0", "default");
+/// assert_eq!(
+///     shard.label_selector(),
+///     "shard.alpha.sharding.timebertt.dev/clusterring-50d858e0-example=shard-0"
+/// );
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Shard {
+    ring: String,
+    name: String,
+    lease_namespace: String,
+    shard_label_key: String,
+    drain_label_key: String,
+}
+
+impl Shard {
+    /// A shard named `name` (also the name and holder identity of its Lease) in ring `ring`.
+    ///
+    /// **Sharp edge:** the name must be unique within the ring and stable for the lifetime of
+    /// the process (the pod name is a good choice). Two processes with one name both believe
+    /// they own the same objects.
+    pub fn new(
+        ring: impl Into<String>,
+        name: impl Into<String>,
+        lease_namespace: impl Into<String>,
+    ) -> Self {
+        let ring = ring.into();
+        Self {
+            shard_label_key: labels::shard_label(&ring),
+            drain_label_key: labels::drain_label(&ring),
+            ring,
+            name: name.into(),
+            lease_namespace: lease_namespace.into(),
+        }
+    }
+
+    /// Name of the ring (the `ClusterRing`).
+    pub fn ring(&self) -> &str {
+        &self.ring
+    }
+
+    /// Name of the shard.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Namespace of the shard's Lease.
+    pub fn lease_namespace(&self) -> &str {
+        &self.lease_namespace
+    }
+
+    /// The ring's shard label key, whose value on an object names the shard owning it.
+    pub fn shard_label_key(&self) -> &str {
+        &self.shard_label_key
+    }
+
+    /// The ring's drain label key, whose presence on an object asks its shard to let go of it.
+    pub fn drain_label_key(&self) -> &str {
+        &self.drain_label_key
+    }
+
+    /// `<shard label key>=<shard name>`: the selector every watch of the shard must use.
+    pub fn label_selector(&self) -> String {
+        format!("{}={}", self.shard_label_key, self.name)
+    }
+
+    /// A watcher configuration selecting only this shard's objects, for the main resources
+    /// (`Controller::new`) and for controlled resources (`Controller::owns`) alike.
+    ///
+    /// kube 5 uses the same [`watcher::Config`] for metadata-only watches
+    /// (`Api<PartialObjectMeta<K>>`), so this serves those too. When an object's shard label
+    /// changes away, the API server sends the watch a deletion: the object leaves the cache.
+    pub fn watcher_config(&self) -> watcher::Config {
+        watcher::Config::default().labels(&self.label_selector())
+    }
+
+    /// Configuration of the shard's membership Lease: name and holder identity are the shard
+    /// name, labelled with the ring. Default timing; adjust it with the `with_*` methods.
+    pub fn lease_config(&self) -> LeaseLockConfig {
+        LeaseLockConfig::new(&self.lease_namespace, &self.name, &self.name)
+            .with_label(labels::LABEL_CLUSTER_RING, &self.ring)
+    }
+
+    /// What this shard must do with an object, judged by its labels (see [`drain::classify`]).
+    pub fn classify(&self, meta: &ObjectMeta) -> Disposition {
+        drain::classify(
+            meta.labels.as_ref(),
+            &self.shard_label_key,
+            &self.drain_label_key,
+            &self.name,
+        )
+    }
+
+    /// Whether the object carries this ring's drain label.
+    pub fn is_draining(&self, meta: &ObjectMeta) -> bool {
+        meta.labels
+            .as_ref()
+            .is_some_and(|l| l.contains_key(&self.drain_label_key))
+    }
+
+    /// The merge patch that acknowledges a drain of an object at `resource_version` (see
+    /// [`drain::drain_patch`]).
+    pub fn drain_patch(&self, resource_version: &str) -> serde_json::Value {
+        drain::drain_patch(
+            &self.shard_label_key,
+            &self.drain_label_key,
+            resource_version,
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_selector_and_lease_follow_the_spec() {
+        let shard = Shard::new("checksum-controller", "shard-x", "leases");
+        assert_eq!(
+            shard.shard_label_key(),
+            "shard.alpha.sharding.timebertt.dev/clusterring-f4d63fd2-checksum-controller"
+        );
+        assert_eq!(
+            shard.drain_label_key(),
+            "drain.alpha.sharding.timebertt.dev/clusterring-f4d63fd2-checksum-controller"
+        );
+        assert_eq!(
+            shard.watcher_config().label_selector.as_deref(),
+            Some(
+                "shard.alpha.sharding.timebertt.dev/clusterring-f4d63fd2-checksum-controller=shard-x"
+            )
+        );
+        let lease = shard.lease_config();
+        assert_eq!(lease.namespace(), "leases");
+        assert_eq!(lease.name(), "shard-x");
+        assert_eq!(lease.identity(), "shard-x");
+        assert_eq!(
+            lease
+                .labels()
+                .get("alpha.sharding.timebertt.dev/clusterring"),
+            Some(&"checksum-controller".to_string())
+        );
+    }
+}

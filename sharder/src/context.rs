@@ -1,0 +1,44 @@
+//! What the sharder's controllers, webhook and metrics share.
+
+use std::sync::Arc;
+
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::Namespace;
+use kube::Client;
+use kube::runtime::events::Recorder;
+use kube::runtime::reflector::Store;
+use sharding_crds::ClusterRing;
+use sharding_crds::config::SharderConfig;
+
+use crate::discovery::Discovery;
+use crate::metrics::Metrics;
+use crate::rings::RingRegistry;
+
+/// Shared state of one sharder process.
+#[derive(Clone)]
+pub struct Context {
+    /// API client.
+    pub client: Client,
+    /// The validated configuration.
+    pub config: Arc<SharderConfig>,
+    /// Cache of every ClusterRing.
+    pub rings: Store<ClusterRing>,
+    /// Cache of every Lease carrying the ring label.
+    pub leases: Store<Lease>,
+    /// Cache of every Namespace (for namespace selectors).
+    pub namespaces: Store<Namespace>,
+    /// Current view of each ring.
+    pub registry: Arc<RingRegistry>,
+    /// Resource discovery with a cache.
+    pub discovery: Arc<Discovery>,
+    /// Counters.
+    pub metrics: Metrics,
+    /// Publishes Events on ClusterRings.
+    pub recorder: Recorder,
+}
+
+impl std::fmt::Debug for Context {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Context").finish_non_exhaustive()
+    }
+}

@@ -1,0 +1,333 @@
+//! The ClusterRing controller (SPEC §10): validates each ring, keeps its MutatingWebhookConfiguration
+//! applied (restoring it within seconds after deletion or edits), and writes the ring's status.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, Patch, PatchParams};
+use kube::runtime::controller::{Action, Controller};
+use kube::runtime::events::{Event, EventType};
+use kube::runtime::reflector::ObjectRef;
+use kube::runtime::watcher;
+use kube::{Resource, ResourceExt};
+use serde_json::Value;
+use sharding_crds::cluster_ring::{
+    CONDITION_READY, MESSAGE_RECONCILIATION_SUCCEEDED, REASON_RECONCILIATION_FAILED,
+    REASON_RECONCILIATION_SUCCEEDED,
+};
+use sharding_crds::labels::{APP_NAME, LABEL_APP_NAME, LABEL_CLUSTER_RING};
+use sharding_crds::{ClusterRing, ClusterRingStatus};
+use tokio_util::sync::CancellationToken;
+
+use crate::context::Context;
+use crate::shard_state::ShardLease;
+use crate::validation::validate_ring;
+use crate::webhook_config::{FIELD_MANAGER, desired_webhook_configuration};
+
+/// Errors of one reconciliation.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The ring is invalid; reported in its status, not retried until it changes.
+    #[error("{0}")]
+    Invalid(String),
+    /// The CA bundle file from the config could not be read.
+    #[error("failed to read CA bundle file {path}: {source}")]
+    CaBundle {
+        /// The file.
+        path: String,
+        /// Underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// An API call failed.
+    #[error("failed to {action}: {source}")]
+    Api {
+        /// What was attempted.
+        action: &'static str,
+        /// Underlying error.
+        #[source]
+        source: kube::Error,
+    },
+}
+
+impl Error {
+    /// A fixed label for metrics and logs.
+    pub fn category(&self) -> &'static str {
+        match self {
+            Self::Invalid(_) => "invalid",
+            Self::CaBundle { .. } => "ca_bundle",
+            Self::Api { .. } => "api",
+        }
+    }
+}
+
+/// Runs the controller until `shutdown` fires.
+pub async fn run(ctx: Context, shutdown: CancellationToken) {
+    let rings: Api<ClusterRing> = Api::all(ctx.client.clone());
+    let configs: Api<MutatingWebhookConfiguration> = Api::all(ctx.client.clone());
+    let leases: Api<Lease> = Api::all(ctx.client.clone());
+    Controller::new(rings, watcher::Config::default())
+        // Deleting or editing the webhook configuration triggers its ring, which restores it.
+        .owns(
+            configs,
+            watcher::Config::default().labels(&format!("{LABEL_APP_NAME}={APP_NAME}")),
+        )
+        .watches(
+            leases,
+            watcher::Config::default().labels(LABEL_CLUSTER_RING),
+            |lease: Lease| {
+                lease
+                    .labels()
+                    .get(LABEL_CLUSTER_RING)
+                    .map(|ring| ObjectRef::<ClusterRing>::new(ring))
+            },
+        )
+        .graceful_shutdown_on(shutdown.cancelled_owned())
+        .run(reconcile, error_policy, Arc::new(ctx))
+        .for_each(|result| async move {
+            if let Err(error) = result {
+                tracing::debug!(%error, "ClusterRing reconciliation failed");
+            }
+        })
+        .await;
+}
+
+fn error_policy(ring: Arc<ClusterRing>, error: &Error, _ctx: Arc<Context>) -> Action {
+    match error {
+        Error::Invalid(_) => Action::await_change(),
+        _ => {
+            tracing::warn!(%error, ring = %ring.name_any(), category = error.category(), "failed to reconcile ClusterRing");
+            Action::requeue(Duration::from_secs(5))
+        }
+    }
+}
+
+/// Reconciles one ring: validate, apply the webhook configuration, update the status.
+#[tracing::instrument(skip_all, fields(ring = %ring.name_any()))]
+pub async fn reconcile(ring: Arc<ClusterRing>, ctx: Arc<Context>) -> Result<Action, Error> {
+    let result = apply_webhook_configuration(&ring, &ctx).await;
+    let leases = ctx.leases.state();
+    let name = ring.name_any();
+    let ring_leases: Vec<_> = leases
+        .iter()
+        .filter(|l| l.labels().get(LABEL_CLUSTER_RING) == Some(&name))
+        .collect();
+    let shards = i32::try_from(ring_leases.len()).unwrap_or(i32::MAX);
+    let available = ring_leases
+        .iter()
+        .filter(|l| ShardLease::from_lease(l).is_held_by_shard())
+        .count();
+    let available = i32::try_from(available).unwrap_or(i32::MAX);
+    let failure = result.as_ref().err().map(capitalised);
+    let status = desired_status(
+        &ring,
+        shards,
+        available,
+        failure.as_deref(),
+        Timestamp::now(),
+    );
+    if ring.status.as_ref() != Some(&status) {
+        let api: Api<ClusterRing> = Api::all(ctx.client.clone());
+        let patch = serde_json::json!({"status": status});
+        api.patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .map_err(|source| Error::Api {
+                action: "update ClusterRing status",
+                source,
+            })?;
+    }
+    if let Some(message) = &failure {
+        let flipped = ring
+            .ready_condition()
+            .is_none_or(|c| c.status != "False" || &c.message != message);
+        if flipped {
+            let event = Event {
+                type_: EventType::Warning,
+                reason: REASON_RECONCILIATION_FAILED.into(),
+                note: Some(message.clone()),
+                action: "Reconcile".into(),
+                secondary: None,
+            };
+            if let Err(error) = ctx.recorder.publish(&event, &ring.object_ref(&())).await {
+                tracing::warn!(%error, "failed to publish Event");
+            }
+        }
+    }
+    result.map(|()| Action::await_change())
+}
+
+async fn apply_webhook_configuration(ring: &ClusterRing, ctx: &Context) -> Result<(), Error> {
+    validate_ring(ring).map_err(Error::Invalid)?;
+    let client_config = &ctx.config.webhook.config.client_config;
+    let ca_bundle = match (&client_config.ca_bundle, &client_config.ca_bundle_file) {
+        (Some(inline), _) => Some(inline.0.clone()),
+        (None, Some(path)) => {
+            Some(
+                tokio::fs::read(path)
+                    .await
+                    .map_err(|source| Error::CaBundle {
+                        path: path.display().to_string(),
+                        source,
+                    })?,
+            )
+        }
+        (None, None) => None,
+    };
+    let desired = desired_webhook_configuration(ring, &ctx.config.webhook.config, ca_bundle);
+    let name = desired.name_any();
+    let api: Api<MutatingWebhookConfiguration> = Api::all(ctx.client.clone());
+    let existing = api.get_opt(&name).await.map_err(|source| Error::Api {
+        action: "read webhook configuration",
+        source,
+    })?;
+    let up_to_date = existing.is_some_and(|existing| {
+        let (desired, existing) = (
+            serde_json::to_value(&desired),
+            serde_json::to_value(&existing),
+        );
+        matches!((desired, existing), (Ok(d), Ok(e)) if is_subset(&d, &e))
+    });
+    if !up_to_date {
+        api.patch(
+            &name,
+            &PatchParams::apply(FIELD_MANAGER).force(),
+            &Patch::Apply(&desired),
+        )
+        .await
+        .map_err(|source| Error::Api {
+            action: "apply webhook configuration",
+            source,
+        })?;
+        tracing::info!(webhook_configuration = %name, "applied webhook configuration");
+    }
+    Ok(())
+}
+
+/// Whether every field set in `desired` has the same value in `actual`. Fields the API server
+/// defaults (or others add) are ignored, so an unchanged object needs no write.
+pub fn is_subset(desired: &Value, actual: &Value) -> bool {
+    match (desired, actual) {
+        (Value::Object(d), Value::Object(a)) => d
+            .iter()
+            .all(|(k, v)| v.is_null() || a.get(k).is_some_and(|av| is_subset(v, av))),
+        (Value::Array(d), Value::Array(a)) => {
+            d.len() == a.len() && d.iter().zip(a).all(|(dv, av)| is_subset(dv, av))
+        }
+        _ => desired == actual,
+    }
+}
+
+fn capitalised(error: &Error) -> String {
+    let message = error.to_string();
+    let mut chars = message.chars();
+    match chars.next() {
+        Some(first) => first.to_uppercase().chain(chars).collect(),
+        None => message,
+    }
+}
+
+/// The status a ring should have; `lastTransitionTime` only moves when the condition flips.
+pub fn desired_status(
+    ring: &ClusterRing,
+    shards: i32,
+    available_shards: i32,
+    failure: Option<&str>,
+    now: Timestamp,
+) -> ClusterRingStatus {
+    let generation = ring.metadata.generation;
+    let (status, reason, message) = match failure {
+        None => (
+            "True",
+            REASON_RECONCILIATION_SUCCEEDED,
+            MESSAGE_RECONCILIATION_SUCCEEDED.to_string(),
+        ),
+        Some(message) => ("False", REASON_RECONCILIATION_FAILED, message.to_string()),
+    };
+    let previous = ring.ready_condition();
+    let last_transition_time = previous
+        .filter(|c| c.status == status)
+        .map_or(Time(now), |c| c.last_transition_time.clone());
+    let mut conditions: Vec<Condition> = ring
+        .status
+        .as_ref()
+        .map(|s| s.conditions.clone())
+        .unwrap_or_default();
+    conditions.retain(|c| c.type_ != CONDITION_READY);
+    conditions.push(Condition {
+        type_: CONDITION_READY.into(),
+        status: status.into(),
+        reason: reason.into(),
+        message,
+        observed_generation: generation,
+        last_transition_time,
+    });
+    ClusterRingStatus {
+        observed_generation: generation,
+        shards,
+        available_shards,
+        conditions,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+    use sharding_crds::ClusterRingSpec;
+
+    #[test]
+    fn subset_ignores_server_defaults_but_not_changes() {
+        let desired = json!({"a": 1, "b": {"c": [1, {"d": "x"}]}, "n": null});
+        assert!(is_subset(
+            &desired,
+            &json!({"a": 1, "b": {"c": [1, {"d": "x", "e": 2}]}, "z": 0})
+        ));
+        assert!(!is_subset(
+            &desired,
+            &json!({"a": 2, "b": {"c": [1, {"d": "x"}]}})
+        ));
+        assert!(!is_subset(&desired, &json!({"a": 1, "b": {"c": [1]}})));
+        assert!(!is_subset(&desired, &json!({"a": 1})));
+    }
+
+    #[test]
+    fn status_keeps_transition_time_until_flip() {
+        let mut ring = ClusterRing::new("r", ClusterRingSpec::default());
+        ring.metadata.generation = Some(4);
+        let t1 = Timestamp::from_second(100).unwrap();
+        let t2 = Timestamp::from_second(200).unwrap();
+        let first = desired_status(&ring, 3, 2, None, t1);
+        assert_eq!(first.observed_generation, Some(4));
+        assert_eq!((first.shards, first.available_shards), (3, 2));
+        let cond = &first.conditions[0];
+        assert_eq!(
+            (cond.type_.as_str(), cond.status.as_str()),
+            ("Ready", "True")
+        );
+        assert_eq!(cond.reason, "ReconciliationSucceeded");
+        assert_eq!(cond.message, "ClusterRing was successfully reconciled");
+        assert_eq!(cond.observed_generation, Some(4));
+        ring.status = Some(first.clone());
+        let again = desired_status(&ring, 3, 3, None, t2);
+        assert_eq!(again.conditions[0].last_transition_time, Time(t1));
+        let failed = desired_status(&ring, 3, 3, Some("Broken"), t2);
+        assert_eq!(failed.conditions.len(), 1);
+        assert_eq!(failed.conditions[0].status, "False");
+        assert_eq!(failed.conditions[0].reason, "ReconciliationFailed");
+        assert_eq!(failed.conditions[0].message, "Broken");
+        assert_eq!(failed.conditions[0].last_transition_time, Time(t2));
+    }
+
+    #[test]
+    fn errors_are_capitalised() {
+        assert_eq!(
+            capitalised(&Error::Invalid("resource x".into())),
+            "Resource x"
+        );
+    }
+}

@@ -1,0 +1,209 @@
+//! HTTP servers of the sharder process: the TLS webhook server and the plain admin servers
+//! (health probes, metrics).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::IntoResponse;
+use axum::routing::get;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::server::conn::auto;
+use hyper_util::server::graceful::GracefulShutdown;
+use hyper_util::service::TowerToHyperService;
+use prometheus_client::registry::Registry;
+use tokio::net::TcpListener;
+use tokio_rustls::TlsAcceptor;
+use tokio_util::sync::CancellationToken;
+
+/// How long a client may take for the TLS handshake before its connection is dropped.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Readiness of the process: ready once caches synced and the certificate is loaded, and never
+/// again once shutdown began.
+#[derive(Debug, Default)]
+pub struct Readiness {
+    caches_synced: AtomicBool,
+    certificate_loaded: AtomicBool,
+    shutting_down: AtomicBool,
+}
+
+impl Readiness {
+    /// Marks the caches as synced.
+    pub fn set_caches_synced(&self) {
+        self.caches_synced.store(true, Ordering::SeqCst);
+    }
+
+    /// Marks the webhook certificate as loaded.
+    pub fn set_certificate_loaded(&self) {
+        self.certificate_loaded.store(true, Ordering::SeqCst);
+    }
+
+    /// Marks the start of shutdown.
+    pub fn set_shutting_down(&self) {
+        self.shutting_down.store(true, Ordering::SeqCst);
+    }
+
+    /// Whether the process should receive traffic.
+    pub fn is_ready(&self) -> bool {
+        self.caches_synced.load(Ordering::SeqCst)
+            && self.certificate_loaded.load(Ordering::SeqCst)
+            && !self.shutting_down.load(Ordering::SeqCst)
+    }
+}
+
+/// Router of the health endpoint: `/healthz` (alive) and `/readyz` (see [`Readiness`]).
+pub fn health_router(readiness: Arc<Readiness>) -> Router {
+    Router::new()
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route(
+            "/readyz",
+            get(|State(r): State<Arc<Readiness>>| async move {
+                if r.is_ready() {
+                    (StatusCode::OK, "ok\n")
+                } else {
+                    (StatusCode::SERVICE_UNAVAILABLE, "not ready\n")
+                }
+            }),
+        )
+        .with_state(readiness)
+}
+
+/// Router of the metrics endpoint: `/metrics` in the OpenMetrics text format.
+pub fn metrics_router(registry: Arc<Registry>) -> Router {
+    Router::new()
+        .route(
+            "/metrics",
+            get(|State(registry): State<Arc<Registry>>| async move {
+                match crate::metrics::render(&registry) {
+                    Ok(text) => (
+                        StatusCode::OK,
+                        [(
+                            header::CONTENT_TYPE,
+                            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                        )],
+                        text,
+                    )
+                        .into_response(),
+                    Err(_) => StatusCode::INTERNAL_SERVER_ERROR.into_response(),
+                }
+            }),
+        )
+        .with_state(registry)
+}
+
+/// Serves `app` over plain HTTP on `listener` until `shutdown` fires.
+pub async fn serve_plain(listener: TcpListener, app: Router, shutdown: CancellationToken) {
+    let addr = listener.local_addr().ok();
+    if let Err(error) = axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown.cancelled_owned())
+        .await
+    {
+        tracing::error!(%error, ?addr, "HTTP server failed");
+    }
+}
+
+/// Serves `app` over TLS on `listener` until `shutdown` fires, then lets open requests finish for
+/// at most `drain`.
+pub async fn serve_tls(
+    listener: TcpListener,
+    tls: TlsAcceptor,
+    app: Router,
+    shutdown: CancellationToken,
+    drain: Duration,
+) {
+    let graceful = GracefulShutdown::new();
+    loop {
+        let (stream, peer) = tokio::select! {
+            () = shutdown.cancelled() => break,
+            accepted = listener.accept() => match accepted {
+                Ok(conn) => conn,
+                Err(error) => {
+                    tracing::warn!(%error, "failed to accept webhook connection");
+                    continue;
+                }
+            },
+        };
+        let tls = tls.clone();
+        let service = TowerToHyperService::new(app.clone());
+        let watcher = graceful.watcher();
+        tokio::spawn(async move {
+            let stream = match tokio::time::timeout(HANDSHAKE_TIMEOUT, tls.accept(stream)).await {
+                Ok(Ok(stream)) => stream,
+                Ok(Err(error)) => {
+                    tracing::debug!(%error, %peer, "TLS handshake failed");
+                    return;
+                }
+                Err(_) => {
+                    tracing::debug!(%peer, "TLS handshake timed out");
+                    return;
+                }
+            };
+            let builder = auto::Builder::new(TokioExecutor::new());
+            let conn = builder.serve_connection(TokioIo::new(stream), service);
+            if let Err(error) = watcher.watch(conn.into_owned()).await {
+                tracing::debug!(%error, %peer, "webhook connection ended with an error");
+            }
+        });
+    }
+    if tokio::time::timeout(drain, graceful.shutdown())
+        .await
+        .is_err()
+    {
+        tracing::warn!("webhook connections still open after the shutdown grace period");
+    }
+}
+
+/// Binds a TCP listener, naming the address in the error.
+pub async fn bind(addr: SocketAddr) -> anyhow::Result<TcpListener> {
+    use anyhow::Context as _;
+    TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("failed to listen on {addr}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::body::Body;
+    use axum::http::Request;
+    use tower::ServiceExt;
+
+    #[tokio::test]
+    async fn readiness_follows_caches_certificate_and_shutdown() {
+        let readiness = Arc::new(Readiness::default());
+        let status = |r: &Arc<Readiness>| {
+            let app = health_router(r.clone());
+            async move {
+                app.oneshot(
+                    Request::get("/readyz")
+                        .body(Body::empty())
+                        .expect("request"),
+                )
+                .await
+                .expect("infallible")
+                .status()
+            }
+        };
+        assert_eq!(status(&readiness).await, StatusCode::SERVICE_UNAVAILABLE);
+        readiness.set_caches_synced();
+        assert_eq!(status(&readiness).await, StatusCode::SERVICE_UNAVAILABLE);
+        readiness.set_certificate_loaded();
+        assert_eq!(status(&readiness).await, StatusCode::OK);
+        readiness.set_shutting_down();
+        assert_eq!(status(&readiness).await, StatusCode::SERVICE_UNAVAILABLE);
+        let healthz = health_router(readiness)
+            .oneshot(
+                Request::get("/healthz")
+                    .body(Body::empty())
+                    .expect("request"),
+            )
+            .await
+            .expect("infallible");
+        assert_eq!(healthz.status(), StatusCode::OK);
+    }
+}

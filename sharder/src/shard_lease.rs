@@ -1,0 +1,198 @@
+//! The shard-lease controller (SPEC §4): keeps each shard Lease's state label current, takes over
+//! `uncertain` Leases, deletes `orphaned` ones, and requeues exactly at the next state boundary.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::jiff::Timestamp;
+use kube::ResourceExt;
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions};
+use kube::runtime::controller::{Action, Controller};
+use kube::runtime::reflector::ObjectRef;
+use kube::runtime::watcher;
+use sharding_crds::ClusterRing;
+use sharding_crds::labels::{LABEL_CLUSTER_RING, LABEL_STATE};
+use tokio_util::sync::CancellationToken;
+
+use crate::context::Context;
+use crate::shard_state::{ShardLease, ShardState};
+
+/// Longest requeue; far-away boundaries (absurd durations) are re-evaluated at least this often.
+const MAX_REQUEUE: Duration = Duration::from_secs(3600);
+
+/// Errors of one reconciliation; the Lease is retried after a short delay.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A write to the API failed (a conflict means the Lease changed and a new event follows).
+    #[error("failed to {action} Lease {namespace}/{name}: {source}")]
+    Write {
+        /// What was attempted.
+        action: &'static str,
+        /// Lease namespace.
+        namespace: String,
+        /// Lease name.
+        name: String,
+        /// Underlying error.
+        #[source]
+        source: kube::Error,
+    },
+}
+
+/// Runs the controller until `shutdown` fires.
+pub async fn run(ctx: Context, shutdown: CancellationToken) {
+    let leases: Api<Lease> = Api::all(ctx.client.clone());
+    let rings: Api<ClusterRing> = Api::all(ctx.client.clone());
+    let lease_store = ctx.leases.clone();
+    Controller::new(
+        leases,
+        watcher::Config::default().labels(LABEL_CLUSTER_RING),
+    )
+    // A ring that appears makes its (so far ignored) Leases relevant.
+    .watches(
+        rings,
+        watcher::Config::default(),
+        move |ring: ClusterRing| {
+            let name = ring.name_any();
+            lease_store
+                .state()
+                .into_iter()
+                .filter(|l| l.labels().get(LABEL_CLUSTER_RING) == Some(&name))
+                .filter_map(|l| {
+                    let (name, namespace) = (l.metadata.name.as_deref()?, l.namespace()?);
+                    Some(ObjectRef::<Lease>::new(name).within(&namespace))
+                })
+                .collect::<Vec<_>>()
+        },
+    )
+    .graceful_shutdown_on(shutdown.cancelled_owned())
+    .run(reconcile, error_policy, Arc::new(ctx))
+    .for_each(|result| async move {
+        if let Err(error) = result {
+            tracing::debug!(%error, "shard lease reconciliation failed");
+        }
+    })
+    .await;
+}
+
+fn error_policy(_lease: Arc<Lease>, error: &Error, _ctx: Arc<Context>) -> Action {
+    tracing::warn!(%error, "failed to reconcile shard Lease");
+    Action::requeue(Duration::from_secs(5))
+}
+
+/// Reconciles one Lease at the current time.
+#[tracing::instrument(skip_all, fields(lease = %lease.name_any(), namespace = lease.namespace().unwrap_or_default()))]
+pub async fn reconcile(lease: Arc<Lease>, ctx: Arc<Context>) -> Result<Action, Error> {
+    let Some(ring) = lease.labels().get(LABEL_CLUSTER_RING) else {
+        return Ok(Action::await_change());
+    };
+    if ctx.rings.get(&ObjectRef::new(ring)).is_none() {
+        // Leases of rings that do not exist are not ours to manage.
+        return Ok(Action::await_change());
+    }
+    let namespace = lease.namespace().unwrap_or_default();
+    let name = lease.name_any();
+    let api: Api<Lease> = Api::namespaced(ctx.client.clone(), &namespace);
+    let write_err = |action| {
+        let (namespace, name) = (namespace.clone(), name.clone());
+        move |source| Error::Write {
+            action,
+            namespace,
+            name,
+            source,
+        }
+    };
+
+    let now = Timestamp::now();
+    let view = ShardLease::from_lease(&lease);
+    let (state, next) = view.evaluate(now);
+    match state {
+        ShardState::Uncertain => {
+            // The shard stopped renewing long ago. Taking the Lease over with an update guarded by
+            // resourceVersion proves the API server is reachable and the shard can no longer
+            // renew, so it must have stopped: from here on it is dead and its objects can move.
+            let mut taken = (*lease).clone();
+            let spec = taken.spec.get_or_insert_with(Default::default);
+            view.takeover(now).apply(spec);
+            taken
+                .labels_mut()
+                .insert(LABEL_STATE.into(), ShardState::Dead.as_str().into());
+            taken.metadata.managed_fields = None;
+            api.replace(&name, &PostParams::default(), &taken)
+                .await
+                .map_err(write_err("take over"))?;
+            tracing::info!(ring = %ring, shard = %name, "took over the Lease of an unresponsive shard");
+            // The write triggers a new event, which computes the next boundary.
+            Ok(Action::await_change())
+        }
+        ShardState::Orphaned => {
+            let params = DeleteParams {
+                preconditions: Some(Preconditions {
+                    resource_version: lease.resource_version(),
+                    uid: lease.uid(),
+                }),
+                ..Default::default()
+            };
+            match api.delete(&name, &params).await {
+                Ok(_) => {
+                    tracing::info!(ring = %ring, shard = %name, "deleted orphaned shard Lease")
+                }
+                Err(kube::Error::Api(s)) if s.code == 404 => {}
+                Err(e) => return Err(write_err("delete")(e)),
+            }
+            Ok(Action::await_change())
+        }
+        _ => {
+            if lease.labels().get(LABEL_STATE).map(String::as_str) != Some(state.as_str()) {
+                let patch = serde_json::json!({"metadata": {
+                    "resourceVersion": lease.resource_version(),
+                    "labels": {LABEL_STATE: state.as_str()},
+                }});
+                api.patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+                    .await
+                    .map_err(write_err("label"))?;
+            }
+            Ok(requeue_at(next, now))
+        }
+    }
+}
+
+/// Requeue exactly at `boundary` (plus a millisecond so the new state has begun).
+fn requeue_at(boundary: Option<Timestamp>, now: Timestamp) -> Action {
+    match boundary {
+        None => Action::await_change(),
+        Some(at) => {
+            let wait = at
+                .duration_since(now)
+                .try_into()
+                .unwrap_or(Duration::ZERO)
+                .min(MAX_REQUEUE);
+            Action::requeue(wait + Duration::from_millis(1))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn requeue_is_capped_and_exact() {
+        let now = Timestamp::from_second(1_000).unwrap();
+        let at = Timestamp::from_second(1_010).unwrap();
+        assert_eq!(
+            requeue_at(Some(at), now),
+            Action::requeue(Duration::from_secs(10) + Duration::from_millis(1))
+        );
+        assert_eq!(
+            requeue_at(Some(Timestamp::MAX), now),
+            Action::requeue(MAX_REQUEUE + Duration::from_millis(1))
+        );
+        assert_eq!(requeue_at(None, now), Action::await_change());
+        assert_eq!(
+            requeue_at(Some(now), at),
+            Action::requeue(Duration::from_millis(1))
+        );
+    }
+}
