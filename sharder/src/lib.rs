@@ -11,11 +11,13 @@ pub mod controller_ring;
 pub mod discovery;
 pub mod key;
 pub mod metrics;
+pub mod rebalance;
 pub mod ring;
 pub mod rings;
 pub mod server;
 pub mod shard_lease;
 pub mod shard_state;
+pub mod sync;
 pub mod tls;
 pub mod validation;
 pub mod webhook;
@@ -402,7 +404,8 @@ async fn lead(ctx: Context, identity: String, shutdown: CancellationToken) {
 async fn run_controllers(ctx: Context, shutdown: CancellationToken) {
     tokio::join!(
         controller_ring::run(ctx.clone(), shutdown.clone()),
-        shard_lease::run(ctx, shutdown),
+        shard_lease::run(ctx.clone(), shutdown.clone()),
+        sync::run(ctx, shutdown),
     );
 }
 

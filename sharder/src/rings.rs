@@ -6,6 +6,7 @@
 //! anything for longer than a map lookup.
 
 use std::collections::{BTreeSet, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 
 use k8s_openapi::api::coordination::v1::Lease;
@@ -72,6 +73,9 @@ pub struct RingView {
     pub unresolved: Vec<GroupResource>,
     /// `metadata.generation` of the ring this view was built from.
     pub generation: Option<i64>,
+    /// Increases with every rebuild of any view; set by [`RingRegistry::insert`]. The sharder
+    /// controller syncs a ring again when its view's revision changed.
+    pub revision: u64,
 }
 
 /// Names of the available shards of `ring_name` among `leases`: Leases carrying the ring label
@@ -141,13 +145,26 @@ pub fn build_view(
         resources,
         unresolved,
         generation: ring.metadata.generation,
+        revision: 0,
     }
 }
 
 /// The current view of every ring, shared between the webhook, the controllers and metrics.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct RingRegistry {
     views: RwLock<HashMap<String, Arc<RingView>>>,
+    revision: AtomicU64,
+    changed: tokio::sync::watch::Sender<u64>,
+}
+
+impl Default for RingRegistry {
+    fn default() -> Self {
+        Self {
+            views: RwLock::default(),
+            revision: AtomicU64::new(0),
+            changed: tokio::sync::watch::Sender::new(0),
+        }
+    }
 }
 
 impl RingRegistry {
@@ -164,18 +181,32 @@ impl RingRegistry {
             .unwrap_or_default()
     }
 
-    /// Replaces the view of a ring.
-    pub fn insert(&self, view: RingView) {
+    /// Replaces the view of a ring, giving it a new revision.
+    pub fn insert(&self, mut view: RingView) {
+        let revision = self.revision.fetch_add(1, Ordering::SeqCst) + 1;
+        view.revision = revision;
         if let Ok(mut views) = self.views.write() {
             views.insert(view.name.clone(), Arc::new(view));
         }
+        self.changed.send_replace(revision);
     }
 
     /// Forgets every ring not in `keep`.
     pub fn retain(&self, keep: &BTreeSet<String>) {
-        if let Ok(mut views) = self.views.write() {
+        let removed = self.views.write().is_ok_and(|mut views| {
+            let before = views.len();
             views.retain(|name, _| keep.contains(name));
+            views.len() != before
+        });
+        if removed {
+            let revision = self.revision.fetch_add(1, Ordering::SeqCst) + 1;
+            self.changed.send_replace(revision);
         }
+    }
+
+    /// A receiver that is notified whenever a view is inserted or removed.
+    pub fn subscribe(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.changed.subscribe()
     }
 }
 

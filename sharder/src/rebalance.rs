@@ -1,0 +1,98 @@
+//! The rebalancing decision of the sharder controller (SPEC §9): what to do with one object given
+//! its labels and the ring's current assignment. Pure: no I/O, no time.
+
+/// What the sharder does with an object.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Decision {
+    /// Leave it alone.
+    Keep,
+    /// Ask its current (available) shard to let go: add the drain label. The shard acknowledges by
+    /// removing both labels, and that update reaches the webhook, which assigns the desired shard.
+    Drain,
+    /// Remove the shard and drain labels: the resulting update reaches the webhook, which assigns
+    /// the desired shard in the same request.
+    Move,
+}
+
+/// The labels and role of one object, as far as the decision needs them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ObjectState<'a> {
+    /// Value of the ring's shard label, if set and non-empty.
+    pub current: Option<&'a str>,
+    /// Whether the object carries the ring's drain label.
+    pub draining: bool,
+    /// Whether the object is of a main resource (controlled objects are never drained).
+    pub main: bool,
+}
+
+/// Decides for one object. `desired` is the shard the ring assigns it to now (`None` without a
+/// key or without available shards); `is_available` tells whether a shard is available.
+pub fn decide(
+    object: ObjectState<'_>,
+    desired: Option<&str>,
+    is_available: impl Fn(&str) -> bool,
+) -> Decision {
+    let Some(desired) = desired else {
+        return Decision::Keep;
+    };
+    match object.current {
+        Some(current) if current == desired => Decision::Keep,
+        Some(current) if object.main && is_available(current) => {
+            if object.draining {
+                // Already asked; the shard has not acknowledged yet.
+                Decision::Keep
+            } else {
+                Decision::Drain
+            }
+        }
+        // Unassigned, assigned to an unavailable shard, or a controlled object.
+        _ => Decision::Move,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn state(current: Option<&str>, draining: bool, main: bool) -> ObjectState<'_> {
+        ObjectState {
+            current,
+            draining,
+            main,
+        }
+    }
+
+    const AVAILABLE: [&str; 2] = ["a", "b"];
+
+    fn available(s: &str) -> bool {
+        AVAILABLE.contains(&s)
+    }
+
+    #[test]
+    fn decision_table() {
+        use Decision::*;
+        let cases = [
+            // (current, draining, main, desired) -> decision
+            ((None, false, true, None), Keep),
+            ((Some("a"), false, true, None), Keep),
+            ((Some("a"), false, true, Some("a")), Keep),
+            ((Some("a"), true, true, Some("a")), Keep),
+            ((Some("a"), false, true, Some("b")), Drain),
+            ((Some("a"), true, true, Some("b")), Keep),
+            ((Some("gone"), false, true, Some("b")), Move),
+            ((Some("gone"), true, true, Some("b")), Move),
+            ((None, false, true, Some("b")), Move),
+            ((None, true, true, Some("b")), Move),
+            ((Some("a"), false, false, Some("b")), Move),
+            ((Some("a"), false, false, Some("a")), Keep),
+            ((None, false, false, Some("a")), Move),
+        ];
+        for ((current, draining, main, desired), expected) in cases {
+            assert_eq!(
+                decide(state(current, draining, main), desired, available),
+                expected,
+                "current={current:?} draining={draining} main={main} desired={desired:?}"
+            );
+        }
+    }
+}
