@@ -18,6 +18,7 @@ pub mod server;
 pub mod shard_lease;
 pub mod shard_state;
 pub mod sync;
+pub mod throttle;
 pub mod tls;
 pub mod validation;
 pub mod webhook;
@@ -239,7 +240,21 @@ async fn build_client(config: &SharderConfig) -> anyhow::Result<Client> {
             .await
             .with_context(|| format!("failed to load {path}"))?
     };
-    Client::try_from(kube_config).context("failed to build API client")
+    let builder =
+        kube::client::ClientBuilder::try_from(kube_config).context("failed to build API client")?;
+    // No client-side throttling unless configured (SPEC §11).
+    match config.client_connection.qps.filter(|qps| *qps > 0.0) {
+        Some(qps) => {
+            // Burst defaults to the rate itself, at least one request.
+            let burst = config
+                .client_connection
+                .burst
+                .unwrap_or_else(|| qps.ceil() as u32);
+            let layer = throttle::ThrottleLayer::new(qps, burst);
+            Ok(builder.with_layer(&layer).build())
+        }
+        None => Ok(builder.build()),
+    }
 }
 
 /// Polls a reflector stream until shutdown, notifying `changed` after every event.
