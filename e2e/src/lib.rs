@@ -9,6 +9,7 @@
 //! Each test works in its own namespace ([`Cluster::namespace`]) with unique names
 //! ([`unique_name`]), so tests in one process can run in parallel.
 
+pub mod fixtures;
 pub mod process;
 pub mod sharder;
 

@@ -3,5 +3,7 @@
 //! All tests live in this one binary so the control plane starts once per run.
 
 mod crd;
+mod manifests;
+mod rebalance;
 mod shard;
 mod sharder;

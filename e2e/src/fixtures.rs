@@ -1,0 +1,145 @@
+//! Objects and waits the end-to-end tests and the load tool share: rings restricted to one
+//! namespace, shard Leases the test plays itself, and conditions on the ring's status and webhook.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use ::sharder::ring::Ring;
+use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
+use k8s_openapi::api::core::v1::Secret;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, MicroTime};
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, ObjectMeta, PostParams};
+use kube::{Client, ResourceExt};
+use sharding_crds::labels;
+use sharding_crds::{ClusterRing, ClusterRingSpec, GroupResource, RingResource};
+
+use crate::process::poll_until;
+
+/// How long the waits of this module give the sharder.
+pub const WAIT: Duration = Duration::from_secs(30);
+
+/// A ring over Secrets (controlling ConfigMaps) restricted to one namespace, so parallel tests do
+/// not label each other's objects.
+pub fn ring_spec(namespace: &str) -> ClusterRingSpec {
+    ClusterRingSpec {
+        resources: vec![RingResource {
+            group: String::new(),
+            resource: "secrets".into(),
+            controlled_resources: vec![GroupResource::new("", "configmaps")],
+        }],
+        namespace_selector: Some(LabelSelector {
+            match_labels: Some(BTreeMap::from([(
+                crate::LABEL_NAMESPACE_NAME.to_string(),
+                namespace.to_string(),
+            )])),
+            match_expressions: None,
+        }),
+    }
+}
+
+/// Creates the ClusterRing `name`.
+pub async fn create_ring(client: &Client, name: &str, spec: ClusterRingSpec) -> anyhow::Result<()> {
+    Api::<ClusterRing>::all(client.clone())
+        .create(&PostParams::default(), &ClusterRing::new(name, spec))
+        .await?;
+    Ok(())
+}
+
+/// Creates a shard Lease held by the shard itself, renewed now.
+pub async fn create_lease(
+    client: &Client,
+    namespace: &str,
+    ring: &str,
+    shard: &str,
+    duration_seconds: i32,
+) -> anyhow::Result<Lease> {
+    let now = MicroTime(Timestamp::now());
+    let lease = Lease {
+        metadata: ObjectMeta {
+            name: Some(shard.into()),
+            labels: Some(BTreeMap::from([(
+                labels::LABEL_CLUSTER_RING.to_string(),
+                ring.to_string(),
+            )])),
+            ..Default::default()
+        },
+        spec: Some(LeaseSpec {
+            holder_identity: Some(shard.into()),
+            lease_duration_seconds: Some(duration_seconds),
+            acquire_time: Some(now.clone()),
+            renew_time: Some(now),
+            lease_transitions: Some(0),
+            ..Default::default()
+        }),
+    };
+    Ok(Api::<Lease>::namespaced(client.clone(), namespace)
+        .create(&PostParams::default(), &lease)
+        .await?)
+}
+
+/// An empty Secret named `name`.
+pub fn secret(name: &str) -> Secret {
+    Secret {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            ..Default::default()
+        },
+        ..Default::default()
+    }
+}
+
+/// Waits until the ring is Ready and its status reports `available`/`shards`.
+pub async fn wait_status(
+    client: &Client,
+    ring: &str,
+    available: i32,
+    shards: i32,
+) -> anyhow::Result<ClusterRing> {
+    let api = Api::<ClusterRing>::all(client.clone());
+    poll_until(
+        &format!("ring {ring} status {available}/{shards}"),
+        WAIT,
+        || {
+            let api = api.clone();
+            async move {
+                let r = api.get(ring).await?;
+                let s = r.status.clone().unwrap_or_default();
+                let ready = r.ready_condition().is_some_and(|c| c.status == "True");
+                Ok((ready && s.available_shards == available && s.shards == shards).then_some(r))
+            }
+        },
+    )
+    .await
+}
+
+/// Waits until the webhook assigns a dry-run Secret as the ring of `shards` predicts, i.e. the
+/// webhook configuration is in place and the sharder's view of the ring is current.
+pub async fn wait_webhook(
+    client: &Client,
+    namespace: &str,
+    ring: &str,
+    shards: &[&str],
+) -> anyhow::Result<()> {
+    let api = Api::<Secret>::namespaced(client.clone(), namespace);
+    let key = labels::shard_label(ring);
+    let expected = Ring::new(shards)
+        .shard_for(&format!("/Secret/{namespace}/probe"))
+        .map(str::to_string);
+    poll_until(
+        &format!("webhook of ring {ring} to assign like {shards:?}"),
+        WAIT,
+        || {
+            let (api, key, expected) = (api.clone(), key.clone(), expected.clone());
+            async move {
+                let params = PostParams {
+                    dry_run: true,
+                    ..Default::default()
+                };
+                let created = api.create(&params, &secret("probe")).await?;
+                Ok((created.labels().get(&key).cloned() == expected).then_some(()))
+            }
+        },
+    )
+    .await
+}

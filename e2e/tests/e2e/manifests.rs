@@ -1,0 +1,709 @@
+//! The install manifests (`config/`, `deploy/`): every kustomization renders, the API server
+//! accepts every rendered object (server-side dry run), the shipped SharderConfigs are valid and
+//! fit the Deployment that mounts them, and the RBAC grants exactly what SPEC §14 lists.
+//!
+//! Rendering uses `kubectl kustomize`, so the tests need a kubectl with kustomize v4.5 or newer
+//! (kubectl 1.24+; components and the `labels` field).
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use anyhow::{Context, bail, ensure};
+use e2e::{FIELD_MANAGER, LABEL_NAMESPACE_NAME, cluster};
+use k8s_openapi::api::core::v1::Namespace;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::Client;
+use kube::api::{Api, DeleteParams, PostParams};
+use kube::runtime::wait::{await_condition, conditions};
+use serde_json::{Value, json};
+use sharding_crds::config::SharderConfig;
+
+/// Every kustomization we ship, relative to the workspace root. `config/certificate` is a
+/// component and is rendered through `config/default`.
+const KUSTOMIZATIONS: &[&str] = &[
+    "config/crds",
+    "config/rbac",
+    "config/sharder",
+    "config/monitoring",
+    "config/default",
+    "config/overlays/no-cert-manager",
+    "deploy",
+];
+
+/// Kinds of other projects our manifests use, with their plural names and scope: the 1.20 test
+/// server has no CRDs for them, so the dry run installs stand-ins that accept any content.
+const FOREIGN_KINDS: &[(&str, &str, &str, &str)] = &[
+    ("cert-manager.io", "v1", "Issuer", "issuers"),
+    ("cert-manager.io", "v1", "Certificate", "certificates"),
+    (
+        "monitoring.coreos.com",
+        "v1",
+        "ServiceMonitor",
+        "servicemonitors",
+    ),
+];
+
+const SYSTEM_NAMESPACE: &str = "sharding-system";
+const SHARDER: &str = "sharder";
+const SHARDER_CONFIG_MAP: &str = "sharder-config";
+
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("e2e/ has a parent")
+        .to_path_buf()
+}
+
+/// Renders a kustomization into its objects.
+fn render(dir: &str) -> anyhow::Result<Vec<Value>> {
+    let out = Command::new("kubectl")
+        .arg("kustomize")
+        .arg(workspace_root().join(dir))
+        .output()
+        .context("failed to run kubectl")?;
+    if !out.status.success() {
+        bail!(
+            "kubectl kustomize {dir} failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let text = String::from_utf8(out.stdout).context("kustomize printed no UTF-8")?;
+    // kustomize separates documents with `---` lines; block scalars are indented, so a bare `---`
+    // line never occurs inside a document.
+    let mut documents = vec![String::new()];
+    for line in text.lines() {
+        if line == "---" {
+            documents.push(String::new());
+        } else if let Some(current) = documents.last_mut() {
+            current.push_str(line);
+            current.push('\n');
+        }
+    }
+    documents
+        .iter()
+        .filter(|doc| !doc.trim().is_empty())
+        .map(|doc| {
+            serde_yaml::from_str::<Value>(doc)
+                .with_context(|| format!("{dir} rendered a document that is not YAML:\n{doc}"))
+        })
+        .collect()
+}
+
+fn str_at<'a>(value: &'a Value, pointer: &str) -> &'a str {
+    value.pointer(pointer).and_then(Value::as_str).unwrap_or("")
+}
+
+fn kind(object: &Value) -> &str {
+    str_at(object, "/kind")
+}
+
+fn name(object: &Value) -> &str {
+    str_at(object, "/metadata/name")
+}
+
+fn namespace(object: &Value) -> &str {
+    str_at(object, "/metadata/namespace")
+}
+
+fn describe(object: &Value) -> String {
+    match namespace(object) {
+        "" => format!("{} {}", kind(object), name(object)),
+        ns => format!("{} {ns}/{}", kind(object), name(object)),
+    }
+}
+
+fn find<'a>(objects: &'a [Value], kind_: &str, name_: &str) -> anyhow::Result<&'a Value> {
+    objects
+        .iter()
+        .find(|o| kind(o) == kind_ && name(o) == name_)
+        .with_context(|| format!("no {kind_} {name_} rendered"))
+}
+
+fn only<'a>(objects: &'a [Value], kind_: &str) -> anyhow::Result<&'a Value> {
+    let mut matching = objects.iter().filter(|o| kind(o) == kind_);
+    match (matching.next(), matching.next()) {
+        (Some(object), None) => Ok(object),
+        _ => bail!("expected exactly one {kind_}"),
+    }
+}
+
+/// The SharderConfig in the rendered ConfigMap, parsed and validated like the sharder does.
+fn sharder_config(objects: &[Value]) -> anyhow::Result<SharderConfig> {
+    let config_map = find(objects, "ConfigMap", SHARDER_CONFIG_MAP)?;
+    let text = config_map
+        .pointer("/data/config.yaml")
+        .and_then(Value::as_str)
+        .context("ConfigMap sharder-config has no config.yaml")?;
+    SharderConfig::from_yaml(text).context("the sharder rejects the shipped config")
+}
+
+/// `(apiGroup, resource, verb)` for every combination a role's rules grant.
+fn grants(role: &Value) -> anyhow::Result<BTreeSet<(String, String, String)>> {
+    let mut set = BTreeSet::new();
+    let rules = role["rules"].as_array().context("role without rules")?;
+    for rule in rules {
+        ensure!(
+            rule.get("resourceNames").is_none() && rule.get("nonResourceURLs").is_none(),
+            "{}: unexpected rule {rule}",
+            describe(role)
+        );
+        let strings = |key: &str| -> Vec<String> {
+            rule[key]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|v| v.as_str().map(String::from))
+                .collect()
+        };
+        for group in strings("apiGroups") {
+            for resource in strings("resources") {
+                for verb in strings("verbs") {
+                    set.insert((group.clone(), resource.clone(), verb));
+                }
+            }
+        }
+    }
+    Ok(set)
+}
+
+fn expected_grants(entries: &[(&[&str], &str, &[&str])]) -> BTreeSet<(String, String, String)> {
+    let mut set = BTreeSet::new();
+    for (groups, resource, verbs) in entries {
+        for group in *groups {
+            for verb in *verbs {
+                set.insert((group.to_string(), resource.to_string(), verb.to_string()));
+            }
+        }
+    }
+    set
+}
+
+/// Whether `binding` binds role `role_kind`/`role_name` to the ServiceAccount `ns`/`sa`.
+fn binds(binding: &Value, role_kind: &str, role_name: &str, ns: &str, sa: &str) -> bool {
+    str_at(binding, "/roleRef/kind") == role_kind
+        && str_at(binding, "/roleRef/name") == role_name
+        && binding["subjects"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|s| {
+                str_at(s, "/kind") == "ServiceAccount"
+                    && str_at(s, "/namespace") == ns
+                    && str_at(s, "/name") == sa
+            })
+}
+
+#[test]
+fn every_kustomization_renders() -> anyhow::Result<()> {
+    for dir in KUSTOMIZATIONS {
+        let objects = render(dir)?;
+        ensure!(!objects.is_empty(), "{dir} renders nothing");
+        for object in &objects {
+            ensure!(
+                !str_at(object, "/apiVersion").is_empty() && !kind(object).is_empty(),
+                "{dir}: object without apiVersion or kind: {object}"
+            );
+            ensure!(!name(object).is_empty(), "{dir}: object without a name");
+        }
+    }
+    // Nothing shipped escapes the list above.
+    let mut found = BTreeSet::new();
+    for top in ["config", "deploy"] {
+        collect_kustomizations(&workspace_root(), &workspace_root().join(top), &mut found)?;
+    }
+    let listed: BTreeSet<String> = KUSTOMIZATIONS.iter().map(|d| d.to_string()).collect();
+    let missing: Vec<_> = found
+        .difference(&listed)
+        .filter(|d| *d != "config/certificate")
+        .collect();
+    ensure!(missing.is_empty(), "kustomizations not tested: {missing:?}");
+    Ok(())
+}
+
+fn collect_kustomizations(
+    root: &Path,
+    dir: &Path,
+    found: &mut BTreeSet<String>,
+) -> anyhow::Result<()> {
+    if dir.join("kustomization.yaml").is_file() {
+        let relative = dir.strip_prefix(root)?.to_string_lossy().into_owned();
+        found.insert(relative);
+    }
+    for entry in std::fs::read_dir(dir)? {
+        let path = entry?.path();
+        if path.is_dir() {
+            collect_kustomizations(root, &path, found)?;
+        }
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn rendered_objects_pass_server_side_dry_run() -> anyhow::Result<()> {
+    let cluster = cluster();
+    let client = cluster.client().await?;
+    let rendered: Vec<(&str, Vec<Value>)> = KUSTOMIZATIONS
+        .iter()
+        .map(|dir| Ok((*dir, render(dir)?)))
+        .collect::<anyhow::Result<_>>()?;
+
+    let foreign_served = install_foreign_crds(&client, cluster.state_dir().is_some()).await?;
+    let pdb_v1 = client.list_api_group_resources("policy/v1").await.is_ok();
+    let created_namespaces = create_missing_namespaces(&client, &rendered).await?;
+
+    let mut failures = Vec::new();
+    for (dir, objects) in &rendered {
+        let mut items = Vec::new();
+        for object in objects {
+            let api_version = str_at(object, "/apiVersion");
+            let foreign = FOREIGN_KINDS
+                .iter()
+                .any(|(g, v, k, _)| format!("{g}/{v}") == api_version && *k == kind(object));
+            if foreign && !foreign_served.contains(kind(object)) {
+                println!(
+                    "note: {dir}: skipping {}, its CRD is not installed",
+                    describe(object)
+                );
+                continue;
+            }
+            if kind(object) == "CustomResourceDefinition"
+                && !cluster.supports_cel()
+                && object.to_string().contains("x-kubernetes-validations")
+            {
+                // Servers before 1.25 refuse the CEL rule in server-side apply; the harness has
+                // installed the same CRD without it.
+                println!(
+                    "note: {dir}: skipping {}, the server predates CEL",
+                    describe(object)
+                );
+                continue;
+            }
+            let mut object = object.clone();
+            if kind(&object) == "PodDisruptionBudget" && api_version == "policy/v1" && !pdb_v1 {
+                // policy/v1 arrived in 1.21; v1beta1 has the same fields we use.
+                println!(
+                    "note: {dir}: checking {} as policy/v1beta1, the server lacks policy/v1",
+                    describe(&object)
+                );
+                object["apiVersion"] = json!("policy/v1beta1");
+            }
+            items.push(object);
+        }
+        if let Err(error) = dry_run(cluster.kubeconfig(), dir, items) {
+            failures.push(format!("{error:#}"));
+        }
+    }
+
+    let namespaces: Api<Namespace> = Api::all(client.clone());
+    for name in created_namespaces {
+        let _ = namespaces.delete(&name, &DeleteParams::default()).await;
+    }
+    ensure!(failures.is_empty(), "{}", failures.join("\n"));
+    Ok(())
+}
+
+/// Server-side dry run of `items` with kubectl, as a user's `kubectl apply --server-side` would
+/// send them. Client-side validation is off: a current kubectl knows fields older servers lack.
+fn dry_run(kubeconfig: &Path, dir: &str, items: Vec<Value>) -> anyhow::Result<()> {
+    let list = json!({"apiVersion": "v1", "kind": "List", "items": items});
+    let file = std::env::temp_dir().join(format!("{}.json", e2e::unique_name("manifests")));
+    std::fs::write(&file, serde_json::to_vec(&list)?)?;
+    let out = Command::new("kubectl")
+        .arg("--kubeconfig")
+        .arg(kubeconfig)
+        .args([
+            "apply",
+            "--server-side",
+            "--dry-run=server",
+            "--validate=false",
+            "--force-conflicts",
+            &format!("--field-manager={FIELD_MANAGER}"),
+            "-f",
+        ])
+        .arg(&file)
+        .output()
+        .context("failed to run kubectl");
+    let _ = std::fs::remove_file(&file);
+    let out = out?;
+    ensure!(
+        out.status.success(),
+        "server-side dry run of {dir} failed:\n{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(())
+}
+
+/// Makes sure the server serves [`FOREIGN_KINDS`]: real CRDs if installed, else (only on the
+/// control plane the tests started, never on a user's cluster) stand-ins accepting any content.
+/// Returns the kinds served.
+async fn install_foreign_crds(
+    client: &Client,
+    may_install: bool,
+) -> anyhow::Result<BTreeSet<&'static str>> {
+    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+    let mut served = BTreeSet::new();
+    for (group, version, kind_, plural) in FOREIGN_KINDS {
+        let crd_name = format!("{plural}.{group}");
+        if crds.get_opt(&crd_name).await?.is_some() {
+            served.insert(*kind_);
+            continue;
+        }
+        if !may_install {
+            continue;
+        }
+        let crd: CustomResourceDefinition = serde_json::from_value(json!({
+            "metadata": {"name": crd_name},
+            "spec": {
+                "group": group,
+                "names": {"kind": kind_, "plural": plural},
+                "scope": "Namespaced",
+                "versions": [{
+                    "name": version,
+                    "served": true,
+                    "storage": true,
+                    "schema": {"openAPIV3Schema": {
+                        "type": "object",
+                        "x-kubernetes-preserve-unknown-fields": true,
+                    }},
+                }],
+            },
+        }))?;
+        match crds.create(&PostParams::default(), &crd).await {
+            Ok(_) => {}
+            // Another run against the same cluster got there first.
+            Err(kube::Error::Api(status)) if status.code == 409 => {}
+            Err(error) => return Err(error).context(format!("failed to create CRD {crd_name}")),
+        }
+        tokio::time::timeout(
+            Duration::from_secs(30),
+            await_condition(crds.clone(), &crd_name, conditions::is_crd_established()),
+        )
+        .await
+        .with_context(|| format!("CRD {crd_name} not Established within 30s"))??;
+        served.insert(*kind_);
+    }
+    Ok(served)
+}
+
+/// Creates, for real, the namespaces the rendered objects live in that do not exist yet, so the
+/// dry run of their objects can succeed. Returns the names created.
+async fn create_missing_namespaces(
+    client: &Client,
+    rendered: &[(&str, Vec<Value>)],
+) -> anyhow::Result<Vec<String>> {
+    let api: Api<Namespace> = Api::all(client.clone());
+    let wanted: BTreeSet<&str> = rendered
+        .iter()
+        .flat_map(|(_, objects)| objects)
+        .map(namespace)
+        .filter(|ns| !ns.is_empty())
+        .collect();
+    let mut created = Vec::new();
+    for name in wanted {
+        if api.get_opt(name).await?.is_some() {
+            continue;
+        }
+        let ns: Namespace = serde_json::from_value(json!({
+            "metadata": {"name": name, "labels": {LABEL_NAMESPACE_NAME: name}}
+        }))?;
+        api.create(&PostParams::default(), &ns)
+            .await
+            .with_context(|| format!("failed to create namespace {name}"))?;
+        created.push(name.to_string());
+    }
+    Ok(created)
+}
+
+/// The container `name` of a rendered Deployment.
+fn container<'a>(deployment: &'a Value, name_: &str) -> anyhow::Result<&'a Value> {
+    deployment
+        .pointer("/spec/template/spec/containers")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .find(|c| str_at(c, "/name") == name_)
+        .with_context(|| format!("{} has no container {name_}", describe(deployment)))
+}
+
+/// Where the volume whose `source_pointer` (e.g. `/secret/secretName`) equals `source` is mounted.
+fn mount_path_of(
+    deployment: &Value,
+    container: &Value,
+    source_pointer: &str,
+    source: &str,
+) -> anyhow::Result<String> {
+    let volume = deployment
+        .pointer("/spec/template/spec/volumes")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .find(|v| str_at(v, source_pointer) == source)
+        .with_context(|| format!("no volume with {source_pointer} = {source}"))?;
+    let mount = container["volumeMounts"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|m| str_at(m, "/name") == str_at(volume, "/name"))
+        .with_context(|| format!("volume {} is not mounted", str_at(volume, "/name")))?;
+    Ok(str_at(mount, "/mountPath").to_string())
+}
+
+fn container_port(container: &Value, port_name: &str) -> Option<u64> {
+    container["ports"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|p| str_at(p, "/name") == port_name)
+        .and_then(|p| p["containerPort"].as_u64())
+}
+
+fn bind_port(address: &str) -> anyhow::Result<Option<u64>> {
+    let addr = sharding_crds::config::parse_bind_address(address).map_err(anyhow::Error::msg)?;
+    Ok(addr.map(|a| u64::from(a.port())))
+}
+
+/// The SharderConfig of a rendered install fits its Deployment and Service: config path, cert
+/// directory, ports and the webhook's Service reference.
+fn check_sharder_install(objects: &[Value]) -> anyhow::Result<(SharderConfig, String)> {
+    let config = sharder_config(objects)?;
+    let deployment = find(objects, "Deployment", SHARDER)?;
+    let sharder = container(deployment, SHARDER)?;
+
+    let config_dir = mount_path_of(deployment, sharder, "/configMap/name", SHARDER_CONFIG_MAP)?;
+    let config_arg = format!("--config={}/config.yaml", config_dir.trim_end_matches('/'));
+    ensure!(
+        sharder["args"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|a| a.as_str() == Some(config_arg.as_str())),
+        "the sharder is not started with {config_arg}"
+    );
+
+    let secret = deployment
+        .pointer("/spec/template/spec/volumes")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .find_map(|v| v.pointer("/secret/secretName").and_then(Value::as_str))
+        .context("the sharder mounts no Secret")?
+        .to_string();
+    let cert_dir = mount_path_of(deployment, sharder, "/secret/secretName", &secret)?;
+    ensure!(
+        config.webhook.server.cert_dir == Path::new(&cert_dir),
+        "certDir {} is not where the Secret is mounted ({cert_dir})",
+        config.webhook.server.cert_dir.display()
+    );
+
+    for (port_name, address) in [
+        ("webhook", &config.webhook.server.bind_address),
+        ("metrics", &config.metrics.bind_address),
+        ("health", &config.health.bind_address),
+    ] {
+        ensure!(
+            container_port(sharder, port_name) == bind_port(address)?,
+            "container port {port_name} does not match bind address {address}"
+        );
+    }
+    for probe in ["readinessProbe", "livenessProbe"] {
+        ensure!(
+            str_at(sharder, &format!("/{probe}/httpGet/port")) == "health",
+            "{probe} does not use the health port"
+        );
+    }
+    let probe_paths = (
+        str_at(sharder, "/readinessProbe/httpGet/path"),
+        str_at(sharder, "/livenessProbe/httpGet/path"),
+    );
+    ensure!(probe_paths == ("/readyz", "/healthz"), "probe paths");
+
+    let service_ref = config
+        .webhook
+        .config
+        .client_config
+        .service
+        .as_ref()
+        .context("the webhook is not reached through a Service")?;
+    let service = find(objects, "Service", &service_ref.name)?;
+    ensure!(
+        namespace(service) == service_ref.namespace,
+        "Service namespace"
+    );
+    let webhook_port = service["spec"]["ports"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|p| str_at(p, "/name") == "webhook")
+        .context("the Service has no webhook port")?;
+    ensure!(
+        webhook_port["port"].as_i64() == Some(service_ref.port.map_or(443, i64::from))
+            && str_at(webhook_port, "/targetPort") == "webhook",
+        "the Service's webhook port does not lead to the container's: {webhook_port}"
+    );
+    Ok((config, secret))
+}
+
+#[test]
+fn shipped_sharder_configs_are_valid_and_fit_the_deployment() -> anyhow::Result<()> {
+    let (base, _) = check_sharder_install(&render("config/sharder")?)?;
+    assert!(base.webhook.config.annotations.is_empty());
+    assert_eq!(base.webhook.config.client_config.ca_bundle_file, None);
+
+    // With cert-manager: the base config plus the CA-injection annotation naming the Certificate
+    // that fills the mounted Secret.
+    let default = render("config/default")?;
+    let (with_cert_manager, secret) = check_sharder_install(&default)?;
+    let certificate = only(&default, "Certificate")?;
+    ensure!(
+        str_at(certificate, "/spec/secretName") == secret,
+        "the Certificate does not fill the mounted Secret {secret}"
+    );
+    let dns_names = certificate["spec"]["dnsNames"].to_string();
+    ensure!(
+        dns_names.contains("\"sharder.sharding-system.svc\""),
+        "Certificate dnsNames {dns_names}"
+    );
+    let issuer = only(&default, "Issuer")?;
+    ensure!(str_at(certificate, "/spec/issuerRef/name") == name(issuer));
+    let mut expected = base.clone();
+    expected.webhook.config.annotations.insert(
+        "cert-manager.io/inject-ca-from".into(),
+        format!("{}/{}", namespace(certificate), name(certificate)),
+    );
+    assert_eq!(with_cert_manager, expected);
+
+    // Without cert-manager: the base config plus the CA file from the mounted Secret.
+    let (without_cert_manager, _) =
+        check_sharder_install(&render("config/overlays/no-cert-manager")?)?;
+    let mut expected = base;
+    expected.webhook.config.client_config.ca_bundle_file =
+        Some(expected.webhook.server.cert_dir.join("ca.crt"));
+    assert_eq!(without_cert_manager, expected);
+    Ok(())
+}
+
+#[test]
+fn sharder_cluster_role_is_exactly_the_spec_list() -> anyhow::Result<()> {
+    let objects = render("config/rbac")?;
+    let core_and_events: &[&str] = &["", "events.k8s.io"];
+    let expected = expected_grants(&[
+        (core_and_events, "events", &["create", "patch"]),
+        (&[""], "namespaces", &["get", "list", "watch"]),
+        (
+            &["admissionregistration.k8s.io"],
+            "mutatingwebhookconfigurations",
+            &["create", "patch", "get", "list", "watch"],
+        ),
+        (
+            &["coordination.k8s.io"],
+            "leases",
+            &["get", "list", "watch", "update", "patch", "delete"],
+        ),
+        (
+            &["sharding.timebertt.dev"],
+            "clusterrings",
+            &["get", "list", "watch"],
+        ),
+        (
+            &["sharding.timebertt.dev"],
+            "clusterrings/status",
+            &["update", "patch"],
+        ),
+    ]);
+    let role = find(&objects, "ClusterRole", "sharding:sharder")?;
+    assert_eq!(grants(role)?, expected);
+
+    let leader_election = only(&objects, "Role")?;
+    assert_eq!(namespace(leader_election), SYSTEM_NAMESPACE);
+    assert_eq!(
+        grants(leader_election)?,
+        expected_grants(&[(
+            &["coordination.k8s.io"],
+            "leases",
+            &["get", "create", "update", "patch"],
+        )])
+    );
+
+    let service_account = only(&objects, "ServiceAccount")?;
+    assert_eq!(
+        (namespace(service_account), name(service_account)),
+        (SYSTEM_NAMESPACE, SHARDER)
+    );
+    ensure!(
+        binds(
+            only(&objects, "ClusterRoleBinding")?,
+            "ClusterRole",
+            "sharding:sharder",
+            SYSTEM_NAMESPACE,
+            SHARDER
+        ),
+        "the ClusterRole is not bound to the sharder"
+    );
+    let binding = only(&objects, "RoleBinding")?;
+    ensure!(
+        namespace(binding) == SYSTEM_NAMESPACE
+            && binds(
+                binding,
+                "Role",
+                name(leader_election),
+                SYSTEM_NAMESPACE,
+                SHARDER
+            ),
+        "the leader-election Role is not bound to the sharder"
+    );
+
+    let sharder = render("config/sharder")?;
+    let deployment = find(&sharder, "Deployment", SHARDER)?;
+    assert_eq!(
+        str_at(deployment, "/spec/template/spec/serviceAccountName"),
+        SHARDER
+    );
+    Ok(())
+}
+
+/// SPEC §14: per ring, the sharder may list and patch every main and controlled resource (and
+/// watch them, for assigning objects the webhook missed), through `sharding:clusterring:<ring>`.
+#[test]
+fn example_ring_grants_the_sharder_its_resources() -> anyhow::Result<()> {
+    let objects = render("deploy")?;
+    let ring = only(&objects, "ClusterRing")?;
+    let role_name = format!("sharding:clusterring:{}", name(ring));
+    let granted = grants(find(&objects, "ClusterRole", &role_name)?)?;
+    ensure!(
+        objects.iter().any(|o| kind(o) == "ClusterRoleBinding"
+            && binds(o, "ClusterRole", &role_name, SYSTEM_NAMESPACE, SHARDER)),
+        "{role_name} is not bound to the sharder"
+    );
+
+    let mut needed: BTreeSet<(String, String)> = BTreeSet::new();
+    for resource in ring["spec"]["resources"].as_array().into_iter().flatten() {
+        needed.insert((
+            str_at(resource, "/group").into(),
+            str_at(resource, "/resource").into(),
+        ));
+        for controlled in resource["controlledResources"]
+            .as_array()
+            .into_iter()
+            .flatten()
+        {
+            needed.insert((
+                str_at(controlled, "/group").into(),
+                str_at(controlled, "/resource").into(),
+            ));
+        }
+    }
+    ensure!(!needed.is_empty(), "the example ring has no resources");
+    for (group, resource) in &needed {
+        for verb in ["list", "watch", "patch"] {
+            ensure!(
+                granted.contains(&(group.clone(), resource.clone(), verb.into())),
+                "{role_name} lacks {verb} on {group}/{resource}"
+            );
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,534 @@
+//! Rebalancing with real checksum-controller shards (SPEC §9): scale out through drains, graceful
+//! scale in and crashes through moves, missed webhooks, existing objects, cluster-scoped resources.
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::Duration;
+
+use anyhow::{Context, ensure};
+use e2e::fixtures::{create_lease, create_ring, ring_spec, secret, wait_status, wait_webhook};
+use e2e::process::{Process, poll_until};
+use e2e::sharder::{DedicatedCluster, SharderFiles, SharderSettings, shared};
+use e2e::{cluster, unique_name};
+use futures::{StreamExt, TryStreamExt};
+use k8s_openapi::ByteString;
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::{ConfigMap, Secret};
+use k8s_openapi::api::rbac::v1::ClusterRole;
+use kube::api::{Api, ListParams, ObjectMeta, PostParams};
+use kube::{Client, ResourceExt};
+use sharder::ring::Ring;
+use sharding_crds::labels;
+use sharding_crds::{ClusterRingSpec, GroupResource, RingResource};
+
+/// Lease duration of the shards in these tests, in seconds.
+const LEASE_SECONDS: u32 = 3;
+
+fn start_shard(ring: &str, namespace: &str, shard: &str) -> anyhow::Result<Process> {
+    Process::start(
+        "checksum-controller",
+        [
+            "--clusterring",
+            ring,
+            "--namespace",
+            namespace,
+            "--lease-namespace",
+            namespace,
+            "--shard-name",
+            shard,
+            "--lease-duration",
+            &LEASE_SECONDS.to_string(),
+            "--renew-deadline",
+            "2",
+            "--retry-period",
+            "0.5",
+            "--log-format",
+            "json",
+        ],
+    )
+}
+
+/// Creates `count` Secrets with data, 20 at a time.
+async fn create_secrets(client: &Client, namespace: &str, count: usize) -> anyhow::Result<()> {
+    let api = Api::<Secret>::namespaced(client.clone(), namespace);
+    futures::stream::iter(0..count)
+        .map(|i| {
+            let api = api.clone();
+            async move {
+                let mut s = secret(&format!("secret-{i}"));
+                s.data = Some(BTreeMap::from([(
+                    "value".to_string(),
+                    ByteString(format!("v{i}").into_bytes()),
+                )]));
+                api.create(&PostParams::default(), &s).await
+            }
+        })
+        .buffer_unordered(20)
+        .try_collect::<Vec<_>>()
+        .await?;
+    Ok(())
+}
+
+/// Shard label of every Secret and of every checksum ConfigMap (by its Secret's name).
+async fn assignments(
+    client: &Client,
+    namespace: &str,
+    ring: &str,
+) -> anyhow::Result<(
+    BTreeMap<String, Option<String>>,
+    BTreeMap<String, Option<String>>,
+    usize,
+)> {
+    let key = labels::shard_label(ring);
+    let drain = labels::drain_label(ring);
+    let secrets = Api::<Secret>::namespaced(client.clone(), namespace)
+        .list_metadata(&ListParams::default())
+        .await?;
+    let configmaps = Api::<ConfigMap>::namespaced(client.clone(), namespace)
+        .list_metadata(&ListParams::default())
+        .await?;
+    let draining = secrets
+        .items
+        .iter()
+        .filter(|s| s.labels().contains_key(&drain))
+        .count();
+    let secrets = secrets
+        .items
+        .iter()
+        .map(|s| (s.name_any(), s.labels().get(&key).cloned()))
+        .collect();
+    let configmaps = configmaps
+        .items
+        .iter()
+        .filter_map(|c| {
+            let owner = c.name_any().strip_prefix("checksums-")?.to_string();
+            Some((owner, c.labels().get(&key).cloned()))
+        })
+        .collect();
+    Ok((secrets, configmaps, draining))
+}
+
+/// Waits until every Secret (and, with `with_configmaps`, its ConfigMap) is on the shard the ring
+/// of `shards` predicts, with no drain label left; returns the Secret assignments.
+async fn wait_converged(
+    client: &Client,
+    namespace: &str,
+    ring: &str,
+    shards: &[&str],
+    count: usize,
+    timeout: Duration,
+) -> anyhow::Result<BTreeMap<String, String>> {
+    let predicted = Ring::new(shards);
+    poll_until(
+        &format!("{count} Secrets and ConfigMaps on {shards:?}"),
+        timeout,
+        || async {
+            let (secrets, configmaps, draining) = assignments(client, namespace, ring).await?;
+            let expected = |name: &str| {
+                predicted
+                    .shard_for(&format!("/Secret/{namespace}/{name}"))
+                    .map(str::to_string)
+            };
+            let secrets_ok = secrets.len() == count
+                && secrets.iter().all(|(name, shard)| *shard == expected(name));
+            let configmaps_ok = configmaps.len() == count
+                && configmaps
+                    .iter()
+                    .all(|(owner, shard)| *shard == expected(owner));
+            if secrets_ok && configmaps_ok && draining == 0 {
+                Ok(Some(
+                    secrets
+                        .into_iter()
+                        .map(|(n, s)| (n, s.unwrap_or_default()))
+                        .collect(),
+                ))
+            } else {
+                Ok(None)
+            }
+        },
+    )
+    .await
+}
+
+/// Value of a counter of the shared sharder for `ring` and core `resource`.
+fn counter(metric: &str, ring: &str, resource: &str) -> anyhow::Result<u64> {
+    let text = shared().files.metrics()?;
+    let prefix = format!(r#"{metric}{{clusterring="{ring}",group="",resource="{resource}"}} "#);
+    Ok(text
+        .lines()
+        .find_map(|l| l.strip_prefix(&prefix))
+        .map(|v| v.trim().parse())
+        .transpose()?
+        .unwrap_or(0))
+}
+
+fn record_is(record: &serde_json::Value, event: &str, namespace: &str, name: &str) -> bool {
+    record["event"] == event && record["namespace"] == namespace && record["name"] == name
+}
+
+#[tokio::test]
+async fn scale_out_drains_exactly_the_moved_objects() -> anyhow::Result<()> {
+    let sharder = shared();
+    let cluster = cluster();
+    let client = cluster.client().await?;
+    let ns = cluster.namespace(&client, "scaleout").await?;
+    let ring = unique_name("scaleout");
+    create_ring(&client, &ring, ring_spec(&ns)).await?;
+    let names = ["shard-0", "shard-1", "shard-2", "shard-3"];
+    let mut shards = HashMap::new();
+    for name in &names[..3] {
+        shards.insert(*name, start_shard(&ring, &ns, name)?);
+    }
+    let result = async {
+        wait_status(&client, &ring, 3, 3).await?;
+        wait_webhook(&client, &ns, &ring, &names[..3]).await?;
+        create_secrets(&client, &ns, 300).await?;
+        let before = wait_converged(
+            &client,
+            &ns,
+            &ring,
+            &names[..3],
+            300,
+            Duration::from_secs(120),
+        )
+        .await?;
+        ensure!(counter("controller_sharding_drains_total", &ring, "secrets")? == 0);
+
+        shards.insert(names[3], start_shard(&ring, &ns, names[3])?);
+        wait_status(&client, &ring, 4, 4).await?;
+        let after =
+            wait_converged(&client, &ns, &ring, &names, 300, Duration::from_secs(120)).await?;
+        let moved: Vec<(&String, &String)> = after
+            .iter()
+            .filter(|(name, shard)| before.get(*name) != Some(*shard))
+            .map(|(name, _)| (name, &before[name]))
+            .collect();
+        ensure!(!moved.is_empty(), "adding a shard should move some Secrets");
+        ensure!(
+            moved.iter().all(|(name, _)| after[*name] == names[3]),
+            "only the new shard gains Secrets"
+        );
+        let drains = counter("controller_sharding_drains_total", &ring, "secrets")?;
+        ensure!(
+            drains == moved.len() as u64,
+            "every moved Secret went through exactly one drain: {drains} drains, {} moved",
+            moved.len()
+        );
+        ensure!(
+            counter("controller_sharding_movements_total", &ring, "secrets")? == 0,
+            "Secrets of live shards are drained, never moved directly"
+        );
+        // The old shard acknowledged each drain and reconciled the Secret no more after that.
+        for (name, old) in &moved {
+            let records = shards[old.as_str()].records();
+            let drained_at = records
+                .iter()
+                .position(|r| record_is(r, "drain", &ns, name))
+                .with_context(|| format!("{old} has no drain record for {name}"))?;
+            ensure!(
+                !records[drained_at..]
+                    .iter()
+                    .any(|r| record_is(r, "reconcile", &ns, name)),
+                "{old} reconciled {name} after acknowledging its drain"
+            );
+        }
+        eprintln!(
+            "scale out 3 -> 4: {} of 300 Secrets moved, {drains} drains",
+            moved.len()
+        );
+        Ok(())
+    }
+    .await;
+    finish(result, shards.into_values(), sharder)
+}
+
+fn finish(
+    result: anyhow::Result<()>,
+    processes: impl IntoIterator<Item = Process>,
+    sharder: &e2e::sharder::SharedSharder,
+) -> anyhow::Result<()> {
+    if result.is_ok() {
+        for mut p in processes {
+            let _ = p.terminate();
+            p.passed();
+        }
+    } else {
+        sharder.dump_logs();
+    }
+    result
+}
+
+#[tokio::test]
+async fn graceful_scale_in_moves_without_drains() -> anyhow::Result<()> {
+    let sharder = shared();
+    let cluster = cluster();
+    let client = cluster.client().await?;
+    let ns = cluster.namespace(&client, "scalein").await?;
+    let ring = unique_name("scalein");
+    create_ring(&client, &ring, ring_spec(&ns)).await?;
+    let names = ["shard-0", "shard-1", "shard-2"];
+    let mut shards = HashMap::new();
+    for name in names {
+        shards.insert(name, start_shard(&ring, &ns, name)?);
+    }
+    let result = async {
+        wait_status(&client, &ring, 3, 3).await?;
+        wait_webhook(&client, &ns, &ring, &names).await?;
+        create_secrets(&client, &ns, 60).await?;
+        wait_converged(&client, &ns, &ring, &names, 60, Duration::from_secs(60)).await?;
+
+        let mut leaving = shards.remove("shard-1").context("shard-1")?;
+        leaving.terminate()?;
+        let status = leaving.wait(Duration::from_secs(15)).await?;
+        ensure!(status.success(), "shard exits cleanly on SIGTERM: {status}");
+        leaving.passed();
+        let leases = Api::<Lease>::namespaced(client.clone(), &ns);
+        let lease = leases.get("shard-1").await?;
+        ensure!(
+            lease
+                .spec
+                .and_then(|s| s.holder_identity)
+                .unwrap_or_default()
+                .is_empty(),
+            "Lease released on SIGTERM"
+        );
+        let started = std::time::Instant::now();
+        wait_converged(
+            &client,
+            &ns,
+            &ring,
+            &["shard-0", "shard-2"],
+            60,
+            Duration::from_secs(15),
+        )
+        .await?;
+        eprintln!(
+            "graceful scale in: converged {:?} after SIGTERM",
+            started.elapsed()
+        );
+        ensure!(
+            counter("controller_sharding_drains_total", &ring, "secrets")? == 0,
+            "no drains"
+        );
+        ensure!(
+            counter("controller_sharding_movements_total", &ring, "secrets")? > 0,
+            "moves"
+        );
+        // The released Lease becomes orphaned 60 s after it expired, and is deleted.
+        poll_until("released Lease deleted", Duration::from_secs(90), || {
+            let leases = leases.clone();
+            async move { Ok(leases.get_opt("shard-1").await?.is_none().then_some(())) }
+        })
+        .await?;
+        Ok(())
+    }
+    .await;
+    finish(result, shards.into_values(), sharder)
+}
+
+#[tokio::test]
+async fn crashed_shard_objects_move_after_takeover() -> anyhow::Result<()> {
+    let sharder = shared();
+    let cluster = cluster();
+    let client = cluster.client().await?;
+    let ns = cluster.namespace(&client, "crash").await?;
+    let ring = unique_name("crash");
+    create_ring(&client, &ring, ring_spec(&ns)).await?;
+    let names = ["shard-0", "shard-1", "shard-2"];
+    let mut shards = HashMap::new();
+    for name in names {
+        shards.insert(name, start_shard(&ring, &ns, name)?);
+    }
+    let result = async {
+        wait_status(&client, &ring, 3, 3).await?;
+        wait_webhook(&client, &ns, &ring, &names).await?;
+        create_secrets(&client, &ns, 60).await?;
+        wait_converged(&client, &ns, &ring, &names, 60, Duration::from_secs(60)).await?;
+
+        let mut crashed = shards.remove("shard-1").context("shard-1")?;
+        crashed.signal("KILL")?;
+        let _ = crashed.wait(Duration::from_secs(5)).await?;
+        crashed.passed();
+        let started = std::time::Instant::now();
+        // Uncertain 2×duration after the last renewal, then taken over; a few seconds of slack.
+        let limit = Duration::from_secs(2 * u64::from(LEASE_SECONDS) + 8);
+        wait_converged(&client, &ns, &ring, &["shard-0", "shard-2"], 60, limit).await?;
+        eprintln!("crash: converged {:?} after SIGKILL", started.elapsed());
+        let lease = Api::<Lease>::namespaced(client.clone(), &ns)
+            .get("shard-1")
+            .await?;
+        ensure!(
+            lease.spec.and_then(|s| s.holder_identity).as_deref() == Some("shardlease-controller"),
+            "the sharder took the Lease over"
+        );
+        Ok(())
+    }
+    .await;
+    finish(result, shards.into_values(), sharder)
+}
+
+#[tokio::test]
+async fn existing_objects_are_assigned_and_unselected_namespaces_untouched() -> anyhow::Result<()> {
+    let sharder = shared();
+    let cluster = cluster();
+    let client = cluster.client().await?;
+    let ns = cluster.namespace(&client, "existing").await?;
+    let other = cluster.namespace(&client, "existing-other").await?;
+    // Objects first, ring afterwards.
+    create_secrets(&client, &ns, 30).await?;
+    let outside = Api::<Secret>::namespaced(client.clone(), &other);
+    outside
+        .create(&PostParams::default(), &secret("outside"))
+        .await?;
+    let ring = unique_name("existing");
+    for shard in ["shard-a", "shard-b"] {
+        create_lease(&client, &ns, &ring, shard, 3600).await?;
+    }
+    create_ring(&client, &ring, ring_spec(&ns)).await?;
+    let result = async {
+        let key = labels::shard_label(&ring);
+        let predicted = Ring::new(["shard-a", "shard-b"]);
+        let secrets = Api::<Secret>::namespaced(client.clone(), &ns);
+        poll_until("existing Secrets assigned", Duration::from_secs(20), || {
+            let (secrets, key, predicted, ns) =
+                (secrets.clone(), key.clone(), predicted.clone(), ns.clone());
+            async move {
+                let list = secrets.list_metadata(&ListParams::default()).await?;
+                Ok(list
+                    .items
+                    .iter()
+                    .all(|s| {
+                        s.labels().get(&key).map(String::as_str)
+                            == predicted.shard_for(&format!("/Secret/{ns}/{}", s.name_any()))
+                    })
+                    .then_some(()))
+            }
+        })
+        .await?;
+        ensure!(
+            !outside.get("outside").await?.labels().contains_key(&key),
+            "Secret in an unselected namespace was labelled"
+        );
+        Ok(())
+    }
+    .await;
+    if result.is_err() {
+        sharder.dump_logs();
+    }
+    result
+}
+
+#[tokio::test]
+async fn cluster_scoped_resources_are_assigned() -> anyhow::Result<()> {
+    let sharder = shared();
+    let cluster = cluster();
+    let client = cluster.client().await?;
+    let ns = cluster.namespace(&client, "clusterscoped").await?;
+    let roles = Api::<ClusterRole>::all(client.clone());
+    let prefix = unique_name("sharded-role");
+    for i in 0..5 {
+        let role = ClusterRole {
+            metadata: ObjectMeta {
+                name: Some(format!("{prefix}-{i}")),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        roles.create(&PostParams::default(), &role).await?;
+    }
+    let ring = unique_name("clusterscoped");
+    for shard in ["shard-a", "shard-b", "shard-c"] {
+        create_lease(&client, &ns, &ring, shard, 3600).await?;
+    }
+    let spec = ClusterRingSpec {
+        resources: vec![RingResource {
+            group: "rbac.authorization.k8s.io".into(),
+            resource: "clusterroles".into(),
+            controlled_resources: vec![GroupResource::new("", "configmaps")],
+        }],
+        namespace_selector: ring_spec(&ns).namespace_selector,
+    };
+    create_ring(&client, &ring, spec).await?;
+    let result = async {
+        let key = labels::shard_label(&ring);
+        let predicted = Ring::new(["shard-a", "shard-b", "shard-c"]);
+        poll_until("ClusterRoles assigned", Duration::from_secs(20), || {
+            let (roles, key, predicted, prefix) = (
+                roles.clone(),
+                key.clone(),
+                predicted.clone(),
+                prefix.clone(),
+            );
+            async move {
+                let mut ok = true;
+                for i in 0..5 {
+                    let name = format!("{prefix}-{i}");
+                    let role = roles.get(&name).await?;
+                    let expected = predicted
+                        .shard_for(&format!("rbac.authorization.k8s.io/ClusterRole//{name}"));
+                    ok &= role.labels().get(&key).map(String::as_str) == expected;
+                }
+                Ok(ok.then_some(()))
+            }
+        })
+        .await?;
+        Ok(())
+    }
+    .await;
+    if result.is_err() {
+        sharder.dump_logs();
+    }
+    result
+}
+
+#[tokio::test]
+async fn objects_created_while_no_sharder_runs_are_assigned_quickly() -> anyhow::Result<()> {
+    let dedicated = DedicatedCluster::start().await?;
+    let cluster = dedicated.cluster();
+    let client = cluster.client().await?;
+    let ns = cluster.namespace(&client, "missed").await?;
+    let ring = unique_name("missed");
+    let shards = ["shard-a", "shard-b", "shard-c"];
+    for shard in shards {
+        create_lease(&client, &ns, &ring, shard, 3600).await?;
+    }
+    create_ring(&client, &ring, ring_spec(&ns)).await?;
+    create_secrets(&client, &ns, 50).await?;
+    let key = labels::shard_label(&ring);
+    let secrets = Api::<Secret>::namespaced(client.clone(), &ns);
+    let unlabelled = secrets.list_metadata(&ListParams::default()).await?;
+    ensure!(
+        unlabelled
+            .items
+            .iter()
+            .all(|s| !s.labels().contains_key(&key))
+    );
+
+    let files = SharderFiles::create(cluster.kubeconfig(), &SharderSettings::default())?;
+    let mut process = files.start_process()?;
+    let started = std::time::Instant::now();
+    let predicted = Ring::new(shards);
+    poll_until("50 Secrets assigned", Duration::from_secs(10), || {
+        let (secrets, key, predicted, ns) =
+            (secrets.clone(), key.clone(), predicted.clone(), ns.clone());
+        async move {
+            let list = secrets.list_metadata(&ListParams::default()).await?;
+            Ok(list
+                .items
+                .iter()
+                .all(|s| {
+                    s.labels().get(&key).map(String::as_str)
+                        == predicted.shard_for(&format!("/Secret/{ns}/{}", s.name_any()))
+                })
+                .then_some(()))
+        }
+    })
+    .await?;
+    eprintln!(
+        "missed webhook: 50 Secrets assigned {:?} after the sharder started",
+        started.elapsed()
+    );
+    process.terminate()?;
+    process.wait(Duration::from_secs(15)).await?;
+    process.passed();
+    Ok(())
+}
