@@ -219,6 +219,14 @@ pub struct SharedSharder {
 }
 
 impl SharedSharder {
+    /// Passes `result` through, printing the sharder's log first when it is an error.
+    pub fn check<T>(&self, result: anyhow::Result<T>) -> anyhow::Result<T> {
+        if result.is_err() {
+            self.dump_logs();
+        }
+        result
+    }
+
     /// Prints the sharder's log to stderr (call when a test fails).
     pub fn dump_logs(&self) {
         let text = std::fs::read_to_string(&self.log).unwrap_or_default();

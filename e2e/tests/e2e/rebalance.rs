@@ -161,6 +161,31 @@ fn counter(metric: &str, ring: &str, resource: &str) -> anyhow::Result<u64> {
         .unwrap_or(0))
 }
 
+/// Waits until every Secret in `namespace` carries the shard the ring of `shards` predicts.
+async fn wait_all_assigned(
+    client: &Client,
+    namespace: &str,
+    ring: &str,
+    shards: &[&str],
+    timeout: Duration,
+) -> anyhow::Result<()> {
+    let key = labels::shard_label(ring);
+    let predicted = Ring::new(shards);
+    let secrets = Api::<Secret>::namespaced(client.clone(), namespace);
+    poll_until("all Secrets assigned", timeout, || async {
+        let list = secrets.list_metadata(&ListParams::default()).await?;
+        Ok(list
+            .items
+            .iter()
+            .all(|s| {
+                s.labels().get(&key).map(String::as_str)
+                    == predicted.shard_for(&format!("/Secret/{namespace}/{}", s.name_any()))
+            })
+            .then_some(()))
+    })
+    .await
+}
+
 fn record_is(record: &serde_json::Value, event: &str, namespace: &str, name: &str) -> bool {
     record["event"] == event && record["namespace"] == namespace && record["name"] == name
 }
@@ -386,23 +411,13 @@ async fn existing_objects_are_assigned_and_unselected_namespaces_untouched() -> 
     create_ring(&client, &ring, ring_spec(&ns)).await?;
     let result = async {
         let key = labels::shard_label(&ring);
-        let predicted = Ring::new(["shard-a", "shard-b"]);
-        let secrets = Api::<Secret>::namespaced(client.clone(), &ns);
-        poll_until("existing Secrets assigned", Duration::from_secs(20), || {
-            let (secrets, key, predicted, ns) =
-                (secrets.clone(), key.clone(), predicted.clone(), ns.clone());
-            async move {
-                let list = secrets.list_metadata(&ListParams::default()).await?;
-                Ok(list
-                    .items
-                    .iter()
-                    .all(|s| {
-                        s.labels().get(&key).map(String::as_str)
-                            == predicted.shard_for(&format!("/Secret/{ns}/{}", s.name_any()))
-                    })
-                    .then_some(()))
-            }
-        })
+        wait_all_assigned(
+            &client,
+            &ns,
+            &ring,
+            &["shard-a", "shard-b"],
+            Duration::from_secs(20),
+        )
         .await?;
         ensure!(
             !outside.get("outside").await?.labels().contains_key(&key),
@@ -411,10 +426,7 @@ async fn existing_objects_are_assigned_and_unselected_namespaces_untouched() -> 
         Ok(())
     }
     .await;
-    if result.is_err() {
-        sharder.dump_logs();
-    }
-    result
+    sharder.check(result)
 }
 
 #[tokio::test]
@@ -474,10 +486,7 @@ async fn cluster_scoped_resources_are_assigned() -> anyhow::Result<()> {
         Ok(())
     }
     .await;
-    if result.is_err() {
-        sharder.dump_logs();
-    }
-    result
+    sharder.check(result)
 }
 
 #[tokio::test]
@@ -506,23 +515,7 @@ async fn objects_created_while_no_sharder_runs_are_assigned_quickly() -> anyhow:
     let files = SharderFiles::create(cluster.kubeconfig(), &SharderSettings::default())?;
     let mut process = files.start_process()?;
     let started = std::time::Instant::now();
-    let predicted = Ring::new(shards);
-    poll_until("50 Secrets assigned", Duration::from_secs(10), || {
-        let (secrets, key, predicted, ns) =
-            (secrets.clone(), key.clone(), predicted.clone(), ns.clone());
-        async move {
-            let list = secrets.list_metadata(&ListParams::default()).await?;
-            Ok(list
-                .items
-                .iter()
-                .all(|s| {
-                    s.labels().get(&key).map(String::as_str)
-                        == predicted.shard_for(&format!("/Secret/{ns}/{}", s.name_any()))
-                })
-                .then_some(()))
-        }
-    })
-    .await?;
+    wait_all_assigned(&client, &ns, &ring, &shards, Duration::from_secs(10)).await?;
     eprintln!(
         "missed webhook: 50 Secrets assigned {:?} after the sharder started",
         started.elapsed()

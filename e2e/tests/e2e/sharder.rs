@@ -120,10 +120,7 @@ async fn webhook_assigns_in_the_create_response() -> anyhow::Result<()> {
         Ok(())
     }
     .await;
-    if result.is_err() {
-        sharder.dump_logs();
-    }
-    result
+    sharder.check(result)
 }
 
 #[tokio::test]
@@ -165,10 +162,7 @@ async fn status_follows_leases_and_no_shard_leaves_objects_unassigned() -> anyho
         Ok(())
     }
     .await;
-    if result.is_err() {
-        sharder.dump_logs();
-    }
-    result
+    sharder.check(result)
 }
 
 #[tokio::test]
@@ -262,10 +256,7 @@ async fn webhook_configuration_matches_spec_and_is_restored() -> anyhow::Result<
         Ok(())
     }
     .await;
-    if result.is_err() {
-        sharder.dump_logs();
-    }
-    result
+    sharder.check(result)
 }
 
 /// Waits until the Lease carries `state` in its state label; returns it.
@@ -328,10 +319,7 @@ async fn lease_lifecycle_from_ready_to_deleted() -> anyhow::Result<()> {
         Ok(())
     }
     .await;
-    if result.is_err() {
-        sharder.dump_logs();
-    }
-    result
+    sharder.check(result)
 }
 
 #[tokio::test]
@@ -394,10 +382,7 @@ async fn garbage_leases_crash_nothing() -> anyhow::Result<()> {
         Ok(())
     }
     .await;
-    if result.is_err() {
-        sharder.dump_logs();
-    }
-    result
+    sharder.check(result)
 }
 
 #[tokio::test]
@@ -458,10 +443,7 @@ async fn invalid_rings_are_reported_and_not_acted_on() -> anyhow::Result<()> {
         Ok(())
     }
     .await;
-    if result.is_err() {
-        sharder.dump_logs();
-    }
-    result
+    sharder.check(result)
 }
 
 fn review(namespace: &str, name: &str) -> serde_json::Value {
