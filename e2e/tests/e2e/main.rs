@@ -3,6 +3,7 @@
 //! All tests live in this one binary so the control plane starts once per run.
 
 mod crd;
+mod leader;
 mod manifests;
 mod rebalance;
 mod shard;
