@@ -191,7 +191,9 @@ fn curl(args: &[&str]) -> anyhow::Result<String> {
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
-fn generate_certificates(dir: &Path) -> anyhow::Result<()> {
+/// Writes a test CA (`ca.crt`, `ca.key`) and a serving certificate for 127.0.0.1 and localhost
+/// signed by it (`tls.crt`, `tls.key`) into `dir`, with openssl.
+pub fn generate_certificates(dir: &Path) -> anyhow::Result<()> {
     let script = r#"set -e
 openssl req -x509 -newkey rsa:2048 -nodes -days 30 -subj "/CN=sharder-test-ca" -keyout ca.key -out ca.crt
 openssl req -newkey rsa:2048 -nodes -subj "/CN=sharder" -keyout tls.key -out tls.csr

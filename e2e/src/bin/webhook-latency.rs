@@ -33,7 +33,7 @@ use axum::routing::post;
 use clap::Parser;
 use e2e::fixtures::{create_lease, create_ring, ring_spec, wait_status, wait_webhook};
 use e2e::process::poll_until;
-use e2e::sharder::{SharderFiles, SharderSettings, shared};
+use e2e::sharder::{generate_certificates, shared};
 use e2e::{Cluster, cluster, unique_name};
 use k8s_openapi::ByteString;
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
@@ -277,14 +277,17 @@ async fn measure(
     }
 
     // (b): the trivial webhook, with a certificate made like the sharder's.
-    let files = SharderFiles::create(cluster.kubeconfig(), &SharderSettings::default())?;
+    let cert_dir = std::env::temp_dir().join(unique_name("webhook-latency-certs"));
+    std::fs::create_dir_all(&cert_dir)?;
+    generate_certificates(&cert_dir)?;
+    let ca_path = cert_dir.join("ca.crt");
     let listener = std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
         .context("failed to listen on loopback")?;
     listener.set_nonblocking(true)?;
     let addr = listener.local_addr()?;
     let reloader = Arc::new(sharder::tls::CertReloader::new(
-        files.dir.join("tls.crt"),
-        files.dir.join("tls.key"),
+        cert_dir.join("tls.crt"),
+        cert_dir.join("tls.key"),
     ));
     reloader.reload_if_changed()?;
     let tls = tokio_rustls::TlsAcceptor::from(Arc::new(reloader.server_config()?));
@@ -300,8 +303,8 @@ async fn measure(
         }
     });
     let trivial_name = unique_name("webhook-latency-trivial");
-    let ca = std::fs::read(&files.ca)
-        .with_context(|| format!("failed to read {}", files.ca.display()))?;
+    let ca =
+        std::fs::read(&ca_path).with_context(|| format!("failed to read {}", ca_path.display()))?;
     let configuration: MutatingWebhookConfiguration = serde_json::from_value(json!({
         "metadata": {"name": trivial_name},
         "webhooks": [{
