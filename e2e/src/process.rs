@@ -90,6 +90,21 @@ impl Process {
         I: IntoIterator<Item = S>,
         S: AsRef<std::ffi::OsStr>,
     {
+        Self::start_with_env(name, args, std::iter::empty::<(&str, &str)>())
+    }
+
+    /// Like [`Process::start`], with extra environment variables for the process (set after
+    /// `KUBECONFIG`, so they may override it), e.g. to tune the allocator of a measured process.
+    ///
+    /// Must be called within a tokio runtime.
+    pub fn start_with_env<I, S, E, K, V>(name: &str, args: I, envs: E) -> anyhow::Result<Self>
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<std::ffi::OsStr>,
+        E: IntoIterator<Item = (K, V)>,
+        K: AsRef<std::ffi::OsStr>,
+        V: AsRef<std::ffi::OsStr>,
+    {
         let path = binary(name)?;
         let log_dir = std::env::temp_dir().join(format!(
             "controller-sharding-e2e-logs-{}",
@@ -106,6 +121,7 @@ impl Process {
         let child = tokio::process::Command::new(&path)
             .args(args)
             .env("KUBECONFIG", cluster().kubeconfig())
+            .envs(envs)
             .stdin(Stdio::null())
             .stdout(log)
             .stderr(stderr)
