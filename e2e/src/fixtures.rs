@@ -143,3 +143,48 @@ pub async fn wait_webhook(
     )
     .await
 }
+
+/// Lease timing of a test shard: duration, renew deadline, retry period (seconds, as flags).
+#[derive(Clone, Copy, Debug)]
+pub struct ShardTiming(pub &'static str, pub &'static str, pub &'static str);
+
+impl ShardTiming {
+    /// Short timing, so loss and takeover play out within seconds.
+    pub const FAST: Self = Self("3", "2", "0.5");
+    /// Relaxed timing, so a busy machine never costs a shard its Lease.
+    pub const RELAXED: Self = Self("15", "10", "1");
+    /// The binary's defaults (15 s, 10 s, 2 s).
+    pub const DEFAULT: Self = Self("15", "10", "2");
+}
+
+/// Starts a `checksum-controller` shard of `ring` that watches and leases in `namespace`, with
+/// JSON logs (its records can be read with [`crate::process::Process::records`]).
+pub fn start_checksum_shard(
+    ring: &str,
+    namespace: &str,
+    shard: &str,
+    timing: ShardTiming,
+) -> anyhow::Result<crate::process::Process> {
+    let ShardTiming(duration, deadline, retry) = timing;
+    crate::process::Process::start(
+        "checksum-controller",
+        [
+            "--clusterring",
+            ring,
+            "--namespace",
+            namespace,
+            "--lease-namespace",
+            namespace,
+            "--shard-name",
+            shard,
+            "--lease-duration",
+            duration,
+            "--renew-deadline",
+            deadline,
+            "--retry-period",
+            retry,
+            "--log-format",
+            "json",
+        ],
+    )
+}

@@ -42,7 +42,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use clap::Parser;
-use e2e::fixtures::{create_ring, ring_spec, secret, wait_status, wait_webhook};
+use e2e::fixtures::{
+    ShardTiming, create_ring, ring_spec, secret, start_checksum_shard, wait_status, wait_webhook,
+};
 use e2e::process::{Process, poll_until};
 use e2e::sharder::{SharderFiles, SharderSettings};
 use e2e::{Cluster, cluster, unique_name};
@@ -791,21 +793,7 @@ where
 ///
 /// Its log stays on disk (see the report); it is never printed, as it holds a line per object.
 fn start_shard(ring: &str, namespace: &str, shard: &str) -> anyhow::Result<Process> {
-    let mut process = Process::start(
-        "checksum-controller",
-        [
-            "--clusterring",
-            ring,
-            "--namespace",
-            namespace,
-            "--lease-namespace",
-            namespace,
-            "--shard-name",
-            shard,
-            "--log-format",
-            "json",
-        ],
-    )?;
+    let mut process = start_checksum_shard(ring, namespace, shard, ShardTiming::DEFAULT)?;
     process.passed();
     Ok(process)
 }

@@ -5,7 +5,10 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use anyhow::{Context, ensure};
-use e2e::fixtures::{create_lease, create_ring, ring_spec, secret, wait_status, wait_webhook};
+use e2e::fixtures::{
+    ShardTiming, create_lease, create_ring, ring_spec, secret, start_checksum_shard, wait_status,
+    wait_webhook,
+};
 use e2e::process::{Process, poll_until};
 use e2e::sharder::{DedicatedCluster, SharderFiles, SharderSettings, shared};
 use e2e::{cluster, unique_name};
@@ -297,33 +300,6 @@ async fn two_sharders_elect_one_leader_and_hand_over_on_sigterm() -> anyhow::Res
     Ok(())
 }
 
-/// Starts a `checksum-controller` shard of `ring`, watching and leasing in `namespace`.
-fn start_checksum_shard(ring: &str, namespace: &str, shard: &str) -> anyhow::Result<Process> {
-    Process::start(
-        "checksum-controller",
-        [
-            "--clusterring",
-            ring,
-            "--namespace",
-            namespace,
-            "--lease-namespace",
-            namespace,
-            "--shard-name",
-            shard,
-            // Longer than shard.rs uses: nothing here tests loss, and a busy machine must not
-            // cost a shard its Lease.
-            "--lease-duration",
-            "15",
-            "--renew-deadline",
-            "10",
-            "--retry-period",
-            "1",
-            "--log-format",
-            "json",
-        ],
-    )
-}
-
 /// The data of Secret number `i`: a few keys with distinct values.
 fn secret_data(i: usize) -> BTreeMap<String, String> {
     BTreeMap::from([
@@ -345,7 +321,12 @@ async fn sharder_and_three_checksum_shards_split_a_ring() -> anyhow::Result<()> 
     create_ring(&client, &ring, ring_spec(&ns)).await?;
     let mut shards = Vec::new();
     for name in SHARDS {
-        shards.push(start_checksum_shard(&ring, &ns, name)?);
+        shards.push(start_checksum_shard(
+            &ring,
+            &ns,
+            name,
+            ShardTiming::RELAXED,
+        )?);
     }
 
     let result = async {

@@ -5,7 +5,10 @@ use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
 use anyhow::{Context, ensure};
-use e2e::fixtures::{create_lease, create_ring, ring_spec, secret, wait_status, wait_webhook};
+use e2e::fixtures::{
+    ShardTiming, create_lease, create_ring, ring_spec, secret, start_checksum_shard, wait_status,
+    wait_webhook,
+};
 use e2e::process::{Process, poll_until};
 use e2e::sharder::{DedicatedCluster, SharderFiles, SharderSettings, shared};
 use e2e::{cluster, unique_name};
@@ -20,31 +23,47 @@ use sharder::ring::Ring;
 use sharding_crds::labels;
 use sharding_crds::{ClusterRingSpec, GroupResource, RingResource};
 
-/// Lease duration of the shards in these tests, in seconds.
+/// Lease duration of the shards in these tests, in seconds (that of [`ShardTiming::FAST`]).
 const LEASE_SECONDS: u32 = 3;
 
 fn start_shard(ring: &str, namespace: &str, shard: &str) -> anyhow::Result<Process> {
-    Process::start(
-        "checksum-controller",
-        [
-            "--clusterring",
-            ring,
-            "--namespace",
-            namespace,
-            "--lease-namespace",
-            namespace,
-            "--shard-name",
-            shard,
-            "--lease-duration",
-            &LEASE_SECONDS.to_string(),
-            "--renew-deadline",
-            "2",
-            "--retry-period",
-            "0.5",
-            "--log-format",
-            "json",
-        ],
+    start_checksum_shard(ring, namespace, shard, ShardTiming::FAST)
+}
+
+/// Starts one shard per name.
+fn start_shards(
+    ring: &str,
+    namespace: &str,
+    names: &[&'static str],
+) -> anyhow::Result<HashMap<&'static str, Process>> {
+    names
+        .iter()
+        .map(|name| Ok((*name, start_shard(ring, namespace, name)?)))
+        .collect()
+}
+
+/// Waits until the ring of `names` is available and assigning, creates `count` Secrets, and waits
+/// until they and their ConfigMaps sit on their predicted shards; returns the assignments.
+async fn populate(
+    client: &Client,
+    namespace: &str,
+    ring: &str,
+    names: &[&str],
+    count: usize,
+) -> anyhow::Result<BTreeMap<String, String>> {
+    let shards = i32::try_from(names.len())?;
+    wait_status(client, ring, shards, shards).await?;
+    wait_webhook(client, namespace, ring, names).await?;
+    create_secrets(client, namespace, count).await?;
+    wait_converged(
+        client,
+        namespace,
+        ring,
+        names,
+        count,
+        Duration::from_secs(120),
     )
+    .await
 }
 
 /// Creates `count` Secrets with data, 20 at a time.
@@ -199,23 +218,9 @@ async fn scale_out_drains_exactly_the_moved_objects() -> anyhow::Result<()> {
     let ring = unique_name("scaleout");
     create_ring(&client, &ring, ring_spec(&ns)).await?;
     let names = ["shard-0", "shard-1", "shard-2", "shard-3"];
-    let mut shards = HashMap::new();
-    for name in &names[..3] {
-        shards.insert(*name, start_shard(&ring, &ns, name)?);
-    }
+    let mut shards = start_shards(&ring, &ns, &names[..3])?;
     let result = async {
-        wait_status(&client, &ring, 3, 3).await?;
-        wait_webhook(&client, &ns, &ring, &names[..3]).await?;
-        create_secrets(&client, &ns, 300).await?;
-        let before = wait_converged(
-            &client,
-            &ns,
-            &ring,
-            &names[..3],
-            300,
-            Duration::from_secs(120),
-        )
-        .await?;
+        let before = populate(&client, &ns, &ring, &names[..3], 300).await?;
         ensure!(counter("controller_sharding_drains_total", &ring, "secrets")? == 0);
 
         shards.insert(names[3], start_shard(&ring, &ns, names[3])?);
@@ -291,15 +296,9 @@ async fn graceful_scale_in_moves_without_drains() -> anyhow::Result<()> {
     let ring = unique_name("scalein");
     create_ring(&client, &ring, ring_spec(&ns)).await?;
     let names = ["shard-0", "shard-1", "shard-2"];
-    let mut shards = HashMap::new();
-    for name in names {
-        shards.insert(name, start_shard(&ring, &ns, name)?);
-    }
+    let mut shards = start_shards(&ring, &ns, &names)?;
     let result = async {
-        wait_status(&client, &ring, 3, 3).await?;
-        wait_webhook(&client, &ns, &ring, &names).await?;
-        create_secrets(&client, &ns, 60).await?;
-        wait_converged(&client, &ns, &ring, &names, 60, Duration::from_secs(60)).await?;
+        populate(&client, &ns, &ring, &names, 60).await?;
 
         let mut leaving = shards.remove("shard-1").context("shard-1")?;
         leaving.terminate()?;
@@ -359,15 +358,9 @@ async fn crashed_shard_objects_move_after_takeover() -> anyhow::Result<()> {
     let ring = unique_name("crash");
     create_ring(&client, &ring, ring_spec(&ns)).await?;
     let names = ["shard-0", "shard-1", "shard-2"];
-    let mut shards = HashMap::new();
-    for name in names {
-        shards.insert(name, start_shard(&ring, &ns, name)?);
-    }
+    let mut shards = start_shards(&ring, &ns, &names)?;
     let result = async {
-        wait_status(&client, &ring, 3, 3).await?;
-        wait_webhook(&client, &ns, &ring, &names).await?;
-        create_secrets(&client, &ns, 60).await?;
-        wait_converged(&client, &ns, &ring, &names, 60, Duration::from_secs(60)).await?;
+        populate(&client, &ns, &ring, &names, 60).await?;
 
         let mut crashed = shards.remove("shard-1").context("shard-1")?;
         crashed.signal("KILL")?;

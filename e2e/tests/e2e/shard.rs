@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use anyhow::{Context, ensure};
+use e2e::fixtures::{ShardTiming, start_checksum_shard};
 use e2e::process::{Process, poll_until};
 use e2e::{cluster, unique_name};
 use futures::{StreamExt, TryStreamExt};
@@ -22,7 +23,8 @@ use shard::{LeaseLock, LeaseLockConfig};
 use sharding_crds::labels;
 
 const RING: &str = "checksum-controller";
-/// Short Lease timing so loss and takeover play out within seconds.
+/// Lease duration of [`ShardTiming::FAST`], which the shards here use so that loss and takeover
+/// play out within seconds.
 const LEASE_DURATION_SECONDS: i32 = 3;
 const WAIT: Duration = Duration::from_secs(20);
 
@@ -36,27 +38,7 @@ fn drain_key() -> String {
 
 /// Starts a checksum-controller shard watching and leasing in `namespace`.
 fn start_shard(namespace: &str, shard: &str) -> anyhow::Result<Process> {
-    Process::start(
-        "checksum-controller",
-        [
-            "--clusterring",
-            RING,
-            "--namespace",
-            namespace,
-            "--lease-namespace",
-            namespace,
-            "--shard-name",
-            shard,
-            "--lease-duration",
-            &LEASE_DURATION_SECONDS.to_string(),
-            "--renew-deadline",
-            "2",
-            "--retry-period",
-            "0.5",
-            "--log-format",
-            "json",
-        ],
-    )
+    start_checksum_shard(RING, namespace, shard, ShardTiming::FAST)
 }
 
 fn now() -> anyhow::Result<Timestamp> {
