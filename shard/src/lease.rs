@@ -586,8 +586,8 @@ impl Inner {
     }
 }
 
-/// The error with its sources, for one-line logs.
-fn error_chain(error: &dyn std::error::Error) -> String {
+/// The error with its sources joined by `: `, for one-line logs.
+pub fn error_chain(error: &dyn std::error::Error) -> String {
     let mut text = error.to_string();
     let mut source = error.source();
     while let Some(cause) = source {

@@ -22,6 +22,7 @@ use kube::api::{Api, ObjectMeta, Patch, PatchParams};
 use kube::runtime::controller::{self, Action, Controller};
 use kube::{Client, Resource, ResourceExt};
 use sha2::{Digest, Sha256};
+use shard::lease::error_chain;
 use shard::{LeaseLock, ReconcileError, Shard};
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
@@ -180,17 +181,6 @@ fn error_policy(
         "reconcile failed, retrying"
     );
     Action::requeue(RETRY_AFTER)
-}
-
-fn error_chain(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
 }
 
 /// The host name: `HOSTNAME` (set to the pod name by Kubernetes), else the kernel's.

@@ -93,6 +93,18 @@ pub(crate) mod fake {
         writes: usize,
     }
 
+    impl State {
+        /// Stores `lease` as the next version, like a successful write on the server.
+        fn store(&mut self, lease: &Lease) -> Lease {
+            self.resource_version += 1;
+            self.writes += 1;
+            let mut stored = lease.clone();
+            stored.metadata.resource_version = Some(self.resource_version.to_string());
+            self.lease = Some(stored.clone());
+            stored
+        }
+    }
+
     /// An in-memory Lease with resourceVersion checks.
     #[derive(Clone, Debug)]
     pub(crate) struct FakeStore(Arc<Mutex<State>>);
@@ -165,12 +177,7 @@ pub(crate) mod fake {
             if state.lease.is_some() {
                 return Err(status(409, "AlreadyExists"));
             }
-            state.resource_version += 1;
-            state.writes += 1;
-            let mut stored = lease.clone();
-            stored.metadata.resource_version = Some(state.resource_version.to_string());
-            state.lease = Some(stored.clone());
-            Ok(stored)
+            Ok(state.store(lease))
         }
 
         pub(crate) async fn replace(&self, lease: &Lease) -> Result<Lease, kube::Error> {
@@ -185,12 +192,7 @@ pub(crate) mod fake {
             if current.metadata.resource_version != lease.metadata.resource_version {
                 return Err(status(409, "Conflict"));
             }
-            state.resource_version += 1;
-            state.writes += 1;
-            let mut stored = lease.clone();
-            stored.metadata.resource_version = Some(state.resource_version.to_string());
-            state.lease = Some(stored.clone());
-            Ok(stored)
+            Ok(state.store(lease))
         }
     }
 }
