@@ -89,7 +89,10 @@ apiserver_works() {
 }
 
 build_apiserver() {
-  ensure_packages golang-go rsync dpkg-dev golang-github-modern-go-reflect2-dev
+  ensure_packages golang-1.19-go rsync dpkg-dev golang-github-modern-go-reflect2-dev
+  # The machine's own Go is far newer than this source tree supports; use Debian's 1.19 explicitly.
+  local go119=/usr/lib/go-1.19/bin
+  [ -x "$go119/go" ] || die "missing $go119/go"
   ensure_deb_src
   local build="$CACHE_DIR/build"
   rm -rf "$build"
@@ -115,8 +118,8 @@ build_apiserver() {
   done
   log "building kube-apiserver (takes a few minutes)"
   # The tarball has no git metadata; pin the version the binary reports.
-  (cd "$src" && KUBE_GIT_VERSION="v$KUBE_VERSION" KUBE_GIT_TREE_STATE=clean \
-    make WHAT=cmd/kube-apiserver >&2)
+  (cd "$src" && PATH="$go119:$PATH" GOTOOLCHAIN=local GOFLAGS= KUBE_GIT_VERSION="v$KUBE_VERSION" \
+    KUBE_GIT_TREE_STATE=clean make WHAT=cmd/kube-apiserver >&2)
   local out
   out=$(find "$src/_output" -type f -name kube-apiserver -perm -u+x | head -n1)
   [ -n "$out" ] || die "build produced no kube-apiserver binary"
