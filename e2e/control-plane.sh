@@ -1,33 +1,40 @@
 #!/usr/bin/env bash
-# A real, throwaway Kubernetes control plane (etcd + kube-apiserver) on loopback, for tests and the
-# local playground.
+# A real, throwaway Kubernetes control plane (etcd, kube-apiserver, kube-controller-manager) on
+# loopback, for tests and the local playground.
 #
-#   control-plane.sh provision            install packages, build and cache kube-apiserver (idempotent)
-#   control-plane.sh start DIR [OWNER]    start etcd + kube-apiserver with state in DIR, write
-#                                         DIR/kubeconfig, wait until ready; with OWNER (a PID), stop
-#                                         everything by itself once that process is gone
-#   control-plane.sh stop DIR             stop both and remove DIR
-#   control-plane.sh apiserver-path       print the cached kube-apiserver binary's path
+#   control-plane.sh provision            build and cache etcd, kube-apiserver,
+#                                         kube-controller-manager and kubectl (idempotent)
+#   control-plane.sh start DIR [OWNER]    start the control plane with state in DIR, write
+#                                         DIR/kubeconfig, wait until ready; with OWNER (a PID),
+#                                         stop everything by itself once that process is gone
+#   control-plane.sh stop DIR             stop every process of it and remove DIR
+#   control-plane.sh bin-dir              print the directory holding the cached binaries
 #
-# Only Debian's package registry is used. kube-apiserver 1.20.2 is built from Debian's `kubernetes`
-# source package, whose vendored modern-go/reflect2 1.0.1 crashes under Go >= 1.18 (SIGSEGV in
-# mapiterinit while encoding JSON, e.g. when calling an admission webhook); it is swapped for
-# Debian's reflect2 1.0.2 before building.
+# Versions: KUBE_VERSION (default below) and ETCD_VERSION override the pinned releases. Everything
+# is built from Go modules with `go build`, fetched through the Go module proxy the machine's Go is
+# configured with; nothing else is downloaded. Binaries and Go's module and build caches live
+# under CONTROLLER_SHARDING_CACHE (default ~/.cache/controller-sharding), outside the checkout.
 #
-# A second Go-version trap: the vendored OpenAPI type validators treat a value as null when
-# `reflect.DeepEqual(reflect.Zero(t), reflect.ValueOf(v))`. That compares reflect.Value structs; under
-# the Go 1.15 that 1.20 shipped with they never matched, but current Go backs both a zero Value and
-# an interface holding "" with the same static buffer, so every "" in a custom resource (the core
-# group of a ClusterRing, say) fails with 'must be of type string: "null"'. The check is patched to
-# `data == nil`, which is what it did in practice under the original Go.
+# Why wrapper modules: k8s.io/kubernetes requires each of its staging modules (k8s.io/api, ...) at
+# v0.0.0 and points them at ./staging with replace directives, which only apply inside its own
+# repository; `go install ...@version` refuses such a module. A generated module that requires
+# k8s.io/kubernetes and replaces every one of those v0.0.0 requirements with the matching published
+# v0.<minor>.<patch> builds the same code. etcd's server module has relative replace directives
+# too, and gets a wrapper of the same kind.
 set -euo pipefail
 
-KUBE_VERSION=1.20.2
-CACHE_DIR=${CONTROLLER_SHARDING_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/controller-sharding}
+KUBE_VERSION=${KUBE_VERSION:-1.37.2}
+ETCD_VERSION=${ETCD_VERSION:-3.6.16}
+# The Go release fetched (as the golang.org/toolchain module) when the machine's Go is older than
+# what KUBE_VERSION's go.mod asks for.
+GO_TOOLCHAIN_VERSION=${GO_TOOLCHAIN_VERSION:-1.26.8}
 # Bump BUILD_REVISION whenever the build recipe changes, so cached binaries are rebuilt.
-BUILD_REVISION=3
-APISERVER_BIN=$CACHE_DIR/bin/kube-apiserver-v$KUBE_VERSION-r$BUILD_REVISION
-GOCODE=/usr/share/gocode/src/github.com
+BUILD_REVISION=1
+
+CACHE_DIR=${CONTROLLER_SHARDING_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/controller-sharding}
+BIN_DIR=$CACHE_DIR/bin/kubernetes-v$KUBE_VERSION-etcd-v$ETCD_VERSION-r$BUILD_REVISION
+GO_DIR=$CACHE_DIR/go
+BINARIES=(etcd kube-apiserver kube-controller-manager kubectl)
 
 log() { echo "control-plane: $*" >&2; }
 die() { log "error: $*"; exit 1; }
@@ -38,14 +45,6 @@ as_root() {
   fi
 }
 
-apt_updated=
-apt_update_once() {
-  if [ -z "$apt_updated" ]; then
-    as_root apt-get update -qq >&2
-    apt_updated=1
-  fi
-}
-
 ensure_packages() {
   local missing=()
   for pkg in "$@"; do
@@ -53,99 +52,155 @@ ensure_packages() {
   done
   if [ ${#missing[@]} -gt 0 ]; then
     log "installing ${missing[*]}"
-    apt_update_once
+    as_root apt-get update -qq >&2
     as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
       "${missing[@]}" >&2
   fi
 }
 
-# Adds deb-src entries that mirror the machine's existing Debian entries (same URIs), so no
-# repository address is hard-coded here.
-ensure_deb_src() {
-  local list=/etc/apt/sources.list.d/controller-sharding-src.sources
-  if grep -rqs '^Types:.*deb-src' /etc/apt/sources.list.d/ || grep -qs '^deb-src' /etc/apt/sources.list; then
-    return
-  fi
-  local uri
-  uri=$( (grep -hs '^URIs:' /etc/apt/sources.list.d/*.sources | awk '{print $2}' | grep -v security | head -n1) || true)
-  if [ -z "$uri" ]; then
-    uri=$( (grep -hs '^deb ' /etc/apt/sources.list | awk '{print $2}' | grep -v security | head -n1) || true)
-  fi
-  [ -n "$uri" ] || die "no Debian package source configured; cannot add a deb-src entry"
-  log "adding deb-src entry for bookworm"
-  as_root tee "$list" >/dev/null <<EOF
-Types: deb-src
-URIs: $uri
-Suites: bookworm
-Components: main
-Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
-EOF
-  apt_updated=
-  apt_update_once
+# Go's environment for every build: caches in CACHE_DIR (so a second provision, or a version bump,
+# reuses what was downloaded and compiled), no automatic toolchain switch, and a writable module
+# cache so the cache can be deleted with rm -rf.
+go_env() {
+  export GOMODCACHE=$GO_DIR/mod GOCACHE=$GO_DIR/build GOPATH=$GO_DIR/path
+  export GOTOOLCHAIN=local GOFLAGS="-mod=mod -modcacherw" CGO_ENABLED=0 GOWORK=off
 }
 
-apiserver_works() {
-  [ -x "$APISERVER_BIN" ] && "$APISERVER_BIN" --version 2>/dev/null | grep -q "v$KUBE_VERSION"
+# "1.26.8" from "go version go1.26.8 linux/amd64".
+go_version_of() { "$1" version | awk '{print $3}' | sed 's/^go//'; }
+
+# Whether version $1 >= version $2.
+version_at_least() { [ "$(printf '%s\n%s\n' "$2" "$1" | sort -V | head -n1)" = "$2" ]; }
+
+# A `go` that can run module downloads: the machine's, else Debian's.
+any_go() {
+  if command -v go >/dev/null; then command -v go; return; fi
+  if [ -x /usr/local/go/bin/go ]; then echo /usr/local/go/bin/go; return; fi
+  ensure_packages golang-go ca-certificates
+  command -v go || die "no go after installing golang-go"
 }
 
-build_apiserver() {
-  ensure_packages golang-1.19-go rsync dpkg-dev golang-github-modern-go-reflect2-dev
-  # The machine's own Go is far newer than this source tree supports; use Debian's 1.19 explicitly.
-  local go119=/usr/lib/go-1.19/bin
-  [ -x "$go119/go" ] || die "missing $go119/go"
-  ensure_deb_src
-  local build="$CACHE_DIR/build"
-  rm -rf "$build"
-  mkdir -p "$build"
-  log "fetching Debian's kubernetes source package"
-  (cd "$build" && apt-get source -qq --download-only kubernetes >/dev/null && dpkg-source -x --no-check ./*.dsc src >&2)
-  local src="$build/src"
-  local reflect2="$src/vendor/github.com/modern-go/reflect2"
-  [ -d "$reflect2" ] || die "unexpected source layout in $src"
-  [ -d "$GOCODE/modern-go/reflect2" ] || die "missing $GOCODE/modern-go/reflect2"
-  log "replacing vendored modern-go/reflect2 with Debian's 1.0.2"
-  rm -rf "$reflect2"
-  cp -rL "$GOCODE/modern-go/reflect2" "$reflect2"
-  rm -f "$reflect2/go.mod" "$reflect2/go.sum"
-  find "$reflect2" -name '*_test.go' -delete
-  local type_go zero_check='data == nil || reflect.DeepEqual(reflect.Zero(reflect.TypeOf(data)), reflect.ValueOf(data))'
-  for type_go in "$src/vendor/github.com/go-openapi/validate/type.go" \
-    "$src/vendor/k8s.io/kube-openapi/pkg/validation/validate/type.go"; do
-    grep -qF "$zero_check" "$type_go" || die "unexpected content in $type_go"
-    log "patching the zero-value check in ${type_go#"$src/"}"
-    sed -i "s/$zero_check/data == nil/" "$type_go"
-    grep -qF "$zero_check" "$type_go" && die "failed to patch $type_go"
+# Prints a Go of at least version $1: the machine's when new enough, else the pinned toolchain,
+# downloaded as a module through the proxy (works with any Go that has modules, Debian's too).
+go_at_least() {
+  local need=$1 go
+  go=$(any_go)
+  if version_at_least "$(go_version_of "$go")" "$need"; then echo "$go"; return; fi
+  local root=$GO_DIR/toolchain/go$GO_TOOLCHAIN_VERSION
+  if [ ! -x "$root/bin/go" ]; then
+    local arch mod dir
+    arch=$("$go" env GOARCH)
+    mod="golang.org/toolchain@v0.0.1-go$GO_TOOLCHAIN_VERSION.linux-$arch"
+    log "$go is $(go_version_of "$go"), older than the $need that Kubernetes $KUBE_VERSION needs; fetching $mod"
+    dir=$("$go" mod download -json "$mod" | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$/\1/p')
+    [ -n "$dir" ] && [ -d "$dir" ] || die "failed to download $mod"
+    rm -rf "$root.tmp" && mkdir -p "$(dirname "$root")"
+    cp -r "$dir" "$root.tmp"
+    # Module zips carry no file modes.
+    chmod -R u+w "$root.tmp"
+    chmod +x "$root.tmp"/bin/* "$root.tmp"/pkg/tool/*/*
+    rm -rf "$root" && mv "$root.tmp" "$root"
+  fi
+  version_at_least "$(go_version_of "$root/bin/go")" "$need" ||
+    die "Go $GO_TOOLCHAIN_VERSION is older than $need; set GO_TOOLCHAIN_VERSION"
+  echo "$root/bin/go"
+}
+
+# The go.mod of module $2@$3, downloaded with $1.
+module_go_mod() {
+  local go=$1 path=$2 version=$3 file
+  file=$("$go" mod download -json "$path@$version" | sed -n 's/^[[:space:]]*"GoMod": "\(.*\)",$/\1/p')
+  [ -n "$file" ] && [ -f "$file" ] || die "failed to download $path@$version"
+  echo "$file"
+}
+
+build_kubernetes() {
+  local out=$1 minor patch go kube_mod need work
+  minor=$(echo "$KUBE_VERSION" | cut -d. -f2)
+  patch=$(echo "$KUBE_VERSION" | cut -d. -f3)
+  kube_mod=$(module_go_mod "$(any_go)" k8s.io/kubernetes "v$KUBE_VERSION")
+  need=$(awk '$1 == "go" {print $2; exit}' "$kube_mod")
+  go=$(go_at_least "$need")
+  work=$GO_DIR/work/kubernetes-v$KUBE_VERSION
+  rm -rf "$work" && mkdir -p "$work"
+  {
+    echo "// Generated by e2e/control-plane.sh: builds Kubernetes v$KUBE_VERSION from published modules."
+    echo "module controller-sharding.invalid/kubernetes-build"
+    echo
+    echo "go $need"
+    grep -E '^godebug ' "$kube_mod" || true
+    echo
+    echo "require k8s.io/kubernetes v$KUBE_VERSION"
+    echo
+    echo "replace ("
+    # Every k8s.io module that k8s.io/kubernetes itself requires at v0.0.0 (its staging modules).
+    awk -v v="v0.$minor.$patch" '$1 ~ /^k8s\.io\// && $2 == "v0.0.0" {print "\t" $1 " => " $1 " " v}' "$kube_mod"
+    echo ")"
+  } >"$work/go.mod"
+  local count
+  count=$(grep -c ' => ' "$work/go.mod")
+  [ "$count" -gt 10 ] || die "found only $count staging modules in k8s.io/kubernetes's go.mod"
+  local pkg=k8s.io/component-base/version client=k8s.io/client-go/pkg/version ldflags=""
+  for p in $pkg $client; do
+    ldflags+=" -X $p.gitVersion=v$KUBE_VERSION -X $p.gitMajor=1 -X $p.gitMinor=$minor"
+    ldflags+=" -X $p.gitTreeState=clean -X $p.buildDate=1970-01-01T00:00:00Z"
   done
-  log "building kube-apiserver (takes a few minutes)"
-  # The tarball has no git metadata; pin the version the binary reports.
-  (cd "$src" && PATH="$go119:$PATH" GOTOOLCHAIN=local GOFLAGS= KUBE_GIT_VERSION="v$KUBE_VERSION" \
-    KUBE_GIT_TREE_STATE=clean make WHAT=cmd/kube-apiserver >&2)
-  local out
-  out=$(find "$src/_output" -type f -name kube-apiserver -perm -u+x | head -n1)
-  [ -n "$out" ] || die "build produced no kube-apiserver binary"
-  mkdir -p "$(dirname "$APISERVER_BIN")"
-  cp "$out" "$APISERVER_BIN.tmp"
-  mv "$APISERVER_BIN.tmp" "$APISERVER_BIN"
-  rm -rf "$build"
-  log "cached $APISERVER_BIN"
+  log "building kube-apiserver, kube-controller-manager and kubectl v$KUBE_VERSION with $("$go" version | awk '{print $3}') (first time: 10-20 minutes)"
+  (cd "$work" && "$go" build -trimpath -ldflags "-s -w$ldflags" -o "$out/" \
+    k8s.io/kubernetes/cmd/kube-apiserver \
+    k8s.io/kubernetes/cmd/kube-controller-manager \
+    k8s.io/kubernetes/cmd/kubectl >&2)
+}
+
+build_etcd() {
+  local out=$1 etcd_mod need go work
+  etcd_mod=$(module_go_mod "$(any_go)" go.etcd.io/etcd/server/v3 "v$ETCD_VERSION")
+  need=$(awk '$1 == "go" {print $2; exit}' "$etcd_mod")
+  go=$(go_at_least "$need")
+  work=$GO_DIR/work/etcd-v$ETCD_VERSION
+  rm -rf "$work" && mkdir -p "$work"
+  {
+    echo "// Generated by e2e/control-plane.sh: builds etcd v$ETCD_VERSION from published modules."
+    echo "module controller-sharding.invalid/etcd-build"
+    echo
+    echo "go $need"
+    echo
+    echo "require ("
+    echo "	go.etcd.io/etcd/server/v3 v$ETCD_VERSION"
+    # The sibling modules the server module points at with relative replace directives.
+    awk -v v="v$ETCD_VERSION" '$1 ~ /^go\.etcd\.io\/etcd\// && $2 == "=>" && $3 ~ /^\.\.\// {print "\t" $1 " " v}' "$etcd_mod"
+    echo ")"
+  } >"$work/go.mod"
+  log "building etcd v$ETCD_VERSION"
+  (cd "$work" && "$go" build -trimpath -ldflags "-s -w" -o "$out/etcd" go.etcd.io/etcd/server/v3 >&2)
+}
+
+binaries_work() {
+  local b
+  for b in "${BINARIES[@]}"; do [ -x "$BIN_DIR/$b" ] || return 1; done
+  # Whole outputs first: `grep -q` stops reading early, and with pipefail the writer's SIGPIPE
+  # would fail the check now and then.
+  local apiserver etcd
+  apiserver=$("$BIN_DIR/kube-apiserver" --version 2>/dev/null) || return 1
+  etcd=$("$BIN_DIR/etcd" --version 2>/dev/null) || return 1
+  grep -qx "Kubernetes v$KUBE_VERSION" <<<"$apiserver" && grep -qx "etcd Version: $ETCD_VERSION" <<<"$etcd"
 }
 
 provision() {
-  local pkgs=(etcd-server openssl curl)
-  command -v kubectl >/dev/null || pkgs+=(kubernetes-client)
-  ensure_packages "${pkgs[@]}"
-  if apiserver_works; then
-    log "using cached $APISERVER_BIN"
-  else
-    build_apiserver
-    apiserver_works || die "built kube-apiserver does not run"
+  ensure_packages openssl curl ca-certificates
+  if binaries_work; then
+    log "using cached binaries in $BIN_DIR"
+    return
   fi
-}
-
-etcd_bin() {
-  if command -v etcd >/dev/null; then command -v etcd; elif [ -x /usr/bin/etcd ]; then echo /usr/bin/etcd; else
-    die "etcd not found; run '$0 provision'"
-  fi
+  go_env
+  local tmp=$BIN_DIR.tmp
+  rm -rf "$tmp" && mkdir -p "$tmp"
+  local started=$SECONDS
+  build_etcd "$tmp"
+  build_kubernetes "$tmp"
+  rm -rf "$BIN_DIR" && mv "$tmp" "$BIN_DIR"
+  binaries_work || die "the binaries built in $BIN_DIR do not report v$KUBE_VERSION / $ETCD_VERSION"
+  log "built and cached $BIN_DIR in $((SECONDS - started))s"
 }
 
 # A port nothing listens on right now. Ports are drawn at random from a high range so that parallel
@@ -162,6 +217,16 @@ free_port() {
   die "no free port found"
 }
 
+# Client certificate $2 (CN) in group $3, signed by the CA in $1.
+client_cert() {
+  local d=$1 name=$2 cn=$3 group=$4
+  openssl req -newkey rsa:2048 -nodes -subj "/O=$group/CN=$cn" \
+    -keyout "$d/$name.key" -out "$d/$name.csr" 2>/dev/null
+  printf 'extendedKeyUsage=clientAuth\n' >"$d/client.ext"
+  openssl x509 -req -in "$d/$name.csr" -CA "$d/ca.crt" -CAkey "$d/ca.key" -CAcreateserial \
+    -days 3650 -extfile "$d/client.ext" -out "$d/$name.crt" 2>/dev/null
+}
+
 gen_certs() {
   local d=$1
   openssl req -x509 -newkey rsa:2048 -nodes -days 3650 -subj "/CN=controller-sharding-test-ca" \
@@ -171,35 +236,81 @@ gen_certs() {
   printf 'subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n' >"$d/serving.ext"
   openssl x509 -req -in "$d/serving.csr" -CA "$d/ca.crt" -CAkey "$d/ca.key" -CAcreateserial \
     -days 3650 -extfile "$d/serving.ext" -out "$d/serving.crt" 2>/dev/null
-  openssl req -newkey rsa:2048 -nodes -subj "/O=system:masters/CN=admin" \
-    -keyout "$d/admin.key" -out "$d/admin.csr" 2>/dev/null
-  printf 'extendedKeyUsage=clientAuth\n' >"$d/admin.ext"
-  openssl x509 -req -in "$d/admin.csr" -CA "$d/ca.crt" -CAkey "$d/ca.key" -CAcreateserial \
-    -days 3650 -extfile "$d/admin.ext" -out "$d/admin.crt" 2>/dev/null
+  client_cert "$d" admin admin system:masters
+  # kube-controller-manager runs every controller under its own identity; system:masters spares a
+  # test cluster the per-controller service accounts a production install sets up.
+  client_cert "$d" controller-manager system:kube-controller-manager system:masters
   openssl genrsa -out "$d/sa.key" 2048 2>/dev/null
   openssl rsa -in "$d/sa.key" -pubout -out "$d/sa.pub" 2>/dev/null
 }
 
+# kubeconfig for user $3 at server $2, written to $1.
+write_kubeconfig() {
+  local file=$1 server=$2 user=$3 dir
+  dir=$(dirname "$file")
+  cat >"$file" <<EOF
+apiVersion: v1
+kind: Config
+clusters:
+- name: local
+  cluster:
+    server: $server
+    certificate-authority: $dir/ca.crt
+users:
+- name: $user
+  user:
+    client-certificate: $dir/$user.crt
+    client-key: $dir/$user.key
+contexts:
+- name: local
+  context: {cluster: local, user: $user}
+current-context: local
+EOF
+}
+
+# Fails (after stopping everything) when a process of the control plane in $1 has exited.
+check_alive() {
+  local dir=$1 pid
+  while read -r pid; do
+    if ! kill -0 "$pid" 2>/dev/null; then
+      log "a control-plane process exited early; last log lines:"
+      tail -n 30 "$dir"/*.log >&2 || true
+      stop "$dir"
+      exit 1
+    fi
+  done <"$dir/pids"
+}
+
 start() {
   local dir=${1:?usage: start DIR [OWNER_PID]} owner=${2:-}
-  apiserver_works || die "no cached kube-apiserver; run '$0 provision' first"
+  binaries_work || die "no cached binaries in $BIN_DIR; run '$0 provision' first"
   mkdir -p "$dir"
   dir=$(cd "$dir" && pwd)
   [ ! -e "$dir/pids" ] || die "$dir already holds a control plane; stop it first"
   gen_certs "$dir"
+  : >"$dir/pids"
+
+  if [ -n "$owner" ]; then
+    # A watchdog in its own session, so that the control plane never outlives the test run that
+    # started it, even when that run is killed.
+    setsid bash -c 'while kill -0 "$1" 2>/dev/null && [ -e "$2/pids" ]; do sleep 1; done; "$3" stop "$2"' \
+      watchdog "$owner" "$dir" "$(cd "$(dirname "$0")" && pwd)/$(basename "$0")" \
+      >/dev/null 2>&1 </dev/null &
+  fi
 
   local etcd_port etcd_peer_port api_port
   etcd_port=$(free_port)
   etcd_peer_port=$(free_port)
   api_port=$(free_port)
 
-  # etcd's data lives in memory when possible: the control plane is thrown away after the run.
+  # etcd's data lives in memory when possible, without fsync: the control plane is thrown away
+  # after the run.
   local data="$dir/etcd"
   if [ -d /dev/shm ] && [ -w /dev/shm ]; then
     data=$(mktemp -d /dev/shm/controller-sharding-etcd.XXXXXX)
     ln -s "$data" "$dir/etcd"
   fi
-  "$(etcd_bin)" --name default --data-dir "$data" \
+  "$BIN_DIR/etcd" --name default --data-dir "$data" --unsafe-no-fsync \
     --listen-client-urls "http://127.0.0.1:$etcd_port" \
     --advertise-client-urls "http://127.0.0.1:$etcd_port" \
     --listen-peer-urls "http://127.0.0.1:$etcd_peer_port" \
@@ -208,10 +319,11 @@ start() {
     --listen-metrics-urls "" >"$dir/etcd.log" 2>&1 &
   echo $! >>"$dir/pids"
 
-  "$APISERVER_BIN" \
+  # The ServiceAccount admission plugin is off: no controller here creates the default service
+  # accounts it insists on, and nothing in the tests runs pods.
+  "$BIN_DIR/kube-apiserver" \
     --etcd-servers "http://127.0.0.1:$etcd_port" \
     --bind-address 127.0.0.1 --advertise-address 127.0.0.1 --secure-port "$api_port" \
-    --insecure-port 0 \
     --tls-cert-file "$dir/serving.crt" --tls-private-key-file "$dir/serving.key" \
     --client-ca-file "$dir/ca.crt" \
     --service-account-key-file "$dir/sa.pub" \
@@ -224,61 +336,41 @@ start() {
     >"$dir/kube-apiserver.log" 2>&1 &
   echo $! >>"$dir/pids"
 
-  cat >"$dir/kubeconfig" <<EOF
-apiVersion: v1
-kind: Config
-clusters:
-- name: local
-  cluster:
-    server: https://127.0.0.1:$api_port
-    certificate-authority: $dir/ca.crt
-users:
-- name: admin
-  user:
-    client-certificate: $dir/admin.crt
-    client-key: $dir/admin.key
-contexts:
-- name: local
-  context: {cluster: local, user: admin}
-current-context: local
-EOF
+  local server="https://127.0.0.1:$api_port"
+  write_kubeconfig "$dir/kubeconfig" "$server" admin
+  write_kubeconfig "$dir/controller-manager.kubeconfig" "$server" controller-manager
 
-  if [ -n "$owner" ]; then
-    # A watchdog in its own session, so that the control plane never outlives the test run that
-    # started it, even when that run is killed.
-    setsid bash -c 'while kill -0 "$1" 2>/dev/null && [ -e "$2/pids" ]; do sleep 1; done; "$3" stop "$2"' \
-      watchdog "$owner" "$dir" "$(cd "$(dirname "$0")" && pwd)/$(basename "$0")" \
-      >/dev/null 2>&1 </dev/null &
-  fi
-
-  local deadline=$((SECONDS + 90))
+  local deadline=$((SECONDS + 120))
   until curl -sf --cacert "$dir/ca.crt" --cert "$dir/admin.crt" --key "$dir/admin.key" \
-    "https://127.0.0.1:$api_port/readyz" >/dev/null 2>&1; do
+    "$server/readyz" >/dev/null 2>&1; do
     if [ $SECONDS -ge $deadline ]; then
-      log "kube-apiserver not ready after 90s; last log lines:"
-      tail -n 30 "$dir/kube-apiserver.log" >&2 || true
-      tail -n 10 "$dir/etcd.log" >&2 || true
+      log "kube-apiserver not ready after 120s; last log lines:"
+      tail -n 30 "$dir/kube-apiserver.log" "$dir/etcd.log" >&2 || true
       stop "$dir"
       exit 1
     fi
-    while read -r pid; do
-      if ! kill -0 "$pid" 2>/dev/null; then
-        log "a control-plane process exited early; last log lines:"
-        tail -n 30 "$dir/kube-apiserver.log" "$dir/etcd.log" >&2 || true
-        stop "$dir"
-        exit 1
-      fi
-    done <"$dir/pids"
+    check_alive "$dir"
     sleep 0.3
   done
-  log "ready at https://127.0.0.1:$api_port (kubeconfig: $dir/kubeconfig)"
+
+  # Only the controllers whose effects the tests rely on: the garbage collector (owner references)
+  # and namespace lifecycle (deleting a namespace's content). No serving port, no leader election.
+  "$BIN_DIR/kube-controller-manager" \
+    --kubeconfig "$dir/controller-manager.kubeconfig" \
+    --controllers garbage-collector-controller,namespace-controller \
+    --secure-port 0 --leader-elect=false \
+    >"$dir/kube-controller-manager.log" 2>&1 &
+  echo $! >>"$dir/pids"
+  sleep 0.5
+  check_alive "$dir"
+  log "ready at $server (kubeconfig: $dir/kubeconfig)"
 }
 
 stop() {
   local dir=${1:?usage: stop DIR}
   [ -d "$dir" ] || return 0
   if [ -f "$dir/pids" ]; then
-    # Reverse order: kube-apiserver before etcd.
+    # Reverse order: controller manager, then kube-apiserver, then etcd.
     local pids
     pids=$(tac "$dir/pids")
     for pid in $pids; do kill "$pid" 2>/dev/null || true; done
@@ -295,6 +387,6 @@ case "${1:-}" in
   provision) provision ;;
   start) shift; start "$@" ;;
   stop) shift; stop "$@" ;;
-  apiserver-path) echo "$APISERVER_BIN" ;;
-  *) echo "usage: $0 provision | start DIR [OWNER_PID] | stop DIR | apiserver-path" >&2; exit 2 ;;
+  bin-dir) echo "$BIN_DIR" ;;
+  *) echo "usage: $0 provision | start DIR [OWNER_PID] | stop DIR | bin-dir" >&2; exit 2 ;;
 esac

@@ -39,7 +39,9 @@ KUBECONFIG_FILE="$STATE/kubeconfig"
 log() { echo "playground: $*" >&2; }
 die() { log "error: $*"; exit 1; }
 
-k() { kubectl --kubeconfig "$KUBECONFIG_FILE" "$@"; }
+# The kubectl built with the control plane (same release as the server).
+KUBECTL="$(bash "$ROOT/e2e/control-plane.sh" bin-dir)/kubectl"
+k() { "$KUBECTL" --kubeconfig "$KUBECONFIG_FILE" "$@"; }
 
 usage() {
   sed -n '2,/^set -euo/p' "$SCRIPT" | sed '$d' | sed 's/^# \{0,1\}//'
@@ -223,7 +225,7 @@ The playground is up. In another terminal:
   $SCRIPT add-shard shard-3      # another shard joins
   $SCRIPT remove-shard shard-0   # a shard leaves (releases its Lease)
   watch -n1 $SCRIPT status       # watch objects move
-  kubectl -n $NAMESPACE get secrets -L $SHARD_LABEL -w
+  $KUBECTL -n $NAMESPACE get secrets -L $SHARD_LABEL -w
 
 Metrics: http://127.0.0.1:$METRICS_PORT/metrics    Logs: $STATE/logs/
 Ctrl-C stops everything and removes $STATE.
@@ -237,7 +239,7 @@ up() {
     cleanup
   fi
   local tool
-  for tool in cargo kubectl openssl curl setsid sha256sum; do
+  for tool in cargo openssl curl setsid sha256sum; do
     command -v "$tool" >/dev/null || die "$tool is needed"
   done
   local port
@@ -264,24 +266,11 @@ up() {
   setsid -w bash "$ROOT/e2e/control-plane.sh" start "$STATE/control-plane" $$
   cp "$STATE/control-plane/kubeconfig" "$KUBECONFIG_FILE"
 
-  local minor
-  minor=$(k version -o json 2>/dev/null | tr -d ' \n' | sed -n 's/.*"serverVersion":{[^}]*"minor":"\([0-9]*\).*/\1/p')
-  log "installing the ClusterRing CRD (server 1.$minor)"
-  if [ "${minor:-0}" -ge 25 ]; then
-    k apply --server-side -f "$ROOT/config/crds/sharding.timebertt.dev_clusterrings.yaml" >/dev/null
-  else
-    # Before 1.25 the server does not know the CRD's CEL rule and server-side apply refuses it; a
-    # plain create drops it (the sharder checks the rule itself).
-    k create --validate=false -f "$ROOT/config/crds/sharding.timebertt.dev_clusterrings.yaml" >/dev/null
-  fi
+  log "installing the ClusterRing CRD"
+  k apply --server-side -f "$ROOT/config/crds/sharding.timebertt.dev_clusterrings.yaml" >/dev/null
   k wait --for condition=Established --timeout 60s crd/clusterrings.sharding.timebertt.dev >/dev/null
   k create -f "$ROOT/config/crds/namespace.yaml" >/dev/null
   k create namespace "$NAMESPACE" >/dev/null
-  # Servers before 1.21 do not add kubernetes.io/metadata.name, which namespace selectors use.
-  local ns
-  for ns in $(k get namespaces -o name); do
-    k label --overwrite "$ns" "kubernetes.io/metadata.name=${ns#namespace/}" >/dev/null
-  done
   # The example ring covers namespaces that opt in with this label (deploy/clusterring.yaml).
   k label namespace "$NAMESPACE" checksum-controller=enabled >/dev/null
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The project's test command: provisions the local control plane (first run: builds and caches
-# kube-apiserver, a few minutes), builds the binaries the end-to-end tests start as processes, and
-# runs every test of the workspace. Extra arguments go to `cargo test`.
+# etcd and Kubernetes from Go modules, 10-20 minutes), builds the binaries the end-to-end tests
+# start as processes, and runs every test of the workspace. Extra arguments go to `cargo test`.
 # With KUBECONFIG set, the end-to-end tests use that cluster instead of starting one.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -1,8 +1,9 @@
 //! Harness for end-to-end tests against a real kube-apiserver and etcd.
 //!
-//! The first call to [`cluster`] in a test process starts one control plane on loopback through
-//! `e2e/control-plane.sh` (provisioning and caching kube-apiserver on first use); every later
-//! call, from any test, reuses it. A watchdog stops it when the test process exits. When
+//! The first call to [`cluster`] in a test process starts one control plane (etcd,
+//! kube-apiserver, kube-controller-manager) on loopback through `e2e/control-plane.sh`
+//! (provisioning and caching the binaries on first use); every later call, from any test, reuses
+//! it. A watchdog stops it when the test process exits. When
 //! `KUBECONFIG` is set, tests run against that cluster instead (kind, or a real one), and nothing
 //! is started.
 //!
@@ -30,8 +31,12 @@ use kube::{Client, Config};
 /// Field manager of every write the harness makes.
 pub const FIELD_MANAGER: &str = "controller-sharding-e2e";
 
-/// Label newer API servers (1.21+) put on every namespace; selectors rely on it.
+/// Label the API server puts on every namespace (its name); rings' selectors in the tests use it.
 pub const LABEL_NAMESPACE_NAME: &str = "kubernetes.io/metadata.name";
+
+/// Oldest API server minor version (1.x) the suite runs against: the ClusterRing CRD's CEL
+/// validation rule is GA and always evaluated from 1.29 on, and the tests assert its message.
+pub const MIN_SERVER_MINOR: u32 = 29;
 
 /// The cluster the tests of this process run against.
 #[derive(Debug)]
@@ -39,8 +44,6 @@ pub struct Cluster {
     kubeconfig: PathBuf,
     /// Directory of the control plane we started (logs live there); `None` for an external one.
     state_dir: Option<PathBuf>,
-    /// Minor version of the API server, e.g. 20 for 1.20.
-    minor_version: u32,
 }
 
 static CLUSTER: OnceLock<Result<Cluster, String>> = OnceLock::new();
@@ -90,7 +93,7 @@ impl Cluster {
                 (dir.join("kubeconfig"), Some(dir))
             }
         };
-        let mut cluster = Self::external(kubeconfig, state_dir);
+        let cluster = Self::external(kubeconfig, state_dir);
         // The harness runs inside tests' runtimes; set-up gets a runtime of its own on a separate
         // thread so it can block regardless of the caller's runtime flavour.
         let setup = std::thread::scope(|s| {
@@ -103,10 +106,10 @@ impl Cluster {
             })
             .join()
         });
-        cluster.minor_version = match setup {
+        match setup {
             Ok(result) => result?,
             Err(_) => bail!("cluster set-up panicked"),
-        };
+        }
         Ok(cluster)
     }
 
@@ -115,12 +118,11 @@ impl Cluster {
         Self {
             kubeconfig,
             state_dir,
-            minor_version: 0,
         }
     }
 
-    /// Labels built-in namespaces, installs the CRD; returns the server's minor version.
-    pub(crate) async fn prepare(&self) -> anyhow::Result<u32> {
+    /// Checks the server's version, creates the system namespace and installs the CRD.
+    pub(crate) async fn prepare(&self) -> anyhow::Result<()> {
         let client = self.client().await?;
         let info = client
             .apiserver_version()
@@ -131,22 +133,22 @@ impl Cluster {
             .trim_end_matches('+')
             .parse()
             .with_context(|| format!("unexpected server minor version {:?}", info.minor))?;
-        let namespaces: Api<Namespace> = Api::all(client.clone());
-        for ns in namespaces.list(&Default::default()).await? {
-            let name = ns.metadata.name.unwrap_or_default();
-            label_namespace(&namespaces, &name).await?;
+        if info.major != "1" || minor < MIN_SERVER_MINOR {
+            bail!(
+                "the API server is {}; the tests need 1.{MIN_SERVER_MINOR} or newer",
+                info.git_version
+            );
         }
+        let namespaces: Api<Namespace> = Api::all(client.clone());
         // What config/crds installs besides the CRD: the system namespace (the sharder's leader
         // election Lease lives there).
         let system = sharding_crds::labels::NAMESPACE_SYSTEM;
         if namespaces.get_opt(system).await?.is_none() {
-            let ns: Namespace = serde_json::from_value(serde_json::json!({
-                "metadata": {"name": system, "labels": {LABEL_NAMESPACE_NAME: system}}
-            }))?;
+            let ns: Namespace =
+                serde_json::from_value(serde_json::json!({"metadata": {"name": system}}))?;
             namespaces.create(&PostParams::default(), &ns).await?;
         }
-        install_crds(&client, minor).await?;
-        Ok(minor)
+        install_crds(&client).await
     }
 
     /// A fresh client for this cluster. Create one per test: clients are bound to the runtime
@@ -165,29 +167,18 @@ impl Cluster {
         &self.kubeconfig
     }
 
-    /// Minor version of the API server (20 for the local 1.20 control plane).
-    pub fn minor_version(&self) -> u32 {
-        self.minor_version
-    }
-
-    /// Whether the API server evaluates CRD validation rules (CEL), which 1.25+ does.
-    pub fn supports_cel(&self) -> bool {
-        self.minor_version >= 25
-    }
-
     /// Directory holding the logs of the control plane we started, if we started it.
     pub fn state_dir(&self) -> Option<&Path> {
         self.state_dir.as_deref()
     }
 
-    /// Creates a namespace with a unique name starting with `prefix`, labelled with
-    /// `kubernetes.io/metadata.name` as newer servers do by themselves.
+    /// Creates a namespace with a unique name starting with `prefix` (the API server labels it
+    /// with [`LABEL_NAMESPACE_NAME`]).
     pub async fn namespace(&self, client: &Client, prefix: &str) -> anyhow::Result<String> {
         let name = unique_name(prefix);
         let api: Api<Namespace> = Api::all(client.clone());
-        let ns: Namespace = serde_json::from_value(serde_json::json!({
-            "metadata": {"name": name, "labels": {LABEL_NAMESPACE_NAME: name}}
-        }))?;
+        let ns: Namespace =
+            serde_json::from_value(serde_json::json!({"metadata": {"name": name}}))?;
         api.create(&PostParams::default(), &ns)
             .await
             .with_context(|| format!("failed to create namespace {name}"))?;
@@ -195,36 +186,10 @@ impl Cluster {
     }
 }
 
-async fn label_namespace(api: &Api<Namespace>, name: &str) -> anyhow::Result<()> {
-    let patch = serde_json::json!({"metadata": {"labels": {LABEL_NAMESPACE_NAME: name}}});
-    api.patch(name, &PatchParams::default(), &Patch::Merge(&patch))
-        .await
-        .with_context(|| format!("failed to label namespace {name}"))?;
-    Ok(())
-}
-
-/// The CRD as it can be installed on a server of the given minor version: servers before 1.25 do
-/// not know `x-kubernetes-validations` and refuse it in server-side apply, so it is left out there.
-pub fn crd_for_server(minor: u32) -> CustomResourceDefinition {
-    let mut crd = sharding_crds::crd::cluster_ring_crd();
-    if minor < 25 {
-        for version in &mut crd.spec.versions {
-            if let Some(schema) = version
-                .schema
-                .as_mut()
-                .and_then(|s| s.open_api_v3_schema.as_mut())
-            {
-                schema.x_kubernetes_validations = None;
-            }
-        }
-    }
-    crd
-}
-
 /// Installs the ClusterRing CRD with server-side apply and waits until it is Established.
-pub async fn install_crds(client: &Client, minor: u32) -> anyhow::Result<()> {
+pub async fn install_crds(client: &Client) -> anyhow::Result<()> {
     let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
-    let crd = crd_for_server(minor);
+    let crd = sharding_crds::crd::cluster_ring_crd();
     let name = crd.metadata.name.clone().unwrap_or_default();
     crds.patch(
         &name,
@@ -240,6 +205,27 @@ pub async fn install_crds(client: &Client, minor: u32) -> anyhow::Result<()> {
     .await
     .with_context(|| format!("CRD {name} not Established within 30s"))??;
     Ok(())
+}
+
+/// The kubectl the tests run: the one cached with the local control plane (same release as the
+/// server), else the first `kubectl` on `PATH` (with `KUBECONFIG` set, nothing was provisioned).
+pub fn kubectl() -> PathBuf {
+    static KUBECTL: OnceLock<PathBuf> = OnceLock::new();
+    KUBECTL
+        .get_or_init(|| {
+            let cached = Command::new("bash")
+                .arg(control_plane_script())
+                .arg("bin-dir")
+                .output()
+                .ok()
+                .filter(|out| out.status.success())
+                .map(|out| {
+                    PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()).join("kubectl")
+                })
+                .filter(|path| path.is_file());
+            cached.unwrap_or_else(|| PathBuf::from("kubectl"))
+        })
+        .clone()
 }
 
 fn run(cmd: &mut Command) -> anyhow::Result<()> {

@@ -301,7 +301,7 @@ pub struct DedicatedCluster {
 }
 
 impl DedicatedCluster {
-    /// Starts etcd and kube-apiserver (about 5 s) and installs the CRD. Fails when the suite
+    /// Starts a control plane (about 10 s) and installs the CRD. Fails when the suite
     /// runs against an external cluster (`KUBECONFIG`), where no second control plane can start.
     pub async fn start() -> anyhow::Result<Self> {
         if cluster().state_dir().is_none() {
@@ -319,11 +319,7 @@ impl DedicatedCluster {
             bail!("failed to start a dedicated control plane");
         }
         let cluster = Cluster::external(dir.join("kubeconfig"), Some(dir.clone()));
-        let minor = cluster.prepare().await?;
-        let cluster = Cluster {
-            minor_version: minor,
-            ..cluster
-        };
+        cluster.prepare().await?;
         Ok(Self { cluster, dir })
     }
 

@@ -2,8 +2,8 @@
 //! accepts every rendered object (server-side dry run), the shipped SharderConfigs are valid and
 //! fit the Deployment that mounts them, and the RBAC grants exactly what SPEC §14 lists.
 //!
-//! Rendering uses `kubectl kustomize`, so the tests need a kubectl with kustomize v4.5 or newer
-//! (kubectl 1.24+; components and the `labels` field).
+//! Rendering uses `kubectl kustomize` of the kubectl built with the test control plane
+//! ([`e2e::kubectl`]).
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -11,7 +11,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use anyhow::{Context, bail, ensure};
-use e2e::{FIELD_MANAGER, LABEL_NAMESPACE_NAME, cluster};
+use e2e::{FIELD_MANAGER, cluster, kubectl};
 use k8s_openapi::api::core::v1::Namespace;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::Client;
@@ -32,8 +32,10 @@ const KUSTOMIZATIONS: &[&str] = &[
     "deploy",
 ];
 
-/// Kinds of other projects our manifests use, with their plural names and scope: the 1.20 test
-/// server has no CRDs for them, so the dry run installs stand-ins that accept any content.
+/// Kinds of other projects our manifests use, with their plural names: the test control plane
+/// has no CRDs for them, so the dry run installs stand-ins that accept any content. Everything
+/// else, our CRD with its CEL rule and the `policy/v1` PodDisruptionBudget included, is checked by
+/// the real server as it is.
 const FOREIGN_KINDS: &[(&str, &str, &str, &str)] = &[
     ("cert-manager.io", "v1", "Issuer", "issuers"),
     ("cert-manager.io", "v1", "Certificate", "certificates"),
@@ -58,7 +60,7 @@ fn workspace_root() -> PathBuf {
 
 /// Renders a kustomization into its objects.
 fn render(dir: &str) -> anyhow::Result<Vec<Value>> {
-    let out = Command::new("kubectl")
+    let out = Command::new(kubectl())
         .arg("kustomize")
         .arg(workspace_root().join(dir))
         .output()
@@ -251,7 +253,6 @@ async fn rendered_objects_pass_server_side_dry_run() -> anyhow::Result<()> {
         .collect::<anyhow::Result<_>>()?;
 
     let foreign_served = install_foreign_crds(&client, cluster.state_dir().is_some()).await?;
-    let pdb_v1 = client.list_api_group_resources("policy/v1").await.is_ok();
     let created_namespaces = create_missing_namespaces(&client, &rendered).await?;
 
     let mut failures = Vec::new();
@@ -269,28 +270,7 @@ async fn rendered_objects_pass_server_side_dry_run() -> anyhow::Result<()> {
                 );
                 continue;
             }
-            if kind(object) == "CustomResourceDefinition"
-                && !cluster.supports_cel()
-                && object.to_string().contains("x-kubernetes-validations")
-            {
-                // Servers before 1.25 refuse the CEL rule in server-side apply; the harness has
-                // installed the same CRD without it.
-                println!(
-                    "note: {dir}: skipping {}, the server predates CEL",
-                    describe(object)
-                );
-                continue;
-            }
-            let mut object = object.clone();
-            if kind(&object) == "PodDisruptionBudget" && api_version == "policy/v1" && !pdb_v1 {
-                // policy/v1 arrived in 1.21; v1beta1 has the same fields we use.
-                println!(
-                    "note: {dir}: checking {} as policy/v1beta1, the server lacks policy/v1",
-                    describe(&object)
-                );
-                object["apiVersion"] = json!("policy/v1beta1");
-            }
-            items.push(object);
+            items.push(object.clone());
         }
         if let Err(error) = dry_run(cluster.kubeconfig(), dir, items) {
             failures.push(format!("{error:#}"));
@@ -306,12 +286,13 @@ async fn rendered_objects_pass_server_side_dry_run() -> anyhow::Result<()> {
 }
 
 /// Server-side dry run of `items` with kubectl, as a user's `kubectl apply --server-side` would
-/// send them. Client-side validation is off: a current kubectl knows fields older servers lack.
+/// send them. Validation is the server's (`--validate=false` only skips kubectl's own schema
+/// download).
 fn dry_run(kubeconfig: &Path, dir: &str, items: Vec<Value>) -> anyhow::Result<()> {
     let list = json!({"apiVersion": "v1", "kind": "List", "items": items});
     let file = std::env::temp_dir().join(format!("{}.json", e2e::unique_name("manifests")));
     std::fs::write(&file, serde_json::to_vec(&list)?)?;
-    let out = Command::new("kubectl")
+    let out = Command::new(kubectl())
         .arg("--kubeconfig")
         .arg(kubeconfig)
         .args([
@@ -407,9 +388,7 @@ async fn create_missing_namespaces(
         if api.get_opt(name).await?.is_some() {
             continue;
         }
-        let ns: Namespace = serde_json::from_value(json!({
-            "metadata": {"name": name, "labels": {LABEL_NAMESPACE_NAME: name}}
-        }))?;
+        let ns: Namespace = serde_json::from_value(json!({"metadata": {"name": name}}))?;
         api.create(&PostParams::default(), &ns)
             .await
             .with_context(|| format!("failed to create namespace {name}"))?;

@@ -408,15 +408,6 @@ async fn invalid_rings_are_reported_and_not_acted_on() -> anyhow::Result<()> {
     });
     create_ring(&client, &bad_selector, spec).await?;
     cases.push((bad_selector, "Invalid spec.namespaceSelector"));
-    if !cluster.supports_cel() {
-        // Only servers without CEL let such a name through.
-        let long = format!("{}-{}", unique_name("long"), "x".repeat(60));
-        create_ring(&client, &long, ring_spec(&ns)).await?;
-        cases.push((
-            long,
-            "ClusterRing name must not be longer than 63 characters",
-        ));
-    }
     let result = async {
         for (ring, message) in &cases {
             let r = poll_until(&format!("ring {ring} Ready=False"), WAIT, || {
