@@ -1,6 +1,7 @@
 //! The install manifests (`config/`, `deploy/`): every kustomization renders, the API server
 //! accepts every rendered object (server-side dry run), the shipped SharderConfigs are valid and
-//! fit the Deployment that mounts them, and the RBAC grants exactly what SPEC §14 lists.
+//! fit the Deployment that mounts them, and the RBAC grants exactly what SPEC §14 lists (plus
+//! `clusterrings/finalizers` update, which owner references with `blockOwnerDeletion` need).
 //!
 //! Rendering uses `kubectl kustomize` of the kubectl built with the test control plane
 //! ([`e2e::kubectl`]).
@@ -591,6 +592,11 @@ fn sharder_cluster_role_is_exactly_the_spec_list() -> anyhow::Result<()> {
             &["sharding.timebertt.dev"],
             "clusterrings/status",
             &["update", "patch"],
+        ),
+        (
+            &["sharding.timebertt.dev"],
+            "clusterrings/finalizers",
+            &["update"],
         ),
     ]);
     let role = find(&objects, "ClusterRole", "sharding:sharder")?;
