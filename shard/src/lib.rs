@@ -7,6 +7,8 @@
 //!
 //! - [`LeaseLock`]: a Lease lock (acquire, renew, notice loss, release) used for the shard's
 //!   membership Lease, and reusable for leader election;
+//! - [`HeldLease::run_while_held`]: the lifecycle of work guarded by a Lease: dropped at once on
+//!   loss, stopped and then the Lease released on shutdown;
 //! - [`Shard`]: the shard's identity, its label keys, the label-selected
 //!   [watcher configuration](Shard::watcher_config) and its [Lease configuration](Shard::lease_config);
 //! - [`Shard::reconciler`]: a wrapper around your reconciler that acknowledges drains and never
@@ -25,7 +27,7 @@
 //! use k8s_openapi::api::core::v1::{ConfigMap, Secret};
 //! use kube::runtime::controller::{Action, Controller};
 //! use kube::{Api, Client};
-//! use shard::{LeaseLock, Shard};
+//! use shard::{HeldRunEnd, LeaseLock, Shard};
 //! use tokio_util::sync::CancellationToken;
 //!
 //! #[derive(Debug, thiserror::Error)]
@@ -48,32 +50,31 @@
 //!     let lock = LeaseLock::new(client.clone(), shard.lease_config())?;
 //!     let held = lock.acquire().await;
 //!
-//!     // 2. Run the controller, watching only this shard's objects (main and controlled).
+//!     // 2. Run the controller, watching only this shard's objects (main and controlled), while
+//!     //    the Lease is held: it is dropped at once when the Lease is lost (another shard may
+//!     //    own our objects now); on shutdown it stops, then the Lease is released so the sharder
+//!     //    hands our objects over at once.
 //!     let shutdown = CancellationToken::new();
 //!     let on_signal = shutdown.clone();
 //!     tokio::spawn(async move {
 //!         let _ = tokio::signal::ctrl_c().await;
 //!         on_signal.cancel();
 //!     });
-//!     let controller = Controller::new(Api::<Secret>::all(client.clone()), shard.watcher_config())
-//!         .owns(Api::<ConfigMap>::all(client.clone()), shard.watcher_config())
-//!         .graceful_shutdown_on(shutdown.cancelled_owned())
-//!         .run(
-//!             shard.reconciler(client.clone(), reconcile),
-//!             |_, _, _| Action::requeue(Duration::from_secs(5)),
-//!             Arc::new(()),
-//!         )
-//!         .for_each(|_| async {});
-//!
-//!     // 3. Stop at once when the Lease is lost: another shard may own our objects now.
-//!     tokio::select! {
-//!         () = controller => {}
-//!         () = held.lost() => anyhow::bail!("lost the shard Lease"),
+//!     let controller = |stop: CancellationToken| {
+//!         Controller::new(Api::<Secret>::all(client.clone()), shard.watcher_config())
+//!             .owns(Api::<ConfigMap>::all(client.clone()), shard.watcher_config())
+//!             .graceful_shutdown_on(stop.cancelled_owned())
+//!             .run(
+//!                 shard.reconciler(client.clone(), reconcile),
+//!                 |_, _, _| Action::requeue(Duration::from_secs(5)),
+//!                 Arc::new(()),
+//!             )
+//!             .for_each(|_| async {})
+//!     };
+//!     match held.run_while_held(&shutdown, controller).await? {
+//!         HeldRunEnd::LeaseLost => anyhow::bail!("lost the shard Lease"),
+//!         HeldRunEnd::WorkEnded { .. } => Ok(()),
 //!     }
-//!
-//!     // 4. Graceful shutdown: the controller has stopped, so hand the objects over at once.
-//!     held.release().await?;
-//!     Ok(())
 //! }
 //! ```
 //!
@@ -109,5 +110,5 @@ pub mod lease;
 mod shard;
 
 pub use crate::drain::{Disposition, DrainPassthrough, ReconcileError};
-pub use crate::lease::{HeldLease, LeaseLock, LeaseLockConfig};
+pub use crate::lease::{HeldLease, HeldRunEnd, LeaseLock, LeaseLockConfig};
 pub use crate::shard::Shard;

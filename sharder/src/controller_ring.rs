@@ -25,9 +25,9 @@ use sharding_crds::{ClusterRing, ClusterRingStatus};
 use tokio_util::sync::CancellationToken;
 
 use crate::context::Context;
-use crate::shard_state::ShardLease;
 use crate::validation::validate_ring;
 use crate::webhook_config::{FIELD_MANAGER, desired_webhook_configuration};
+use sharding_crds::lease::ShardLease;
 
 /// Errors of one reconciliation.
 #[derive(Debug, thiserror::Error)]

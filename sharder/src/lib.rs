@@ -1,7 +1,7 @@
 //! The sharder: assigns the objects of every `ClusterRing` to the ring's available shards and
 //! moves them when shards come and go.
 //!
-//! Pure modules ([`ring`], [`key`], [`shard_state`], [`validation`], [`webhook_config`]) take
+//! Pure modules ([`ring`], [`key`], [`validation`], [`webhook_config`]) take
 //! plain data and time and make the decisions; the controllers ([`controller_ring`],
 //! [`shard_lease`]), the [`webhook`] and the [`server`]s wire them to the Kubernetes API. [`run`]
 //! starts everything and stops it on one shutdown signal.
@@ -16,7 +16,6 @@ pub mod ring;
 pub mod rings;
 pub mod server;
 pub mod shard_lease;
-pub mod shard_state;
 pub mod sync;
 pub mod throttle;
 pub mod tls;
@@ -54,8 +53,8 @@ use crate::metrics::{
 };
 use crate::rings::{RingRegistry, available_shards, build_view};
 use crate::server::Readiness;
-use crate::shard_state::ShardLease;
 use crate::tls::CertReloader;
+use sharding_crds::lease::ShardLease;
 
 /// How often rings with unresolved resources (e.g. a CRD installed later) are resolved again.
 const UNRESOLVED_RETRY: Duration = Duration::from_secs(10);
@@ -378,9 +377,7 @@ async fn lead(ctx: Context, identity: String, shutdown: CancellationToken) {
         return;
     }
     let lock_config = LeaseLockConfig::new(&le.resource_namespace, &le.resource_name, &identity)
-        .with_lease_duration(le.lease_duration.0)
-        .with_renew_deadline(le.renew_deadline.0)
-        .with_retry_period(le.retry_period.0);
+        .with_timing(le.timing());
     let lock = match LeaseLock::new(ctx.client.clone(), lock_config) {
         Ok(lock) => lock,
         Err(error) => {

@@ -16,7 +16,7 @@ use sharding_crds::{ClusterRing, GroupResource};
 
 use crate::key::ControllerKind;
 use crate::ring::Ring;
-use crate::shard_state::ShardLease;
+use sharding_crds::lease::ShardLease;
 
 /// Kind and scope of a resource, from API discovery.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]

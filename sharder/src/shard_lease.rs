@@ -17,7 +17,7 @@ use sharding_crds::labels::{LABEL_CLUSTER_RING, LABEL_STATE};
 use tokio_util::sync::CancellationToken;
 
 use crate::context::Context;
-use crate::shard_state::{ShardLease, ShardState};
+use sharding_crds::lease::{ShardLease, ShardState};
 
 /// Longest requeue; far-away boundaries (absurd durations) are re-evaluated at least this often.
 const MAX_REQUEUE: Duration = Duration::from_secs(3600);
