@@ -15,7 +15,18 @@
 //!   lets your code see an object that is being moved away; [`Shard::predicate`] for event
 //!   filters.
 //!
-//! The crate logs through `tracing` and never installs a subscriber.
+//! The crate logs through `tracing` and never installs a subscriber. The example shard,
+//! `checksum-controller`, is a package of its own (`shard/checksum-controller/`), so the library
+//! carries only library dependencies.
+//!
+//! | module | what |
+//! |---|---|
+//! | [`lease`] | the Lease lock, [`HeldLease::run_while_held`], and the acquire decision (`lease::decision`) |
+//! | [`drain`] | the reconciler wrapper that acknowledges drains |
+//! | `shard` | [`Shard`]: identity, label keys, watcher and Lease configuration |
+//!
+//! When a Lease expires, valid timing and valid shard names are the protocol's rules in
+//! [`sharding_crds::lease`], shared with the sharder.
 //!
 //! # Example: a sharded controller
 //!

@@ -1,7 +1,7 @@
 //! Prometheus metrics of the sharder (SPEC §12).
 //!
 //! Counters are incremented where things happen. State metrics are computed at scrape time from
-//! the caches through a [`StateSource`] ([`CacheState`]), so every replica reports them, leader or
+//! the caches through a `StateSource` (`CacheState`), so every replica reports them, leader or
 //! not.
 
 use std::sync::Arc;

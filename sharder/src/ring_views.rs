@@ -2,7 +2,7 @@
 //! kinds and scopes, and the hash ring of its available shards.
 //!
 //! Views are rebuilt from the watch caches when a ring's spec or its set of available shards
-//! changes ([`maintain`], on every replica), never per request: the webhook and the sync read an
+//! changes (`maintain`, on every replica), never per request: the webhook and the sync read an
 //! `Arc<RingView>` without locking anything for longer than a map lookup.
 
 mod discovery;

@@ -40,7 +40,7 @@ pub struct WebhookState {
     pub metrics: Metrics,
 }
 
-/// The webhook router: the ring route, 404 elsewhere, bodies capped at [`MAX_BODY_BYTES`].
+/// The webhook router: the ring route, 404 elsewhere, bodies capped at 3 MiB (`MAX_BODY_BYTES`).
 pub fn router(state: WebhookState) -> Router {
     Router::new()
         .route(ROUTE, post(handle))

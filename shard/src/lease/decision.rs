@@ -57,7 +57,7 @@ pub fn decide(existing: Option<&LeaseSpec>, identity: &str, now: Timestamp) -> A
     }
 }
 
-/// The spec to write for a [`Decision`] other than [`AcquireDecision::Wait`] (which writes nothing, so
+/// The spec to write for an [`AcquireDecision`] other than [`AcquireDecision::Wait`] (which writes nothing, so
 /// `None` is returned for it).
 pub fn desired_spec(
     existing: Option<&LeaseSpec>,

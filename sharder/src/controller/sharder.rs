@@ -1,9 +1,9 @@
 //! The sharder controller (SPEC §9): on the leader, keeps every object of every ring on the shard
 //! the ring assigns it to.
 //!
-//! When each ring is synced is decided by the pure [`SyncSchedule`]. A sync lists objects
+//! When each ring is synced is decided by the pure `SyncSchedule` (in `core`). A sync lists objects
 //! metadata-only in pages and sends drain or move patches, each guarded by the object's
-//! `resourceVersion`. Besides, the [missed-assignment path](super::missed_assignments) assigns
+//! `resourceVersion`. Besides, the missed-assignment path (`missed_assignments`) assigns
 //! objects the webhook missed within seconds.
 
 use futures::StreamExt;

@@ -1,6 +1,6 @@
 //! The consistent-hash ring that maps hash keys to shards (SPEC §5).
 //!
-//! Every available shard places [`TOKENS_PER_SHARD`] tokens on a 64-bit ring; a key belongs to the
+//! Every available shard places `TOKENS_PER_SHARD` (100) tokens on a 64-bit ring; a key belongs to the
 //! shard owning the first token at or after the key's hash, wrapping around past the largest token.
 //! Adding or removing one shard therefore only moves the keys between that shard's tokens and their
 //! predecessors, which is what keeps rebalancing cheap.
