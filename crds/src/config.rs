@@ -13,6 +13,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::duration::Duration;
 use crate::labels::{self, NAMESPACE_SYSTEM};
+use crate::lease::LeaseTiming;
 use crate::selector::validate_label_selector;
 
 /// `apiVersion` of the configuration file.
@@ -131,13 +132,27 @@ pub struct LeaderElection {
     pub resource_namespace: String,
 }
 
+impl LeaderElection {
+    /// The timing of the leader-election Lease, checked by [`LeaseTiming::validate`] like every
+    /// Lease holder's.
+    #[must_use]
+    pub fn timing(&self) -> LeaseTiming {
+        LeaseTiming {
+            lease_duration: self.lease_duration.0,
+            renew_deadline: self.renew_deadline.0,
+            retry_period: self.retry_period.0,
+        }
+    }
+}
+
 impl Default for LeaderElection {
     fn default() -> Self {
+        let timing = LeaseTiming::default();
         Self {
             leader_elect: true,
-            lease_duration: Duration::from_secs(15),
-            renew_deadline: Duration::from_secs(10),
-            retry_period: Duration::from_secs(2),
+            lease_duration: Duration(timing.lease_duration),
+            renew_deadline: Duration(timing.renew_deadline),
+            retry_period: Duration(timing.retry_period),
             resource_name: "sharder".into(),
             resource_namespace: NAMESPACE_SYSTEM.into(),
         }
@@ -383,27 +398,14 @@ impl SharderConfig {
 
         let le = &self.leader_election;
         if le.leader_elect {
-            if le.lease_duration.0.is_zero() {
-                return Err(invalid("leaderElection.leaseDuration", "must be positive"));
-            }
-            if le.renew_deadline.0.is_zero() {
-                return Err(invalid("leaderElection.renewDeadline", "must be positive"));
-            }
-            if le.retry_period.0.is_zero() {
-                return Err(invalid("leaderElection.retryPeriod", "must be positive"));
-            }
-            if le.renew_deadline >= le.lease_duration {
-                return Err(invalid(
-                    "leaderElection.renewDeadline",
-                    "must be shorter than leaderElection.leaseDuration",
-                ));
-            }
-            if le.retry_period >= le.renew_deadline {
-                return Err(invalid(
-                    "leaderElection.retryPeriod",
-                    "must be shorter than leaderElection.renewDeadline",
-                ));
-            }
+            le.timing().validate().map_err(|error| {
+                let field = match error.field() {
+                    "leaseDuration" => "leaderElection.leaseDuration",
+                    "renewDeadline" => "leaderElection.renewDeadline",
+                    _ => "leaderElection.retryPeriod",
+                };
+                invalid(field, error.to_string())
+            })?;
             if !labels::is_dns_subdomain(&le.resource_name) {
                 return Err(invalid(
                     "leaderElection.resourceName",
@@ -666,6 +668,14 @@ gracefulShutdown: 5s
             (
                 "leaderElection: {leaseDuration: 0s}",
                 "leaderElection.leaseDuration",
+            ),
+            (
+                "leaderElection: {leaseDuration: 500ms, renewDeadline: 400ms, retryPeriod: 100ms}",
+                "leaderElection.leaseDuration",
+            ),
+            (
+                "leaderElection: {renewDeadline: 0s}",
+                "leaderElection.renewDeadline",
             ),
             (
                 "leaderElection: {resourceName: Bad_Name}",

@@ -2,12 +2,22 @@
 //! shared by the sharder and shards, and the sharder's configuration file.
 //!
 //! This crate makes no API calls; it holds types, constants and pure derivations only.
+//!
+//! | module | what |
+//! |---|---|
+//! | [`cluster_ring`] | the `ClusterRing` API types, its condition reasons and name rule |
+//! | [`crd`] | the generated CustomResourceDefinition (`crdgen` writes it to `config/crds/`) |
+//! | [`labels`] | well-known labels, identities, the label-key derivation, label syntax checks |
+//! | [`lease`] | the Lease protocol's rules both sides use: expiry, shard states, takeover, timing, shard names |
+//! | [`config`] | `SharderConfig`, the sharder's configuration file, and its validation |
+//! | [`duration`], [`selector`] | Go-style durations and label selectors as the config and rings use them |
 
 pub mod cluster_ring;
 pub mod config;
 pub mod crd;
 pub mod duration;
 pub mod labels;
+pub mod lease;
 pub mod selector;
 
 pub use cluster_ring::{

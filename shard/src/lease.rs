@@ -5,22 +5,22 @@
 //! leader election among replicas (a fixed Lease name, one identity per replica, no labels):
 //!
 //! ```no_run
+//! # async fn leader_only_work(_stop: tokio_util::sync::CancellationToken) {}
 //! # async fn example(client: kube::Client) -> Result<(), shard::lease::Error> {
-//! use shard::lease::{LeaseLock, LeaseLockConfig};
+//! use shard::lease::{HeldRunEnd, LeaseLock, LeaseLockConfig};
+//! use tokio_util::sync::CancellationToken;
 //!
+//! let shutdown = CancellationToken::new();
 //! let config = LeaseLockConfig::new("sharding-system", "sharder", "sharder-7d9f-abcde");
 //! let lock = LeaseLock::new(client, config)?;
 //! loop {
 //!     // Resolves once this replica is the leader.
 //!     let held = lock.acquire().await;
-//!     tokio::select! {
-//!         // Leader-only work runs here and stops when leadership is lost ...
-//!         () = held.lost() => continue,
-//!         // ... or the process shuts down: stop the work, then hand leadership over at once.
-//!         _ = tokio::signal::ctrl_c() => {
-//!             held.release().await?;
-//!             return Ok(());
-//!         }
+//!     // Leader-only work runs here; it is dropped at once when leadership is lost, or stopped
+//!     // on shutdown, after which leadership is handed over at once.
+//!     match held.run_while_held(&shutdown, leader_only_work).await? {
+//!         HeldRunEnd::LeaseLost => continue,
+//!         HeldRunEnd::WorkEnded { .. } => return Ok(()),
 //!     }
 //! }
 //! # }
@@ -46,9 +46,12 @@ use tokio::time::Instant;
 use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 use tracing::{debug, info, warn};
 
-pub use self::decision::{Decision, decide, is_expired};
+pub use self::decision::{AcquireDecision, decide};
 use self::decision::{RenewDeadline, desired_spec, is_held_by, merge_labels, released_spec};
 use self::store::{Store, is_conflict, is_not_found};
+pub use sharding_crds::lease::{
+    DEFAULT_LEASE_DURATION, DEFAULT_RENEW_DEADLINE, DEFAULT_RETRY_PERIOD, LeaseTiming,
+};
 
 /// Errors of the Lease lock.
 #[derive(Debug, thiserror::Error)]
@@ -90,32 +93,22 @@ pub enum Error {
     },
 }
 
-/// Default `leaseDurationSeconds` (SPEC §3).
-pub const DEFAULT_LEASE_DURATION: Duration = Duration::from_secs(15);
-/// Default time after the last successful renewal at which the holder gives up.
-pub const DEFAULT_RENEW_DEADLINE: Duration = Duration::from_secs(10);
-/// Default interval between acquire and renew attempts.
-pub const DEFAULT_RETRY_PERIOD: Duration = Duration::from_secs(2);
-
 /// What a [`LeaseLock`] locks, under which identity, and how fast.
 ///
-/// Timing rules, checked by [`LeaseLock::new`]:
-/// `0 < retry_period < renew_deadline < lease_duration`, and `lease_duration` of at least one
-/// second (the Lease stores whole seconds; sub-second parts are rounded up).
+/// Timing rules, checked by [`LeaseLock::new`] with [`LeaseTiming::validate`] (the rule the
+/// sharder's configuration is checked with, too): `0 < retry_period < renew_deadline <
+/// lease_duration`, and `lease_duration` of at least one second (the Lease stores whole seconds;
+/// sub-second parts are rounded up).
 ///
 /// **Sharp edge:** the gap between `renew_deadline` and `lease_duration` is the safety margin of
-/// the whole scheme. A holder stops considering itself the owner after `renew_deadline`, while
-/// others wait for `lease_duration` before taking over; clocks of different machines only need to
-/// agree within that gap. Do not shrink it to nothing.
+/// the whole scheme; see [`LeaseTiming`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LeaseLockConfig {
     namespace: String,
     name: String,
     identity: String,
     labels: BTreeMap<String, String>,
-    lease_duration: Duration,
-    renew_deadline: Duration,
-    retry_period: Duration,
+    timing: LeaseTiming,
 }
 
 impl LeaseLockConfig {
@@ -134,9 +127,7 @@ impl LeaseLockConfig {
             name: name.into(),
             identity: identity.into(),
             labels: BTreeMap::new(),
-            lease_duration: DEFAULT_LEASE_DURATION,
-            renew_deadline: DEFAULT_RENEW_DEADLINE,
-            retry_period: DEFAULT_RETRY_PERIOD,
+            timing: LeaseTiming::default(),
         }
     }
 
@@ -152,7 +143,7 @@ impl LeaseLockConfig {
     /// the Lease over.
     #[must_use]
     pub fn with_lease_duration(mut self, duration: Duration) -> Self {
-        self.lease_duration = duration;
+        self.timing.lease_duration = duration;
         self
     }
 
@@ -160,7 +151,7 @@ impl LeaseLockConfig {
     /// Must be shorter than the lease duration.
     #[must_use]
     pub fn with_renew_deadline(mut self, deadline: Duration) -> Self {
-        self.renew_deadline = deadline;
+        self.timing.renew_deadline = deadline;
         self
     }
 
@@ -168,7 +159,14 @@ impl LeaseLockConfig {
     /// the renew deadline, ideally a fraction of it so several attempts fit in.
     #[must_use]
     pub fn with_retry_period(mut self, period: Duration) -> Self {
-        self.retry_period = period;
+        self.timing.retry_period = period;
+        self
+    }
+
+    /// Sets lease duration, renew deadline and retry period at once.
+    #[must_use]
+    pub fn with_timing(mut self, timing: LeaseTiming) -> Self {
+        self.timing = timing;
         self
     }
 
@@ -192,26 +190,29 @@ impl LeaseLockConfig {
         &self.labels
     }
 
+    /// Lease duration, renew deadline and retry period.
+    pub fn timing(&self) -> LeaseTiming {
+        self.timing
+    }
+
     /// The lease duration.
     pub fn lease_duration(&self) -> Duration {
-        self.lease_duration
+        self.timing.lease_duration
     }
 
     /// The renew deadline.
     pub fn renew_deadline(&self) -> Duration {
-        self.renew_deadline
+        self.timing.renew_deadline
     }
 
     /// The retry period.
     pub fn retry_period(&self) -> Duration {
-        self.retry_period
+        self.timing.retry_period
     }
 
     /// `leaseDurationSeconds` as written to the Lease (rounded up to whole seconds).
     pub fn lease_duration_seconds(&self) -> i32 {
-        let whole =
-            self.lease_duration.as_secs() + u64::from(self.lease_duration.subsec_nanos() > 0);
-        i32::try_from(whole).unwrap_or(i32::MAX)
+        self.timing.lease_duration_seconds()
     }
 
     fn validate(&self) -> Result<(), Error> {
@@ -219,18 +220,9 @@ impl LeaseLockConfig {
         if self.namespace.is_empty() || self.name.is_empty() || self.identity.is_empty() {
             return invalid("namespace, name and identity must not be empty");
         }
-        if self.lease_duration < Duration::from_secs(1) {
-            return invalid("the lease duration must be at least one second");
-        }
-        if self.retry_period.is_zero() {
-            return invalid("the retry period must be positive");
-        }
-        if self.renew_deadline >= self.lease_duration {
-            return invalid("the renew deadline must be shorter than the lease duration");
-        }
-        if self.retry_period >= self.renew_deadline {
-            return invalid("the retry period must be shorter than the renew deadline");
-        }
+        self.timing
+            .validate()
+            .map_err(|error| Error::InvalidConfig(format!("{}: {error}", error.field())))?;
         Ok(())
     }
 }
@@ -326,7 +318,7 @@ impl LeaseLock {
                     "failed to acquire Lease, retrying"
                 ),
             }
-            tokio::time::sleep(self.inner.config.retry_period).await;
+            tokio::time::sleep(self.inner.config.retry_period()).await;
         }
     }
 
@@ -432,7 +424,7 @@ impl Inner {
             .as_ref()
             .map(|l| l.spec.clone().unwrap_or_default());
         let decision = decide(spec.as_ref(), &self.config.identity, now);
-        if let Decision::Wait { holder, .. } = decision {
+        if let AcquireDecision::Wait { holder, .. } = decision {
             return Ok(Attempt::HeldBy(holder));
         }
         let Some(desired) = desired_spec(
@@ -472,7 +464,7 @@ impl Inner {
             }
             let Some(desired) = desired_spec(
                 Some(&spec),
-                &Decision::Renew,
+                &AcquireDecision::Renew,
                 &self.config.identity,
                 self.config.lease_duration_seconds(),
                 now,
@@ -505,10 +497,10 @@ impl Inner {
         lost: CancellationToken,
     ) -> Lease {
         let config = &self.config;
-        let mut deadline = RenewDeadline::new(acquired_at, config.renew_deadline);
+        let mut deadline = RenewDeadline::new(acquired_at, config.renew_deadline());
         loop {
             // Wake at the deadline at the latest, so loss is signalled the moment it happens.
-            let wake = (Instant::now() + config.retry_period).min(deadline.deadline());
+            let wake = (Instant::now() + config.retry_period()).min(deadline.deadline());
             tokio::select! {
                 biased;
                 () = stop.cancelled() => return lease,
@@ -518,7 +510,7 @@ impl Inner {
                 warn!(
                     lease = %config.name,
                     namespace = %config.namespace,
-                    renew_deadline = ?config.renew_deadline,
+                    renew_deadline = ?config.renew_deadline(),
                     "failed to renew Lease within the renew deadline, it is lost"
                 );
                 lost.cancel();
@@ -666,6 +658,58 @@ impl HeldLease {
             );
         }
         Ok(released)
+    }
+}
+
+/// How [`HeldLease::run_while_held`] ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[must_use]
+pub enum HeldRunEnd {
+    /// The Lease was lost: the work was dropped at once, mid-flight, and nothing was released
+    /// (someone else may hold the Lease now).
+    LeaseLost,
+    /// The work ended (after shutdown, or on its own) while the Lease was still held, and then
+    /// the Lease was released: `released` is `false` when someone else held it by then.
+    WorkEnded {
+        /// Whether the release wrote the Lease.
+        released: bool,
+    },
+}
+
+impl HeldLease {
+    /// Runs the work guarded by this Lease (a controller, say) until it ends, enforcing the
+    /// Lease contract (SPEC §3):
+    ///
+    /// - `work` gets a token that is cancelled when `shutdown` is: it should stop gracefully on
+    ///   it (e.g. `Controller::graceful_shutdown_on(token.cancelled_owned())`). Once it has
+    ///   ended, the Lease is released, so whoever waits for it takes over at once.
+    /// - When the Lease is lost, the work future is dropped at once, whatever it is doing: no
+    ///   reconcile starts or continues after that, since another holder may act already.
+    ///
+    /// **Sharp edge:** dropping only stops what the future owns. Work spawned with
+    /// `tokio::spawn` from inside it keeps running; keep such tasks in a `JoinSet` owned by the
+    /// work, which aborts them when it is dropped.
+    pub async fn run_while_held<F, W>(
+        self,
+        shutdown: &CancellationToken,
+        work: W,
+    ) -> Result<HeldRunEnd, Error>
+    where
+        W: FnOnce(CancellationToken) -> F,
+        F: Future<Output = ()>,
+    {
+        let work = work(shutdown.child_token());
+        tokio::select! {
+            // Checked first: once lost, the work must not be polled again.
+            biased;
+            () = self.lost() => return Ok(HeldRunEnd::LeaseLost),
+            () = work => {}
+        }
+        if self.is_lost() {
+            return Ok(HeldRunEnd::LeaseLost);
+        }
+        let released = self.release().await?;
+        Ok(HeldRunEnd::WorkEnded { released })
     }
 }
 
@@ -898,7 +942,9 @@ mod tests {
         });
         let held = lock.acquire().await;
         let waited = Instant::now() - taken_at;
-        assert!(waited > Duration::from_secs(30), "waited {waited:?}");
+        // Expired from exactly `renewTime + leaseDurationSeconds` on (SPEC §4), so the attempt
+        // at exactly 30 s takes it.
+        assert!(waited >= Duration::from_secs(30), "waited {waited:?}");
         assert!(
             waited <= Duration::from_secs(30) + RETRY,
             "waited {waited:?}"
@@ -944,6 +990,113 @@ mod tests {
         settle().await;
         assert_eq!(fake.writes(), 1);
         assert_eq!(spec(&fake).holder_identity.as_deref(), Some("shard-a"));
+    }
+
+    /// Work that counts its "reconciles", one per second, and records when it stopped.
+    async fn counting_work(
+        reconciles: Arc<std::sync::atomic::AtomicUsize>,
+        stop: CancellationToken,
+        finish_after_stop: Duration,
+    ) {
+        use std::sync::atomic::Ordering;
+        loop {
+            tokio::select! {
+                () = stop.cancelled() => break,
+                () = tokio::time::sleep(Duration::from_secs(1)) => {
+                    reconciles.fetch_add(1, Ordering::SeqCst);
+                }
+            }
+        }
+        // A graceful stop takes a while (e.g. finishing reconciles in flight).
+        tokio::time::sleep(finish_after_stop).await;
+        reconciles.fetch_add(1_000, Ordering::SeqCst);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn run_while_held_drops_the_work_at_once_on_loss() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let fake = FakeStore::new();
+        let held = lock(&fake, "shard-a").acquire().await;
+        let reconciles = Arc::new(AtomicUsize::new(0));
+        let shutdown = CancellationToken::new();
+        let counter = reconciles.clone();
+        let run = tokio::spawn(async move {
+            held.run_while_held(&shutdown, |stop| {
+                counting_work(counter, stop, Duration::from_secs(5))
+            })
+            .await
+        });
+        tokio::time::sleep(Duration::from_millis(3_500)).await;
+        settle().await;
+        assert_eq!(reconciles.load(Ordering::SeqCst), 3);
+        // Taken over: the next renewal (at 4 s) notices.
+        fake.modify(|lease| {
+            lease.spec.get_or_insert_default().holder_identity = Some("other".into());
+        });
+        let ended = tokio::time::timeout(RETRY, run)
+            .await
+            .expect("ends at the next renewal")
+            .expect("task ok")
+            .expect("no error");
+        assert_eq!(ended, HeldRunEnd::LeaseLost);
+        let at_loss = reconciles.load(Ordering::SeqCst);
+        assert!(at_loss < 1_000, "no graceful finish after a loss");
+        tokio::time::sleep(Duration::from_secs(30)).await;
+        settle().await;
+        assert_eq!(
+            reconciles.load(Ordering::SeqCst),
+            at_loss,
+            "nothing runs on"
+        );
+        assert_eq!(
+            spec(&fake).holder_identity.as_deref(),
+            Some("other"),
+            "nothing released"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn run_while_held_stops_the_work_then_releases_on_shutdown() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let fake = FakeStore::new();
+        let held = lock(&fake, "shard-a").acquire().await;
+        let reconciles = Arc::new(AtomicUsize::new(0));
+        let shutdown = CancellationToken::new();
+        let (counter, token) = (reconciles.clone(), shutdown.clone());
+        let run = tokio::spawn(async move {
+            held.run_while_held(&token, |stop| {
+                counting_work(counter, stop, Duration::from_secs(3))
+            })
+            .await
+        });
+        tokio::time::sleep(Duration::from_millis(2_500)).await;
+        shutdown.cancel();
+        // Still finishing gracefully: the Lease is held until the work has ended.
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        settle().await;
+        assert_eq!(spec(&fake).holder_identity.as_deref(), Some("shard-a"));
+        let ended = run.await.expect("task ok").expect("no error");
+        assert_eq!(ended, HeldRunEnd::WorkEnded { released: true });
+        assert_eq!(
+            reconciles.load(Ordering::SeqCst),
+            1_002,
+            "finished gracefully"
+        );
+        assert_eq!(spec(&fake).holder_identity.as_deref(), Some(""));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn run_while_held_releases_when_the_work_ends_on_its_own() {
+        let fake = FakeStore::new();
+        let held = lock(&fake, "shard-a").acquire().await;
+        let ended = held
+            .run_while_held(&CancellationToken::new(), |_stop| {
+                tokio::time::sleep(Duration::from_secs(7))
+            })
+            .await
+            .expect("no error");
+        assert_eq!(ended, HeldRunEnd::WorkEnded { released: true });
+        assert_eq!(spec(&fake).holder_identity.as_deref(), Some(""));
     }
 
     #[tokio::test(start_paused = true)]

@@ -7,13 +7,26 @@
 //!
 //! - [`LeaseLock`]: a Lease lock (acquire, renew, notice loss, release) used for the shard's
 //!   membership Lease, and reusable for leader election;
+//! - [`HeldLease::run_while_held`]: the lifecycle of work guarded by a Lease: dropped at once on
+//!   loss, stopped and then the Lease released on shutdown;
 //! - [`Shard`]: the shard's identity, its label keys, the label-selected
 //!   [watcher configuration](Shard::watcher_config) and its [Lease configuration](Shard::lease_config);
 //! - [`Shard::reconciler`]: a wrapper around your reconciler that acknowledges drains and never
 //!   lets your code see an object that is being moved away; [`Shard::predicate`] for event
 //!   filters.
 //!
-//! The crate logs through `tracing` and never installs a subscriber.
+//! The crate logs through `tracing` and never installs a subscriber. The example shard,
+//! `checksum-controller`, is a package of its own (`shard/checksum-controller/`), so the library
+//! carries only library dependencies.
+//!
+//! | module | what |
+//! |---|---|
+//! | [`lease`] | the Lease lock, [`HeldLease::run_while_held`], and the acquire decision (`lease::decision`) |
+//! | [`drain`] | the reconciler wrapper that acknowledges drains |
+//! | `shard` | [`Shard`]: identity, label keys, watcher and Lease configuration |
+//!
+//! When a Lease expires, valid timing and valid shard names are the protocol's rules in
+//! [`sharding_crds::lease`], shared with the sharder.
 //!
 //! # Example: a sharded controller
 //!
@@ -25,7 +38,7 @@
 //! use k8s_openapi::api::core::v1::{ConfigMap, Secret};
 //! use kube::runtime::controller::{Action, Controller};
 //! use kube::{Api, Client};
-//! use shard::{LeaseLock, Shard};
+//! use shard::{HeldRunEnd, LeaseLock, Shard};
 //! use tokio_util::sync::CancellationToken;
 //!
 //! #[derive(Debug, thiserror::Error)]
@@ -48,32 +61,31 @@
 //!     let lock = LeaseLock::new(client.clone(), shard.lease_config())?;
 //!     let held = lock.acquire().await;
 //!
-//!     // 2. Run the controller, watching only this shard's objects (main and controlled).
+//!     // 2. Run the controller, watching only this shard's objects (main and controlled), while
+//!     //    the Lease is held: it is dropped at once when the Lease is lost (another shard may
+//!     //    own our objects now); on shutdown it stops, then the Lease is released so the sharder
+//!     //    hands our objects over at once.
 //!     let shutdown = CancellationToken::new();
 //!     let on_signal = shutdown.clone();
 //!     tokio::spawn(async move {
 //!         let _ = tokio::signal::ctrl_c().await;
 //!         on_signal.cancel();
 //!     });
-//!     let controller = Controller::new(Api::<Secret>::all(client.clone()), shard.watcher_config())
-//!         .owns(Api::<ConfigMap>::all(client.clone()), shard.watcher_config())
-//!         .graceful_shutdown_on(shutdown.cancelled_owned())
-//!         .run(
-//!             shard.reconciler(client.clone(), reconcile),
-//!             |_, _, _| Action::requeue(Duration::from_secs(5)),
-//!             Arc::new(()),
-//!         )
-//!         .for_each(|_| async {});
-//!
-//!     // 3. Stop at once when the Lease is lost: another shard may own our objects now.
-//!     tokio::select! {
-//!         () = controller => {}
-//!         () = held.lost() => anyhow::bail!("lost the shard Lease"),
+//!     let controller = |stop: CancellationToken| {
+//!         Controller::new(Api::<Secret>::all(client.clone()), shard.watcher_config())
+//!             .owns(Api::<ConfigMap>::all(client.clone()), shard.watcher_config())
+//!             .graceful_shutdown_on(stop.cancelled_owned())
+//!             .run(
+//!                 shard.reconciler(client.clone(), reconcile),
+//!                 |_, _, _| Action::requeue(Duration::from_secs(5)),
+//!                 Arc::new(()),
+//!             )
+//!             .for_each(|_| async {})
+//!     };
+//!     match held.run_while_held(&shutdown, controller).await? {
+//!         HeldRunEnd::LeaseLost => anyhow::bail!("lost the shard Lease"),
+//!         HeldRunEnd::WorkEnded { .. } => Ok(()),
 //!     }
-//!
-//!     // 4. Graceful shutdown: the controller has stopped, so hand the objects over at once.
-//!     held.release().await?;
-//!     Ok(())
 //! }
 //! ```
 //!
@@ -109,5 +121,5 @@ pub mod lease;
 mod shard;
 
 pub use crate::drain::{Disposition, DrainPassthrough, ReconcileError};
-pub use crate::lease::{HeldLease, LeaseLock, LeaseLockConfig};
+pub use crate::lease::{HeldLease, HeldRunEnd, LeaseLock, LeaseLockConfig};
 pub use crate::shard::Shard;

@@ -6,7 +6,7 @@
 use std::hint::black_box;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use sharder::ring::Ring;
+use sharder::core::ring::Ring;
 
 const SHARD_COUNTS: [usize; 3] = [3, 10, 100];
 const KEYS: usize = 1000;

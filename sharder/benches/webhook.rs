@@ -17,7 +17,7 @@ use http_body_util::BodyExt;
 use kube::api::ObjectMeta;
 use serde_json::{Value, json};
 use sharder::metrics::Metrics;
-use sharder::rings::{ResourceInfo, RingRegistry, build_view};
+use sharder::ring_views::{ResourceInfo, RingViews, build_view};
 use sharder::webhook::{WebhookState, router};
 use sharding_crds::labels;
 use sharding_crds::{ClusterRing, ClusterRingSpec, GroupResource, RingResource};
@@ -54,7 +54,7 @@ fn state(shards: usize) -> WebhookState {
         (GroupResource::new("", "configmaps"), info("ConfigMap")),
     ]);
     let shards: BTreeSet<String> = (0..shards).map(|i| format!("shard-{i}")).collect();
-    let rings = Arc::new(RingRegistry::default());
+    let rings = Arc::new(RingViews::default());
     rings.insert(build_view(&ring, &shards, &discovered));
     WebhookState {
         rings,

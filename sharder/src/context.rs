@@ -10,31 +10,30 @@ use kube::runtime::reflector::Store;
 use sharding_crds::ClusterRing;
 use sharding_crds::config::SharderConfig;
 
-use crate::discovery::Discovery;
 use crate::metrics::Metrics;
-use crate::rings::RingRegistry;
+use crate::ring_views::{Discovery, RingViews};
 
 /// Shared state of one sharder process.
 #[derive(Clone)]
-pub struct Context {
+pub(crate) struct Context {
     /// API client.
-    pub client: Client,
+    pub(crate) client: Client,
     /// The validated configuration.
-    pub config: Arc<SharderConfig>,
+    pub(crate) config: Arc<SharderConfig>,
     /// Cache of every ClusterRing.
-    pub rings: Store<ClusterRing>,
+    pub(crate) rings: Store<ClusterRing>,
     /// Cache of every Lease carrying the ring label.
-    pub leases: Store<Lease>,
+    pub(crate) leases: Store<Lease>,
     /// Cache of every Namespace (for namespace selectors).
-    pub namespaces: Store<Namespace>,
+    pub(crate) namespaces: Store<Namespace>,
     /// Current view of each ring.
-    pub registry: Arc<RingRegistry>,
+    pub(crate) ring_views: Arc<RingViews>,
     /// Resource discovery with a cache.
-    pub discovery: Arc<Discovery>,
+    pub(crate) discovery: Arc<Discovery>,
     /// Counters.
-    pub metrics: Metrics,
+    pub(crate) metrics: Metrics,
     /// Publishes Events on ClusterRings.
-    pub recorder: Recorder,
+    pub(crate) recorder: Recorder,
 }
 
 impl std::fmt::Debug for Context {

@@ -1,9 +1,17 @@
 //! Prometheus metrics of the sharder (SPEC §12).
 //!
 //! Counters are incremented where things happen. State metrics are computed at scrape time from
-//! the caches through a [`StateSource`], so every replica reports them, leader or not.
+//! the caches through a `StateSource` (`CacheState`), so every replica reports them, leader or
+//! not.
 
 use std::sync::Arc;
+
+use k8s_openapi::jiff::Timestamp;
+use kube::ResourceExt;
+use sharding_crds::labels::LABEL_CLUSTER_RING;
+use sharding_crds::lease::ShardLease;
+
+use crate::context::Context;
 
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
 use prometheus_client::metrics::MetricType;
@@ -12,52 +20,58 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
+/// Name of the counter of move patches; exposed as `controller_sharding_movements_total`.
+pub const MOVEMENTS: &str = "controller_sharding_movements";
+
+/// Name of the counter of drain patches; exposed as `controller_sharding_drains_total`.
+pub const DRAINS: &str = "controller_sharding_drains";
+
 /// Labels of the per-resource counters.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ResourceLabels {
+pub(crate) struct ResourceLabels {
     /// Ring name.
-    pub clusterring: String,
+    pub(crate) clusterring: String,
     /// API group of the resource.
-    pub group: String,
+    pub(crate) group: String,
     /// Plural resource name.
-    pub resource: String,
+    pub(crate) resource: String,
 }
 
 /// Labels of the per-ring counters.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct RingLabels {
+pub(crate) struct RingLabels {
     /// Ring name.
-    pub clusterring: String,
+    pub(crate) clusterring: String,
 }
 
 /// Counters the sharder increments.
 #[derive(Clone, Debug, Default)]
 pub struct Metrics {
     /// Objects assigned by the webhook (dry-run requests excluded).
-    pub assignments: Family<ResourceLabels, Counter>,
+    pub(crate) assignments: Family<ResourceLabels, Counter>,
     /// Move patches sent by the sharder controller.
-    pub movements: Family<ResourceLabels, Counter>,
+    pub(crate) movements: Family<ResourceLabels, Counter>,
     /// Drain patches sent by the sharder controller.
-    pub drains: Family<ResourceLabels, Counter>,
+    pub(crate) drains: Family<ResourceLabels, Counter>,
     /// Rebuilds of a ring's hash ring.
-    pub ring_calculations: Family<RingLabels, Counter>,
+    pub(crate) ring_calculations: Family<RingLabels, Counter>,
 }
 
 impl Metrics {
     /// Registers the counters (prometheus-client appends `_total`).
-    pub fn register(&self, registry: &mut Registry) {
+    pub(crate) fn register(&self, registry: &mut Registry) {
         registry.register(
             "controller_sharding_assignments",
             "Objects assigned to a shard by the sharder webhook",
             self.assignments.clone(),
         );
         registry.register(
-            "controller_sharding_movements",
+            MOVEMENTS,
             "Move patches sent by the sharder for objects whose shard changed",
             self.movements.clone(),
         );
         registry.register(
-            "controller_sharding_drains",
+            DRAINS,
             "Drain patches sent by the sharder for objects whose shard changed",
             self.drains.clone(),
         );
@@ -69,7 +83,7 @@ impl Metrics {
     }
 
     /// Labels for a resource of a ring.
-    pub fn resource_labels(ring: &str, group: &str, resource: &str) -> ResourceLabels {
+    pub(crate) fn resource_labels(ring: &str, group: &str, resource: &str) -> ResourceLabels {
         ResourceLabels {
             clusterring: ring.into(),
             group: group.into(),
@@ -80,38 +94,38 @@ impl Metrics {
 
 /// What the state metrics report about one ring.
 #[derive(Clone, Debug, PartialEq)]
-pub struct RingSnapshot {
+pub(crate) struct RingSnapshot {
     /// Ring name.
-    pub name: String,
+    pub(crate) name: String,
     /// Ring UID.
-    pub uid: String,
+    pub(crate) uid: String,
     /// `metadata.generation`.
-    pub generation: i64,
+    pub(crate) generation: i64,
     /// `status.observedGeneration`.
-    pub observed_generation: i64,
+    pub(crate) observed_generation: i64,
     /// `status.shards`.
-    pub shards: i64,
+    pub(crate) shards: i64,
     /// `status.availableShards`.
-    pub available_shards: i64,
+    pub(crate) available_shards: i64,
 }
 
 /// What the state metrics report about one shard Lease.
 #[derive(Clone, Debug, PartialEq)]
-pub struct ShardSnapshot {
+pub(crate) struct ShardSnapshot {
     /// Namespace of the Lease.
-    pub namespace: String,
+    pub(crate) namespace: String,
     /// Shard name (the Lease name).
-    pub shard: String,
+    pub(crate) shard: String,
     /// Ring name.
-    pub clusterring: String,
+    pub(crate) clusterring: String,
     /// UID of the Lease.
-    pub uid: String,
+    pub(crate) uid: String,
     /// Current state, one of [`SHARD_STATES`] (`unknown` when it cannot be determined).
-    pub state: &'static str,
+    pub(crate) state: &'static str,
 }
 
 /// Every value of the `state` label of `controller_sharding_shard_state`.
-pub const SHARD_STATES: [&str; 6] = [
+pub(crate) const SHARD_STATES: [&str; 6] = [
     "ready",
     "expired",
     "uncertain",
@@ -121,7 +135,7 @@ pub const SHARD_STATES: [&str; 6] = [
 ];
 
 /// Provides the current state at scrape time.
-pub trait StateSource: std::fmt::Debug + Send + Sync + 'static {
+pub(crate) trait StateSource: std::fmt::Debug + Send + Sync + 'static {
     /// The rings known to this replica.
     fn rings(&self) -> Vec<RingSnapshot>;
     /// The shard Leases known to this replica, with their state as of now.
@@ -130,7 +144,7 @@ pub trait StateSource: std::fmt::Debug + Send + Sync + 'static {
 
 /// Collector computing the state metrics from a [`StateSource`] on every scrape.
 #[derive(Debug)]
-pub struct StateCollector<S>(pub Arc<S>);
+pub(crate) struct StateCollector<S>(pub(crate) Arc<S>);
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RingUidLabels {
@@ -245,10 +259,54 @@ impl<S: StateSource> prometheus_client::collector::Collector for StateCollector<
 }
 
 /// Renders the registry in the Prometheus text format.
-pub fn render(registry: &Registry) -> Result<String, std::fmt::Error> {
+pub(crate) fn render(registry: &Registry) -> Result<String, std::fmt::Error> {
     let mut out = String::new();
     prometheus_client::encoding::text::encode(&mut out, registry)?;
     Ok(out)
+}
+
+/// State metrics read from the caches at scrape time.
+#[derive(Debug)]
+pub(crate) struct CacheState(pub(crate) Context);
+
+impl StateSource for CacheState {
+    fn rings(&self) -> Vec<RingSnapshot> {
+        self.0
+            .rings
+            .state()
+            .iter()
+            .map(|r| {
+                let status = r.status.clone().unwrap_or_default();
+                RingSnapshot {
+                    name: r.name_any(),
+                    uid: r.uid().unwrap_or_default(),
+                    generation: r.metadata.generation.unwrap_or_default(),
+                    observed_generation: status.observed_generation.unwrap_or_default(),
+                    shards: status.shards.into(),
+                    available_shards: status.available_shards.into(),
+                }
+            })
+            .collect()
+    }
+
+    fn shards(&self) -> Vec<ShardSnapshot> {
+        let now = Timestamp::now();
+        self.0
+            .leases
+            .state()
+            .iter()
+            .filter_map(|l| {
+                let ring = l.labels().get(LABEL_CLUSTER_RING)?.clone();
+                Some(ShardSnapshot {
+                    namespace: l.namespace().unwrap_or_default(),
+                    shard: l.name_any(),
+                    clusterring: ring,
+                    uid: l.uid().unwrap_or_default(),
+                    state: ShardLease::from_lease(l).state(now).as_str(),
+                })
+            })
+            .collect()
+    }
 }
 
 #[cfg(test)]

@@ -1,5 +1,7 @@
-//! HTTP servers of the sharder process: the TLS webhook server and the plain admin servers
-//! (health probes, metrics).
+//! HTTP servers of the sharder process: the TLS webhook server (with its certificate reloaded
+//! by [`tls`]) and the plain admin servers (health probes, metrics).
+
+pub mod tls;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -26,7 +28,7 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Readiness of the process: ready once caches synced and the certificate is loaded, and never
 /// again once shutdown began.
 #[derive(Debug, Default)]
-pub struct Readiness {
+pub(crate) struct Readiness {
     caches_synced: AtomicBool,
     certificate_loaded: AtomicBool,
     shutting_down: AtomicBool,
@@ -34,22 +36,22 @@ pub struct Readiness {
 
 impl Readiness {
     /// Marks the caches as synced.
-    pub fn set_caches_synced(&self) {
+    pub(crate) fn set_caches_synced(&self) {
         self.caches_synced.store(true, Ordering::SeqCst);
     }
 
     /// Marks the webhook certificate as loaded.
-    pub fn set_certificate_loaded(&self) {
+    pub(crate) fn set_certificate_loaded(&self) {
         self.certificate_loaded.store(true, Ordering::SeqCst);
     }
 
     /// Marks the start of shutdown.
-    pub fn set_shutting_down(&self) {
+    pub(crate) fn set_shutting_down(&self) {
         self.shutting_down.store(true, Ordering::SeqCst);
     }
 
     /// Whether the process should receive traffic.
-    pub fn is_ready(&self) -> bool {
+    pub(crate) fn is_ready(&self) -> bool {
         self.caches_synced.load(Ordering::SeqCst)
             && self.certificate_loaded.load(Ordering::SeqCst)
             && !self.shutting_down.load(Ordering::SeqCst)
@@ -57,7 +59,7 @@ impl Readiness {
 }
 
 /// Router of the health endpoint: `/healthz` (alive) and `/readyz` (see [`Readiness`]).
-pub fn health_router(readiness: Arc<Readiness>) -> Router {
+pub(crate) fn health_router(readiness: Arc<Readiness>) -> Router {
     Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
         .route(
@@ -74,7 +76,7 @@ pub fn health_router(readiness: Arc<Readiness>) -> Router {
 }
 
 /// Router of the metrics endpoint: `/metrics` in the OpenMetrics text format.
-pub fn metrics_router(registry: Arc<Registry>) -> Router {
+pub(crate) fn metrics_router(registry: Arc<Registry>) -> Router {
     Router::new()
         .route(
             "/metrics",
@@ -97,7 +99,7 @@ pub fn metrics_router(registry: Arc<Registry>) -> Router {
 }
 
 /// Serves `app` over plain HTTP on `listener` until `shutdown` fires.
-pub async fn serve_plain(listener: TcpListener, app: Router, shutdown: CancellationToken) {
+pub(crate) async fn serve_plain(listener: TcpListener, app: Router, shutdown: CancellationToken) {
     let addr = listener.local_addr().ok();
     if let Err(error) = axum::serve(listener, app)
         .with_graceful_shutdown(shutdown.cancelled_owned())
@@ -159,7 +161,7 @@ pub async fn serve_tls(
 }
 
 /// Binds a TCP listener, naming the address in the error.
-pub async fn bind(addr: SocketAddr) -> anyhow::Result<TcpListener> {
+pub(crate) async fn bind(addr: SocketAddr) -> anyhow::Result<TcpListener> {
     use anyhow::Context as _;
     TcpListener::bind(addr)
         .await

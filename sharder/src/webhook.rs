@@ -20,27 +20,27 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 use sharding_crds::GroupResource;
 
-use crate::key::{self, KeyOutcome, ObjectInfo, ResourceRole};
+use crate::core::key::{self, KeyOutcome, ObjectInfo};
 use crate::metrics::Metrics;
-use crate::rings::{RingRegistry, Role};
+use crate::ring_views::RingViews;
 
 /// Largest request body accepted; the API server caps objects at 3 MiB, so a larger review is not
 /// from it.
-pub const MAX_BODY_BYTES: usize = 3 * 1024 * 1024;
+pub(crate) const MAX_BODY_BYTES: usize = 3 * 1024 * 1024;
 
 /// Route of the per-ring webhook.
-pub const ROUTE: &str = "/webhooks/sharder/clusterring/{ring}";
+pub(crate) const ROUTE: &str = "/webhooks/sharder/clusterring/{ring}";
 
 /// What the webhook handler needs.
 #[derive(Clone, Debug)]
 pub struct WebhookState {
     /// Current views of the rings.
-    pub rings: Arc<RingRegistry>,
+    pub rings: Arc<RingViews>,
     /// Counters to increment on assignments.
     pub metrics: Metrics,
 }
 
-/// The webhook router: the ring route, 404 elsewhere, bodies capped at [`MAX_BODY_BYTES`].
+/// The webhook router: the ring route, 404 elsewhere, bodies capped at 3 MiB (`MAX_BODY_BYTES`).
 pub fn router(state: WebhookState) -> Router {
     Router::new()
         .route(ROUTE, post(handle))
@@ -122,7 +122,7 @@ impl IntoResponse for BadRequest {
 
 /// The answer to one admission request.
 #[derive(Debug, PartialEq)]
-pub enum Decision {
+enum AdmissionDecision {
     /// Allowed without changes, with the reason for logs.
     Allow(&'static str),
     /// Allowed with the shard label added.
@@ -157,10 +157,10 @@ async fn handle(
     let decision = decide(&state, &ring, &request);
     let mut response = json!({"uid": request.uid, "allowed": true});
     match &decision {
-        Decision::Allow(reason) => {
+        AdmissionDecision::Allow(reason) => {
             tracing::debug!(ring = %ring, uid = %request.uid, reason, "allowing object unchanged");
         }
-        Decision::Assign {
+        AdmissionDecision::Assign {
             label,
             shard,
             create_labels,
@@ -186,7 +186,7 @@ async fn handle(
                     .inc();
             }
         }
-        Decision::Deny(message) => {
+        AdmissionDecision::Deny(message) => {
             response["allowed"] = Value::from(false);
             response["status"] = json!({"code": 400, "message": message, "status": "Failure"});
         }
@@ -199,21 +199,21 @@ async fn handle(
     Ok(axum::Json(body).into_response())
 }
 
-fn decide(state: &WebhookState, ring_name: &str, request: &Request) -> Decision {
+fn decide(state: &WebhookState, ring_name: &str, request: &Request) -> AdmissionDecision {
     if request
         .sub_resource
         .as_deref()
         .is_some_and(|s| !s.is_empty())
     {
-        return Decision::Allow("subresource requests are not assigned");
+        return AdmissionDecision::Allow("subresource requests are not assigned");
     }
     let Some(object) = request.object.as_ref() else {
-        return Decision::Allow("request carries no object");
+        return AdmissionDecision::Allow("request carries no object");
     };
     let meta = &object.metadata;
     let Some(view) = state.rings.get(ring_name) else {
         tracing::warn!(ring = %ring_name, "webhook called for a ring the sharder does not know (yet); allowing unchanged");
-        return Decision::Allow("unknown ring");
+        return AdmissionDecision::Allow("unknown ring");
     };
     if meta
         .labels
@@ -221,40 +221,31 @@ fn decide(state: &WebhookState, ring_name: &str, request: &Request) -> Decision 
         .and_then(|l| l.get(&view.shard_label))
         .is_some_and(|v| !v.is_empty())
     {
-        return Decision::Allow("object is already assigned");
+        return AdmissionDecision::Allow("object is already assigned");
     }
-    let resource = GroupResource::new(&request.resource.group, &request.resource.resource);
-    let Some(role) = view.resources.get(&resource) else {
-        tracing::warn!(ring = %ring_name, resource = %resource, "webhook called for a resource that is not part of the ring; allowing unchanged");
-        return Decision::Allow("resource is not part of the ring");
+    let group_resource = GroupResource::new(&request.resource.group, &request.resource.resource);
+    let Some(resource) = view.resources.get(&group_resource) else {
+        tracing::warn!(ring = %ring_name, resource = %group_resource, "webhook called for a resource that is not part of the ring; allowing unchanged");
+        return AdmissionDecision::Allow("resource is not part of the ring");
     };
     let info = ObjectInfo {
+        group: &request.kind.group,
+        kind: &request.kind.kind,
         namespace: meta.namespace.as_deref().or(request.namespace.as_deref()),
         name: meta.name.as_deref(),
         owner_references: meta.owner_references.as_deref().unwrap_or_default(),
     };
-    let outcome = match role {
-        Role::Main { .. } => key::hash_key(
-            &info,
-            &ResourceRole::Main {
-                group: &request.kind.group,
-                kind: &request.kind.kind,
-            },
-        ),
-        Role::Controlled { controllers, .. } => {
-            key::hash_key(&info, &ResourceRole::Controlled { controllers })
-        }
-    };
+    let outcome = key::hash_key(&info, &resource.role);
     let key = match outcome {
         Ok(KeyOutcome::Key(key)) => key,
         Ok(KeyOutcome::Unassigned(_)) => {
-            return Decision::Allow("object has no eligible controller");
+            return AdmissionDecision::Allow("object has no eligible controller");
         }
-        Err(error) => return Decision::Deny(error.to_string()),
+        Err(error) => return AdmissionDecision::Deny(error.to_string()),
     };
     match view.ring.shard_for(&key) {
-        None => Decision::Allow("there is no available shard"),
-        Some(shard) => Decision::Assign {
+        None => AdmissionDecision::Allow("there is no available shard"),
+        Some(shard) => AdmissionDecision::Assign {
             label: view.shard_label.clone(),
             shard: shard.to_string(),
             create_labels: meta.labels.is_none(),

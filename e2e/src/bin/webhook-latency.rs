@@ -10,7 +10,7 @@
 //!   the end-to-end tests run it) with three available shards: the cost of our webhook.
 //!
 //! Both webhooks are served the same way — `sharder::server::serve_tls` with a
-//! `sharder::tls::CertReloader`, an RSA-2048 certificate for 127.0.0.1 from the same generator,
+//! `sharder::server::tls::CertReloader`, an RSA-2048 certificate for 127.0.0.1 from the same generator,
 //! on a multi-threaded runtime of their own — so (c)/(b) compares the handlers, not transports.
 //! The goal is (c)/(b) ≤ 1.1 at the median.
 //!
@@ -285,7 +285,7 @@ async fn measure(
         .context("failed to listen on loopback")?;
     listener.set_nonblocking(true)?;
     let addr = listener.local_addr()?;
-    let reloader = Arc::new(sharder::tls::CertReloader::new(
+    let reloader = Arc::new(sharder::server::tls::CertReloader::new(
         cert_dir.join("tls.crt"),
         cert_dir.join("tls.key"),
     ));

@@ -20,7 +20,7 @@ use kube::api::{Api, ObjectMeta, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
-use sharder::ring::Ring;
+use sharder::core::ring::Ring;
 use sharding_crds::labels;
 
 const SHARDS: [&str; 3] = ["shard-a", "shard-b", "shard-c"];

@@ -19,7 +19,7 @@ use k8s_openapi::api::core::v1::{ConfigMap, Secret};
 use k8s_openapi::api::rbac::v1::ClusterRole;
 use kube::api::{Api, ListParams, ObjectMeta, PostParams};
 use kube::{Client, ResourceExt};
-use sharder::ring::Ring;
+use sharder::core::ring::Ring;
 use sharding_crds::labels;
 use sharding_crds::{ClusterRingSpec, GroupResource, RingResource};
 

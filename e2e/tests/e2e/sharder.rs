@@ -18,7 +18,7 @@ use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, ObjectMeta, Patch, PatchParams, PostParams};
 use serde_json::json;
-use sharder::ring::Ring;
+use sharder::core::ring::Ring;
 use sharding_crds::ClusterRing;
 use sharding_crds::labels;
 

@@ -2,7 +2,8 @@
 //! taking or renewing it, and when a holder has to consider it lost.
 //!
 //! Nothing here talks to the API server or reads a clock; callers pass the current time in, so
-//! every rule is testable with plain values.
+//! every rule is testable with plain values. When a Lease expires is the protocol's rule in
+//! [`sharding_crds::lease`], the same one the sharder computes shard states with.
 
 use std::collections::BTreeMap;
 use std::ops::Add;
@@ -10,11 +11,12 @@ use std::time::Duration;
 
 use k8s_openapi::api::coordination::v1::LeaseSpec;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
-use k8s_openapi::jiff::{SignedDuration, Timestamp};
+use k8s_openapi::jiff::Timestamp;
+use sharding_crds::lease::lease_expiry;
 
 /// What a candidate may do with a Lease, given the Lease's current spec.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Decision {
+pub enum AcquireDecision {
     /// There is no Lease yet: create it.
     Create,
     /// The candidate holds the Lease already: renew it, keeping `acquireTime` and
@@ -32,56 +34,42 @@ pub enum Decision {
     },
 }
 
-/// The moment a Lease expires: `renewTime + leaseDurationSeconds`.
-///
-/// `None` when either field is missing; such a Lease counts as expired.
-pub fn expiry(spec: &LeaseSpec) -> Option<Timestamp> {
-    let renewed = spec.renew_time.as_ref()?.0;
-    let duration = SignedDuration::from_secs(i64::from(spec.lease_duration_seconds?));
-    renewed.checked_add(duration).ok()
-}
-
-/// Whether the Lease has expired at `now` (strictly after `renewTime + leaseDurationSeconds`, or
-/// any of these fields missing).
-pub fn is_expired(spec: &LeaseSpec, now: Timestamp) -> bool {
-    expiry(spec).is_none_or(|expires_at| expires_at < now)
-}
-
 /// Decides what `identity` may do with a Lease whose current spec is `existing` (`None`: the
 /// Lease does not exist).
-pub fn decide(existing: Option<&LeaseSpec>, identity: &str, now: Timestamp) -> Decision {
+pub fn decide(existing: Option<&LeaseSpec>, identity: &str, now: Timestamp) -> AcquireDecision {
     let Some(spec) = existing else {
-        return Decision::Create;
+        return AcquireDecision::Create;
     };
     let holder = spec.holder_identity.as_deref().unwrap_or_default();
     if holder == identity {
-        return Decision::Renew;
+        return AcquireDecision::Renew;
     }
     if holder.is_empty() {
-        return Decision::Take;
+        return AcquireDecision::Take;
     }
-    match expiry(spec) {
-        Some(expires_at) if expires_at >= now => Decision::Wait {
+    // Not expired yet (`now < E`, see `sharding_crds::lease::is_expired`): wait for it.
+    match lease_expiry(spec) {
+        Some(expires_at) if now < expires_at => AcquireDecision::Wait {
             holder: holder.to_string(),
             expires_at,
         },
-        _ => Decision::Take,
+        _ => AcquireDecision::Take,
     }
 }
 
-/// The spec to write for a [`Decision`] other than [`Decision::Wait`] (which writes nothing, so
+/// The spec to write for an [`AcquireDecision`] other than [`AcquireDecision::Wait`] (which writes nothing, so
 /// `None` is returned for it).
 pub fn desired_spec(
     existing: Option<&LeaseSpec>,
-    decision: &Decision,
+    decision: &AcquireDecision,
     identity: &str,
     lease_duration_seconds: i32,
     now: Timestamp,
 ) -> Option<LeaseSpec> {
     let base = existing.cloned().unwrap_or_default();
     let spec = match decision {
-        Decision::Wait { .. } => return None,
-        Decision::Create => LeaseSpec {
+        AcquireDecision::Wait { .. } => return None,
+        AcquireDecision::Create => LeaseSpec {
             holder_identity: Some(identity.to_string()),
             lease_duration_seconds: Some(lease_duration_seconds),
             acquire_time: Some(MicroTime(now)),
@@ -89,7 +77,7 @@ pub fn desired_spec(
             lease_transitions: Some(0),
             ..LeaseSpec::default()
         },
-        Decision::Renew => LeaseSpec {
+        AcquireDecision::Renew => LeaseSpec {
             holder_identity: Some(identity.to_string()),
             lease_duration_seconds: Some(lease_duration_seconds),
             // A Lease we hold but that lacks an acquire time (written by some other tool) gets
@@ -99,7 +87,7 @@ pub fn desired_spec(
             lease_transitions: Some(base.lease_transitions.unwrap_or(0)),
             ..base
         },
-        Decision::Take => LeaseSpec {
+        AcquireDecision::Take => LeaseSpec {
             holder_identity: Some(identity.to_string()),
             lease_duration_seconds: Some(lease_duration_seconds),
             acquire_time: Some(MicroTime(now)),
@@ -197,63 +185,83 @@ mod tests {
     fn decision_table() {
         let now = ts(1_000);
         let me = "shard-a";
-        let cases: Vec<(&str, Option<LeaseSpec>, Decision)> = vec![
-            ("absent", None, Decision::Create),
+        let cases: Vec<(&str, Option<LeaseSpec>, AcquireDecision)> = vec![
+            ("absent", None, AcquireDecision::Create),
             (
                 "ours, fresh",
                 Some(spec(Some(me), Some(999), Some(15))),
-                Decision::Renew,
+                AcquireDecision::Renew,
             ),
             (
                 "ours, expired",
                 Some(spec(Some(me), Some(1), Some(15))),
-                Decision::Renew,
+                AcquireDecision::Renew,
             ),
             (
                 "no holder field",
                 Some(spec(None, Some(999), Some(15))),
-                Decision::Take,
+                AcquireDecision::Take,
             ),
             (
                 "empty holder",
                 Some(spec(Some(""), Some(999), Some(15))),
-                Decision::Take,
+                AcquireDecision::Take,
             ),
             (
                 "other, valid",
                 Some(spec(Some("other"), Some(990), Some(15))),
-                Decision::Wait {
+                AcquireDecision::Wait {
                     holder: "other".into(),
                     expires_at: ts(1_005),
                 },
             ),
             (
+                "other, expires one second from now",
+                Some(spec(Some("other"), Some(986), Some(15))),
+                AcquireDecision::Wait {
+                    holder: "other".into(),
+                    expires_at: ts(1_001),
+                },
+            ),
+            // Expired from exactly `renewTime + leaseDurationSeconds` on (SPEC §4), as the
+            // sharder's shard states have it.
+            (
                 "other, expires exactly now",
                 Some(spec(Some("other"), Some(985), Some(15))),
-                Decision::Wait {
-                    holder: "other".into(),
-                    expires_at: ts(1_000),
-                },
+                AcquireDecision::Take,
             ),
             (
                 "other, expired",
                 Some(spec(Some("other"), Some(984), Some(15))),
-                Decision::Take,
+                AcquireDecision::Take,
             ),
             (
                 "other, no renew time",
                 Some(spec(Some("other"), None, Some(15))),
-                Decision::Take,
+                AcquireDecision::Take,
             ),
             (
                 "other, no duration",
                 Some(spec(Some("other"), Some(999), None)),
-                Decision::Take,
+                AcquireDecision::Take,
+            ),
+            (
+                "other, no acquire time",
+                Some(LeaseSpec {
+                    acquire_time: None,
+                    ..spec(Some("other"), Some(999), Some(15))
+                }),
+                AcquireDecision::Take,
+            ),
+            (
+                "other, zero duration",
+                Some(spec(Some("other"), Some(999), Some(0))),
+                AcquireDecision::Take,
             ),
             (
                 "sharder took over with doubled duration",
                 Some(spec(Some("shardlease-controller"), Some(980), Some(30))),
-                Decision::Wait {
+                AcquireDecision::Wait {
                     holder: "shardlease-controller".into(),
                     expires_at: ts(1_010),
                 },
@@ -261,7 +269,7 @@ mod tests {
             (
                 "sharder's takeover expired",
                 Some(spec(Some("shardlease-controller"), Some(960), Some(30))),
-                Decision::Take,
+                AcquireDecision::Take,
             ),
         ];
         for (name, existing, want) in cases {
@@ -272,7 +280,7 @@ mod tests {
     #[test]
     fn create_sets_every_field() {
         let now = ts(1_000);
-        let spec = desired_spec(None, &Decision::Create, "me", 15, now).expect("writes");
+        let spec = desired_spec(None, &AcquireDecision::Create, "me", 15, now).expect("writes");
         assert_eq!(spec.holder_identity.as_deref(), Some("me"));
         assert_eq!(spec.lease_duration_seconds, Some(15));
         assert_eq!(spec.acquire_time, Some(MicroTime(now)));
@@ -284,7 +292,8 @@ mod tests {
     fn renew_keeps_acquire_time_and_transitions() {
         let now = ts(1_000);
         let existing = spec(Some("me"), Some(990), Some(15));
-        let spec = desired_spec(Some(&existing), &Decision::Renew, "me", 20, now).expect("writes");
+        let spec =
+            desired_spec(Some(&existing), &AcquireDecision::Renew, "me", 20, now).expect("writes");
         assert_eq!(spec.acquire_time, existing.acquire_time);
         assert_eq!(spec.renew_time, Some(MicroTime(now)));
         assert_eq!(spec.lease_transitions, Some(3));
@@ -295,7 +304,8 @@ mod tests {
     fn take_increments_transitions_and_resets_acquire_time() {
         let now = ts(1_000);
         let existing = spec(Some("shardlease-controller"), Some(900), Some(30));
-        let spec = desired_spec(Some(&existing), &Decision::Take, "me", 15, now).expect("writes");
+        let spec =
+            desired_spec(Some(&existing), &AcquireDecision::Take, "me", 15, now).expect("writes");
         assert_eq!(spec.holder_identity.as_deref(), Some("me"));
         assert_eq!(spec.acquire_time, Some(MicroTime(now)));
         assert_eq!(spec.renew_time, Some(MicroTime(now)));
@@ -304,13 +314,14 @@ mod tests {
 
         let mut unset = existing.clone();
         unset.lease_transitions = None;
-        let spec = desired_spec(Some(&unset), &Decision::Take, "me", 15, now).expect("writes");
+        let spec =
+            desired_spec(Some(&unset), &AcquireDecision::Take, "me", 15, now).expect("writes");
         assert_eq!(spec.lease_transitions, Some(1));
     }
 
     #[test]
     fn wait_writes_nothing() {
-        let decision = Decision::Wait {
+        let decision = AcquireDecision::Wait {
             holder: "x".into(),
             expires_at: ts(5),
         };

@@ -9,9 +9,9 @@ use sharding_crds::{ClusterRing, ClusterRingSpec, GroupResource, RingResource};
 use tower::ServiceExt;
 
 use super::*;
+use crate::core::ring::Ring;
 use crate::metrics::Metrics;
-use crate::ring::Ring;
-use crate::rings::{ResourceInfo, build_view};
+use crate::ring_views::{ResourceInfo, build_view};
 
 const SHARD_LABEL: &str = "shard.alpha.sharding.timebertt.dev/clusterring-50d858e0-example";
 
@@ -41,7 +41,7 @@ fn state(shards: &[&str]) -> WebhookState {
         (GroupResource::new("", "configmaps"), info("ConfigMap")),
     ]);
     let shards: BTreeSet<String> = shards.iter().map(|s| s.to_string()).collect();
-    let rings = Arc::new(RingRegistry::default());
+    let rings = Arc::new(RingViews::default());
     rings.insert(build_view(&ring, &shards, &discovered));
     WebhookState {
         rings,

@@ -1,24 +1,174 @@
-//! Shard states derived from membership Leases (SPEC §4).
+//! The Lease protocol's pure rules, shared by the sharder and the shard library (SPEC §3, §4, §18).
 //!
-//! A shard announces itself with a Lease whose name equals its holder. From the Lease and the
-//! sharder's clock alone this module decides the shard's [`ShardState`], when that state would next
-//! change on its own, and what the sharder writes when it takes over an `uncertain` Lease.
+//! - when a Lease expires ([`expiry`], [`is_expired`]), written once for both sides: a shard
+//!   taking a Lease back and the sharder computing a shard's state use the same instant;
+//! - the [`ShardState`] of a shard's membership Lease ([`ShardLease`]), when that state next
+//!   changes on its own, and what the sharder writes when it takes over an `uncertain` Lease;
+//! - [`LeaseTiming`]: lease duration, renew deadline and retry period, and the rule they obey;
+//! - [`is_valid_shard_name`]: a shard name is used as a label value.
+//!
+//! Nothing here reads a clock: callers pass `now`.
 
 use std::fmt;
 use std::str::FromStr;
+use std::time::Duration;
 
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
-use sharding_crds::labels::IDENTITY_SHARD_LEASE_CONTROLLER;
+
+use crate::labels::{IDENTITY_SHARD_LEASE_CONTROLLER, is_valid_label_value};
+
+/// Default `leaseDurationSeconds` of a shard's or the sharder's Lease (SPEC §3, §11).
+pub const DEFAULT_LEASE_DURATION: Duration = Duration::from_secs(15);
+/// Default time after the last successful renewal at which a holder gives the Lease up.
+pub const DEFAULT_RENEW_DEADLINE: Duration = Duration::from_secs(10);
+/// Default interval between attempts to acquire or renew a Lease.
+pub const DEFAULT_RETRY_PERIOD: Duration = Duration::from_secs(2);
 
 /// Lease duration assumed when a Lease lacks `acquireTime`, `renewTime` or a positive
-/// `leaseDurationSeconds`.
-pub const DEFAULT_LEASE_DURATION: SignedDuration = SignedDuration::from_secs(15);
+/// `leaseDurationSeconds` (SPEC §4).
+const MISSING_LEASE_DURATION: SignedDuration = SignedDuration::from_secs(15);
 
 /// How long a released or taken-over Lease stays `dead` after its expiry before it is `orphaned`
 /// and gets deleted.
 pub const ORPHAN_AFTER: SignedDuration = SignedDuration::from_secs(60);
+
+/// `E` and `D` of SPEC §4: when a Lease expires (`renewTime + leaseDurationSeconds`) and its
+/// duration.
+///
+/// `None` when `acquireTime`, `renewTime` or a positive `leaseDurationSeconds` is missing: such a
+/// Lease counts as expiring at every `now`, with a duration of 15 s. The addition saturates at the
+/// ends of the representable range, so garbage fields never make the computation fail.
+#[must_use]
+pub fn expiry(
+    acquire_time: Option<Timestamp>,
+    renew_time: Option<Timestamp>,
+    lease_duration_seconds: Option<i32>,
+) -> Option<(Timestamp, SignedDuration)> {
+    let seconds = lease_duration_seconds.filter(|&secs| secs > 0)?;
+    // `E` does not depend on `acquireTime`, but a Lease without it was never properly acquired.
+    acquire_time?;
+    let duration = SignedDuration::from_secs(i64::from(seconds));
+    Some((add(renew_time?, duration), duration))
+}
+
+/// When the Lease with this spec expires; see [`expiry`].
+#[must_use]
+pub fn lease_expiry(spec: &LeaseSpec) -> Option<Timestamp> {
+    expiry(
+        spec.acquire_time.as_ref().map(|t| t.0),
+        spec.renew_time.as_ref().map(|t| t.0),
+        spec.lease_duration_seconds,
+    )
+    .map(|(expiry, _)| expiry)
+}
+
+/// Whether the Lease with this spec has expired at `now`: `now ≥ renewTime +
+/// leaseDurationSeconds`, or it lacks timing fields (SPEC §4). A shard's Lease is `expired` from
+/// exactly that instant on, and from then on another candidate may take it.
+#[must_use]
+pub fn is_expired(spec: &LeaseSpec, now: Timestamp) -> bool {
+    lease_expiry(spec).is_none_or(|expiry| now >= expiry)
+}
+
+/// Whether `name` can be a shard name: it is written as a label value on every object the shard
+/// owns, so it must be a non-empty label value (at most 63 characters of alphanumerics, `-`, `_`
+/// and `.`, starting and ending alphanumeric; SPEC §18).
+#[must_use]
+pub fn is_valid_shard_name(name: &str) -> bool {
+    !name.is_empty() && is_valid_label_value(name)
+}
+
+/// How a Lease holder times its Lease: how long the Lease is valid, when the holder gives it up
+/// without a successful renewal, and how often it tries.
+///
+/// **Sharp edge:** the gap between `renew_deadline` and `lease_duration` is the safety margin of
+/// the whole scheme. A holder stops considering itself the owner after `renew_deadline`, while
+/// others wait for `lease_duration` before taking over; clocks of different machines only need to
+/// agree within that gap. Do not shrink it to nothing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LeaseTiming {
+    /// `leaseDurationSeconds`: how long others wait after the last renewal before taking over.
+    pub lease_duration: Duration,
+    /// How long the holder keeps considering itself the owner without a successful renewal.
+    pub renew_deadline: Duration,
+    /// Interval between renewals, and between attempts to acquire.
+    pub retry_period: Duration,
+}
+
+impl Default for LeaseTiming {
+    fn default() -> Self {
+        Self {
+            lease_duration: DEFAULT_LEASE_DURATION,
+            renew_deadline: DEFAULT_RENEW_DEADLINE,
+            retry_period: DEFAULT_RETRY_PERIOD,
+        }
+    }
+}
+
+/// Which of the [`LeaseTiming`] values breaks the rule, and how.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum LeaseTimingError {
+    /// The Lease stores whole seconds, so a shorter duration cannot be written.
+    #[error("must be at least one second")]
+    LeaseDurationTooShort,
+    /// A zero renew deadline gives the Lease up at once.
+    #[error("must be positive")]
+    RenewDeadlineNotPositive,
+    /// A zero retry period would spin.
+    #[error("must be positive")]
+    RetryPeriodNotPositive,
+    /// The holder must give the Lease up before others may take it.
+    #[error("must be shorter than the lease duration")]
+    RenewDeadlineNotShorter,
+    /// At least one renewal must fit before the deadline.
+    #[error("must be shorter than the renew deadline")]
+    RetryPeriodNotShorter,
+}
+
+impl LeaseTimingError {
+    /// The offending value: `leaseDuration`, `renewDeadline` or `retryPeriod`.
+    #[must_use]
+    pub const fn field(self) -> &'static str {
+        match self {
+            Self::LeaseDurationTooShort => "leaseDuration",
+            Self::RenewDeadlineNotPositive | Self::RenewDeadlineNotShorter => "renewDeadline",
+            Self::RetryPeriodNotPositive | Self::RetryPeriodNotShorter => "retryPeriod",
+        }
+    }
+}
+
+impl LeaseTiming {
+    /// Checks `0 < retry_period < renew_deadline < lease_duration` and a lease duration of at
+    /// least one second; the error names the first offending value.
+    pub fn validate(&self) -> Result<(), LeaseTimingError> {
+        if self.lease_duration < Duration::from_secs(1) {
+            return Err(LeaseTimingError::LeaseDurationTooShort);
+        }
+        if self.renew_deadline.is_zero() {
+            return Err(LeaseTimingError::RenewDeadlineNotPositive);
+        }
+        if self.retry_period.is_zero() {
+            return Err(LeaseTimingError::RetryPeriodNotPositive);
+        }
+        if self.renew_deadline >= self.lease_duration {
+            return Err(LeaseTimingError::RenewDeadlineNotShorter);
+        }
+        if self.retry_period >= self.renew_deadline {
+            return Err(LeaseTimingError::RetryPeriodNotShorter);
+        }
+        Ok(())
+    }
+
+    /// `leaseDurationSeconds` as written to the Lease (rounded up to whole seconds).
+    #[must_use]
+    pub fn lease_duration_seconds(&self) -> i32 {
+        let whole =
+            self.lease_duration.as_secs() + u64::from(self.lease_duration.subsec_nanos() > 0);
+        i32::try_from(whole).unwrap_or(i32::MAX)
+    }
+}
 
 /// The state of a shard, as written to the state label of its Lease.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -153,19 +303,31 @@ impl<'a> ShardLease<'a> {
         self.lease_duration_seconds.filter(|&secs| secs > 0)
     }
 
+    /// `E` of SPEC §4; `None` when the Lease lacks timing fields, so it expires at every `now`.
+    #[must_use]
+    pub fn expiry(&self) -> Option<Timestamp> {
+        expiry(
+            self.acquire_time,
+            self.renew_time,
+            self.lease_duration_seconds,
+        )
+        .map(|(expiry, _)| expiry)
+    }
+
     fn timing(&self, now: Timestamp) -> Timing {
-        match (self.acquire_time, self.renew_time, self.duration_seconds()) {
-            (Some(_), Some(renew_time), Some(secs)) => {
-                let duration = SignedDuration::from_secs(i64::from(secs));
-                Timing {
-                    expiry: add(renew_time, duration),
-                    duration,
-                    floating: false,
-                }
-            }
-            _ => Timing {
+        match expiry(
+            self.acquire_time,
+            self.renew_time,
+            self.lease_duration_seconds,
+        ) {
+            Some((expiry, duration)) => Timing {
+                expiry,
+                duration,
+                floating: false,
+            },
+            None => Timing {
                 expiry: now,
-                duration: DEFAULT_LEASE_DURATION,
+                duration: MISSING_LEASE_DURATION,
                 floating: true,
             },
         }
@@ -229,7 +391,7 @@ impl<'a> ShardLease<'a> {
     pub fn takeover(&self, now: Timestamp) -> Takeover {
         let duration_seconds = self
             .duration_seconds()
-            .map_or(2 * DEFAULT_LEASE_DURATION.as_secs(), |secs| {
+            .map_or(2 * MISSING_LEASE_DURATION.as_secs(), |secs| {
                 i64::from(secs) * 2
             });
         Takeover {
@@ -613,5 +775,118 @@ mod tests {
         let view = ShardLease::from_lease(&lease);
         assert_eq!(view, ShardLease::default());
         assert_eq!(view.evaluate(t0()), (ShardState::Dead, None));
+    }
+
+    #[test]
+    fn spec_expiry_is_the_state_tables_expiry() {
+        let spec = |acquire: Option<i64>, renew: Option<i64>, duration: Option<i32>| LeaseSpec {
+            holder_identity: Some("other".into()),
+            acquire_time: acquire.map(|s| MicroTime(at(secs(s)))),
+            renew_time: renew.map(|s| MicroTime(at(secs(s)))),
+            lease_duration_seconds: duration,
+            ..LeaseSpec::default()
+        };
+        let complete = spec(Some(-100), Some(0), Some(10));
+        assert_eq!(lease_expiry(&complete), Some(at(secs(10))));
+        assert!(!is_expired(&complete, at(secs(10) - NS)));
+        // Expired from exactly `E` on, as the shard state table has it.
+        assert!(is_expired(&complete, at(secs(10))));
+        assert_eq!(
+            ShardLease {
+                name: "other",
+                ..ShardLease::default()
+            }
+            .expiry(),
+            None
+        );
+        for incomplete in [
+            spec(None, Some(0), Some(10)),
+            spec(Some(-100), None, Some(10)),
+            spec(Some(-100), Some(0), None),
+            spec(Some(-100), Some(0), Some(0)),
+            spec(Some(-100), Some(0), Some(-5)),
+        ] {
+            assert_eq!(lease_expiry(&incomplete), None, "{incomplete:?}");
+            assert!(is_expired(&incomplete, at(-secs(10_000))), "{incomplete:?}");
+        }
+        // Saturates instead of failing.
+        let late = LeaseSpec {
+            renew_time: Some(MicroTime(Timestamp::MAX - secs(5))),
+            ..complete
+        };
+        assert_eq!(lease_expiry(&late), Some(Timestamp::MAX));
+    }
+
+    #[test]
+    fn lease_timing_rule() {
+        let ok = LeaseTiming::default();
+        assert_eq!(ok.validate(), Ok(()));
+        assert_eq!(ok.lease_duration_seconds(), 15);
+        let with = |lease: u64, renew: u64, retry: u64| LeaseTiming {
+            lease_duration: Duration::from_millis(lease),
+            renew_deadline: Duration::from_millis(renew),
+            retry_period: Duration::from_millis(retry),
+        };
+        let cases = [
+            (
+                with(0, 10_000, 2_000),
+                LeaseTimingError::LeaseDurationTooShort,
+            ),
+            (with(500, 400, 100), LeaseTimingError::LeaseDurationTooShort),
+            (
+                with(15_000, 0, 2_000),
+                LeaseTimingError::RenewDeadlineNotPositive,
+            ),
+            (
+                with(15_000, 10_000, 0),
+                LeaseTimingError::RetryPeriodNotPositive,
+            ),
+            (
+                with(15_000, 15_000, 2_000),
+                LeaseTimingError::RenewDeadlineNotShorter,
+            ),
+            (
+                with(15_000, 20_000, 2_000),
+                LeaseTimingError::RenewDeadlineNotShorter,
+            ),
+            (
+                with(15_000, 10_000, 10_000),
+                LeaseTimingError::RetryPeriodNotShorter,
+            ),
+        ];
+        for (timing, error) in cases {
+            assert_eq!(timing.validate(), Err(error), "{timing:?}");
+        }
+        assert_eq!(
+            LeaseTimingError::RenewDeadlineNotShorter.to_string(),
+            "must be shorter than the lease duration"
+        );
+        assert_eq!(
+            LeaseTimingError::RetryPeriodNotShorter.field(),
+            "retryPeriod"
+        );
+        assert_eq!(with(1_000, 900, 100).validate(), Ok(()));
+        assert_eq!(with(2_500, 2_000, 100).lease_duration_seconds(), 3);
+        let huge = LeaseTiming {
+            lease_duration: Duration::from_secs(u64::MAX),
+            ..ok
+        };
+        assert_eq!(huge.lease_duration_seconds(), i32::MAX);
+    }
+
+    #[test]
+    fn shard_names_are_label_values() {
+        for name in [
+            "shard-0",
+            "a",
+            "checksum-controller-7d9f-abcde",
+            "a.b_c",
+            &"a".repeat(63),
+        ] {
+            assert!(is_valid_shard_name(name), "{name}");
+        }
+        for name in ["", &"a".repeat(64), "-a", "a-", "a/b", "Ä", "a b"] {
+            assert!(!is_valid_shard_name(name), "{name}");
+        }
     }
 }

@@ -1,22 +1,34 @@
-//! What the sharder knows about each ring: its resources resolved to kinds and scopes, and the hash
-//! ring of its available shards.
+//! The ring-view registry: what the sharder knows about each ring, its resources resolved to
+//! kinds and scopes, and the hash ring of its available shards.
 //!
 //! Views are rebuilt from the watch caches when a ring's spec or its set of available shards
-//! changes, never per request: the webhook and the sync read an `Arc<RingView>` without locking
-//! anything for longer than a map lookup.
+//! changes (`maintain`, on every replica), never per request: the webhook and the sync read an
+//! `Arc<RingView>` without locking anything for longer than a map lookup.
+
+mod discovery;
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
+use std::time::Duration;
 
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::ResourceExt;
 use sharding_crds::labels::{self, LABEL_CLUSTER_RING};
+use sharding_crds::lease::ShardLease;
 use sharding_crds::{ClusterRing, GroupResource};
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
 
-use crate::key::ControllerKind;
-use crate::ring::Ring;
-use crate::shard_state::ShardLease;
+pub(crate) use self::discovery::Discovery;
+use crate::context::Context;
+use crate::core::key::{ControllerKind, ResourceRole};
+use crate::core::ring::Ring;
+use crate::core::validation;
+use crate::metrics::RingLabels;
+
+/// How often rings with unresolved resources (e.g. a CRD installed later) are resolved again.
+const UNRESOLVED_RETRY: Duration = Duration::from_secs(10);
 
 /// Kind and scope of a resource, from API discovery.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -29,29 +41,19 @@ pub struct ResourceInfo {
     pub namespaced: bool,
 }
 
-/// The role a resource plays in a ring.
+/// A resource of a ring, resolved: its kind and scope, and its role in the ring.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Role {
-    /// A main resource: objects are hashed by their own identity.
-    Main {
-        /// Kind and scope of the resource.
-        info: ResourceInfo,
-    },
-    /// A controlled resource: objects follow their controller, which must be of one of these kinds.
-    Controlled {
-        /// Kind and scope of the resource itself (for listing).
-        info: ResourceInfo,
-        /// Kinds allowed to control it.
-        controllers: Vec<ControllerKind>,
-    },
+pub(crate) struct ResolvedResource {
+    /// Kind and scope of the resource itself.
+    pub(crate) info: ResourceInfo,
+    /// How keys of its objects are computed.
+    pub(crate) role: ResourceRole,
 }
 
-impl Role {
-    /// Kind and scope of the resource itself.
-    pub fn info(&self) -> &ResourceInfo {
-        match self {
-            Self::Main { info } | Self::Controlled { info, .. } => info,
-        }
+impl ResolvedResource {
+    /// Whether the resource is a main resource of the ring.
+    pub(crate) fn is_main(&self) -> bool {
+        self.role == ResourceRole::Main
     }
 }
 
@@ -59,28 +61,28 @@ impl Role {
 #[derive(Debug)]
 pub struct RingView {
     /// Ring name.
-    pub name: String,
+    pub(crate) name: String,
     /// The ring's shard label key.
-    pub shard_label: String,
+    pub(crate) shard_label: String,
     /// The ring's drain label key.
-    pub drain_label: String,
+    pub(crate) drain_label: String,
     /// Hash ring over the available shards.
-    pub ring: Ring,
+    pub(crate) ring: Ring,
     /// Every resolved resource of the ring with its role. A resource that is main in one entry
     /// and controlled in another counts as main.
-    pub resources: HashMap<GroupResource, Role>,
+    pub(crate) resources: HashMap<GroupResource, ResolvedResource>,
     /// Resources of the spec that discovery could not resolve (yet).
-    pub unresolved: Vec<GroupResource>,
+    pub(crate) unresolved: Vec<GroupResource>,
     /// `metadata.generation` of the ring this view was built from.
-    pub generation: Option<i64>,
-    /// Increases with every rebuild of any view; set by [`RingRegistry::insert`]. The sharder
+    pub(crate) generation: Option<i64>,
+    /// Increases with every rebuild of any view; set by [`RingViews::insert`]. The sharder
     /// controller syncs a ring again when its view's revision changed.
-    pub revision: u64,
+    pub(crate) revision: u64,
 }
 
 /// Names of the available shards of `ring_name` among `leases`: Leases carrying the ring label
 /// whose holder is the shard itself (SPEC §4: ready, expired and uncertain are available).
-pub fn available_shards<'a>(
+pub(crate) fn available_shards<'a>(
     ring_name: &str,
     leases: impl IntoIterator<Item = &'a Lease>,
 ) -> BTreeSet<String> {
@@ -108,7 +110,13 @@ pub fn build_view(
             unresolved.push(main);
             continue;
         };
-        resources.insert(main.clone(), Role::Main { info: info.clone() });
+        resources.insert(
+            main.clone(),
+            ResolvedResource {
+                info: info.clone(),
+                role: ResourceRole::Main,
+            },
+        );
         for c in &entry.controlled_resources {
             controlled
                 .entry(c.clone())
@@ -128,9 +136,9 @@ pub fn build_view(
             Some(info) => {
                 resources.insert(
                     gr,
-                    Role::Controlled {
+                    ResolvedResource {
                         info: info.clone(),
-                        controllers,
+                        role: ResourceRole::Controlled { controllers },
                     },
                 );
             }
@@ -149,15 +157,15 @@ pub fn build_view(
     }
 }
 
-/// The current view of every ring, shared between the webhook, the controllers and metrics.
+/// The current view of every ring, shared between the webhook and the controllers.
 #[derive(Debug)]
-pub struct RingRegistry {
+pub struct RingViews {
     views: RwLock<HashMap<String, Arc<RingView>>>,
     revision: AtomicU64,
     changed: tokio::sync::watch::Sender<u64>,
 }
 
-impl Default for RingRegistry {
+impl Default for RingViews {
     fn default() -> Self {
         Self {
             views: RwLock::default(),
@@ -167,14 +175,14 @@ impl Default for RingRegistry {
     }
 }
 
-impl RingRegistry {
+impl RingViews {
     /// The current view of `ring`, if the ring is known.
-    pub fn get(&self, ring: &str) -> Option<Arc<RingView>> {
+    pub(crate) fn get(&self, ring: &str) -> Option<Arc<RingView>> {
         self.views.read().ok()?.get(ring).cloned()
     }
 
     /// Every current view.
-    pub fn all(&self) -> Vec<Arc<RingView>> {
+    pub(crate) fn all(&self) -> Vec<Arc<RingView>> {
         self.views
             .read()
             .map(|v| v.values().cloned().collect())
@@ -192,7 +200,7 @@ impl RingRegistry {
     }
 
     /// Forgets every ring not in `keep`.
-    pub fn retain(&self, keep: &BTreeSet<String>) {
+    pub(crate) fn retain(&self, keep: &BTreeSet<String>) {
         let removed = self.views.write().is_ok_and(|mut views| {
             let before = views.len();
             views.retain(|name, _| keep.contains(name));
@@ -205,9 +213,74 @@ impl RingRegistry {
     }
 
     /// A receiver that is notified whenever a view is inserted or removed.
-    pub fn subscribe(&self) -> tokio::sync::watch::Receiver<u64> {
+    pub(crate) fn subscribe(&self) -> tokio::sync::watch::Receiver<u64> {
         self.changed.subscribe()
     }
+}
+
+/// Rebuilds ring views when a ring's spec or its set of available shards changes (`changed` is
+/// notified by the ClusterRing and Lease watches), and retries rings with unresolved resources
+/// every few seconds, until `shutdown` fires.
+pub(crate) async fn maintain(ctx: Context, changed: Arc<Notify>, shutdown: CancellationToken) {
+    let mut retry = tokio::time::interval(UNRESOLVED_RETRY);
+    loop {
+        let retry_unresolved = tokio::select! {
+            () = shutdown.cancelled() => return,
+            () = changed.notified() => false,
+            _ = retry.tick() => true,
+        };
+        refresh(&ctx, retry_unresolved).await;
+    }
+}
+
+async fn refresh(ctx: &Context, retry_unresolved: bool) {
+    let leases = ctx.leases.state();
+    let mut keep = BTreeSet::new();
+    for ring in ctx.rings.state() {
+        let name = ring.name_any();
+        if validation::validate_ring(&ring).is_err() {
+            // A broken ring is not acted on; the ring controller reports why.
+            continue;
+        }
+        keep.insert(name.clone());
+        let shards = available_shards(&name, leases.iter().map(AsRef::as_ref));
+        let current = ctx.ring_views.get(&name);
+        let shards_changed = current.as_ref().is_none_or(|v| {
+            v.ring.shards().len() != shards.len()
+                || !v.ring.shards().iter().zip(&shards).all(|(a, b)| a == b)
+        });
+        let spec_changed = current
+            .as_ref()
+            .is_none_or(|v| v.generation != ring.metadata.generation);
+        let retry = retry_unresolved && current.as_ref().is_some_and(|v| !v.unresolved.is_empty());
+        if !(shards_changed || spec_changed || retry) {
+            continue;
+        }
+        let resources: Vec<_> = ring
+            .spec
+            .resources
+            .iter()
+            .flat_map(|r| {
+                std::iter::once(r.group_resource()).chain(r.controlled_resources.iter().cloned())
+            })
+            .collect();
+        let discovered = ctx.discovery.resolve(&resources).await;
+        let view = build_view(&ring, &shards, &discovered);
+        if shards_changed {
+            ctx.metrics
+                .ring_calculations
+                .get_or_create(&RingLabels {
+                    clusterring: name.clone(),
+                })
+                .inc();
+            tracing::info!(ring = %name, shards = ?shards, "rebuilt hash ring");
+        }
+        if !view.unresolved.is_empty() {
+            tracing::warn!(ring = %name, unresolved = ?view.unresolved, "some ring resources are not served by the API server (yet)");
+        }
+        ctx.ring_views.insert(view);
+    }
+    ctx.ring_views.retain(&keep);
 }
 
 #[cfg(test)]
@@ -294,8 +367,8 @@ mod tests {
             view.unresolved,
             [GroupResource::new("example.com", "unknowns")]
         );
-        match &view.resources[&GroupResource::new("", "configmaps")] {
-            Role::Controlled { controllers, .. } => assert_eq!(
+        match &view.resources[&GroupResource::new("", "configmaps")].role {
+            ResourceRole::Controlled { controllers } => assert_eq!(
                 controllers,
                 &[
                     ControllerKind::new("", "Secret", true),
@@ -304,9 +377,6 @@ mod tests {
             ),
             other => panic!("unexpected role {other:?}"),
         }
-        assert!(matches!(
-            view.resources[&GroupResource::new("", "secrets")],
-            Role::Main { .. }
-        ));
+        assert!(view.resources[&GroupResource::new("", "secrets")].is_main());
     }
 }

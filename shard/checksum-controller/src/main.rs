@@ -1,4 +1,5 @@
-//! `checksum-controller`: the example shard (SPEC §13).
+//! `checksum-controller`: the example shard (SPEC §13), a package of its own so that the `shard`
+//! library does not carry the dependencies of a binary (flags, log output, hashing).
 //!
 //! Joins a ring whose main resource is `secrets` and controlled resource is `configmaps`. For each
 //! Secret it owns it applies a ConfigMap `checksums-<secret>`, controlled by the Secret, mapping
@@ -23,7 +24,7 @@ use kube::runtime::controller::{self, Action, Controller};
 use kube::{Client, Resource, ResourceExt};
 use sha2::{Digest, Sha256};
 use shard::lease::error_chain;
-use shard::{LeaseLock, ReconcileError, Shard};
+use shard::{HeldRunEnd, LeaseLock, ReconcileError, Shard};
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 use tracing_subscriber::EnvFilter;
@@ -280,37 +281,35 @@ async fn main() -> anyhow::Result<()> {
         client: client.clone(),
         shard: shard.clone(),
     });
-    let controller = Controller::new(secrets, shard.watcher_config())
-        .owns(config_maps, shard.watcher_config())
-        .graceful_shutdown_on(shutdown.clone().cancelled_owned())
-        .run(
-            shard.reconciler(client.clone(), reconcile),
-            error_policy,
-            context,
-        )
-        .for_each(|result| async move {
-            match result {
-                // Reconcile errors are logged by the error policy.
-                Ok(_) | Err(controller::Error::ReconcilerFailed(..)) => {}
-                Err(controller::Error::ObjectNotFound(_)) => {}
-                Err(error) => warn!(error = %error_chain(&error), "controller error"),
-            }
-        });
+    let controller = |stop: CancellationToken| {
+        Controller::new(secrets, shard.watcher_config())
+            .owns(config_maps, shard.watcher_config())
+            .graceful_shutdown_on(stop.cancelled_owned())
+            .run(
+                shard.reconciler(client.clone(), reconcile),
+                error_policy,
+                context,
+            )
+            .for_each(|result| async move {
+                match result {
+                    // Reconcile errors are logged by the error policy.
+                    Ok(_) | Err(controller::Error::ReconcilerFailed(..)) => {}
+                    Err(controller::Error::ObjectNotFound(_)) => {}
+                    Err(error) => warn!(error = %error_chain(&error), "controller error"),
+                }
+            })
+    };
 
-    tokio::select! {
-        () = controller => {}
-        () = held.lost() => {
-            error!(shard = %shard.name(), "lost the shard Lease, stopping at once");
-            bail!("lost the shard Lease");
-        }
-    }
-    if held.is_lost() {
-        bail!("lost the shard Lease");
-    }
-    // The controller has stopped: hand our objects over right away.
-    held.release()
+    // Stops at once when the Lease is lost; on shutdown the controller stops first, then the
+    // Lease is released so our objects are handed over right away.
+    let ended = held
+        .run_while_held(&shutdown, controller)
         .await
         .context("failed to release the shard Lease")?;
+    if ended == HeldRunEnd::LeaseLost {
+        error!(shard = %shard.name(), "lost the shard Lease, stopped at once");
+        bail!("lost the shard Lease");
+    }
     info!(shard = %shard.name(), "stopped");
     Ok(())
 }

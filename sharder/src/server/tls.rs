@@ -14,8 +14,10 @@ use rustls::server::{ClientHello, ResolvesServerCert};
 use rustls::sign::CertifiedKey;
 use tokio_util::sync::CancellationToken;
 
+use super::Readiness;
+
 /// How often the certificate files are checked for changes.
-pub const RELOAD_INTERVAL: Duration = Duration::from_secs(2);
+pub(crate) const RELOAD_INTERVAL: Duration = Duration::from_secs(2);
 
 /// A certificate or key file that could not be used.
 #[derive(Debug, thiserror::Error)]
@@ -60,7 +62,7 @@ impl CertReloader {
     }
 
     /// Whether a certificate is loaded and can be served.
-    pub fn is_loaded(&self) -> bool {
+    pub(crate) fn is_loaded(&self) -> bool {
         self.current.read().is_ok_and(|c| c.is_some())
     }
 
@@ -79,25 +81,6 @@ impl CertReloader {
             *s = Some(stamp);
         }
         Ok(true)
-    }
-
-    /// Reloads changed files every [`RELOAD_INTERVAL`] until `shutdown` fires.
-    pub async fn watch(self: Arc<Self>, shutdown: CancellationToken) {
-        loop {
-            tokio::select! {
-                () = shutdown.cancelled() => return,
-                () = tokio::time::sleep(RELOAD_INTERVAL) => {}
-            }
-            match self.reload_if_changed() {
-                Ok(true) => {
-                    tracing::info!(path = %self.cert_path.display(), "reloaded webhook serving certificate")
-                }
-                Ok(false) => {}
-                Err(error) => {
-                    tracing::warn!(%error, "failed to reload webhook serving certificate, keeping the previous one")
-                }
-            }
-        }
     }
 
     /// A rustls server configuration that serves this reloader's certificate over HTTP/1.1 and 2.
@@ -150,4 +133,33 @@ fn load_certified_key(cert_path: &Path, key_path: &Path) -> Result<CertifiedKey,
         path: key_path.to_owned(),
         source,
     })
+}
+
+/// Loads the certificate now and reloads it every [`RELOAD_INTERVAL`] when its files change,
+/// until `shutdown` fires. The process is ready only once a certificate has been loaded.
+pub(crate) async fn watch_certificate(
+    reloader: Arc<CertReloader>,
+    readiness: Arc<Readiness>,
+    shutdown: CancellationToken,
+) {
+    loop {
+        match reloader.reload_if_changed() {
+            Ok(true) => {
+                readiness.set_certificate_loaded();
+                tracing::info!("loaded webhook serving certificate");
+            }
+            Ok(false) => {}
+            Err(error) => {
+                if reloader.is_loaded() {
+                    tracing::warn!(%error, "failed to reload webhook serving certificate, keeping the previous one");
+                } else {
+                    tracing::warn!(%error, "webhook serving certificate not available yet");
+                }
+            }
+        }
+        tokio::select! {
+            () = shutdown.cancelled() => return,
+            () = tokio::time::sleep(RELOAD_INTERVAL) => {}
+        }
+    }
 }

@@ -3,7 +3,7 @@
 
 /// What the sharder does with an object.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Decision {
+pub(crate) enum RebalanceDecision {
     /// Leave it alone.
     Keep,
     /// Ask its current (available) shard to let go: add the drain label. The shard acknowledges by
@@ -16,7 +16,7 @@ pub enum Decision {
 
 /// The labels and role of one object, as far as the decision needs them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ObjectState<'a> {
+pub(crate) struct ObjectState<'a> {
     /// Value of the ring's shard label, if set and non-empty.
     pub current: Option<&'a str>,
     /// Whether the object carries the ring's drain label.
@@ -27,26 +27,26 @@ pub struct ObjectState<'a> {
 
 /// Decides for one object. `desired` is the shard the ring assigns it to now (`None` without a
 /// key or without available shards); `is_available` tells whether a shard is available.
-pub fn decide(
+pub(crate) fn decide(
     object: ObjectState<'_>,
     desired: Option<&str>,
     is_available: impl Fn(&str) -> bool,
-) -> Decision {
+) -> RebalanceDecision {
     let Some(desired) = desired else {
-        return Decision::Keep;
+        return RebalanceDecision::Keep;
     };
     match object.current {
-        Some(current) if current == desired => Decision::Keep,
+        Some(current) if current == desired => RebalanceDecision::Keep,
         Some(current) if object.main && is_available(current) => {
             if object.draining {
                 // Already asked; the shard has not acknowledged yet.
-                Decision::Keep
+                RebalanceDecision::Keep
             } else {
-                Decision::Drain
+                RebalanceDecision::Drain
             }
         }
         // Unassigned, assigned to an unavailable shard, or a controlled object.
-        _ => Decision::Move,
+        _ => RebalanceDecision::Move,
     }
 }
 
@@ -70,7 +70,7 @@ mod tests {
 
     #[test]
     fn decision_table() {
-        use Decision::*;
+        use RebalanceDecision::*;
         let cases = [
             // (current, draining, main, desired) -> decision
             ((None, false, true, None), Keep),

@@ -21,17 +21,17 @@ use sharding_crds::cluster_ring::{
     REASON_RECONCILIATION_SUCCEEDED,
 };
 use sharding_crds::labels::{APP_NAME, LABEL_APP_NAME, LABEL_CLUSTER_RING};
+use sharding_crds::lease::ShardLease;
 use sharding_crds::{ClusterRing, ClusterRingStatus};
 use tokio_util::sync::CancellationToken;
 
 use crate::context::Context;
-use crate::shard_state::ShardLease;
-use crate::validation::validate_ring;
-use crate::webhook_config::{FIELD_MANAGER, desired_webhook_configuration};
+use crate::core::validation::validate_ring;
+use crate::core::webhook_config::{FIELD_MANAGER, desired_webhook_configuration};
 
 /// Errors of one reconciliation.
 #[derive(Debug, thiserror::Error)]
-pub enum Error {
+pub(crate) enum Error {
     /// The ring is invalid; reported in its status, not retried until it changes.
     #[error("{0}")]
     Invalid(String),
@@ -57,7 +57,7 @@ pub enum Error {
 
 impl Error {
     /// A fixed label for metrics and logs.
-    pub fn category(&self) -> &'static str {
+    pub(crate) fn category(&self) -> &'static str {
         match self {
             Self::Invalid(_) => "invalid",
             Self::CaBundle { .. } => "ca_bundle",
@@ -67,7 +67,7 @@ impl Error {
 }
 
 /// Runs the controller until `shutdown` fires.
-pub async fn run(ctx: Context, shutdown: CancellationToken) {
+pub(crate) async fn run(ctx: Context, shutdown: CancellationToken) {
     let rings: Api<ClusterRing> = Api::all(ctx.client.clone());
     let configs: Api<MutatingWebhookConfiguration> = Api::all(ctx.client.clone());
     let leases: Api<Lease> = Api::all(ctx.client.clone());
@@ -109,7 +109,7 @@ fn error_policy(ring: Arc<ClusterRing>, error: &Error, _ctx: Arc<Context>) -> Ac
 
 /// Reconciles one ring: validate, apply the webhook configuration, update the status.
 #[tracing::instrument(skip_all, fields(ring = %ring.name_any()))]
-pub async fn reconcile(ring: Arc<ClusterRing>, ctx: Arc<Context>) -> Result<Action, Error> {
+async fn reconcile(ring: Arc<ClusterRing>, ctx: Arc<Context>) -> Result<Action, Error> {
     let result = apply_webhook_configuration(&ring, &ctx).await;
     let leases = ctx.leases.state();
     let name = ring.name_any();
@@ -210,7 +210,7 @@ async fn apply_webhook_configuration(ring: &ClusterRing, ctx: &Context) -> Resul
 
 /// Whether every field set in `desired` has the same value in `actual`. Fields the API server
 /// defaults (or others add) are ignored, so an unchanged object needs no write.
-pub fn is_subset(desired: &Value, actual: &Value) -> bool {
+fn is_subset(desired: &Value, actual: &Value) -> bool {
     match (desired, actual) {
         (Value::Object(d), Value::Object(a)) => d
             .iter()
@@ -232,7 +232,7 @@ fn capitalised(error: &Error) -> String {
 }
 
 /// The status a ring should have; `lastTransitionTime` only moves when the condition flips.
-pub fn desired_status(
+fn desired_status(
     ring: &ClusterRing,
     shards: i32,
     available_shards: i32,

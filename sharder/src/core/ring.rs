@@ -1,6 +1,6 @@
 //! The consistent-hash ring that maps hash keys to shards (SPEC §5).
 //!
-//! Every available shard places [`TOKENS_PER_SHARD`] tokens on a 64-bit ring; a key belongs to the
+//! Every available shard places `TOKENS_PER_SHARD` (100) tokens on a 64-bit ring; a key belongs to the
 //! shard owning the first token at or after the key's hash, wrapping around past the largest token.
 //! Adding or removing one shard therefore only moves the keys between that shard's tokens and their
 //! predecessors, which is what keeps rebalancing cheap.
@@ -13,11 +13,11 @@ use xxhash_rust::xxh64::xxh64;
 ///
 /// Part of the wire protocol: every implementation that assigns objects of the same ring must use
 /// the same value, otherwise shards and sharder disagree about ownership.
-pub const TOKENS_PER_SHARD: usize = 100;
+pub(crate) const TOKENS_PER_SHARD: usize = 100;
 
 /// Hashes `data` the way the ring does: XXH64 with seed 0 over its UTF-8 bytes.
 #[must_use]
-pub fn hash(data: &str) -> u64 {
+pub(crate) fn hash(data: &str) -> u64 {
     xxh64(data.as_bytes(), 0)
 }
 
@@ -90,7 +90,7 @@ impl Ring {
     /// Returns the shard responsible for an already computed key hash (see [`hash`]), or `None`
     /// if the ring has no shards.
     #[must_use]
-    pub fn shard_for_hash(&self, key_hash: u64) -> Option<&str> {
+    pub(crate) fn shard_for_hash(&self, key_hash: u64) -> Option<&str> {
         let pos = self.tokens.partition_point(|&token| token < key_hash);
         // Past the largest token the ring wraps around to the smallest one.
         let pos = if pos == self.tokens.len() { 0 } else { pos };
@@ -100,25 +100,25 @@ impl Ring {
 
     /// Whether the ring has no shards, so that no key can be assigned.
     #[must_use]
-    pub fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.names.is_empty()
     }
 
     /// The number of distinct shards in the ring.
     #[must_use]
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.names.len()
     }
 
     /// The distinct shard names in the ring, sorted ascending.
     #[must_use]
-    pub fn shards(&self) -> &[String] {
+    pub(crate) fn shards(&self) -> &[String] {
         &self.names
     }
 
     /// Whether `shard` is one of the ring's shards.
     #[must_use]
-    pub fn contains(&self, shard: &str) -> bool {
+    pub(crate) fn contains(&self, shard: &str) -> bool {
         self.names
             .binary_search_by(|name| name.as_str().cmp(shard))
             .is_ok()
@@ -250,7 +250,7 @@ mod tests {
     #[test]
     fn matches_shared_vectors() {
         // The protocol vectors live with the wire protocol in the crds crate.
-        let data = include_str!("../../crds/vectors/ring.json");
+        let data = include_str!("../../../crds/vectors/ring.json");
         let vectors: Vectors = serde_json::from_str(data).expect("ring.json parses");
 
         assert!(!vectors.xxh64.is_empty(), "no hash vectors");

@@ -14,17 +14,17 @@ use kube::runtime::reflector::ObjectRef;
 use kube::runtime::watcher;
 use sharding_crds::ClusterRing;
 use sharding_crds::labels::{LABEL_CLUSTER_RING, LABEL_STATE};
+use sharding_crds::lease::{ShardLease, ShardState};
 use tokio_util::sync::CancellationToken;
 
 use crate::context::Context;
-use crate::shard_state::{ShardLease, ShardState};
 
 /// Longest requeue; far-away boundaries (absurd durations) are re-evaluated at least this often.
 const MAX_REQUEUE: Duration = Duration::from_secs(3600);
 
 /// Errors of one reconciliation; the Lease is retried after a short delay.
 #[derive(Debug, thiserror::Error)]
-pub enum Error {
+pub(crate) enum Error {
     /// A write to the API failed (a conflict means the Lease changed and a new event follows).
     #[error("failed to {action} Lease {namespace}/{name}: {source}")]
     Write {
@@ -41,7 +41,7 @@ pub enum Error {
 }
 
 /// Runs the controller until `shutdown` fires.
-pub async fn run(ctx: Context, shutdown: CancellationToken) {
+pub(crate) async fn run(ctx: Context, shutdown: CancellationToken) {
     let leases: Api<Lease> = Api::all(ctx.client.clone());
     let rings: Api<ClusterRing> = Api::all(ctx.client.clone());
     let lease_store = ctx.leases.clone();
@@ -83,7 +83,7 @@ fn error_policy(_lease: Arc<Lease>, error: &Error, _ctx: Arc<Context>) -> Action
 
 /// Reconciles one Lease at the current time.
 #[tracing::instrument(skip_all, fields(lease = %lease.name_any(), namespace = lease.namespace().unwrap_or_default()))]
-pub async fn reconcile(lease: Arc<Lease>, ctx: Arc<Context>) -> Result<Action, Error> {
+async fn reconcile(lease: Arc<Lease>, ctx: Arc<Context>) -> Result<Action, Error> {
     let Some(ring) = lease.labels().get(LABEL_CLUSTER_RING) else {
         return Ok(Action::await_change());
     };

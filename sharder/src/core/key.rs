@@ -73,29 +73,28 @@ impl ControllerKind {
     }
 }
 
-/// The role an object's resource plays in a ring, which decides how its key is computed.
+/// The role a resource plays in a ring, which decides how the keys of its objects are computed.
 ///
-/// The caller decides the role from the ring entry that matched the object's resource.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ResourceRole<'a> {
-    /// A main resource: the object is hashed by its own identity.
-    Main {
-        /// API group of the resource, `""` for the core group.
-        group: &'a str,
-        /// Kind of the resource, e.g. `ConfigMap`.
-        kind: &'a str,
-    },
-    /// A controlled resource: the object is hashed by its controller's identity, and only
+/// A resource that is main in one ring entry and controlled in another counts as main.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum ResourceRole {
+    /// A main resource: an object is hashed by its own identity.
+    Main,
+    /// A controlled resource: an object is hashed by its controller's identity, and only
     /// controllers of one of these kinds count.
     Controlled {
         /// The kinds allowed to control objects of this resource in the ring.
-        controllers: &'a [ControllerKind],
+        controllers: Vec<ControllerKind>,
     },
 }
 
 /// The parts of an object that its hash key depends on.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct ObjectInfo<'a> {
+pub(crate) struct ObjectInfo<'a> {
+    /// API group of the object's kind, `""` for the core group; the key of a main object.
+    pub group: &'a str,
+    /// The object's kind, e.g. `ConfigMap`; the key of a main object.
+    pub kind: &'a str,
     /// The object's namespace; `None` or `""` for cluster-scoped objects.
     pub namespace: Option<&'a str>,
     /// The object's name; `None` or `""` while only `generateName` is set.
@@ -105,10 +104,12 @@ pub struct ObjectInfo<'a> {
 }
 
 impl<'a> ObjectInfo<'a> {
-    /// Borrows the relevant fields of an object's metadata.
+    /// Borrows the relevant fields of an object of kind `group`/`kind` from its metadata.
     #[must_use]
-    pub fn from_meta(meta: &'a ObjectMeta) -> Self {
+    pub fn from_meta(group: &'a str, kind: &'a str, meta: &'a ObjectMeta) -> Self {
         Self {
+            group,
+            kind,
             namespace: meta.namespace.as_deref(),
             name: meta.name.as_deref(),
             owner_references: meta.owner_references.as_deref().unwrap_or_default(),
@@ -136,18 +137,6 @@ pub enum Unassigned {
     },
 }
 
-impl Unassigned {
-    /// A fixed, low-cardinality name of the reason, for logs and metric labels.
-    #[must_use]
-    pub fn reason(&self) -> &'static str {
-        match self {
-            Self::NoController => "no_controller",
-            Self::IneligibleController { .. } => "ineligible_controller",
-            Self::InvalidApiVersion { .. } => "invalid_api_version",
-        }
-    }
-}
-
 /// The result of computing an object's hash key.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum KeyOutcome {
@@ -155,26 +144,6 @@ pub enum KeyOutcome {
     Key(String),
     /// The object belongs to no shard; it must not carry a shard label.
     Unassigned(Unassigned),
-}
-
-impl KeyOutcome {
-    /// The key, if one was computed.
-    #[must_use]
-    pub fn key(&self) -> Option<&str> {
-        match self {
-            Self::Key(key) => Some(key),
-            Self::Unassigned(_) => None,
-        }
-    }
-
-    /// Consumes the outcome, returning the key if one was computed.
-    #[must_use]
-    pub fn into_key(self) -> Option<String> {
-        match self {
-            Self::Key(key) => Some(key),
-            Self::Unassigned(_) => None,
-        }
-    }
 }
 
 /// An object that cannot be admitted to a ring resource.
@@ -192,15 +161,23 @@ pub enum KeyError {
 ///
 /// [`KeyError::GenerateNameNotSupported`] for a main object without a name. A controlled object
 /// without a name is fine: its key comes from its controller.
-pub fn hash_key(object: &ObjectInfo<'_>, role: &ResourceRole<'_>) -> Result<KeyOutcome, KeyError> {
-    match *role {
-        ResourceRole::Main { group, kind } => {
+pub(crate) fn hash_key(
+    object: &ObjectInfo<'_>,
+    role: &ResourceRole,
+) -> Result<KeyOutcome, KeyError> {
+    match role {
+        ResourceRole::Main => {
             let name = object
                 .name
                 .filter(|name| !name.is_empty())
                 .ok_or(KeyError::GenerateNameNotSupported)?;
             let namespace = object.namespace.unwrap_or_default();
-            Ok(KeyOutcome::Key(format_key(group, kind, namespace, name)))
+            Ok(KeyOutcome::Key(format_key(
+                object.group,
+                object.kind,
+                namespace,
+                name,
+            )))
         }
         ResourceRole::Controlled { controllers } => Ok(controlled_key(object, controllers)),
     }
@@ -266,14 +243,21 @@ mod tests {
         owner_references: &'a [OwnerReference],
     ) -> ObjectInfo<'a> {
         ObjectInfo {
+            group: "",
+            kind: "",
             namespace,
             name,
             owner_references,
         }
     }
 
-    fn main_role<'a>(group: &'a str, kind: &'a str) -> ResourceRole<'a> {
-        ResourceRole::Main { group, kind }
+    /// `object` as an object of the main resource of kind `group`/`kind`.
+    fn as_main<'a>(object: &ObjectInfo<'a>, group: &'a str, kind: &'a str) -> ObjectInfo<'a> {
+        ObjectInfo {
+            group,
+            kind,
+            ..*object
+        }
     }
 
     fn controllers() -> Vec<ControllerKind> {
@@ -295,7 +279,10 @@ mod tests {
     fn main_object_in_core_group() {
         let obj = object(Some("default"), Some("foo"), &[]);
         assert_eq!(
-            key(hash_key(&obj, &main_role("", "ConfigMap"))),
+            key(hash_key(
+                &as_main(&obj, "", "ConfigMap"),
+                &ResourceRole::Main
+            )),
             "/ConfigMap/default/foo"
         );
     }
@@ -304,7 +291,10 @@ mod tests {
     fn main_object_in_named_group() {
         let obj = object(Some("bar"), Some("foo"), &[]);
         assert_eq!(
-            key(hash_key(&obj, &main_role("apps", "Deployment"))),
+            key(hash_key(
+                &as_main(&obj, "apps", "Deployment"),
+                &ResourceRole::Main
+            )),
             "apps/Deployment/bar/foo"
         );
     }
@@ -314,7 +304,10 @@ mod tests {
         for namespace in [None, Some("")] {
             let obj = object(namespace, Some("kube-system"), &[]);
             assert_eq!(
-                key(hash_key(&obj, &main_role("", "Namespace"))),
+                key(hash_key(
+                    &as_main(&obj, "", "Namespace"),
+                    &ResourceRole::Main
+                )),
                 "/Namespace//kube-system"
             );
         }
@@ -325,7 +318,10 @@ mod tests {
         let owners = [owner("apps/v1", "Deployment", "web", Some(true))];
         let obj = object(Some("default"), Some("foo"), &owners);
         assert_eq!(
-            key(hash_key(&obj, &main_role("", "ConfigMap"))),
+            key(hash_key(
+                &as_main(&obj, "", "ConfigMap"),
+                &ResourceRole::Main
+            )),
             "/ConfigMap/default/foo"
         );
     }
@@ -337,8 +333,8 @@ mod tests {
         for name in [None, Some("")] {
             // Even with a controller reference: main objects are hashed by their own name.
             let obj = object(Some("default"), name, &owners);
-            let err =
-                hash_key(&obj, &main_role("", "ConfigMap")).expect_err("main object without name");
+            let err = hash_key(&as_main(&obj, "", "ConfigMap"), &ResourceRole::Main)
+                .expect_err("main object without name");
             assert_eq!(err, KeyError::GenerateNameNotSupported);
             assert_eq!(err.to_string(), GENERATE_NAME_NOT_SUPPORTED);
             assert_eq!(
@@ -348,7 +344,7 @@ mod tests {
             );
             // The same object as a controlled resource is fine.
             let role = ResourceRole::Controlled {
-                controllers: &controllers,
+                controllers: controllers.clone(),
             };
             assert_eq!(key(hash_key(&obj, &role)), "apps/Deployment/default/web");
         }
@@ -358,7 +354,7 @@ mod tests {
     fn controlled_object_with_namespaced_owner() {
         let controllers = controllers();
         let role = ResourceRole::Controlled {
-            controllers: &controllers,
+            controllers: controllers.clone(),
         };
         let owners = [owner("apps/v1", "Deployment", "web", Some(true))];
         let obj = object(Some("bar"), Some("web-abc12"), &owners);
@@ -379,10 +375,10 @@ mod tests {
             hash_key(
                 &child,
                 &ResourceRole::Controlled {
-                    controllers: &controllers
+                    controllers: controllers.clone()
                 }
             ),
-            hash_key(&parent, &main_role("apps", "Deployment"))
+            hash_key(&as_main(&parent, "apps", "Deployment"), &ResourceRole::Main)
         );
     }
 
@@ -390,7 +386,7 @@ mod tests {
     fn controlled_object_with_cluster_scoped_owner_has_empty_namespace() {
         let controllers = controllers();
         let role = ResourceRole::Controlled {
-            controllers: &controllers,
+            controllers: controllers.clone(),
         };
         let owners = [owner("example.com/v1beta1", "Cluster", "prod", Some(true))];
         let child = object(Some("team-a"), Some("config"), &owners);
@@ -399,7 +395,10 @@ mod tests {
         assert_eq!(child_key, "example.com/Cluster//prod");
         assert_eq!(
             child_key,
-            key(hash_key(&owner_obj, &main_role("example.com", "Cluster")))
+            key(hash_key(
+                &as_main(&owner_obj, "example.com", "Cluster"),
+                &ResourceRole::Main
+            ))
         );
     }
 
@@ -407,7 +406,7 @@ mod tests {
     fn only_the_controller_reference_counts() {
         let controllers = controllers();
         let role = ResourceRole::Controlled {
-            controllers: &controllers,
+            controllers: controllers.clone(),
         };
         let owners = [
             owner("v1", "ConfigMap", "not-controller", Some(false)),
@@ -422,7 +421,7 @@ mod tests {
     fn controlled_object_without_controller_is_unassigned() {
         let controllers = controllers();
         let role = ResourceRole::Controlled {
-            controllers: &controllers,
+            controllers: controllers.clone(),
         };
         let non_controllers = [
             owner("apps/v1", "Deployment", "web", Some(false)),
@@ -432,7 +431,6 @@ mod tests {
             let obj = object(Some("default"), Some("x"), owners);
             let outcome = hash_key(&obj, &role).expect("controlled objects never fail");
             assert_eq!(outcome, KeyOutcome::Unassigned(Unassigned::NoController));
-            assert_eq!(outcome.key(), None);
         }
     }
 
@@ -440,7 +438,7 @@ mod tests {
     fn ineligible_controller_is_unassigned() {
         let controllers = controllers();
         let role = ResourceRole::Controlled {
-            controllers: &controllers,
+            controllers: controllers.clone(),
         };
         for (api_version, kind, group) in [
             ("apps/v1", "StatefulSet", "apps"),
@@ -465,10 +463,14 @@ mod tests {
         // No eligible controllers at all.
         let owners = [owner("apps/v1", "Deployment", "web", Some(true))];
         let obj = object(Some("default"), Some("x"), &owners);
-        let outcome = hash_key(&obj, &ResourceRole::Controlled { controllers: &[] });
-        assert_eq!(
-            outcome.map(|o| o.into_key()),
-            Ok(None),
+        let outcome = hash_key(
+            &obj,
+            &ResourceRole::Controlled {
+                controllers: Vec::new(),
+            },
+        );
+        assert!(
+            matches!(outcome, Ok(KeyOutcome::Unassigned(_))),
             "no controller kinds means nothing is assigned"
         );
     }
@@ -477,7 +479,7 @@ mod tests {
     fn invalid_owner_api_version_is_unassigned() {
         let controllers = controllers();
         let role = ResourceRole::Controlled {
-            controllers: &controllers,
+            controllers: controllers.clone(),
         };
         for api_version in ["", "/v1", "apps/", "apps/v1/extra", "/"] {
             let owners = [owner(api_version, "Deployment", "web", Some(true))];
@@ -491,20 +493,6 @@ mod tests {
                 "apiVersion {api_version:?}"
             );
         }
-    }
-
-    #[test]
-    fn unassigned_reasons_are_fixed_strings() {
-        assert_eq!(Unassigned::NoController.reason(), "no_controller");
-        let ineligible = Unassigned::IneligibleController {
-            group: "apps".into(),
-            kind: "StatefulSet".into(),
-        };
-        assert_eq!(ineligible.reason(), "ineligible_controller");
-        let invalid = Unassigned::InvalidApiVersion {
-            api_version: "a/b/c".into(),
-        };
-        assert_eq!(invalid.reason(), "invalid_api_version");
     }
 
     #[test]
@@ -538,12 +526,13 @@ mod tests {
             owner_references: Some(vec![owner("v1", "ConfigMap", "cm", Some(true))]),
             ..ObjectMeta::default()
         };
-        let info = ObjectInfo::from_meta(&meta);
+        let info = ObjectInfo::from_meta("apps", "Deployment", &meta);
+        assert_eq!((info.group, info.kind), ("apps", "Deployment"));
         assert_eq!(info.namespace, Some("ns"));
         assert_eq!(info.name, Some("n"));
         assert_eq!(info.owner_references.len(), 1);
 
         let empty = ObjectMeta::default();
-        assert_eq!(ObjectInfo::from_meta(&empty), ObjectInfo::default());
+        assert_eq!(ObjectInfo::from_meta("", "", &empty), ObjectInfo::default());
     }
 }

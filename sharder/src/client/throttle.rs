@@ -14,7 +14,7 @@ use tower::{Layer, Service};
 
 /// Token bucket shared by all clones of the service.
 #[derive(Debug)]
-pub struct Bucket {
+pub(crate) struct Bucket {
     qps: f64,
     burst: f64,
     tokens: f64,
@@ -23,7 +23,7 @@ pub struct Bucket {
 
 impl Bucket {
     /// A full bucket refilled at `qps`, holding at most `burst` tokens (at least one).
-    pub fn new(qps: f32, burst: u32) -> Self {
+    pub(crate) fn new(qps: f32, burst: u32) -> Self {
         let burst = f64::from(burst.max(1));
         Self {
             qps: f64::from(qps),
@@ -35,7 +35,7 @@ impl Bucket {
 
     /// Takes a token for a request at `now` and returns how long the request must wait for it.
     /// Tokens may go negative: each waiting request holds a reservation.
-    pub fn reserve(&mut self, now: Instant) -> Duration {
+    pub(crate) fn reserve(&mut self, now: Instant) -> Duration {
         let elapsed = now.saturating_duration_since(self.last).as_secs_f64();
         self.last = now;
         self.tokens = (self.tokens + elapsed * self.qps).min(self.burst) - 1.0;
@@ -49,13 +49,13 @@ impl Bucket {
 
 /// Layer that rate-limits requests to `qps` with bursts of `burst`.
 #[derive(Clone, Debug)]
-pub struct ThrottleLayer {
+pub(crate) struct ThrottleLayer {
     bucket: Arc<Mutex<Bucket>>,
 }
 
 impl ThrottleLayer {
     /// A layer with its own bucket. `qps` must be positive.
-    pub fn new(qps: f32, burst: u32) -> Self {
+    pub(crate) fn new(qps: f32, burst: u32) -> Self {
         Self {
             bucket: Arc::new(Mutex::new(Bucket::new(qps, burst))),
         }
@@ -75,7 +75,7 @@ impl<S> Layer<S> for ThrottleLayer {
 
 /// A service delaying requests to stay within its bucket's rate.
 #[derive(Clone, Debug)]
-pub struct Throttle<S> {
+pub(crate) struct Throttle<S> {
     inner: S,
     bucket: Arc<Mutex<Bucket>>,
 }

@@ -6,11 +6,11 @@ use std::sync::Mutex;
 use kube::Client;
 use sharding_crds::GroupResource;
 
-use crate::rings::ResourceInfo;
+use crate::ring_views::ResourceInfo;
 
 /// Discovery of resources, cached for the life of the process (kinds and scopes do not change for
 /// a served resource; a resource that is not served yet is looked up again next time).
-pub struct Discovery {
+pub(crate) struct Discovery {
     client: Client,
     cache: Mutex<HashMap<GroupResource, ResourceInfo>>,
 }
@@ -23,7 +23,7 @@ impl std::fmt::Debug for Discovery {
 
 impl Discovery {
     /// A discovery cache over `client`.
-    pub fn new(client: Client) -> Self {
+    pub(crate) fn new(client: Client) -> Self {
         Self {
             client,
             cache: Mutex::new(HashMap::new()),
@@ -33,7 +33,7 @@ impl Discovery {
     /// Resolves every given resource it can. Resources the server does not serve (yet) are left
     /// out of the result; the error of a failed lookup is logged, not returned, so one missing
     /// CRD never blocks the other resources of a ring.
-    pub async fn resolve<'a>(
+    pub(crate) async fn resolve<'a>(
         &self,
         resources: impl IntoIterator<Item = &'a GroupResource>,
     ) -> HashMap<GroupResource, ResourceInfo> {

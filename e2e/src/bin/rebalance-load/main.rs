@@ -1,0 +1,392 @@
+//! `rebalance-load`: what scaling a ring of many objects from 3 to 4 shards costs.
+//!
+//! Against a real API server, with a real `sharder` process and real `checksum-controller`
+//! shards, for `--objects` Secrets (each with the checksum ConfigMap its shard writes):
+//!
+//! 1. **convergence**: the time from starting the 4th shard until every Secret and ConfigMap
+//!    carries the shard the 4-shard ring (`sharder::core::ring::Ring`, key `/Secret/<ns>/<name>`)
+//!    predicts and no drain label is left. Placements are followed with metadata-only watches, so
+//!    the time is that of the watch event that completed convergence (which then has to hold for
+//!    `--settle` seconds), and measuring does not load the API server with repeated lists;
+//! 2. **patches**: the sharder's `controller_sharding_drains_total` and
+//!    `controller_sharding_movements_total` per resource against the minimum, one drain per moved
+//!    Secret and one move per moved ConfigMap (fewer moves when the new shard's own write already
+//!    relabelled a ConfigMap);
+//! 3. **floor**: the time the same number of plain merge patches, each setting a label on one of
+//!    the objects that moved, take with the sharder's `concurrentMoves` in flight, against the
+//!    same server in the same run (`--floor-runs` times, median reported);
+//! 4. **sharder memory**: `VmHWM` (peak RSS) and `VmRSS` of the sharder process from
+//!    `/proc/<pid>/status`, each measured on a *fresh* sharder process right after its first full
+//!    sync, once with `--small` objects in the ring and once with `--objects` (two sharder runs on
+//!    the same growing namespace; the later one also carries out the scale-out). Beside it, the
+//!    first page of the sync's list is requested twice: exactly as the sharder builds it, and with
+//!    `limit=500&resourceVersion=0` as SPEC §9 describes, to show which pages the server returns.
+//!
+//! Without `KUBECONFIG` it starts the local control plane of the test harness, which stops when
+//! the tool exits; with it, it uses that cluster, whose API server must reach the sharder's
+//! webhook on this host's 127.0.0.1. The binaries it starts (`sharder`, `checksum-controller`)
+//! must sit beside it: build with `cargo build --release --workspace --bins` and run
+//! `target/release/rebalance-load`. Progress goes to stderr, the report to stdout.
+//!
+//! ```sh
+//! cargo build --release --workspace --bins
+//! target/release/rebalance-load --objects 10000 [--json]
+//! ```
+//!
+//! | module | what |
+//! |---|---|
+//! | `main` | flags, the run and its phases |
+//! | `objects` | creating the Secrets, the floor measurement |
+//! | `placement` | following every object's placement until it converges |
+//! | `probes` | the sharder and shard processes, their sync records, memory, metrics, list pages |
+//! | `report` | the report, as JSON or text |
+//!
+//! The sharder's page size, end-of-sync log message and counter names are imported from the
+//! `sharder` crate, so the tool follows when they change.
+
+mod objects;
+mod placement;
+mod probes;
+mod report;
+
+use std::fmt::Debug;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use clap::Parser;
+use e2e::fixtures::{create_ring, ring_spec, wait_status, wait_webhook};
+use e2e::sharder::{SharderFiles, SharderSettings};
+use e2e::{Cluster, cluster, unique_name};
+use k8s_openapi::api::core::v1::Namespace;
+use kube::Client;
+use kube::api::{Api, DeleteParams};
+use sharding_crds::ClusterRing;
+
+use crate::objects::{create_secrets, floor_run};
+use crate::placement::{Kind, Tracker};
+use crate::probes::{
+    counters, memory, probe_pages, restart_sharder, start_shard, sync_records, wait_sync,
+};
+use crate::report::{Counters, Floor, Phase, Report, ScaleOut, secs};
+
+/// Shards before the scale-out; the last one joins for it.
+const SHARDS: [&str; 4] = ["shard-0", "shard-1", "shard-2", "shard-3"];
+
+/// Prefix of the Secrets' names.
+pub(crate) const SECRET_PREFIX: &str = "secret-";
+
+/// Prefix the checksum-controller gives its ConfigMaps' names (a binary, so there is no constant to
+/// import).
+pub(crate) const CONFIG_MAP_PREFIX: &str = "checksums-";
+
+/// Label the floor measurement sets.
+pub(crate) const FLOOR_LABEL: &str = "load.sharding.timebertt.dev/floor";
+
+/// How often waits print progress.
+pub(crate) const PROGRESS_EVERY: Duration = Duration::from_secs(10);
+
+/// Measures rebalancing from 3 to 4 shards over many objects.
+#[derive(Debug, Parser)]
+#[command(name = "rebalance-load")]
+struct Args {
+    /// Secrets in the ring (each gets a ConfigMap from its shard).
+    #[arg(long, default_value_t = 10_000)]
+    objects: usize,
+    /// Objects at the first memory measurement; no second phase when `--objects` is not larger.
+    #[arg(long, default_value_t = 1000)]
+    small: usize,
+    /// Secrets created concurrently.
+    #[arg(long, default_value_t = 50)]
+    create_concurrency: usize,
+    /// Repetitions of the floor measurement (the median is reported).
+    #[arg(long, default_value_t = 3)]
+    floor_runs: usize,
+    /// Seconds the converged state must hold before it counts.
+    #[arg(long, default_value_t = 10)]
+    settle: u64,
+    /// Seconds any single wait (creation, convergence, sync) may take.
+    #[arg(long, default_value_t = 1800)]
+    timeout: u64,
+    /// Extra environment variable of the sharder process, `NAME=VALUE` (repeatable), e.g.
+    /// `MALLOC_ARENA_MAX=1` to see how much of its memory is allocator arenas.
+    #[arg(long, value_parser = parse_env)]
+    sharder_env: Vec<(String, String)>,
+    /// Print the report as JSON instead of text.
+    #[arg(long)]
+    json: bool,
+}
+
+fn parse_env(value: &str) -> Result<(String, String), String> {
+    value
+        .split_once('=')
+        .filter(|(name, _)| !name.is_empty())
+        .map(|(name, value)| (name.to_string(), value.to_string()))
+        .ok_or_else(|| format!("expected NAME=VALUE, got {value:?}"))
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    anyhow::ensure!(
+        args.objects > 0 && args.small > 0,
+        "--objects and --small must be positive"
+    );
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    // Blocks on a runtime of its own: set the cluster up before entering ours.
+    let cluster = cluster();
+    let runtime = tokio::runtime::Runtime::new().context("failed to start a runtime")?;
+    let report = runtime.block_on(run(&args, cluster))?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", report.text());
+    }
+    Ok(())
+}
+
+/// Prints a progress line to stderr.
+pub(crate) fn progress(started: Instant, message: &str) {
+    eprintln!("[{:>7.1}s] {message}", started.elapsed().as_secs_f64());
+}
+
+async fn run(args: &Args, cluster: &Cluster) -> anyhow::Result<Report> {
+    let started = Instant::now();
+    let client = cluster.client().await?;
+    let server_version = client.apiserver_version().await?.git_version;
+    let namespace = cluster.namespace(&client, "load").await?;
+    let ring = unique_name("load");
+    let logs = std::env::temp_dir().join(format!(
+        "controller-sharding-e2e-logs-{}",
+        std::process::id()
+    ));
+    progress(
+        started,
+        &format!(
+            "namespace {namespace}, ring {ring}, process logs in {}",
+            logs.display()
+        ),
+    );
+    let result = measure(args, cluster, &client, &namespace, &ring, started).await;
+    // A local control plane goes away with this process; on an external cluster, clean up.
+    if cluster.state_dir().is_none() {
+        let _ = Api::<ClusterRing>::all(client.clone())
+            .delete(&ring, &DeleteParams::default())
+            .await;
+        let _ = Api::<Namespace>::all(client.clone())
+            .delete(&namespace, &DeleteParams::default())
+            .await;
+    }
+    let (phases, scale_out, floor, concurrent_moves) =
+        result.with_context(|| format!("process logs are in {}", logs.display()))?;
+    Ok(Report {
+        objects: args.objects,
+        server_version,
+        profile: if cfg!(debug_assertions) {
+            "debug"
+        } else {
+            "release"
+        },
+        concurrent_moves,
+        sharder_env: args
+            .sharder_env
+            .iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect(),
+        logs: logs.display().to_string(),
+        phases,
+        scale_out,
+        floor,
+    })
+}
+
+async fn measure(
+    args: &Args,
+    cluster: &Cluster,
+    client: &Client,
+    namespace: &str,
+    ring: &str,
+    started: Instant,
+) -> anyhow::Result<(Vec<Phase>, ScaleOut, Floor, usize)> {
+    let timeout = Duration::from_secs(args.timeout);
+    let settle = Duration::from_secs(args.settle);
+    let files = SharderFiles::create(
+        cluster.kubeconfig(),
+        &SharderSettings {
+            // Production timing: the machine is busy, short leases would flap.
+            leader_election: (15, 10, 2),
+            sync_period: "5m".into(),
+        },
+    )?;
+    let concurrency = usize::try_from(files.load()?.controller.sharder.concurrent_moves)?;
+    let mut sharder = restart_sharder(None, &files, &args.sharder_env).await?;
+    create_ring(client, ring, ring_spec(namespace)).await?;
+
+    let three = &SHARDS[..3];
+    let mut shards = Vec::new();
+    for shard in three {
+        shards.push(start_shard(ring, namespace, shard)?);
+    }
+    wait_status(client, ring, 3, 3).await?;
+    wait_webhook(client, namespace, ring, three).await?;
+    progress(started, "sharder and 3 shards running");
+    let tracker = Tracker::start(client, namespace, ring);
+
+    let mut sizes = vec![args.small.min(args.objects)];
+    if args.objects > args.small {
+        sizes.push(args.objects);
+    }
+    let mut phases = Vec::new();
+    let mut created = 0;
+    for size in sizes {
+        let phase_started = Instant::now();
+        tracker.set_target(three, size);
+        create_secrets(
+            client,
+            namespace,
+            created..size,
+            args.create_concurrency,
+            started,
+        )
+        .await?;
+        let create_seconds = secs(phase_started.elapsed());
+        created = size;
+        tracker
+            .wait_settled(
+                &format!("{size} Secrets and ConfigMaps on 3 shards"),
+                Duration::ZERO,
+                timeout,
+                started,
+            )
+            .await?;
+        let placed_seconds = secs(phase_started.elapsed());
+        progress(
+            started,
+            &format!("{size} Secrets and ConfigMaps placed; restarting the sharder"),
+        );
+        // A fresh sharder syncs the ring once at start: its peak is that of one full sync.
+        sharder = restart_sharder(Some(sharder), &files, &args.sharder_env).await?;
+        let sync = wait_sync(&sharder, ring, 0, timeout).await?;
+        let sample = memory(&sharder)?;
+        progress(
+            started,
+            &format!(
+                "fresh sharder synced {} objects in {}: VmHWM {} KiB, VmRSS {} KiB",
+                sync.listed, sync.duration, sample.vm_hwm_kib, sample.vm_rss_kib
+            ),
+        );
+        let pages = probe_pages(client).await?;
+        phases.push(Phase {
+            objects: size,
+            create_seconds,
+            placed_seconds,
+            sharder: sample,
+            sync,
+            pages,
+        });
+    }
+
+    // Scale out.
+    let count = args.objects;
+    let before = tracker.snapshot();
+    let counters_before = counters(&files, ring)?;
+    let syncs_before = sync_records(&sharder, ring).len();
+    tracker.set_target(&SHARDS, count);
+    let predicted_moves = tracker.lock().target.as_ref().map_or(0, |t| t.bad.len()) / 2;
+    progress(
+        started,
+        &format!(
+            "starting {}: {predicted_moves} Secrets and their ConfigMaps should move",
+            SHARDS[3]
+        ),
+    );
+    let t0 = Instant::now();
+    shards.push(start_shard(ring, namespace, SHARDS[3])?);
+    wait_status(client, ring, 4, 4).await?;
+    let available = t0.elapsed();
+    progress(started, "4 shards available");
+    let converged_at = tracker
+        .wait_settled(
+            &format!("{count} Secrets and ConfigMaps on 4 shards"),
+            settle,
+            timeout,
+            started,
+        )
+        .await?;
+    let converged = converged_at.saturating_duration_since(t0);
+    progress(
+        started,
+        &format!("converged after {:.2} s", converged.as_secs_f64()),
+    );
+    wait_sync(&sharder, ring, syncs_before, timeout).await?;
+    let after_counters = counters(&files, ring)?;
+    let counters = Counters {
+        secret_drains: after_counters.secret_drains - counters_before.secret_drains,
+        secret_moves: after_counters.secret_moves - counters_before.secret_moves,
+        configmap_drains: after_counters.configmap_drains - counters_before.configmap_drains,
+        configmap_moves: after_counters.configmap_moves - counters_before.configmap_moves,
+    };
+    let syncs = sync_records(&sharder, ring)
+        .into_iter()
+        .skip(syncs_before)
+        .collect();
+    let sharder_after = memory(&sharder)?;
+    let after = tracker.snapshot();
+    let moved: Vec<(Kind, String)> = after
+        .iter()
+        .filter(|(key, shard)| before.get(*key) != Some(*shard))
+        .map(|(key, _)| key.clone())
+        .collect();
+    let only_new_shard_gained = moved
+        .iter()
+        .all(|key| after.get(key).and_then(Option::as_deref) == Some(SHARDS[3]));
+    let moved_of = |kind: Kind| moved.iter().filter(|(k, _)| *k == kind).count();
+    let scale_out = ScaleOut {
+        available_seconds: secs(available),
+        converged_seconds: secs(converged),
+        predicted_moves,
+        moved_secrets: moved_of(Kind::Secret),
+        moved_configmaps: moved_of(Kind::ConfigMap),
+        only_new_shard_gained,
+        counters,
+        syncs,
+        transitions: tracker.transitions(),
+        sharder_after,
+    };
+    drop(tracker);
+
+    // The floor: the same number of plain label patches on the same objects.
+    let mut runs = Vec::new();
+    let mut failed = 0;
+    for run in 0..args.floor_runs.max(1) {
+        // Let the shards finish reacting to the previous run's updates.
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        let (took, run_failed) =
+            floor_run(client, namespace, &moved, concurrency, &run.to_string()).await;
+        progress(
+            started,
+            &format!(
+                "floor run {}: {} patches in {:.2} s",
+                run + 1,
+                moved.len(),
+                took.as_secs_f64()
+            ),
+        );
+        runs.push(took);
+        failed += run_failed;
+    }
+    let mut sorted = runs.clone();
+    sorted.sort();
+    let median = sorted.get(sorted.len() / 2).copied().unwrap_or_default();
+    let floor = Floor {
+        patches: moved.len(),
+        concurrency,
+        runs_seconds: runs.into_iter().map(secs).collect(),
+        median_seconds: secs(median),
+        failed,
+    };
+
+    for shard in &shards {
+        let _ = shard.terminate();
+    }
+    let _ = sharder.terminate();
+    Ok((phases, scale_out, floor, concurrency))
+}

@@ -1,0 +1,21 @@
+//! The sharder's pure core: plain data and time in, decisions out. Nothing here talks to the API
+//! server, reads a clock or spawns a task, so every rule is unit-tested with plain values.
+//!
+//! | module | decides |
+//! |---|---|
+//! | [`ring`] | the consistent hash ring: which available shard a key belongs to (SPEC §5) |
+//! | `key` | the hash key of an object, from its own identity or its controller's (SPEC §6) |
+//! | `rebalance` | keep, drain or move one object (SPEC §9) |
+//! | `sync_schedule` | when each ring is synced: on change, periodically, with backoff (SPEC §9) |
+//! | `validation` | whether a ring is acted on at all (SPEC §1) |
+//! | `webhook_config` | the desired MutatingWebhookConfiguration of a ring (SPEC §8) |
+//!
+//! The Lease rules (shard states, expiry, takeover) are shared with the shard library and live
+//! in [`sharding_crds::lease`].
+
+pub(crate) mod key;
+pub(crate) mod rebalance;
+pub mod ring;
+pub(crate) mod sync_schedule;
+pub(crate) mod validation;
+pub(crate) mod webhook_config;

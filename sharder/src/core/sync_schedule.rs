@@ -1,0 +1,258 @@
+//! When the sharder controller syncs each ring (SPEC §9), as a state machine over plain data and
+//! time.
+//!
+//! A ring is synced when it first appears and when its view changes (spec changed, a shard became
+//! available or unavailable), `syncPeriod` after a successful sync, and with exponential backoff
+//! (5 s doubling up to `syncPeriod`) after a failed one. At most one sync per ring runs at a
+//! time; a ring whose webhook configuration is not in place yet is looked at again shortly,
+//! because moves rely on the webhook.
+
+use std::collections::{HashMap, HashSet};
+use std::ops::Add;
+use std::time::Duration;
+
+/// First retry delay after a failed sync.
+const INITIAL_BACKOFF: Duration = Duration::from_secs(5);
+
+/// How often a ring whose webhook configuration is not in place yet is looked at again.
+pub(crate) const WEBHOOK_WAIT: Duration = Duration::from_secs(1);
+
+/// Exponential backoff from [`INITIAL_BACKOFF`], doubling per failure, capped at `max`.
+pub(crate) fn backoff(failures: u32, max: Duration) -> Duration {
+    let factor = 2u32.saturating_pow(failures.saturating_sub(1));
+    INITIAL_BACKOFF.saturating_mul(factor).min(max)
+}
+
+/// One ring's schedule.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct RingSchedule<I> {
+    /// Revision of the view the last started sync used.
+    revision: Option<u64>,
+    /// When the next sync is due.
+    due: I,
+    /// Failed syncs in a row.
+    failures: u32,
+}
+
+/// The sync schedule of every ring. Generic over the instant type so that tests drive it with
+/// plain values and the controller with tokio's clock.
+#[derive(Debug)]
+pub(crate) struct SyncSchedule<I> {
+    sync_period: Duration,
+    rings: HashMap<String, RingSchedule<I>>,
+    /// Rings whose sync runs. A ring deleted and recreated while its sync runs stays here until
+    /// that sync has finished, so two syncs of one ring never overlap.
+    running: HashSet<String>,
+}
+
+impl<I: Copy + Ord + Add<Duration, Output = I>> SyncSchedule<I> {
+    /// An empty schedule with the configured `syncPeriod`.
+    pub(crate) fn new(sync_period: Duration) -> Self {
+        Self {
+            sync_period,
+            rings: HashMap::new(),
+            running: HashSet::new(),
+        }
+    }
+
+    /// Takes in the current views, as `(ring, revision)`, and returns the rings whose sync starts
+    /// now; they count as running until [`finished`](Self::finished). Rings no longer listed
+    /// are forgotten. `webhook_in_place` tells whether a ring's webhook configuration has been
+    /// applied for its current spec.
+    pub(crate) fn start_due<'a>(
+        &mut self,
+        now: I,
+        views: impl IntoIterator<Item = (&'a str, u64)>,
+        webhook_in_place: impl Fn(&str) -> bool,
+    ) -> Vec<String> {
+        let views: Vec<(&str, u64)> = views.into_iter().collect();
+        self.rings
+            .retain(|name, _| views.iter().any(|(ring, _)| ring == name));
+        let mut start = Vec::new();
+        for (name, revision) in views {
+            let schedule = self.rings.entry(name.to_owned()).or_insert(RingSchedule {
+                revision: None,
+                due: now,
+                failures: 0,
+            });
+            if schedule.revision != Some(revision) && schedule.due > now {
+                // The view changed since the last sync started: sync again now.
+                schedule.due = now;
+                schedule.failures = 0;
+            }
+            if schedule.due <= now && !self.running.contains(name) {
+                if !webhook_in_place(name) {
+                    schedule.due = now + WEBHOOK_WAIT;
+                    continue;
+                }
+                schedule.revision = Some(revision);
+                self.running.insert(name.to_owned());
+                start.push(name.to_owned());
+            }
+        }
+        start
+    }
+
+    /// Records the end of a ring's sync at `now`. Returns the backoff before the next attempt
+    /// after a failure, for logs.
+    pub(crate) fn finished(&mut self, ring: &str, succeeded: bool, now: I) -> Option<Duration> {
+        self.running.remove(ring);
+        let schedule = self.rings.get_mut(ring)?;
+        if succeeded {
+            schedule.failures = 0;
+            schedule.due = now + self.sync_period;
+            None
+        } else {
+            schedule.failures += 1;
+            let backoff = backoff(schedule.failures, self.sync_period);
+            schedule.due = now + backoff;
+            Some(backoff)
+        }
+    }
+
+    /// When to look at the schedule again unless a view changes or a sync finishes first: the
+    /// earliest due time of a ring that is not syncing, else one `syncPeriod` from `now`.
+    pub(crate) fn next_wake(&self, now: I) -> I {
+        self.rings
+            .iter()
+            .filter(|(name, _)| !self.running.contains(*name))
+            .map(|(_, s)| s.due)
+            .min()
+            .unwrap_or(now + self.sync_period)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const PERIOD: Duration = Duration::from_secs(300);
+
+    /// Time as an offset from the start: `Duration` is a fine instant for the state machine.
+    fn at(secs: u64) -> Duration {
+        Duration::from_secs(secs)
+    }
+
+    fn ready(_: &str) -> bool {
+        true
+    }
+
+    #[test]
+    fn backoff_doubles_from_five_seconds_up_to_the_sync_period() {
+        let max = Duration::from_secs(300);
+        assert_eq!(backoff(1, max), Duration::from_secs(5));
+        assert_eq!(backoff(2, max), Duration::from_secs(10));
+        assert_eq!(backoff(3, max), Duration::from_secs(20));
+        assert_eq!(backoff(7, max), Duration::from_secs(300));
+        assert_eq!(backoff(u32::MAX, max), Duration::from_secs(300));
+    }
+
+    #[test]
+    fn new_ring_syncs_at_once_then_every_sync_period() {
+        let mut schedule = SyncSchedule::new(PERIOD);
+        assert_eq!(schedule.next_wake(at(0)), at(300), "nothing to do");
+        assert_eq!(schedule.start_due(at(0), [("a", 1)], ready), ["a"]);
+        // Running: neither started again nor woken for.
+        assert!(schedule.start_due(at(1), [("a", 1)], ready).is_empty());
+        assert_eq!(schedule.next_wake(at(1)), at(301));
+        assert_eq!(schedule.finished("a", true, at(10)), None);
+        assert_eq!(schedule.next_wake(at(10)), at(310));
+        assert!(schedule.start_due(at(309), [("a", 1)], ready).is_empty());
+        assert_eq!(schedule.start_due(at(310), [("a", 1)], ready), ["a"]);
+    }
+
+    #[test]
+    fn failures_back_off_and_a_success_resets() {
+        let mut schedule = SyncSchedule::new(PERIOD);
+        let mut now = at(0);
+        for expected in [5, 10, 20, 40, 80, 160, 300, 300] {
+            assert_eq!(schedule.start_due(now, [("a", 1)], ready), ["a"]);
+            let backoff = schedule.finished("a", false, now).expect("failed");
+            assert_eq!(backoff, Duration::from_secs(expected));
+            now += backoff;
+            assert_eq!(schedule.next_wake(now), now);
+        }
+        assert_eq!(schedule.start_due(now, [("a", 1)], ready), ["a"]);
+        assert_eq!(schedule.finished("a", true, now), None);
+        assert_eq!(
+            schedule.start_due(now, [("a", 1)], ready),
+            Vec::<String>::new()
+        );
+        assert_eq!(
+            schedule.start_due(now + at(1), [("a", 1)], ready),
+            Vec::<String>::new()
+        );
+        schedule.start_due(now + PERIOD, [("a", 1)], ready);
+        assert_eq!(
+            schedule.finished("a", false, now + PERIOD),
+            Some(Duration::from_secs(5)),
+            "the backoff starts over"
+        );
+    }
+
+    #[test]
+    fn a_changed_view_syncs_at_once_and_resets_the_backoff() {
+        let mut schedule = SyncSchedule::new(PERIOD);
+        schedule.start_due(at(0), [("a", 1)], ready);
+        schedule.finished("a", false, at(0));
+        schedule.start_due(at(5), [("a", 1)], ready);
+        schedule.finished("a", false, at(5));
+        assert_eq!(schedule.next_wake(at(5)), at(15));
+        // New revision before the retry is due.
+        assert_eq!(schedule.start_due(at(6), [("a", 2)], ready), ["a"]);
+        assert_eq!(
+            schedule.finished("a", false, at(7)),
+            Some(Duration::from_secs(5))
+        );
+        // The same revision again does not bring the retry forward.
+        assert!(schedule.start_due(at(8), [("a", 2)], ready).is_empty());
+    }
+
+    #[test]
+    fn a_view_change_during_a_sync_syncs_again_after_it() {
+        let mut schedule = SyncSchedule::new(PERIOD);
+        schedule.start_due(at(0), [("a", 1)], ready);
+        assert!(schedule.start_due(at(1), [("a", 2)], ready).is_empty());
+        schedule.finished("a", true, at(2));
+        assert_eq!(schedule.start_due(at(2), [("a", 2)], ready), ["a"]);
+    }
+
+    #[test]
+    fn waits_for_the_webhook_configuration() {
+        let mut schedule = SyncSchedule::new(PERIOD);
+        let missing = |_: &str| false;
+        assert!(schedule.start_due(at(0), [("a", 1)], missing).is_empty());
+        assert_eq!(schedule.next_wake(at(0)), at(0) + WEBHOOK_WAIT);
+        assert!(schedule.start_due(at(1), [("a", 1)], missing).is_empty());
+        assert_eq!(schedule.next_wake(at(1)), at(1) + WEBHOOK_WAIT);
+        assert_eq!(schedule.start_due(at(2), [("a", 1)], ready), ["a"]);
+    }
+
+    #[test]
+    fn rings_are_independent_and_forgotten_when_gone() {
+        let mut schedule = SyncSchedule::new(PERIOD);
+        let mut started = schedule.start_due(at(0), [("a", 1), ("b", 2)], ready);
+        started.sort();
+        assert_eq!(started, ["a", "b"]);
+        schedule.finished("a", true, at(1));
+        // `b` is deleted while it syncs, then recreated: no second sync until the first ended.
+        assert!(schedule.start_due(at(2), [("a", 1)], ready).is_empty());
+        assert!(
+            schedule
+                .start_due(at(3), [("a", 1), ("b", 5)], ready)
+                .is_empty()
+        );
+        assert_eq!(schedule.next_wake(at(3)), at(301));
+        assert_eq!(schedule.finished("b", true, at(4)), None);
+        assert_eq!(schedule.next_wake(at(4)), at(301));
+        // That sync was of the old ring: the new one syncs now.
+        assert_eq!(
+            schedule.start_due(at(4), [("a", 1), ("b", 5)], ready),
+            ["b"]
+        );
+        // A ring that is gone is forgotten; finishing its sync changes nothing.
+        schedule.start_due(at(400), [("a", 1)], ready);
+        assert_eq!(schedule.finished("b", false, at(401)), None);
+        assert_eq!(schedule.finished("unknown", true, at(401)), None);
+    }
+}
