@@ -256,7 +256,7 @@ up() {
   local started=$SECONDS
 
   log "building the sharder and checksum-controller"
-  (cd "$ROOT" && cargo build --bins -p sharding-sharder -p sharding-shard)
+  (cd "$ROOT" && cargo build --bins -p sharding-sharder -p sharding-checksum-controller)
   binary_dir >"$STATE/bin-dir"
 
   log "starting the control plane"
