@@ -304,6 +304,7 @@ webhook:
       url: https://127.0.0.1:$WEBHOOK_PORT
       caBundleFile: $dir/ca.crt
 gracefulShutdown: 5s
+shutdownDelay: 1s
 EOF
   setsid "$(cat "$STATE/bin-dir")/sharder" --config "$dir/config.yaml" \
     >"$STATE/logs/sharder.log" 2>&1 </dev/null &

@@ -78,10 +78,20 @@ pub struct SharderConfig {
     /// How long a shutdown may take before the process exits anyway.
     #[serde(default = "default_graceful_shutdown")]
     pub graceful_shutdown: Duration,
+    /// How long a replica keeps serving the webhook after a shutdown signal, already reporting
+    /// not ready, before it closes its listener and stops the controllers: long enough for the
+    /// Service's endpoints to drop it, so a rolling update refuses no admission call. Counts
+    /// towards `gracefulShutdown`.
+    #[serde(default = "default_shutdown_delay")]
+    pub shutdown_delay: Duration,
 }
 
 fn default_graceful_shutdown() -> Duration {
     Duration::from_secs(15)
+}
+
+fn default_shutdown_delay() -> Duration {
+    Duration::from_secs(5)
 }
 
 impl Default for SharderConfig {
@@ -96,6 +106,7 @@ impl Default for SharderConfig {
             controller: Controllers::default(),
             webhook: Webhook::default(),
             graceful_shutdown: default_graceful_shutdown(),
+            shutdown_delay: default_shutdown_delay(),
         }
     }
 }
@@ -535,6 +546,12 @@ impl SharderConfig {
         if self.graceful_shutdown.0.is_zero() {
             return Err(invalid("gracefulShutdown", "must be positive"));
         }
+        if self.shutdown_delay.0 >= self.graceful_shutdown.0 {
+            return Err(invalid(
+                "shutdownDelay",
+                "must be shorter than gracefulShutdown, which it counts towards",
+            ));
+        }
         Ok(())
     }
 
@@ -592,6 +609,7 @@ mod tests {
         assert_eq!(config.webhook.server.cert_name, "tls.crt");
         assert_eq!(config.webhook.server.key_name, "tls.key");
         assert_eq!(config.graceful_shutdown, Duration::from_secs(15));
+        assert_eq!(config.shutdown_delay, Duration::from_secs(5));
         let service = config
             .webhook
             .config
@@ -621,6 +639,7 @@ webhook:
     clientConfig: {url: "https://127.0.0.1:9443/base", caBundle: "Zm9v"}
     namespaceSelector: {matchLabels: {team: a}}
 gracefulShutdown: 5s
+shutdownDelay: 2s
 "#,
         )
         .expect("valid");
@@ -711,6 +730,7 @@ gracefulShutdown: 5s
                 "webhook.config.namespaceSelector",
             ),
             ("gracefulShutdown: 0s", "gracefulShutdown"),
+            ("gracefulShutdown: 5s\nshutdownDelay: 5s", "shutdownDelay"),
             ("clientConnection: {qps: -1}", "clientConnection.qps"),
         ];
         for (body, field) in cases {

@@ -7,10 +7,11 @@
 //! control plane ([`DedicatedCluster`]), because every sharder on one cluster takes part in the
 //! same leader election.
 
+use std::collections::BTreeSet;
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
 use anyhow::{Context, bail};
@@ -19,10 +20,22 @@ use tokio_util::sync::CancellationToken;
 use crate::process::{Process, poll_until};
 use crate::{Cluster, cluster, control_plane_script};
 
-/// A free TCP port on loopback (closed again before use: a small race other tests rarely hit).
+/// A free TCP port on loopback, never one this process handed out before. The port is closed
+/// again before use, so another process may still take it (rare); handing each port out once
+/// keeps two sharders configured before either has started from getting the same one.
 pub fn free_port() -> anyhow::Result<u16> {
-    let listener = TcpListener::bind("127.0.0.1:0").context("failed to find a free port")?;
-    Ok(listener.local_addr()?.port())
+    static HANDED_OUT: Mutex<BTreeSet<u16>> = Mutex::new(BTreeSet::new());
+    for _ in 0..100 {
+        let listener = TcpListener::bind("127.0.0.1:0").context("failed to find a free port")?;
+        let port = listener.local_addr()?.port();
+        let mut handed_out = HANDED_OUT
+            .lock()
+            .map_err(|_| anyhow::anyhow!("port registry poisoned"))?;
+        if handed_out.insert(port) {
+            return Ok(port);
+        }
+    }
+    anyhow::bail!("no free port found that was not handed out before")
 }
 
 /// Files and addresses of one sharder instance: serving certificate, CA, config.
@@ -49,6 +62,8 @@ pub struct SharderSettings {
     pub leader_election: (u32, u32, u32),
     /// Periodic sync interval.
     pub sync_period: String,
+    /// Base URL the API server calls the webhook at; `None`: the sharder's own webhook port.
+    pub webhook_url: Option<String>,
 }
 
 impl Default for SharderSettings {
@@ -56,6 +71,7 @@ impl Default for SharderSettings {
         Self {
             leader_election: (4, 3, 1),
             sync_period: "5m".into(),
+            webhook_url: None,
         }
     }
 }
@@ -64,10 +80,20 @@ impl SharderFiles {
     /// Creates certificates (CA + serving certificate for 127.0.0.1) and a config file that
     /// registers the webhook by URL on loopback, with the CA bundle from a file.
     pub fn create(kubeconfig: &Path, settings: &SharderSettings) -> anyhow::Result<Self> {
+        Self::create_with_webhook_port(kubeconfig, settings, free_port()?)
+    }
+
+    /// Like [`SharderFiles::create`], with the webhook server on `webhook_port` (for a test that
+    /// puts something in front of it before the sharder starts).
+    pub fn create_with_webhook_port(
+        kubeconfig: &Path,
+        settings: &SharderSettings,
+        webhook_port: u16,
+    ) -> anyhow::Result<Self> {
         let dir = std::env::temp_dir().join(crate::unique_name("sharder"));
         std::fs::create_dir_all(&dir)?;
         generate_certificates(&dir)?;
-        let (webhook_port, metrics_port, health_port) = (free_port()?, free_port()?, free_port()?);
+        let (metrics_port, health_port) = (free_port()?, free_port()?);
         let (duration, deadline, retry) = settings.leader_election;
         let config = format!(
             r#"apiVersion: config.sharding.timebertt.dev/v1alpha1
@@ -92,13 +118,18 @@ webhook:
     certDir: {dir}
   config:
     clientConfig:
-      url: https://127.0.0.1:{webhook_port}
+      url: {webhook_url}
       caBundleFile: {dir}/ca.crt
 gracefulShutdown: 5s
+shutdownDelay: 1s
 "#,
             kubeconfig = kubeconfig.display(),
             dir = dir.display(),
             sync = settings.sync_period,
+            webhook_url = settings
+                .webhook_url
+                .clone()
+                .unwrap_or_else(|| format!("https://127.0.0.1:{webhook_port}")),
         );
         let config_path = dir.join("config.yaml");
         std::fs::write(&config_path, config)?;

@@ -8,8 +8,44 @@ use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Client, Config};
 use sharding_crds::config::SharderConfig;
 
-/// Builds the client described by `clientConnection`.
-pub(crate) async fn build_client(config: &SharderConfig) -> anyhow::Result<Client> {
+/// The sharder's clients: one for everything, throttled as configured, and one for leader
+/// election only, never throttled, so that a burst of sync patches waiting for their turn can
+/// never delay a renewal of the leader Lease past its deadline.
+pub(crate) struct Clients {
+    /// Caches, controllers, webhook configuration, events.
+    pub(crate) main: Client,
+    /// Renewals of the leader-election Lease.
+    pub(crate) leader_election: Client,
+}
+
+/// Builds the clients described by `clientConnection`.
+pub(crate) async fn build_clients(config: &SharderConfig) -> anyhow::Result<Clients> {
+    let kube_config = load(config).await?;
+    let leader_election = kube::client::ClientBuilder::try_from(kube_config.clone())
+        .context("failed to build API client")?
+        .build();
+    let builder =
+        kube::client::ClientBuilder::try_from(kube_config).context("failed to build API client")?;
+    // No client-side throttling unless configured (SPEC §11).
+    let main = match config.client_connection.qps.filter(|qps| *qps > 0.0) {
+        Some(qps) => {
+            // Burst defaults to the rate itself, at least one request.
+            let burst = config
+                .client_connection
+                .burst
+                .unwrap_or_else(|| qps.ceil() as u32);
+            let layer = throttle::ThrottleLayer::new(qps, burst);
+            builder.with_layer(&layer).build()
+        }
+        None => builder.build(),
+    };
+    Ok(Clients {
+        main,
+        leader_election,
+    })
+}
+
+async fn load(config: &SharderConfig) -> anyhow::Result<Config> {
     let path = &config.client_connection.kubeconfig;
     let kube_config = if path.is_empty() {
         Config::infer()
@@ -22,19 +58,5 @@ pub(crate) async fn build_client(config: &SharderConfig) -> anyhow::Result<Clien
             .await
             .with_context(|| format!("failed to load {path}"))?
     };
-    let builder =
-        kube::client::ClientBuilder::try_from(kube_config).context("failed to build API client")?;
-    // No client-side throttling unless configured (SPEC §11).
-    match config.client_connection.qps.filter(|qps| *qps > 0.0) {
-        Some(qps) => {
-            // Burst defaults to the rate itself, at least one request.
-            let burst = config
-                .client_connection
-                .burst
-                .unwrap_or_else(|| qps.ceil() as u32);
-            let layer = throttle::ThrottleLayer::new(qps, burst);
-            Ok(builder.with_layer(&layer).build())
-        }
-        None => Ok(builder.build()),
-    }
+    Ok(kube_config)
 }

@@ -5,6 +5,7 @@
 //! |---|---|
 //! | [`ring`] | the consistent hash ring: which available shard a key belongs to (SPEC §5) |
 //! | `key` | the hash key of an object, from its own identity or its controller's (SPEC §6) |
+//! | `membership` | which shard Leases put their shard into the ring, and why others are kept out (SPEC §4, §18) |
 //! | `rebalance` | keep, drain or move one object (SPEC §9) |
 //! | `sync_schedule` | when each ring is synced: on change, periodically, with backoff (SPEC §9) |
 //! | `validation` | whether a ring is acted on at all (SPEC §1) |
@@ -14,6 +15,7 @@
 //! in [`sharding_crds::lease`].
 
 pub(crate) mod key;
+pub(crate) mod membership;
 pub(crate) mod rebalance;
 pub mod ring;
 pub(crate) mod sync_schedule;

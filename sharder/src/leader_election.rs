@@ -7,45 +7,78 @@
 //!
 //! [`HeldLease::run_while_held`]: shard::HeldLease::run_while_held
 
+use anyhow::Context as _;
+use kube::Client;
 use shard::lease::{HeldRunEnd, LeaseLock, LeaseLockConfig};
 use tokio_util::sync::CancellationToken;
 
 use crate::context::Context;
 use crate::controller;
 
-/// Runs the controllers while this replica is the leader (or always, without leader election),
-/// until `shutdown` fires.
-pub(crate) async fn run(ctx: Context, identity: String, shutdown: CancellationToken) {
-    let le = ctx.config.leader_election.clone();
-    if !le.leader_elect {
-        controller::run_all(ctx, shutdown).await;
-        return;
+/// How this replica runs the controllers: under the leader-election Lease, or always.
+pub(crate) enum Election {
+    /// Leader election is off: this replica runs the controllers.
+    Off,
+    /// Only while holding this Lease lock.
+    Lock {
+        /// The lock on `leaderElection.resourceNamespace/resourceName`.
+        lock: LeaseLock,
+        /// This replica's identity.
+        identity: String,
+    },
+}
+
+impl Election {
+    /// Builds the lock from the configuration. A setting the lock refuses is an error here, at
+    /// start, so the process stops with the field's name instead of serving with no controllers.
+    /// `client` is the unthrottled leader-election client.
+    pub(crate) fn new(ctx: &Context, client: Client, identity: String) -> anyhow::Result<Self> {
+        let le = &ctx.config.leader_election;
+        if !le.leader_elect {
+            return Ok(Self::Off);
+        }
+        let lock_config =
+            LeaseLockConfig::new(&le.resource_namespace, &le.resource_name, &identity)
+                .with_timing(le.timing());
+        let lock =
+            LeaseLock::new(client, lock_config).context("invalid leaderElection settings")?;
+        Ok(Self::Lock { lock, identity })
     }
-    let lock_config = LeaseLockConfig::new(&le.resource_namespace, &le.resource_name, &identity)
-        .with_timing(le.timing());
-    let lock = match LeaseLock::new(ctx.client.clone(), lock_config) {
-        Ok(lock) => lock,
-        Err(error) => {
-            tracing::error!(%error, "invalid leader election settings");
-            return;
-        }
-    };
-    loop {
-        let held = tokio::select! {
-            () = shutdown.cancelled() => return,
-            held = lock.acquire() => held,
+
+    /// Runs the controllers while this replica is the leader (or always, without leader
+    /// election), until `shutdown` fires. When the controllers end on their own while the Lease
+    /// is held, the Lease is released and the replica competes again, so a leader never holds
+    /// the Lease idle.
+    pub(crate) async fn run(self, ctx: Context, shutdown: CancellationToken) {
+        let (lock, identity) = match self {
+            Self::Off => {
+                controller::run_all(ctx, shutdown).await;
+                return;
+            }
+            Self::Lock { lock, identity } => (lock, identity),
         };
-        tracing::info!(%identity, "became leader, starting controllers");
-        let ended = held
-            .run_while_held(&shutdown, |stop| controller::run_all(ctx.clone(), stop))
-            .await;
-        match ended {
-            Ok(HeldRunEnd::LeaseLost) => tracing::error!("lost leadership, stopped controllers"),
-            Ok(HeldRunEnd::WorkEnded { .. }) => {}
-            Err(error) => tracing::warn!(%error, "failed to release leader election Lease"),
-        }
-        if shutdown.is_cancelled() {
-            return;
+        loop {
+            let held = tokio::select! {
+                () = shutdown.cancelled() => return,
+                held = lock.acquire() => held,
+            };
+            tracing::info!(%identity, "became leader, starting controllers");
+            let ended = held
+                .run_while_held(&shutdown, |stop| controller::run_all(ctx.clone(), stop))
+                .await;
+            match ended {
+                Ok(HeldRunEnd::LeaseLost) => {
+                    tracing::error!("lost leadership, stopped controllers");
+                }
+                Ok(HeldRunEnd::WorkEnded { .. }) if !shutdown.is_cancelled() => {
+                    tracing::error!("controllers stopped on their own; released leadership");
+                }
+                Ok(HeldRunEnd::WorkEnded { .. }) => {}
+                Err(error) => tracing::warn!(%error, "failed to release leader election Lease"),
+            }
+            if shutdown.is_cancelled() {
+                return;
+            }
         }
     }
 }

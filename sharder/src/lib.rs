@@ -52,15 +52,21 @@ use crate::ring_views::{Discovery, RingViews};
 use crate::server::Readiness;
 use crate::server::tls::CertReloader;
 
-/// Runs the sharder until `shutdown` fires, then stops everything within the configured
-/// `gracefulShutdown`.
+/// Runs the sharder until `signal` fires, then stops everything within the configured
+/// `gracefulShutdown`: first it reports not ready while still serving the webhook for
+/// `shutdownDelay` (so endpoints stop sending it admission calls before its listener closes),
+/// then every task stops on one shutdown token and the leader releases its Lease.
 pub async fn run(
     config: SharderConfig,
     identity: String,
-    shutdown: CancellationToken,
+    signal: CancellationToken,
 ) -> anyhow::Result<()> {
     let config = Arc::new(config);
-    let client = client::build_client(&config).await?;
+    // Every task stops on this token, which fires `shutdownDelay` after `signal`.
+    let shutdown = CancellationToken::new();
+    let _stop_on_return = shutdown.clone().drop_guard();
+    let clients = client::build_clients(&config).await?;
+    let client = clients.main;
     let readiness = Arc::new(Readiness::default());
     let changed = Arc::new(Notify::new());
     let mut tasks = JoinSet::new();
@@ -105,6 +111,8 @@ pub async fn run(
             },
         ),
     };
+    // Refused leader-election settings stop the process here, before it serves anything.
+    let election = leader_election::Election::new(&ctx, clients.leader_election, identity.clone())?;
     tasks.spawn(report_caches_synced(
         ctx.clone(),
         readiness.clone(),
@@ -173,16 +181,19 @@ pub async fn run(
     }
 
     // The controllers, on the leader only.
-    tasks.spawn(leader_election::run(
-        ctx.clone(),
-        identity,
-        shutdown.clone(),
-    ));
+    tasks.spawn(election.run(ctx.clone(), shutdown.clone()));
 
-    shutdown.cancelled().await;
+    signal.cancelled().await;
     readiness.set_shutting_down();
-    tracing::info!("shutting down");
-    let drained = tokio::time::timeout(config.graceful_shutdown.0, async {
+    tracing::info!(delay = ?config.shutdown_delay.0, "shutting down: not ready, serving the webhook a little longer");
+    tokio::time::sleep(config.shutdown_delay.0).await;
+    tracing::info!("stopping every task");
+    shutdown.cancel();
+    let remaining = config
+        .graceful_shutdown
+        .0
+        .saturating_sub(config.shutdown_delay.0);
+    let drained = tokio::time::timeout(remaining, async {
         while tasks.join_next().await.is_some() {}
     })
     .await;

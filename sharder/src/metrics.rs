@@ -4,6 +4,7 @@
 //! the caches through a `StateSource` (`CacheState`), so every replica reports them, leader or
 //! not.
 
+use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use k8s_openapi::jiff::Timestamp;
@@ -12,6 +13,7 @@ use sharding_crds::labels::LABEL_CLUSTER_RING;
 use sharding_crds::lease::ShardLease;
 
 use crate::context::Context;
+use crate::core::membership::{Exclusion, ring_members};
 
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
 use prometheus_client::metrics::MetricType;
@@ -55,6 +57,8 @@ pub struct Metrics {
     pub(crate) drains: Family<ResourceLabels, Counter>,
     /// Rebuilds of a ring's hash ring.
     pub(crate) ring_calculations: Family<RingLabels, Counter>,
+    /// Unassigned objects the missed-assignment path is moving or waiting to retry, per resource.
+    pub(crate) missed_assignment_backlog: Family<ResourceLabels, Gauge>,
 }
 
 impl Metrics {
@@ -79,6 +83,11 @@ impl Metrics {
             "controller_sharding_ring_calculations",
             "Rebuilds of a ClusterRing's hash ring",
             self.ring_calculations.clone(),
+        );
+        registry.register(
+            "controller_sharding_missed_assignment_backlog",
+            "Unassigned objects the sharder is moving or retrying to get assigned by the webhook",
+            self.missed_assignment_backlog.clone(),
         );
     }
 
@@ -122,6 +131,8 @@ pub(crate) struct ShardSnapshot {
     pub(crate) uid: String,
     /// Current state, one of [`SHARD_STATES`] (`unknown` when it cannot be determined).
     pub(crate) state: &'static str,
+    /// Why the Lease is kept out of the ring (an invalid or duplicate name), if it is.
+    pub(crate) excluded: Option<&'static str>,
 }
 
 /// Every value of the `state` label of `controller_sharding_shard_state`.
@@ -166,6 +177,14 @@ struct ShardStateLabels {
     shard: String,
     clusterring: String,
     state: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ShardExcludedLabels {
+    namespace: String,
+    shard: String,
+    clusterring: String,
+    reason: String,
 }
 
 fn encode_gauges<L>(
@@ -254,6 +273,20 @@ impl<S: StateSource> prometheus_client::collector::Collector for StateCollector<
                     (labels, i64::from(*state == s.state))
                 })
             }),
+        )?;
+        encode_gauges(
+            &mut encoder,
+            "controller_sharding_shard_excluded",
+            "Shard Leases kept out of their ring although held: 1 per Lease, with the reason (InvalidShardName, DuplicateShardName)",
+            shards.iter().filter_map(|s| {
+                let labels = ShardExcludedLabels {
+                    namespace: s.namespace.clone(),
+                    shard: s.shard.clone(),
+                    clusterring: s.clusterring.clone(),
+                    reason: s.excluded?.to_string(),
+                };
+                Some((labels, 1))
+            }),
         )
     }
 }
@@ -291,19 +324,24 @@ impl StateSource for CacheState {
 
     fn shards(&self) -> Vec<ShardSnapshot> {
         let now = Timestamp::now();
-        self.0
-            .leases
-            .state()
+        let leases = self.0.leases.state();
+        let rings: BTreeSet<&String> = leases
             .iter()
-            .filter_map(|l| {
-                let ring = l.labels().get(LABEL_CLUSTER_RING)?.clone();
-                Some(ShardSnapshot {
-                    namespace: l.namespace().unwrap_or_default(),
-                    shard: l.name_any(),
-                    clusterring: ring,
-                    uid: l.uid().unwrap_or_default(),
-                    state: ShardLease::from_lease(l).state(now).as_str(),
-                })
+            .filter_map(|l| l.labels().get(LABEL_CLUSTER_RING))
+            .collect();
+        rings
+            .into_iter()
+            .flat_map(|ring| {
+                ring_members(ring, leases.iter().map(AsRef::as_ref))
+                    .into_iter()
+                    .map(move |m| ShardSnapshot {
+                        namespace: m.lease.namespace().unwrap_or_default(),
+                        shard: m.lease.name_any(),
+                        clusterring: ring.clone(),
+                        uid: m.lease.uid().unwrap_or_default(),
+                        state: ShardLease::from_lease(m.lease).state(now).as_str(),
+                        excluded: m.exclusion.as_ref().map(Exclusion::reason),
+                    })
             })
             .collect()
     }
@@ -329,13 +367,24 @@ mod tests {
         }
 
         fn shards(&self) -> Vec<ShardSnapshot> {
-            vec![ShardSnapshot {
-                namespace: "default".into(),
-                shard: "shard-a".into(),
-                clusterring: "example".into(),
-                uid: "l1".into(),
-                state: "expired",
-            }]
+            vec![
+                ShardSnapshot {
+                    namespace: "default".into(),
+                    shard: "shard-a".into(),
+                    clusterring: "example".into(),
+                    uid: "l1".into(),
+                    state: "expired",
+                    excluded: None,
+                },
+                ShardSnapshot {
+                    namespace: "default".into(),
+                    shard: "x".repeat(64),
+                    clusterring: "example".into(),
+                    uid: "l2".into(),
+                    state: "ready",
+                    excluded: Some("InvalidShardName"),
+                },
+            ]
         }
     }
 
@@ -367,6 +416,10 @@ mod tests {
             r#"controller_sharding_shard_state{namespace="default",shard="shard-a",clusterring="example",state="expired"} 1"#,
             r#"controller_sharding_shard_state{namespace="default",shard="shard-a",clusterring="example",state="ready"} 0"#,
             r#"controller_sharding_shard_state{namespace="default",shard="shard-a",clusterring="example",state="unknown"} 0"#,
+            &format!(
+                r#"controller_sharding_shard_excluded{{namespace="default",shard="{}",clusterring="example",reason="InvalidShardName"}} 1"#,
+                "x".repeat(64)
+            ),
         ] {
             assert!(text.lines().any(|l| l == line), "missing {line}\n{text}");
         }

@@ -12,10 +12,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
-use k8s_openapi::api::coordination::v1::Lease;
 use kube::ResourceExt;
-use sharding_crds::labels::{self, LABEL_CLUSTER_RING};
-use sharding_crds::lease::ShardLease;
+use sharding_crds::labels;
 use sharding_crds::{ClusterRing, GroupResource};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
@@ -23,6 +21,7 @@ use tokio_util::sync::CancellationToken;
 pub(crate) use self::discovery::Discovery;
 use crate::context::Context;
 use crate::core::key::{ControllerKind, ResourceRole};
+use crate::core::membership::available_shards;
 use crate::core::ring::Ring;
 use crate::core::validation;
 use crate::metrics::RingLabels;
@@ -78,20 +77,6 @@ pub struct RingView {
     /// Increases with every rebuild of any view; set by [`RingViews::insert`]. The sharder
     /// controller syncs a ring again when its view's revision changed.
     pub(crate) revision: u64,
-}
-
-/// Names of the available shards of `ring_name` among `leases`: Leases carrying the ring label
-/// whose holder is the shard itself (SPEC §4: ready, expired and uncertain are available).
-pub(crate) fn available_shards<'a>(
-    ring_name: &str,
-    leases: impl IntoIterator<Item = &'a Lease>,
-) -> BTreeSet<String> {
-    leases
-        .into_iter()
-        .filter(|l| l.labels().get(LABEL_CLUSTER_RING).map(String::as_str) == Some(ring_name))
-        .filter(|l| ShardLease::from_lease(l).is_held_by_shard())
-        .map(|l| l.name_any())
-        .collect()
 }
 
 /// Builds a view from a ring, its available shards and discovery results.
@@ -266,6 +251,15 @@ async fn refresh(ctx: &Context, retry_unresolved: bool) {
             .collect();
         let discovered = ctx.discovery.resolve(&resources).await;
         let view = build_view(&ring, &shards, &discovered);
+        if !(shards_changed || spec_changed)
+            && current
+                .as_ref()
+                .is_some_and(|v| v.unresolved == view.unresolved && v.resources == view.resources)
+        {
+            // A retry that resolved nothing new: keep the view and its revision, so the ring is
+            // not synced again for nothing.
+            continue;
+        }
         if shards_changed {
             ctx.metrics
                 .ring_calculations
@@ -286,23 +280,7 @@ async fn refresh(ctx: &Context, retry_unresolved: bool) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use k8s_openapi::api::coordination::v1::LeaseSpec;
-    use kube::api::ObjectMeta;
     use sharding_crds::{ClusterRingSpec, RingResource};
-
-    fn lease(name: &str, ring: &str, holder: Option<&str>) -> Lease {
-        Lease {
-            metadata: ObjectMeta {
-                name: Some(name.into()),
-                labels: Some([(LABEL_CLUSTER_RING.to_string(), ring.to_string())].into()),
-                ..Default::default()
-            },
-            spec: Some(LeaseSpec {
-                holder_identity: holder.map(Into::into),
-                ..Default::default()
-            }),
-        }
-    }
 
     fn info(kind: &str, namespaced: bool) -> ResourceInfo {
         ResourceInfo {
@@ -310,19 +288,6 @@ mod tests {
             version: "v1".into(),
             namespaced,
         }
-    }
-
-    #[test]
-    fn available_shards_are_self_held_leases_of_the_ring() {
-        let leases = [
-            lease("a", "r", Some("a")),
-            lease("b", "r", Some("shardlease-controller")),
-            lease("c", "r", None),
-            lease("d", "other", Some("d")),
-            lease("e", "r", Some("e")),
-        ];
-        let shards = available_shards("r", &leases);
-        assert_eq!(shards.into_iter().collect::<Vec<_>>(), ["a", "e"]);
     }
 
     #[test]

@@ -133,6 +133,9 @@ enum AdmissionDecision {
         shard: String,
         /// Whether the object has no labels map yet.
         create_labels: bool,
+        /// A drain label left over from the object's previous shard, removed in the same patch:
+        /// the object is not being drained away from the shard it is assigned to now.
+        stale_drain_label: Option<String>,
     },
     /// Denied with HTTP code 400 and this message.
     Deny(String),
@@ -164,6 +167,7 @@ async fn handle(
             label,
             shard,
             create_labels,
+            stale_drain_label,
         } => {
             let pointer = format!("/metadata/labels/{}", escape_pointer(label));
             let mut patch = Vec::with_capacity(2);
@@ -171,6 +175,10 @@ async fn handle(
                 patch.push(json!({"op": "add", "path": "/metadata/labels", "value": {}}));
             }
             patch.push(json!({"op": "add", "path": pointer, "value": shard}));
+            if let Some(drain) = stale_drain_label {
+                let pointer = format!("/metadata/labels/{}", escape_pointer(drain));
+                patch.push(json!({"op": "remove", "path": pointer}));
+            }
             let bytes = serde_json::to_vec(&patch).unwrap_or_default();
             response["patchType"] = Value::from("JSONPatch");
             response["patch"] = serde_json::to_value(ByteString(bytes)).unwrap_or_default();
@@ -249,6 +257,11 @@ fn decide(state: &WebhookState, ring_name: &str, request: &Request) -> Admission
             label: view.shard_label.clone(),
             shard: shard.to_string(),
             create_labels: meta.labels.is_none(),
+            stale_drain_label: meta
+                .labels
+                .as_ref()
+                .filter(|l| l.contains_key(&view.drain_label))
+                .map(|_| view.drain_label.clone()),
         },
     }
 }

@@ -4,6 +4,7 @@
 
 mod controller_manager;
 mod crd;
+mod faults;
 mod leader;
 mod manifests;
 mod rebalance;

@@ -21,11 +21,11 @@ use sharding_crds::cluster_ring::{
     REASON_RECONCILIATION_SUCCEEDED,
 };
 use sharding_crds::labels::{APP_NAME, LABEL_APP_NAME, LABEL_CLUSTER_RING};
-use sharding_crds::lease::ShardLease;
 use sharding_crds::{ClusterRing, ClusterRingStatus};
 use tokio_util::sync::CancellationToken;
 
 use crate::context::Context;
+use crate::core::membership::ring_members;
 use crate::core::validation::validate_ring;
 use crate::core::webhook_config::{FIELD_MANAGER, desired_webhook_configuration};
 
@@ -113,15 +113,10 @@ async fn reconcile(ring: Arc<ClusterRing>, ctx: Arc<Context>) -> Result<Action, 
     let result = apply_webhook_configuration(&ring, &ctx).await;
     let leases = ctx.leases.state();
     let name = ring.name_any();
-    let ring_leases: Vec<_> = leases
-        .iter()
-        .filter(|l| l.labels().get(LABEL_CLUSTER_RING) == Some(&name))
-        .collect();
-    let shards = i32::try_from(ring_leases.len()).unwrap_or(i32::MAX);
-    let available = ring_leases
-        .iter()
-        .filter(|l| ShardLease::from_lease(l).is_held_by_shard())
-        .count();
+    let members = ring_members(&name, leases.iter().map(AsRef::as_ref));
+    let shards = i32::try_from(members.len()).unwrap_or(i32::MAX);
+    // Leases kept out of the ring (invalid or duplicate names) count as shards, not as available.
+    let available = members.iter().filter(|m| m.is_available()).count();
     let available = i32::try_from(available).unwrap_or(i32::MAX);
     let failure = result.as_ref().err().map(capitalised);
     let status = desired_status(

@@ -8,12 +8,15 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
-use futures::TryStreamExt;
+use std::time::Duration;
+
+use futures::StreamExt;
 use kube::ResourceExt;
-use kube::api::{Api, DynamicObject};
-use kube::core::PartialObjectMeta;
+use kube::api::{Api, DynamicObject, ObjectMeta};
+use kube::core::{ApiResource, PartialObjectMeta};
 use kube::runtime::{WatchStreamExt, watcher};
 use sharding_crds::GroupResource;
+use tokio::sync::Semaphore;
 use tokio::task::{AbortHandle, JoinSet};
 
 use super::sharder::{api_resource, count, decide_object, namespace_selected, patch};
@@ -23,6 +26,11 @@ use crate::ring_views::RingView;
 
 /// Concurrent patches per watched resource.
 const CONCURRENCY: usize = 16;
+/// First delay before a failed move is tried again.
+const RETRY_INITIAL: Duration = Duration::from_millis(500);
+/// Longest delay between two tries: short enough that an object missed during a webhook outage
+/// is assigned within a few seconds of its end.
+const RETRY_MAX: Duration = Duration::from_secs(4);
 
 /// The running watches, one per ring resource. They are tasks of a `JoinSet` this value owns, so
 /// dropping it (the sharder controller stopped, or dropped on lost leadership) stops them all.
@@ -35,15 +43,14 @@ pub(crate) struct MissedAssignments {
 impl MissedAssignments {
     /// Starts a watch for every resource of every ring and stops those no longer needed.
     pub(crate) fn reconcile(&mut self, ctx: &Context, views: &[Arc<RingView>]) {
-        // Reap watches that ended on their own; they stay listed, as they always did, so they
-        // are not restarted until their ring resource goes away and comes back.
+        // A watch ends on its own only when its ring or resource went away; reap it.
         while self.tasks.try_join_next().is_some() {}
         let wanted: HashSet<(String, GroupResource)> = views
             .iter()
             .flat_map(|v| v.resources.keys().map(|gr| (v.name.clone(), gr.clone())))
             .collect();
         self.running.retain(|key, task| {
-            let keep = wanted.contains(key);
+            let keep = wanted.contains(key) && !task.is_finished();
             if !keep {
                 task.abort();
             }
@@ -68,7 +75,13 @@ impl MissedAssignments {
 }
 
 /// Watches objects of one ring resource that lack the shard label and moves them, so the webhook
-/// assigns them. Objects seen in the initial listing are left to the full sync.
+/// assigns them.
+///
+/// The watch survives errors (the watcher re-lists with backoff, after an API server restart
+/// too), and a move that does not end with the object assigned (the webhook unreachable, a
+/// conflict) is retried with backoff until the object is assigned or gone: objects missed during a
+/// webhook outage are assigned within seconds of its end, not at the next periodic sync. Objects of
+/// the initial listing count as well: after a re-list they are exactly those missed meanwhile.
 async fn watch_unassigned(ctx: Context, ring: String, gr: GroupResource) {
     let Some(view) = ctx.ring_views.get(&ring) else {
         return;
@@ -81,44 +94,132 @@ async fn watch_unassigned(ctx: Context, ring: String, gr: GroupResource) {
     let api: Api<PartialObjectMeta<DynamicObject>> = Api::all_with(ctx.client.clone(), &ar);
     let config = watcher::Config::default().labels(&format!("!{}", view.shard_label));
     let events = watcher::watcher(api, config).default_backoff();
-    let result = events
-        .try_for_each_concurrent(CONCURRENCY, |event| {
-            let (ctx, ring, gr, ar) = (&ctx, &ring, &gr, &ar);
-            async move {
-                let watcher::Event::Apply(obj) = event else {
-                    return Ok(());
-                };
-                // Always decide with the current view: shards may have changed since the start.
-                let Some(view) = ctx.ring_views.get(ring) else {
-                    return Ok(());
-                };
-                let Some(resource) = view.resources.get(gr) else {
-                    return Ok(());
-                };
-                if resource.info.namespaced
-                    && !obj
-                        .metadata
-                        .namespace
-                        .as_deref()
-                        .is_some_and(|ns| namespace_selected(ctx, ring, ns))
-                {
-                    return Ok(());
+    futures::pin_mut!(events);
+    let backlog = ctx
+        .metrics
+        .missed_assignment_backlog
+        .get_or_create(&crate::metrics::Metrics::resource_labels(
+            &ring,
+            &gr.group,
+            &gr.resource,
+        ))
+        .clone();
+    let limit = Arc::new(Semaphore::new(CONCURRENCY));
+    // One task per object being assigned, owned here: they stop with the watch.
+    let mut assigning: JoinSet<ObjectKey> = JoinSet::new();
+    let mut pending: HashSet<ObjectKey> = HashSet::new();
+    loop {
+        let event = tokio::select! {
+            Some(done) = assigning.join_next(), if !assigning.is_empty() => {
+                if let Ok(key) = done {
+                    pending.remove(&key);
                 }
-                let decision = decide_object(&view, gr, resource, &obj.metadata);
-                if decision == RebalanceDecision::Keep {
-                    return Ok(());
-                }
-                match patch(ctx, &view, ar, &obj.metadata, decision).await {
-                    Ok(()) => count(ctx, &view, gr, decision),
-                    Err(error) => {
-                        tracing::debug!(%error, object = %obj.name_any(), "fast-path patch failed; the sync will retry");
-                    }
-                }
-                Ok(())
+                backlog.set(i64::try_from(pending.len()).unwrap_or(i64::MAX));
+                continue;
             }
-        })
-        .await;
-    if let Err(error) = result {
-        tracing::warn!(%error, ring = %ring, resource = %gr, "fast-path watch ended");
+            event = events.next() => event,
+        };
+        let obj = match event {
+            None => return,
+            Some(Ok(watcher::Event::Apply(obj) | watcher::Event::InitApply(obj))) => obj,
+            Some(Ok(_)) => continue,
+            Some(Err(error)) => {
+                tracing::warn!(%error, ring = %ring, resource = %gr, "missed-assignment watch failed, retrying with backoff");
+                continue;
+            }
+        };
+        let key = ObjectKey {
+            namespace: obj.metadata.namespace.clone(),
+            name: obj.name_any(),
+        };
+        if !pending.insert(key.clone()) {
+            // Already being assigned; that task reads the object afresh on each attempt.
+            continue;
+        }
+        backlog.set(i64::try_from(pending.len()).unwrap_or(i64::MAX));
+        let (ctx, ring, gr, ar, limit) = (
+            ctx.clone(),
+            ring.clone(),
+            gr.clone(),
+            ar.clone(),
+            limit.clone(),
+        );
+        assigning.spawn(async move {
+            assign(&ctx, &ring, &gr, &ar, &limit, obj.metadata).await;
+            key
+        });
+    }
+}
+
+/// Namespace and name of an object being assigned.
+#[derive(Clone, Debug, Hash, PartialEq, Eq)]
+struct ObjectKey {
+    namespace: Option<String>,
+    name: String,
+}
+
+/// Moves one unassigned object until the webhook has assigned it, it is gone, or it needs no
+/// move any more, retrying with backoff from [`RETRY_INITIAL`] up to [`RETRY_MAX`].
+async fn assign(
+    ctx: &Context,
+    ring: &str,
+    gr: &GroupResource,
+    ar: &ApiResource,
+    limit: &Semaphore,
+    mut meta: ObjectMeta,
+) {
+    let mut delay = RETRY_INITIAL;
+    loop {
+        // Always decide with the current view: shards may have changed meanwhile.
+        let Some(view) = ctx.ring_views.get(ring) else {
+            return;
+        };
+        let Some(resource) = view.resources.get(gr) else {
+            return;
+        };
+        if resource.info.namespaced
+            && !meta
+                .namespace
+                .as_deref()
+                .is_some_and(|ns| namespace_selected(ctx, ring, ns))
+        {
+            return;
+        }
+        let decision = decide_object(&view, gr, resource, &meta);
+        if decision == RebalanceDecision::Keep {
+            return;
+        }
+        let result = {
+            let Ok(_permit) = limit.acquire().await else {
+                return;
+            };
+            patch(ctx, &view, ar, &meta, decision).await
+        };
+        match result {
+            Ok(()) => {
+                count(ctx, &view, gr, decision);
+                return;
+            }
+            Err(error) => {
+                tracing::debug!(%error, object = %meta.name.as_deref().unwrap_or_default(), retry_in = ?delay, "missed-assignment move failed, retrying");
+            }
+        }
+        tokio::time::sleep(delay).await;
+        delay = (delay * 2).min(RETRY_MAX);
+        // Read the object afresh: a new resourceVersion, or assigned or deleted meanwhile.
+        let api: Api<DynamicObject> = match &meta.namespace {
+            Some(ns) => Api::namespaced_with(ctx.client.clone(), ns, ar),
+            None => Api::all_with(ctx.client.clone(), ar),
+        };
+        match api
+            .get_metadata_opt(meta.name.as_deref().unwrap_or_default())
+            .await
+        {
+            Ok(Some(current)) => meta = current.metadata,
+            Ok(None) => return,
+            Err(error) => {
+                tracing::debug!(%error, "failed to read an unassigned object, retrying");
+            }
+        }
     }
 }

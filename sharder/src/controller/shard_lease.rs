@@ -1,23 +1,26 @@
 //! The shard-lease controller (SPEC §4): keeps each shard Lease's state label current, takes over
 //! `uncertain` Leases, deletes `orphaned` ones, and requeues exactly at the next state boundary.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::jiff::Timestamp;
-use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions};
 use kube::runtime::controller::{Action, Controller};
+use kube::runtime::events::{Event, EventType};
 use kube::runtime::reflector::ObjectRef;
 use kube::runtime::watcher;
+use kube::{Resource, ResourceExt};
 use sharding_crds::ClusterRing;
 use sharding_crds::labels::{LABEL_CLUSTER_RING, LABEL_STATE};
 use sharding_crds::lease::{ShardLease, ShardState};
 use tokio_util::sync::CancellationToken;
 
 use crate::context::Context;
+use crate::core::membership::{Exclusion, ring_members};
 
 /// Longest requeue; far-away boundaries (absurd durations) are re-evaluated at least this often.
 const MAX_REQUEUE: Duration = Duration::from_secs(3600);
@@ -67,7 +70,14 @@ pub(crate) async fn run(ctx: Context, shutdown: CancellationToken) {
         },
     )
     .graceful_shutdown_on(shutdown.cancelled_owned())
-    .run(reconcile, error_policy, Arc::new(ctx))
+    .run(
+        reconcile,
+        error_policy,
+        Arc::new(State {
+            ctx,
+            reported: Mutex::default(),
+        }),
+    )
     .for_each(|result| async move {
         if let Err(error) = result {
             tracing::debug!(%error, "shard lease reconciliation failed");
@@ -76,21 +86,31 @@ pub(crate) async fn run(ctx: Context, shutdown: CancellationToken) {
     .await;
 }
 
-fn error_policy(_lease: Arc<Lease>, error: &Error, _ctx: Arc<Context>) -> Action {
+/// The controller's context: the shared one, and the exclusions already reported.
+struct State {
+    ctx: Context,
+    /// Lease UID → the exclusion a Warning Event was published for, so that renewals (every few
+    /// seconds per shard) do not publish it again.
+    reported: Mutex<HashMap<String, Exclusion>>,
+}
+
+fn error_policy(_lease: Arc<Lease>, error: &Error, _state: Arc<State>) -> Action {
     tracing::warn!(%error, "failed to reconcile shard Lease");
     Action::requeue(Duration::from_secs(5))
 }
 
 /// Reconciles one Lease at the current time.
 #[tracing::instrument(skip_all, fields(lease = %lease.name_any(), namespace = lease.namespace().unwrap_or_default()))]
-async fn reconcile(lease: Arc<Lease>, ctx: Arc<Context>) -> Result<Action, Error> {
+async fn reconcile(lease: Arc<Lease>, state: Arc<State>) -> Result<Action, Error> {
+    let ctx = &state.ctx;
     let Some(ring) = lease.labels().get(LABEL_CLUSTER_RING) else {
         return Ok(Action::await_change());
     };
-    if ctx.rings.get(&ObjectRef::new(ring)).is_none() {
+    let Some(ring_object) = ctx.rings.get(&ObjectRef::new(ring)) else {
         // Leases of rings that do not exist are not ours to manage.
         return Ok(Action::await_change());
-    }
+    };
+    report_exclusion(&state, &lease, &ring_object).await;
     let namespace = lease.namespace().unwrap_or_default();
     let name = lease.name_any();
     let api: Api<Lease> = Api::namespaced(ctx.client.clone(), &namespace);
@@ -154,6 +174,48 @@ async fn reconcile(lease: Arc<Lease>, ctx: Arc<Context>) -> Result<Action, Error
                     .map_err(write_err("label"))?;
             }
             Ok(requeue_at(next, now))
+        }
+    }
+}
+
+/// Publishes a Warning Event on the Lease and on its ring when the Lease is kept out of the ring
+/// (SPEC §18), once per Lease and reason.
+async fn report_exclusion(state: &State, lease: &Lease, ring: &ClusterRing) {
+    let ctx = &state.ctx;
+    let uid = lease.uid().unwrap_or_default();
+    let leases = ctx.leases.state();
+    let exclusion = ring_members(&ring.name_any(), leases.iter().map(AsRef::as_ref))
+        .into_iter()
+        .find(|m| m.lease.uid() == lease.uid())
+        .and_then(|m| m.exclusion);
+    {
+        let Ok(mut reported) = state.reported.lock() else {
+            return;
+        };
+        match &exclusion {
+            None => {
+                reported.remove(&uid);
+                return;
+            }
+            Some(e) if reported.get(&uid) == Some(e) => return,
+            Some(e) => {
+                reported.insert(uid, e.clone());
+            }
+        }
+    }
+    let Some(exclusion) = exclusion else { return };
+    let message = exclusion.message(&ring.name_any(), &lease.name_any());
+    tracing::warn!(ring = %ring.name_any(), shard = %lease.name_any(), namespace = %lease.namespace().unwrap_or_default(), reason = exclusion.reason(), "{message}");
+    let event = Event {
+        type_: EventType::Warning,
+        reason: exclusion.reason().into(),
+        note: Some(message),
+        action: "KeepOutOfRing".into(),
+        secondary: None,
+    };
+    for reference in [lease.object_ref(&()), ring.object_ref(&())] {
+        if let Err(error) = ctx.recorder.publish(&event, &reference).await {
+            tracing::warn!(%error, "failed to publish an Event about an excluded shard");
         }
     }
 }

@@ -146,6 +146,25 @@ async fn creates_labels_map_when_missing() {
 }
 
 #[tokio::test]
+async fn assignment_removes_a_stale_drain_label() {
+    let drain = sharding_crds::labels::drain_label("example");
+    let object =
+        json!({"metadata": {"name": "foo", "namespace": "default", "labels": {&drain: "true"}}});
+    let response = admit(
+        state(&["shard-a", "shard-b", "shard-c"]),
+        review("secrets", "Secret", object),
+    )
+    .await;
+    assert_eq!(
+        patch_of(&response),
+        json!([
+            {"op": "add", "path": format!("/metadata/labels/{}", SHARD_LABEL.replace('/', "~1")), "value": "shard-a"},
+            {"op": "remove", "path": format!("/metadata/labels/{}", drain.replace('/', "~1"))},
+        ])
+    );
+}
+
+#[tokio::test]
 async fn controlled_object_follows_its_controller() {
     let state = state(&["shard-a", "shard-b", "shard-c"]);
     let expected = Ring::new(["shard-a", "shard-b", "shard-c"])

@@ -214,6 +214,7 @@ async fn measure(
             // Production timing: the machine is busy, short leases would flap.
             leader_election: (15, 10, 2),
             sync_period: "5m".into(),
+            ..Default::default()
         },
     )?;
     let concurrency = usize::try_from(files.load()?.controller.sharder.concurrent_moves)?;

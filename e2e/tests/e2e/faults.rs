@@ -1,0 +1,439 @@
+//! The sharder under faults (issue: leadership loss, webhook outages, misbehaving shards): each
+//! test injects one fault against the real API server and checks what the README promises.
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use anyhow::{Context, ensure};
+use e2e::fixtures::{
+    WAIT, create_lease, create_ring, ring_spec, secret, wait_status, wait_webhook,
+};
+use e2e::gate::{Balancer, TcpGate};
+use e2e::process::poll_until;
+use e2e::sharder::{DedicatedCluster, SharderFiles, SharderSettings, shared};
+use e2e::{Cluster, cluster, kubectl, unique_name};
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::{Event, Secret};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
+use kube::{Client, ResourceExt};
+use serde_json::json;
+use sharder::core::ring::Ring;
+use sharding_crds::labels;
+
+/// Generous bound for processes starting up and caches syncing on a busy machine.
+const STARTUP: Duration = Duration::from_secs(60);
+
+/// Watches the API server holds open on `resource` (core group), from its own metrics.
+fn watches_on(cluster: &Cluster, resource: &str) -> anyhow::Result<u64> {
+    let out = std::process::Command::new(kubectl())
+        .arg("--kubeconfig")
+        .arg(cluster.kubeconfig())
+        .args(["get", "--raw", "/metrics"])
+        .output()
+        .context("failed to run kubectl")?;
+    ensure!(out.status.success(), "kubectl get --raw /metrics failed");
+    let text = String::from_utf8(out.stdout)?;
+    let needle = format!("resource=\"{resource}\"");
+    let mut total = 0.0;
+    for line in text.lines() {
+        if line.starts_with("apiserver_longrunning_requests{")
+            && line.contains("verb=\"WATCH\"")
+            && line.contains(&needle)
+        {
+            let value = line.rsplit(' ').next().unwrap_or_default();
+            total += value.parse::<f64>().unwrap_or_default();
+        }
+    }
+    Ok(total as u64)
+}
+
+/// Waits until the API server holds exactly `expected` watches on `resource`, and they stay so
+/// for `hold`.
+async fn wait_watches(
+    cluster: &Cluster,
+    resource: &str,
+    expected: u64,
+    hold: Duration,
+) -> anyhow::Result<()> {
+    poll_until(
+        &format!("{expected} watches on {resource}"),
+        Duration::from_secs(20),
+        || async { Ok((watches_on(cluster, resource)? == expected).then_some(())) },
+    )
+    .await?;
+    let until = tokio::time::Instant::now() + hold;
+    while tokio::time::Instant::now() < until {
+        let now = watches_on(cluster, resource)?;
+        ensure!(
+            now == expected,
+            "watches on {resource} went from {expected} to {now}"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    Ok(())
+}
+
+/// Losing the leader Lease stops every task started under leadership (the missed-assignment
+/// watches included) at once, and winning it back starts exactly one set again.
+#[tokio::test]
+async fn leadership_loss_stops_every_controller_watch() -> anyhow::Result<()> {
+    let dedicated = DedicatedCluster::start().await?;
+    let cluster = dedicated.cluster();
+    let client = cluster.client().await?;
+    let ns = cluster.namespace(&client, "flap").await?;
+    let ring = unique_name("flap");
+    create_ring(&client, &ring, ring_spec(&ns)).await?;
+    create_lease(&client, &ns, &ring, "shard-a", 3600).await?;
+    // kube-controller-manager's garbage collector watches every resource: wait until it does, and
+    // count from there.
+    let baseline = poll_until(
+        "the garbage collector to watch Secrets",
+        STARTUP,
+        || async {
+            let n = watches_on(cluster, "secrets")?;
+            Ok((n > 0).then_some(n))
+        },
+    )
+    .await?;
+
+    let files = SharderFiles::create(cluster.kubeconfig(), &SharderSettings::default())?;
+    let mut sharder = files.start_process()?;
+    let result = async {
+        files.wait_ready(STARTUP).await?;
+        wait_status(&client, &ring, 1, 1).await?;
+        // One missed-assignment watch per ring resource while leading.
+        wait_watches(cluster, "secrets", baseline + 1, Duration::from_secs(2)).await?;
+
+        // Another replica takes the Lease: the sharder must stop its watches at once.
+        let leases = Api::<Lease>::namespaced(client.clone(), labels::NAMESPACE_SYSTEM);
+        let steal = json!({"spec": {
+            "holderIdentity": "thief",
+            "leaseDurationSeconds": 8,
+            "renewTime": MicroTime(Timestamp::now()),
+            "acquireTime": MicroTime(Timestamp::now()),
+        }});
+        leases
+            .patch("sharder", &PatchParams::default(), &Patch::Merge(&steal))
+            .await?;
+        sharder
+            .wait_for_record("the sharder to notice the loss", WAIT, |r| {
+                r.to_string().contains("lost leadership")
+            })
+            .await?;
+        wait_watches(cluster, "secrets", baseline, Duration::from_secs(3)).await?;
+
+        // The thief stops renewing; the sharder leads again with exactly one set of watches.
+        poll_until("the sharder to lead again", STARTUP, || async {
+            let holder = leases
+                .get("sharder")
+                .await?
+                .spec
+                .and_then(|s| s.holder_identity)
+                .unwrap_or_default();
+            Ok((!holder.is_empty() && holder != "thief").then_some(()))
+        })
+        .await?;
+        wait_watches(cluster, "secrets", baseline + 1, Duration::from_secs(5)).await?;
+        Ok(())
+    }
+    .await;
+    if result.is_ok() {
+        sharder.passed();
+    }
+    result
+}
+
+/// A leader-election setting the Lease lock refuses stops the sharder at start, naming the field.
+#[tokio::test]
+async fn refused_leader_election_settings_stop_the_sharder_at_start() -> anyhow::Result<()> {
+    let cluster = cluster();
+    let settings = SharderSettings {
+        // The renew deadline must be shorter than the Lease duration.
+        leader_election: (3, 5, 1),
+        ..Default::default()
+    };
+    let files = SharderFiles::create(cluster.kubeconfig(), &settings)?;
+    let mut sharder = files.start_process()?;
+    let status = sharder.wait(WAIT).await?;
+    ensure!(!status.success(), "the sharder ran with refused settings");
+    let logs = sharder.logs();
+    ensure!(
+        logs.contains("leaderElection.renewDeadline")
+            || logs.contains("leaderElection.leaseDuration"),
+        "the error does not name the field: {logs}"
+    );
+    sharder.passed();
+    Ok(())
+}
+
+/// Objects created while the API server cannot reach the webhook are assigned within 10 seconds
+/// of it becoming reachable again, without a restart.
+#[tokio::test]
+async fn objects_missed_during_a_webhook_outage_are_assigned_once_it_ends() -> anyhow::Result<()> {
+    let dedicated = DedicatedCluster::start().await?;
+    let cluster = dedicated.cluster();
+    let client = cluster.client().await?;
+    let ns = cluster.namespace(&client, "outage").await?;
+    let ring = unique_name("outage");
+    let shards = ["shard-a", "shard-b"];
+
+    // The API server calls the webhook through a gate the test can close.
+    let webhook_port = e2e::sharder::free_port()?;
+    let gate = TcpGate::start(([127, 0, 0, 1], webhook_port).into()).await?;
+    let settings = SharderSettings {
+        webhook_url: Some(format!("https://{}", gate.addr())),
+        ..Default::default()
+    };
+    let files =
+        SharderFiles::create_with_webhook_port(cluster.kubeconfig(), &settings, webhook_port)?;
+    let mut sharder = files.start_process()?;
+    let result = async {
+        create_ring(&client, &ring, ring_spec(&ns)).await?;
+        for shard in shards {
+            create_lease(&client, &ns, &ring, shard, 3600).await?;
+        }
+        files.wait_ready(STARTUP).await?;
+        wait_status(&client, &ring, 2, 2).await?;
+        wait_webhook(&client, &ns, &ring, &shards).await?;
+        // The outage starts after the ring's first full sync, so that only the missed-assignment
+        // path, not a sync that happens to run right after the outage, can assign the objects.
+        sharder
+            .wait_for_record("the ring's first sync to finish", STARTUP, |r| {
+                r.to_string().contains("finished sync of ring")
+            })
+            .await?;
+
+        gate.close();
+        let secrets = Api::<Secret>::namespaced(client.clone(), &ns);
+        let key = labels::shard_label(&ring);
+        let mut missed = BTreeSet::new();
+        for i in 0..20 {
+            let name = format!("missed-{i}");
+            let created = secrets
+                .create(&PostParams::default(), &secret(&name))
+                .await?;
+            if !created.labels().contains_key(&key) {
+                missed.insert(name);
+            }
+        }
+        ensure!(
+            missed.len() == 20,
+            "the webhook was reachable during the outage: {} of 20 assigned",
+            20 - missed.len()
+        );
+        // The outage lasts a few seconds: long enough for the sharder to try and fail.
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        gate.open();
+        let reopened = std::time::Instant::now();
+
+        let predicted = Ring::new(shards);
+        poll_until(
+            "every missed object to be assigned",
+            Duration::from_secs(10),
+            || async {
+                let list = secrets.list(&ListParams::default()).await?;
+                let done = list.items.iter().all(|s| {
+                    let want = predicted.shard_for(&format!("/Secret/{ns}/{}", s.name_any()));
+                    s.labels().get(&key).map(String::as_str) == want
+                });
+                Ok(done.then_some(()))
+            },
+        )
+        .await?;
+        println!(
+            "missed objects assigned {:?} after the outage ended",
+            reopened.elapsed()
+        );
+        Ok(())
+    }
+    .await;
+    if result.is_ok() {
+        sharder.passed();
+    }
+    result
+}
+
+/// Warning Events the sharder recorded about the Lease `name` in `namespace`.
+async fn lease_warnings(
+    client: &Client,
+    namespace: &str,
+    name: &str,
+) -> anyhow::Result<Vec<Event>> {
+    let events = Api::<Event>::namespaced(client.clone(), namespace);
+    Ok(events
+        .list(&ListParams::default())
+        .await?
+        .items
+        .into_iter()
+        .filter(|e| {
+            e.type_.as_deref() == Some("Warning")
+                && e.involved_object.kind.as_deref() == Some("Lease")
+                && e.involved_object.name.as_deref() == Some(name)
+        })
+        .collect())
+}
+
+/// A shard whose name cannot be a label value, and two shards of one ring with the same name,
+/// never enter the ring: users' writes keep succeeding and the sharder says why.
+#[tokio::test]
+async fn invalid_and_duplicate_shard_names_stay_out_of_the_ring() -> anyhow::Result<()> {
+    let sharder = shared();
+    let cluster = cluster();
+    let client = cluster.client().await?;
+    let ns = cluster.namespace(&client, "names").await?;
+    let other_ns = cluster.namespace(&client, "names-dup").await?;
+    let ring = unique_name("names");
+    create_ring(&client, &ring, ring_spec(&ns)).await?;
+    let long = format!("shard-{}", "x".repeat(64));
+    let result = async {
+        create_lease(&client, &ns, &ring, "shard-a", 3600).await?;
+        create_lease(&client, &ns, &ring, &long, 3600).await?;
+        wait_status(&client, &ring, 1, 2).await?;
+        wait_webhook(&client, &ns, &ring, &["shard-a"]).await?;
+
+        // Every write succeeds and lands on the one valid shard.
+        let secrets = Api::<Secret>::namespaced(client.clone(), &ns);
+        let key = labels::shard_label(&ring);
+        for i in 0..30 {
+            let created = secrets
+                .create(&PostParams::default(), &secret(&format!("s-{i}")))
+                .await
+                .with_context(|| format!("creating s-{i} failed"))?;
+            ensure!(
+                created.labels().get(&key).map(String::as_str) == Some("shard-a"),
+                "s-{i} assigned to {:?}",
+                created.labels().get(&key)
+            );
+        }
+        let warnings = poll_until("a Warning Event on the long-named Lease", WAIT, || async {
+            let w = lease_warnings(&client, &ns, &long).await?;
+            Ok((!w.is_empty()).then_some(w))
+        })
+        .await?;
+        ensure!(
+            warnings.iter().any(|e| e
+                .message
+                .as_deref()
+                .unwrap_or_default()
+                .contains("label value")),
+            "the Event does not say why: {warnings:?}"
+        );
+
+        // The same shard name in two namespaces of one ring: neither is used.
+        create_lease(&client, &ns, &ring, "shard-dup", 3600).await?;
+        create_lease(&client, &other_ns, &ring, "shard-dup", 3600).await?;
+        wait_status(&client, &ring, 1, 4).await?;
+        for i in 0..20 {
+            let created = secrets
+                .create(&PostParams::default(), &secret(&format!("d-{i}")))
+                .await?;
+            ensure!(
+                created.labels().get(&key).map(String::as_str) == Some("shard-a"),
+                "d-{i} assigned to {:?} while shard-dup is duplicated",
+                created.labels().get(&key)
+            );
+        }
+        poll_until("a Warning Event on a duplicated Lease", WAIT, || async {
+            let w = lease_warnings(&client, &ns, "shard-dup").await?;
+            Ok((!w.is_empty()).then_some(()))
+        })
+        .await?;
+        Ok(())
+    }
+    .await;
+    sharder.check(result)
+}
+
+/// A rolling update of the sharder (a new replica becomes ready, then the old one gets SIGTERM)
+/// under a steady stream of creates refuses no admission call: the old replica stops being ready
+/// first and serves on until the balancer (standing in for the Service) has dropped it, so every
+/// object is assigned in its CREATE response.
+#[tokio::test]
+async fn a_sharder_rollout_refuses_no_admission_call() -> anyhow::Result<()> {
+    let dedicated = DedicatedCluster::start().await?;
+    let cluster = dedicated.cluster();
+    let client = cluster.client().await?;
+    let ns = cluster.namespace(&client, "rollout").await?;
+    let ring = unique_name("rollout");
+    let shards = ["shard-a", "shard-b"];
+    let balancer = Balancer::start().await?;
+    let settings = SharderSettings {
+        webhook_url: Some(format!("https://{}", balancer.addr())),
+        ..Default::default()
+    };
+    let files = [
+        SharderFiles::create(cluster.kubeconfig(), &settings)?,
+        SharderFiles::create(cluster.kubeconfig(), &settings)?,
+    ];
+    for f in &files {
+        balancer.add(
+            ([127, 0, 0, 1], f.webhook_port).into(),
+            ([127, 0, 0, 1], f.health_port).into(),
+        );
+    }
+    let mut old = files[0].start_process()?;
+    create_ring(&client, &ring, ring_spec(&ns)).await?;
+    for shard in shards {
+        create_lease(&client, &ns, &ring, shard, 3600).await?;
+    }
+    files[0].wait_ready(STARTUP).await?;
+    wait_status(&client, &ring, 2, 2).await?;
+    wait_webhook(&client, &ns, &ring, &shards).await?;
+
+    // A steady stream of creates, every one checked for its assignment.
+    let stop = tokio_util::sync::CancellationToken::new();
+    let creates = {
+        let (secrets, key, stop) = (
+            Api::<Secret>::namespaced(client.clone(), &ns),
+            labels::shard_label(&ring),
+            stop.clone(),
+        );
+        tokio::spawn(async move {
+            let (mut created, mut unassigned) = (0usize, Vec::new());
+            while !stop.is_cancelled() {
+                let name = format!("steady-{created}");
+                let object = secrets
+                    .create(&PostParams::default(), &secret(&name))
+                    .await?;
+                if !object.labels().contains_key(&key) {
+                    unassigned.push(name);
+                }
+                created += 1;
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            anyhow::Ok((created, unassigned))
+        })
+    };
+    let result = async {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let mut new = files[1].start_process()?;
+        files[1].wait_ready(STARTUP).await?;
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        old.terminate()?;
+        let status = old.wait(Duration::from_secs(20)).await?;
+        ensure!(
+            status.success(),
+            "the old replica exits 0 on SIGTERM, got {status}"
+        );
+        // The new replica answers alone for a while.
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        stop.cancel();
+        let (created, unassigned) = creates.await??;
+        ensure!(created >= 40, "only {created} creates during the rollout");
+        ensure!(
+            unassigned.is_empty(),
+            "{} of {created} objects created during the rollout were not assigned: {unassigned:?}",
+            unassigned.len()
+        );
+        new.passed();
+        Ok(())
+    }
+    .await;
+    stop.cancel();
+    if result.is_ok() {
+        old.passed();
+    }
+    result
+}
