@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use anyhow::{Context, ensure};
 use e2e::fixtures::{
-    ShardTiming, create_lease, create_ring, ring_spec, secret, start_checksum_shard, wait_status,
-    wait_webhook,
+    ShardTiming, create_lease, create_ring, expected_shard, ring_spec, secret,
+    start_checksum_shard, wait_status, wait_webhook,
 };
 use e2e::process::{Process, poll_until};
 use e2e::sharder::{DedicatedCluster, SharderFiles, SharderSettings, shared};
@@ -143,7 +143,7 @@ async fn create_and_check(
         .create(&PostParams::default(), &secret(name))
         .await?;
     let predicted = Ring::new(SHARDS);
-    let expected = predicted.shard_for(&format!("/Secret/{namespace}/{name}"));
+    let expected = expected_shard(&predicted, namespace, name);
     let got = created.labels().get(&labels::shard_label(ring));
     ensure!(
         got.map(String::as_str) == expected,
@@ -219,9 +219,7 @@ async fn two_sharders_elect_one_leader_and_hand_over_on_sigterm() -> anyhow::Res
     // Both replicas answer webhooks with the same assignment: every replica keeps the rings view.
     for (i, f) in files.iter().enumerate() {
         for name in ["direct-0", "direct-1", "direct-2"] {
-            let expected = Ring::new(SHARDS)
-                .shard_for(&format!("/Secret/{ns}/{name}"))
-                .map(str::to_string);
+            let expected = expected_shard(&Ring::new(SHARDS), &ns, name).map(str::to_string);
             let got = poll_until(&format!("replica {i} to assign {name}"), STARTUP, || {
                 let got = assigned_by_replica(f, &ring, &ns, name);
                 async move { got }
@@ -368,8 +366,7 @@ async fn sharder_and_three_checksum_shards_split_a_ring() -> anyhow::Result<()> 
                 ..Default::default()
             };
             let created = secrets.create(&PostParams::default(), &object).await?;
-            let shard = predicted
-                .shard_for(&format!("/Secret/{ns}/{name}"))
+            let shard = expected_shard(&predicted, &ns, &name)
                 .context("a ring of three shards assigns every key")?;
             let got = created.labels().get(&key);
             ensure!(

@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use anyhow::{Context, ensure};
 use e2e::fixtures::{
-    ShardTiming, create_lease, create_ring, ring_spec, secret, start_checksum_shard, wait_status,
-    wait_webhook,
+    ShardTiming, create_lease, create_ring, expected_shard, ring_spec, secret,
+    start_checksum_shard, wait_status, wait_webhook,
 };
 use e2e::process::{Process, poll_until};
 use e2e::sharder::{DedicatedCluster, SharderFiles, SharderSettings, shared};
@@ -142,11 +142,8 @@ async fn wait_converged(
         timeout,
         || async {
             let (secrets, configmaps, draining) = assignments(client, namespace, ring).await?;
-            let expected = |name: &str| {
-                predicted
-                    .shard_for(&format!("/Secret/{namespace}/{name}"))
-                    .map(str::to_string)
-            };
+            let expected =
+                |name: &str| expected_shard(&predicted, namespace, name).map(str::to_string);
             let secrets_ok = secrets.len() == count
                 && secrets.iter().all(|(name, shard)| *shard == expected(name));
             let configmaps_ok = configmaps.len() == count
@@ -198,7 +195,7 @@ async fn wait_all_assigned(
             .iter()
             .all(|s| {
                 s.labels().get(&key).map(String::as_str)
-                    == predicted.shard_for(&format!("/Secret/{namespace}/{}", s.name_any()))
+                    == expected_shard(&predicted, namespace, &s.name_any())
             })
             .then_some(()))
     })

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use anyhow::{Context, ensure};
 use e2e::fixtures::{
-    WAIT, create_lease, create_ring, ring_spec, secret, wait_status, wait_webhook,
+    WAIT, create_lease, create_ring, expected_shard, ring_spec, secret, wait_status, wait_webhook,
 };
 use e2e::process::poll_until;
 use e2e::sharder::shared;
@@ -44,7 +44,7 @@ async fn webhook_assigns_in_the_create_response() -> anyhow::Result<()> {
         for i in 0..20 {
             let name = format!("secret-{i}");
             let created = secrets.create(&PostParams::default(), &secret(&name)).await?;
-            let expected = predicted.shard_for(&format!("/Secret/{ns}/{name}"));
+            let expected = expected_shard(&predicted, &ns, &name);
             ensure!(
                 created.labels().get(&key).map(String::as_str) == expected,
                 "{name}: got {:?}, ring predicts {expected:?}",
