@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::{Context, ensure};
 use e2e::fixtures::{
-    ShardTiming, create_lease, create_ring, expected_shard, ring_spec, secret,
+    ShardTiming, create_lease, create_ring, expected_shard, ring_spec, secret, secret_review,
     start_checksum_shard, wait_status, wait_webhook,
 };
 use e2e::process::{Process, poll_until};
@@ -18,7 +18,7 @@ use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{ConfigMap, Secret};
 use kube::api::{Api, ObjectMeta, PostParams};
 use kube::{Client, ResourceExt};
-use serde_json::{Value, json};
+use serde_json::Value;
 use sha2::{Digest, Sha256};
 use sharder::core::ring::Ring;
 use sharding_crds::labels;
@@ -75,23 +75,6 @@ async fn webhook_url(client: &Client, ring: &str) -> anyhow::Result<Option<Strin
         .and_then(|hook| hook.client_config.url))
 }
 
-/// An AdmissionReview for creating Secret `name` in `namespace`.
-fn review(namespace: &str, name: &str) -> Value {
-    json!({
-        "apiVersion": "admission.k8s.io/v1",
-        "kind": "AdmissionReview",
-        "request": {
-            "uid": format!("uid-{name}"),
-            "kind": {"group": "", "version": "v1", "kind": "Secret"},
-            "resource": {"group": "", "version": "v1", "resource": "secrets"},
-            "namespace": namespace,
-            "operation": "CREATE",
-            "userInfo": {"username": "test"},
-            "object": {"metadata": {"name": name, "namespace": namespace, "labels": {"app": "leader"}}},
-        }
-    })
-}
-
 /// Posts a review straight to one replica's webhook server; returns the shard its patch assigns,
 /// or `None` while the replica answers without a patch (its view of the ring is not built yet).
 fn assigned_by_replica(
@@ -100,10 +83,14 @@ fn assigned_by_replica(
     namespace: &str,
     name: &str,
 ) -> anyhow::Result<Option<String>> {
-    let (status, text) = files.post_webhook(
-        &labels::webhook_path(ring),
-        review(namespace, name).to_string().as_bytes(),
-    )?;
+    let review = secret_review(
+        &format!("uid-{name}"),
+        namespace,
+        name,
+        &[("app", "leader")],
+    );
+    let (status, text) =
+        files.post_webhook(&labels::webhook_path(ring), review.to_string().as_bytes())?;
     ensure!(status == 200, "webhook answered {status}: {text}");
     let body: Value = serde_json::from_str(&text)?;
     let response = &body["response"];

@@ -5,7 +5,8 @@ use std::time::Duration;
 
 use anyhow::{Context, ensure};
 use e2e::fixtures::{
-    WAIT, create_lease, create_ring, expected_shard, ring_spec, secret, wait_status, wait_webhook,
+    WAIT, create_lease, create_ring, expected_shard, ring_spec, secret, secret_review, wait_status,
+    wait_webhook,
 };
 use e2e::process::poll_until;
 use e2e::sharder::shared;
@@ -437,22 +438,6 @@ async fn invalid_rings_are_reported_and_not_acted_on() -> anyhow::Result<()> {
     sharder.check(result)
 }
 
-fn review(namespace: &str, name: &str) -> serde_json::Value {
-    json!({
-        "apiVersion": "admission.k8s.io/v1",
-        "kind": "AdmissionReview",
-        "request": {
-            "uid": "u-1",
-            "kind": {"group": "", "version": "v1", "kind": "Secret"},
-            "resource": {"group": "", "version": "v1", "resource": "secrets"},
-            "namespace": namespace,
-            "operation": "CREATE",
-            "userInfo": {"username": "test"},
-            "object": {"metadata": {"name": name, "namespace": namespace}},
-        }
-    })
-}
-
 #[tokio::test]
 async fn webhook_server_answers_bad_input_with_4xx_and_keeps_serving() -> anyhow::Result<()> {
     let sharder = shared();
@@ -470,7 +455,8 @@ async fn webhook_server_answers_bad_input_with_4xx_and_keeps_serving() -> anyhow
         ensure!(status == code, "{p}: expected {code}, got {status}: {text}");
         ensure!(text.contains(message), "{p}: {text}");
     }
-    let (status, text) = files.post_webhook(path, review("default", "x").to_string().as_bytes())?;
+    let review = secret_review("u-1", "default", "x", &[]);
+    let (status, text) = files.post_webhook(path, review.to_string().as_bytes())?;
     ensure!(status == 200, "still serving: {status} {text}");
     let body: serde_json::Value = serde_json::from_str(&text)?;
     ensure!(body["response"]["allowed"] == true, "{body}");
