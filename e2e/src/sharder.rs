@@ -177,6 +177,21 @@ gracefulShutdown: 5s
     }
 }
 
+/// Value of the sharder's per-resource counter `metric` (the sample's name, e.g.
+/// `controller_sharding_drains_total`) for `ring` and the core-group `resource` in the `/metrics`
+/// text `metrics`; 0 while the series is absent, as a labelled series appears only once counted.
+///
+/// Labels are matched in the order the sharder writes them: `clusterring`, `group`, `resource`.
+pub fn counter(metrics: &str, metric: &str, ring: &str, resource: &str) -> anyhow::Result<u64> {
+    let prefix = format!(r#"{metric}{{clusterring="{ring}",group="",resource="{resource}"}} "#);
+    let value = metrics.lines().find_map(|l| l.strip_prefix(&prefix));
+    Ok(value
+        .map(|v| v.trim().parse())
+        .transpose()
+        .with_context(|| format!("unexpected value of {prefix}: {value:?}"))?
+        .unwrap_or(0))
+}
+
 fn curl(args: &[&str]) -> anyhow::Result<String> {
     let out = Command::new("curl")
         .args(args)
@@ -221,6 +236,12 @@ pub struct SharedSharder {
 }
 
 impl SharedSharder {
+    /// The current value of its per-resource counter `metric` for `ring` and core `resource`:
+    /// [`counter`] of a fresh [`SharderFiles::metrics`].
+    pub fn counter(&self, metric: &str, ring: &str, resource: &str) -> anyhow::Result<u64> {
+        counter(&self.files.metrics()?, metric, ring, resource)
+    }
+
     /// Passes `result` through, printing the sharder's log first when it is an error.
     pub fn check<T>(&self, result: anyhow::Result<T>) -> anyhow::Result<T> {
         if result.is_err() {

@@ -165,18 +165,6 @@ async fn wait_converged(
     .await
 }
 
-/// Value of a counter of the shared sharder for `ring` and core `resource`.
-fn counter(metric: &str, ring: &str, resource: &str) -> anyhow::Result<u64> {
-    let text = shared().files.metrics()?;
-    let prefix = format!(r#"{metric}{{clusterring="{ring}",group="",resource="{resource}"}} "#);
-    Ok(text
-        .lines()
-        .find_map(|l| l.strip_prefix(&prefix))
-        .map(|v| v.trim().parse())
-        .transpose()?
-        .unwrap_or(0))
-}
-
 /// Waits until every Secret in `namespace` carries the shard the ring of `shards` predicts.
 async fn wait_all_assigned(
     client: &Client,
@@ -218,7 +206,7 @@ async fn scale_out_drains_exactly_the_moved_objects() -> anyhow::Result<()> {
     let mut shards = start_shards(&ring, &ns, &names[..3])?;
     let result = async {
         let before = populate(&client, &ns, &ring, &names[..3], 300).await?;
-        ensure!(counter("controller_sharding_drains_total", &ring, "secrets")? == 0);
+        ensure!(sharder.counter("controller_sharding_drains_total", &ring, "secrets")? == 0);
 
         shards.insert(names[3], start_shard(&ring, &ns, names[3])?);
         wait_status(&client, &ring, 4, 4).await?;
@@ -234,14 +222,14 @@ async fn scale_out_drains_exactly_the_moved_objects() -> anyhow::Result<()> {
             moved.iter().all(|(name, _)| after[*name] == names[3]),
             "only the new shard gains Secrets"
         );
-        let drains = counter("controller_sharding_drains_total", &ring, "secrets")?;
+        let drains = sharder.counter("controller_sharding_drains_total", &ring, "secrets")?;
         ensure!(
             drains == moved.len() as u64,
             "every moved Secret went through exactly one drain: {drains} drains, {} moved",
             moved.len()
         );
         ensure!(
-            counter("controller_sharding_movements_total", &ring, "secrets")? == 0,
+            sharder.counter("controller_sharding_movements_total", &ring, "secrets")? == 0,
             "Secrets of live shards are drained, never moved directly"
         );
         // The old shard acknowledged each drain and reconciled the Secret no more after that.
@@ -327,11 +315,11 @@ async fn graceful_scale_in_moves_without_drains() -> anyhow::Result<()> {
             started.elapsed()
         );
         ensure!(
-            counter("controller_sharding_drains_total", &ring, "secrets")? == 0,
+            sharder.counter("controller_sharding_drains_total", &ring, "secrets")? == 0,
             "no drains"
         );
         ensure!(
-            counter("controller_sharding_movements_total", &ring, "secrets")? > 0,
+            sharder.counter("controller_sharding_movements_total", &ring, "secrets")? > 0,
             "moves"
         );
         // The released Lease becomes orphaned 60 s after it expired, and is deleted.
