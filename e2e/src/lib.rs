@@ -11,6 +11,7 @@
 //! ([`unique_name`]), so tests in one process can run in parallel.
 
 pub mod fixtures;
+pub mod logs;
 pub mod process;
 pub mod sharder;
 

@@ -2,10 +2,10 @@
 //!
 //! [`shared`] runs one sharder for the whole test process, in-process through the library on a
 //! thread of its own (so it can never outlive the tests), against the shared cluster. Its logs go
-//! to a file printed by [`SharedSharder::dump_logs`]. Tests that need sharders of their own (leader
-//! election, a missed webhook) start real processes with [`SharderFiles`] against a dedicated
-//! control plane ([`DedicatedCluster`]), because every sharder on one cluster takes part in the
-//! same leader election.
+//! to a file a test prints when it fails through [`SharedSharder::dump_on_failure`]. Tests that
+//! need sharders of their own (leader election, a missed webhook) start real processes with
+//! [`SharderFiles`] against a dedicated control plane ([`DedicatedCluster`]), because every
+//! sharder on one cluster takes part in the same leader election.
 
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
@@ -16,6 +16,7 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use tokio_util::sync::CancellationToken;
 
+use crate::logs::DumpOnFailure;
 use crate::process::{Process, poll_until};
 use crate::{Cluster, cluster, control_plane_script};
 
@@ -242,21 +243,10 @@ impl SharedSharder {
         counter(&self.files.metrics()?, metric, ring, resource)
     }
 
-    /// Passes `result` through, printing the sharder's log first when it is an error.
-    pub fn check<T>(&self, result: anyhow::Result<T>) -> anyhow::Result<T> {
-        if result.is_err() {
-            self.dump_logs();
-        }
-        result
-    }
-
-    /// Prints the sharder's log to stderr (call when a test fails).
-    pub fn dump_logs(&self) {
-        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
-        eprintln!(
-            "----- shared sharder log ({}) -----\n{text}",
-            self.log.display()
-        );
+    /// A guard that prints the sharder's log unless the test calls
+    /// [`DumpOnFailure::passed`]: take it at the start of a test that uses the shared sharder.
+    pub fn dump_on_failure(&self) -> DumpOnFailure {
+        DumpOnFailure::new("the shared sharder", &self.log)
     }
 }
 
