@@ -89,6 +89,46 @@ pub fn secret(name: &str) -> Secret {
     }
 }
 
+/// The shard a ring assigns Secret `name` in `namespace` to, predicted from the pure hash ring
+/// ([`Ring`] over the shards' names) and the Secret's hash key `/Secret/<namespace>/<name>`,
+/// spelled out here rather than taken from the sharder's key code, so a test checks it.
+///
+/// Takes the ring rather than the shard names: callers that predict many objects build it once.
+pub fn expected_shard<'r>(ring: &'r Ring, namespace: &str, name: &str) -> Option<&'r str> {
+    ring.shard_for(&format!("/Secret/{namespace}/{name}"))
+}
+
+/// An `admission.k8s.io/v1` AdmissionReview as the API server sends it to a ring's webhook for
+/// creating Secret `name` in `namespace`: request `uid`, and the object's `labels` (the object has
+/// no `labels` field when there are none, so the webhook's patch must create it).
+pub fn secret_review(
+    uid: &str,
+    namespace: &str,
+    name: &str,
+    labels: &[(&str, &str)],
+) -> serde_json::Value {
+    let mut metadata = serde_json::json!({"name": name, "namespace": namespace});
+    if !labels.is_empty() {
+        metadata["labels"] = labels
+            .iter()
+            .map(|(k, v)| (k.to_string(), serde_json::Value::from(*v)))
+            .collect();
+    }
+    serde_json::json!({
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": uid,
+            "kind": {"group": "", "version": "v1", "kind": "Secret"},
+            "resource": {"group": "", "version": "v1", "resource": "secrets"},
+            "namespace": namespace,
+            "operation": "CREATE",
+            "userInfo": {"username": "test"},
+            "object": {"metadata": metadata},
+        }
+    })
+}
+
 /// Waits until the ring is Ready and its status reports `available`/`shards`.
 pub async fn wait_status(
     client: &Client,
@@ -123,9 +163,7 @@ pub async fn wait_webhook(
 ) -> anyhow::Result<()> {
     let api = Api::<Secret>::namespaced(client.clone(), namespace);
     let key = labels::shard_label(ring);
-    let expected = Ring::new(shards)
-        .shard_for(&format!("/Secret/{namespace}/probe"))
-        .map(str::to_string);
+    let expected = expected_shard(&Ring::new(shards), namespace, "probe").map(str::to_string);
     poll_until(
         &format!("webhook of ring {ring} to assign like {shards:?}"),
         WAIT,

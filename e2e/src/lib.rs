@@ -9,9 +9,23 @@
 //!
 //! Each test works in its own namespace ([`Cluster::namespace`]) with unique names
 //! ([`unique_name`]), so tests in one process can run in parallel.
+//!
+//! Helpers the tests and the tools under `src/bin` share, each written once:
+//!
+//! | helper | what |
+//! |---|---|
+//! | [`sharder::shared`], [`sharder::SharderFiles`] | the shared in-process sharder; files, ports and processes of sharders of their own |
+//! | [`sharder::generate_certificates`] | a test CA and a serving certificate for 127.0.0.1 |
+//! | [`process::Process`], [`process::poll_until`] | the workspace's binaries as child processes; waiting on a condition |
+//! | [`logs::DumpOnFailure`] | prints a log when a test fails (an early `?` or a panic); [`sharder::SharedSharder::dump_on_failure`] for the shared sharder |
+//! | [`fixtures::expected_shard`] | the shard a ring assigns a Secret to |
+//! | [`fixtures::secret_review`] | an `admission.k8s.io/v1` AdmissionReview of a Secret CREATE |
+//! | [`sharder::counter`] | a per-resource counter from the sharder's `/metrics` text |
+//! | [`fixtures`] | rings, shard Leases and Secrets; waits on a ring's status and webhook; checksum-controller shards |
 
 pub mod fixtures;
 pub mod gate;
+pub mod logs;
 pub mod process;
 pub mod sharder;
 

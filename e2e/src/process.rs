@@ -3,7 +3,7 @@
 //! Binaries of other packages have no `CARGO_BIN_EXE_*` variable here, so [`binary`] finds them
 //! beside the test executable (`cargo build --workspace --bins` puts them there; `e2e/test.sh`
 //! does that). A [`Process`] talks to the test cluster, writes its output to a log file, is killed
-//! when dropped, and prints its log when the test did not pass.
+//! when dropped, and prints its log when the test did not pass (through a [`DumpOnFailure`]).
 
 use std::future::Future;
 use std::path::{Path, PathBuf};
@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 
+use crate::logs::DumpOnFailure;
 use crate::{cluster, unique_name};
 
 /// Interval at which [`poll_until`] and [`Process::wait_for_record`] look again.
@@ -76,8 +77,8 @@ where
 pub struct Process {
     name: String,
     child: tokio::process::Child,
-    log_path: PathBuf,
-    passed: bool,
+    /// Prints the log when a failed test drops the process (after `drop` killed the child).
+    log: DumpOnFailure,
 }
 
 impl Process {
@@ -131,8 +132,7 @@ impl Process {
         Ok(Self {
             name: name.to_string(),
             child,
-            log_path,
-            passed: false,
+            log: DumpOnFailure::new(name, log_path),
         })
     }
 
@@ -143,7 +143,7 @@ impl Process {
 
     /// Path of the log file.
     pub fn log_path(&self) -> &Path {
-        &self.log_path
+        self.log.path()
     }
 
     /// Sends a signal by name (`TERM`, `INT`, `KILL`, …) with `kill(1)`.
@@ -184,7 +184,7 @@ impl Process {
 
     /// Everything the process wrote so far.
     pub fn logs(&self) -> String {
-        std::fs::read_to_string(&self.log_path).unwrap_or_default()
+        self.log.read()
     }
 
     /// The lines written so far that are JSON objects (with `--log-format=json`), in order.
@@ -212,22 +212,14 @@ impl Process {
 
     /// Marks the test as passed: dropping will not print the log.
     pub fn passed(&mut self) {
-        self.passed = true;
+        self.log.passed();
     }
 }
 
 impl Drop for Process {
     fn drop(&mut self) {
-        // kill_on_drop reaps it; killing here as well makes the intent explicit.
+        // kill_on_drop reaps it; killing here as well makes the intent explicit. The log guard
+        // prints the log afterwards, when the fields are dropped.
         let _ = self.child.start_kill();
-        if !self.passed || std::thread::panicking() {
-            eprintln!(
-                "----- log of {} ({}) -----\n{}----- end of log of {} -----",
-                self.name,
-                self.log_path.display(),
-                self.logs(),
-                self.name
-            );
-        }
     }
 }

@@ -2,10 +2,10 @@
 //!
 //! [`shared`] runs one sharder for the whole test process, in-process through the library on a
 //! thread of its own (so it can never outlive the tests), against the shared cluster. Its logs go
-//! to a file printed by [`SharedSharder::dump_logs`]. Tests that need sharders of their own (leader
-//! election, a missed webhook) start real processes with [`SharderFiles`] against a dedicated
-//! control plane ([`DedicatedCluster`]), because every sharder on one cluster takes part in the
-//! same leader election.
+//! to a file a test prints when it fails through [`SharedSharder::dump_on_failure`]. Tests that
+//! need sharders of their own (leader election, a missed webhook) start real processes with
+//! [`SharderFiles`] against a dedicated control plane ([`DedicatedCluster`]), because every
+//! sharder on one cluster takes part in the same leader election.
 
 use std::collections::BTreeSet;
 use std::net::TcpListener;
@@ -17,6 +17,7 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use tokio_util::sync::CancellationToken;
 
+use crate::logs::DumpOnFailure;
 use crate::process::{Process, poll_until};
 use crate::{Cluster, cluster, control_plane_script};
 
@@ -208,6 +209,21 @@ shutdownDelay: 1s
     }
 }
 
+/// Value of the sharder's per-resource counter `metric` (the sample's name, e.g.
+/// `controller_sharding_drains_total`) for `ring` and the core-group `resource` in the `/metrics`
+/// text `metrics`; 0 while the series is absent, as a labelled series appears only once counted.
+///
+/// Labels are matched in the order the sharder writes them: `clusterring`, `group`, `resource`.
+pub fn counter(metrics: &str, metric: &str, ring: &str, resource: &str) -> anyhow::Result<u64> {
+    let prefix = format!(r#"{metric}{{clusterring="{ring}",group="",resource="{resource}"}} "#);
+    let value = metrics.lines().find_map(|l| l.strip_prefix(&prefix));
+    Ok(value
+        .map(|v| v.trim().parse())
+        .transpose()
+        .with_context(|| format!("unexpected value of {prefix}: {value:?}"))?
+        .unwrap_or(0))
+}
+
 fn curl(args: &[&str]) -> anyhow::Result<String> {
     let out = Command::new("curl")
         .args(args)
@@ -252,21 +268,16 @@ pub struct SharedSharder {
 }
 
 impl SharedSharder {
-    /// Passes `result` through, printing the sharder's log first when it is an error.
-    pub fn check<T>(&self, result: anyhow::Result<T>) -> anyhow::Result<T> {
-        if result.is_err() {
-            self.dump_logs();
-        }
-        result
+    /// The current value of its per-resource counter `metric` for `ring` and core `resource`:
+    /// [`counter`] of a fresh [`SharderFiles::metrics`].
+    pub fn counter(&self, metric: &str, ring: &str, resource: &str) -> anyhow::Result<u64> {
+        counter(&self.files.metrics()?, metric, ring, resource)
     }
 
-    /// Prints the sharder's log to stderr (call when a test fails).
-    pub fn dump_logs(&self) {
-        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
-        eprintln!(
-            "----- shared sharder log ({}) -----\n{text}",
-            self.log.display()
-        );
+    /// A guard that prints the sharder's log unless the test calls
+    /// [`DumpOnFailure::passed`]: take it at the start of a test that uses the shared sharder.
+    pub fn dump_on_failure(&self) -> DumpOnFailure {
+        DumpOnFailure::new("the shared sharder", &self.log)
     }
 }
 

@@ -150,11 +150,9 @@ fn main() -> anyhow::Result<()> {
         .enable_all()
         .build()
         .context("failed to start a runtime")?;
-    let result = runtime.block_on(run(&args, cluster, &webhook_runtime));
-    if result.is_err() {
-        sharder.dump_logs();
-    }
-    let report = result?;
+    let mut logs = sharder.dump_on_failure();
+    let report = runtime.block_on(run(&args, cluster, &webhook_runtime))?;
+    logs.passed();
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report.json(&args))?);
     } else {

@@ -27,6 +27,7 @@ const GC_WAIT: Duration = Duration::from_secs(90);
 async fn deleting_a_ring_removes_its_webhook_configuration_and_keeps_labels() -> anyhow::Result<()>
 {
     let sharder = shared();
+    let mut logs = sharder.dump_on_failure();
     let cluster = cluster();
     let client = cluster.client().await?;
     let ns = cluster.namespace(&client, "gc").await?;
@@ -36,121 +37,116 @@ async fn deleting_a_ring_removes_its_webhook_configuration_and_keeps_labels() ->
     for shard in shards {
         create_lease(&client, &ns, &ring, shard, 3600).await?;
     }
-    let result = async {
-        wait_status(&client, &ring, 2, 2).await?;
-        wait_webhook(&client, &ns, &ring, &shards).await?;
-        let key = labels::shard_label(&ring);
-        let secrets = Api::<Secret>::namespaced(client.clone(), &ns);
-        for i in 0..5 {
-            let created = secrets
-                .create(&PostParams::default(), &secret(&format!("secret-{i}")))
-                .await?;
-            ensure!(
-                created.labels().contains_key(&key),
-                "secret-{i} not assigned"
-            );
-        }
-        let configs = Api::<MutatingWebhookConfiguration>::all(client.clone());
-        let config_name = labels::webhook_configuration_name(&ring);
-        let config = configs.get(&config_name).await?;
-        let rings = Api::<ClusterRing>::all(client.clone());
-        let uid = rings.get(&ring).await?.uid();
-        ensure!(
-            config
-                .owner_references()
-                .iter()
-                .any(|o| o.kind == "ClusterRing" && Some(&o.uid) == uid.as_ref()),
-            "webhook configuration is not owned by the ring: {:?}",
-            config.owner_references()
-        );
-
-        rings.delete(&ring, &DeleteParams::default()).await?;
-        poll_until(
-            "the garbage collector to delete the webhook configuration",
-            GC_WAIT,
-            || {
-                let (configs, config_name) = (configs.clone(), config_name.clone());
-                async move { Ok(configs.get_opt(&config_name).await?.is_none().then_some(())) }
-            },
-        )
-        .await?;
-
-        // The objects keep the labels they had; new objects are no longer assigned.
-        for s in secrets.list(&ListParams::default()).await? {
-            ensure!(
-                s.labels().contains_key(&key),
-                "{} lost its shard label after the ring was deleted",
-                s.name_any()
-            );
-        }
+    wait_status(&client, &ring, 2, 2).await?;
+    wait_webhook(&client, &ns, &ring, &shards).await?;
+    let key = labels::shard_label(&ring);
+    let secrets = Api::<Secret>::namespaced(client.clone(), &ns);
+    for i in 0..5 {
         let created = secrets
-            .create(&PostParams::default(), &secret("after"))
+            .create(&PostParams::default(), &secret(&format!("secret-{i}")))
             .await?;
         ensure!(
-            !created.labels().contains_key(&key),
-            "an object was assigned after the ring and its webhook were deleted"
+            created.labels().contains_key(&key),
+            "secret-{i} not assigned"
         );
-        Ok(())
     }
-    .await;
-    sharder.check(result)
+    let configs = Api::<MutatingWebhookConfiguration>::all(client.clone());
+    let config_name = labels::webhook_configuration_name(&ring);
+    let config = configs.get(&config_name).await?;
+    let rings = Api::<ClusterRing>::all(client.clone());
+    let uid = rings.get(&ring).await?.uid();
+    ensure!(
+        config
+            .owner_references()
+            .iter()
+            .any(|o| o.kind == "ClusterRing" && Some(&o.uid) == uid.as_ref()),
+        "webhook configuration is not owned by the ring: {:?}",
+        config.owner_references()
+    );
+
+    rings.delete(&ring, &DeleteParams::default()).await?;
+    poll_until(
+        "the garbage collector to delete the webhook configuration",
+        GC_WAIT,
+        || {
+            let (configs, config_name) = (configs.clone(), config_name.clone());
+            async move { Ok(configs.get_opt(&config_name).await?.is_none().then_some(())) }
+        },
+    )
+    .await?;
+
+    // The objects keep the labels they had; new objects are no longer assigned.
+    for s in secrets.list(&ListParams::default()).await? {
+        ensure!(
+            s.labels().contains_key(&key),
+            "{} lost its shard label after the ring was deleted",
+            s.name_any()
+        );
+    }
+    let created = secrets
+        .create(&PostParams::default(), &secret("after"))
+        .await?;
+    ensure!(
+        !created.labels().contains_key(&key),
+        "an object was assigned after the ring and its webhook were deleted"
+    );
+    logs.passed();
+    Ok(())
 }
 
 #[tokio::test]
 async fn deleting_a_rings_namespace_leaves_the_sharder_healthy() -> anyhow::Result<()> {
     let sharder = shared();
+    let mut logs = sharder.dump_on_failure();
     let cluster = cluster();
     let client = cluster.client().await?;
     let ns = cluster.namespace(&client, "nsdel").await?;
     let ring = unique_name("nsdel");
     create_ring(&client, &ring, ring_spec(&ns)).await?;
     let shards = ["shard-a", "shard-b"];
-    let result = async {
-        for shard in shards {
-            create_lease(&client, &ns, &ring, shard, 3600).await?;
-        }
-        wait_status(&client, &ring, 2, 2).await?;
-        wait_webhook(&client, &ns, &ring, &shards).await?;
-        let secrets = Api::<Secret>::namespaced(client.clone(), &ns);
-        for i in 0..5 {
-            secrets
-                .create(&PostParams::default(), &secret(&format!("secret-{i}")))
-                .await?;
-        }
-
-        // The namespace controller deletes the Secrets and the shards' Leases with it.
-        let namespaces = Api::<Namespace>::all(client.clone());
-        namespaces.delete(&ns, &DeleteParams::default()).await?;
-        poll_until(&format!("namespace {ns} to be gone"), GC_WAIT, || {
-            let (namespaces, ns) = (namespaces.clone(), ns.clone());
-            async move { Ok(namespaces.get_opt(&ns).await?.is_none().then_some(())) }
-        })
-        .await?;
-        let leases = Api::<Lease>::all(client.clone());
-        let left = leases
-            .list(&ListParams::default().labels(&format!("{}={ring}", labels::LABEL_CLUSTER_RING)))
-            .await?;
-        ensure!(
-            left.items.is_empty(),
-            "Leases survived their namespace: {left:?}"
-        );
-
-        // The ring stays Ready with no shards, and the sharder keeps serving and answering.
-        wait_status(&client, &ring, 0, 0).await?;
-        sharder.files.wait_ready(WAIT).await?;
-
-        // The namespace comes back with its shards: the ring works as before.
-        let recreated: Namespace = serde_json::from_value(json!({"metadata": {"name": ns}}))?;
-        namespaces
-            .create(&PostParams::default(), &recreated)
-            .await?;
-        for shard in shards {
-            create_lease(&client, &ns, &ring, shard, 3600).await?;
-        }
-        wait_status(&client, &ring, 2, 2).await?;
-        wait_webhook(&client, &ns, &ring, &shards).await?;
-        Ok(())
+    for shard in shards {
+        create_lease(&client, &ns, &ring, shard, 3600).await?;
     }
-    .await;
-    sharder.check(result)
+    wait_status(&client, &ring, 2, 2).await?;
+    wait_webhook(&client, &ns, &ring, &shards).await?;
+    let secrets = Api::<Secret>::namespaced(client.clone(), &ns);
+    for i in 0..5 {
+        secrets
+            .create(&PostParams::default(), &secret(&format!("secret-{i}")))
+            .await?;
+    }
+
+    // The namespace controller deletes the Secrets and the shards' Leases with it.
+    let namespaces = Api::<Namespace>::all(client.clone());
+    namespaces.delete(&ns, &DeleteParams::default()).await?;
+    poll_until(&format!("namespace {ns} to be gone"), GC_WAIT, || {
+        let (namespaces, ns) = (namespaces.clone(), ns.clone());
+        async move { Ok(namespaces.get_opt(&ns).await?.is_none().then_some(())) }
+    })
+    .await?;
+    let leases = Api::<Lease>::all(client.clone());
+    let left = leases
+        .list(&ListParams::default().labels(&format!("{}={ring}", labels::LABEL_CLUSTER_RING)))
+        .await?;
+    ensure!(
+        left.items.is_empty(),
+        "Leases survived their namespace: {left:?}"
+    );
+
+    // The ring stays Ready with no shards, and the sharder keeps serving and answering.
+    wait_status(&client, &ring, 0, 0).await?;
+    sharder.files.wait_ready(WAIT).await?;
+
+    // The namespace comes back with its shards: the ring works as before.
+    let recreated: Namespace = serde_json::from_value(json!({"metadata": {"name": ns}}))?;
+    namespaces
+        .create(&PostParams::default(), &recreated)
+        .await?;
+    for shard in shards {
+        create_lease(&client, &ns, &ring, shard, 3600).await?;
+    }
+    wait_status(&client, &ring, 2, 2).await?;
+    wait_webhook(&client, &ns, &ring, &shards).await?;
+    logs.passed();
+    Ok(())
 }

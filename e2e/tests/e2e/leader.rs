@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use anyhow::{Context, ensure};
 use e2e::fixtures::{
-    ShardTiming, create_lease, create_ring, ring_spec, secret, start_checksum_shard, wait_status,
-    wait_webhook,
+    ShardTiming, create_lease, create_ring, expected_shard, ring_spec, secret, secret_review,
+    start_checksum_shard, wait_status, wait_webhook,
 };
 use e2e::process::{Process, poll_until};
 use e2e::sharder::{DedicatedCluster, SharderFiles, SharderSettings, shared};
@@ -18,7 +18,7 @@ use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{ConfigMap, Secret};
 use kube::api::{Api, ObjectMeta, PostParams};
 use kube::{Client, ResourceExt};
-use serde_json::{Value, json};
+use serde_json::Value;
 use sha2::{Digest, Sha256};
 use sharder::core::ring::Ring;
 use sharding_crds::labels;
@@ -75,23 +75,6 @@ async fn webhook_url(client: &Client, ring: &str) -> anyhow::Result<Option<Strin
         .and_then(|hook| hook.client_config.url))
 }
 
-/// An AdmissionReview for creating Secret `name` in `namespace`.
-fn review(namespace: &str, name: &str) -> Value {
-    json!({
-        "apiVersion": "admission.k8s.io/v1",
-        "kind": "AdmissionReview",
-        "request": {
-            "uid": format!("uid-{name}"),
-            "kind": {"group": "", "version": "v1", "kind": "Secret"},
-            "resource": {"group": "", "version": "v1", "resource": "secrets"},
-            "namespace": namespace,
-            "operation": "CREATE",
-            "userInfo": {"username": "test"},
-            "object": {"metadata": {"name": name, "namespace": namespace, "labels": {"app": "leader"}}},
-        }
-    })
-}
-
 /// Posts a review straight to one replica's webhook server; returns the shard its patch assigns,
 /// or `None` while the replica answers without a patch (its view of the ring is not built yet).
 fn assigned_by_replica(
@@ -100,10 +83,14 @@ fn assigned_by_replica(
     namespace: &str,
     name: &str,
 ) -> anyhow::Result<Option<String>> {
-    let (status, text) = files.post_webhook(
-        &labels::webhook_path(ring),
-        review(namespace, name).to_string().as_bytes(),
-    )?;
+    let review = secret_review(
+        &format!("uid-{name}"),
+        namespace,
+        name,
+        &[("app", "leader")],
+    );
+    let (status, text) =
+        files.post_webhook(&labels::webhook_path(ring), review.to_string().as_bytes())?;
     ensure!(status == 200, "webhook answered {status}: {text}");
     let body: Value = serde_json::from_str(&text)?;
     let response = &body["response"];
@@ -143,7 +130,7 @@ async fn create_and_check(
         .create(&PostParams::default(), &secret(name))
         .await?;
     let predicted = Ring::new(SHARDS);
-    let expected = predicted.shard_for(&format!("/Secret/{namespace}/{name}"));
+    let expected = expected_shard(&predicted, namespace, name);
     let got = created.labels().get(&labels::shard_label(ring));
     ensure!(
         got.map(String::as_str) == expected,
@@ -219,9 +206,7 @@ async fn two_sharders_elect_one_leader_and_hand_over_on_sigterm() -> anyhow::Res
     // Both replicas answer webhooks with the same assignment: every replica keeps the rings view.
     for (i, f) in files.iter().enumerate() {
         for name in ["direct-0", "direct-1", "direct-2"] {
-            let expected = Ring::new(SHARDS)
-                .shard_for(&format!("/Secret/{ns}/{name}"))
-                .map(str::to_string);
+            let expected = expected_shard(&Ring::new(SHARDS), &ns, name).map(str::to_string);
             let got = poll_until(&format!("replica {i} to assign {name}"), STARTUP, || {
                 let got = assigned_by_replica(f, &ring, &ns, name);
                 async move { got }
@@ -314,6 +299,7 @@ fn secret_data(i: usize) -> BTreeMap<String, String> {
 #[tokio::test]
 async fn sharder_and_three_checksum_shards_split_a_ring() -> anyhow::Result<()> {
     let sharder = shared();
+    let mut logs = sharder.dump_on_failure();
     let cluster = cluster();
     let client = cluster.client().await?;
     let ns = cluster.namespace(&client, "checksums").await?;
@@ -329,125 +315,118 @@ async fn sharder_and_three_checksum_shards_split_a_ring() -> anyhow::Result<()> 
         )?);
     }
 
-    let result = async {
-        let leases = Api::<Lease>::namespaced(client.clone(), &ns);
-        poll_until("three shards to hold their Leases", STARTUP, || async {
-            let mut held = 0;
-            for shard in SHARDS {
-                let holder = leases
-                    .get_opt(shard)
-                    .await?
-                    .and_then(|l| l.spec)
-                    .and_then(|s| s.holder_identity);
-                held += usize::from(holder.as_deref() == Some(shard));
-            }
-            Ok((held == SHARDS.len()).then_some(()))
-        })
-        .await?;
-        wait_status(&client, &ring, 3, 3).await?;
-        wait_webhook(&client, &ns, &ring, &SHARDS).await?;
+    let leases = Api::<Lease>::namespaced(client.clone(), &ns);
+    poll_until("three shards to hold their Leases", STARTUP, || async {
+        let mut held = 0;
+        for shard in SHARDS {
+            let holder = leases
+                .get_opt(shard)
+                .await?
+                .and_then(|l| l.spec)
+                .and_then(|s| s.holder_identity);
+            held += usize::from(holder.as_deref() == Some(shard));
+        }
+        Ok((held == SHARDS.len()).then_some(()))
+    })
+    .await?;
+    wait_status(&client, &ring, 3, 3).await?;
+    wait_webhook(&client, &ns, &ring, &SHARDS).await?;
 
-        let key = labels::shard_label(&ring);
-        let predicted = Ring::new(SHARDS);
-        let secrets = Api::<Secret>::namespaced(client.clone(), &ns);
-        let count = 30;
-        let mut expected = BTreeMap::new();
-        for i in 0..count {
-            let name = format!("secret-{i}");
-            let data = secret_data(i);
-            let object = Secret {
-                metadata: ObjectMeta {
-                    name: Some(name.clone()),
-                    ..Default::default()
-                },
-                data: Some(
-                    data.iter()
-                        .map(|(k, v)| (k.clone(), ByteString(v.as_bytes().to_vec())))
-                        .collect(),
-                ),
+    let key = labels::shard_label(&ring);
+    let predicted = Ring::new(SHARDS);
+    let secrets = Api::<Secret>::namespaced(client.clone(), &ns);
+    let count = 30;
+    let mut expected = BTreeMap::new();
+    for i in 0..count {
+        let name = format!("secret-{i}");
+        let data = secret_data(i);
+        let object = Secret {
+            metadata: ObjectMeta {
+                name: Some(name.clone()),
                 ..Default::default()
-            };
-            let created = secrets.create(&PostParams::default(), &object).await?;
-            let shard = predicted
-                .shard_for(&format!("/Secret/{ns}/{name}"))
-                .context("a ring of three shards assigns every key")?;
-            let got = created.labels().get(&key);
-            ensure!(
-                got.map(String::as_str) == Some(shard),
-                "{name}: got shard {got:?}, ring predicts {shard}"
-            );
-            let checksums: BTreeMap<String, String> = data
-                .iter()
-                .map(|(k, v)| (k.clone(), hex_sha256(v)))
-                .collect();
-            expected.insert(name, (shard.to_string(), checksums));
-        }
-        let used: BTreeSet<_> = expected.values().map(|(s, _)| s.clone()).collect();
-        ensure!(
-            used.len() == 3,
-            "{count} Secrets should spread over all 3 shards: {used:?}"
-        );
-
-        let config_maps = Api::<ConfigMap>::namespaced(client.clone(), &ns);
-        poll_until(
-            &format!("{count} checksums ConfigMaps with the right data and shard"),
-            STARTUP,
-            || async {
-                let mut missing = Vec::new();
-                for (name, (shard, checksums)) in &expected {
-                    let cm = config_maps.get_opt(&format!("checksums-{name}")).await?;
-                    let ok = cm.is_some_and(|cm| {
-                        cm.data.as_ref() == Some(checksums) && cm.labels().get(&key) == Some(shard)
-                    });
-                    if !ok {
-                        missing.push(name.clone());
-                    }
-                }
-                if missing.is_empty() {
-                    Ok(Some(()))
-                } else {
-                    Err(anyhow::anyhow!("not yet right: {missing:?}"))
-                }
             },
-        )
-        .await?;
-
-        // Each Secret was reconciled by its own shard and by no other.
-        for (process, shard) in shards.iter().zip(SHARDS) {
-            let reconciled: BTreeSet<String> = process
-                .records()
-                .iter()
-                .filter(|r| r["event"] == "reconcile" && r["namespace"] == ns.as_str())
-                .filter_map(|r| r["name"].as_str().map(str::to_string))
-                .collect();
-            let own: BTreeSet<String> = expected
-                .iter()
-                .filter(|(_, (s, _))| s == shard)
-                .map(|(name, _)| name.clone())
-                .collect();
-            ensure!(
-                reconciled == own,
-                "{shard} reconciled {reconciled:?}, owns {own:?}"
-            );
-        }
-
-        for process in &shards {
-            process.terminate()?;
-        }
-        for process in &mut shards {
-            let status = process.wait(STARTUP).await?;
-            ensure!(status.success(), "a shard exits 0 on SIGTERM, got {status}");
-        }
-        Ok(())
+            data: Some(
+                data.iter()
+                    .map(|(k, v)| (k.clone(), ByteString(v.as_bytes().to_vec())))
+                    .collect(),
+            ),
+            ..Default::default()
+        };
+        let created = secrets.create(&PostParams::default(), &object).await?;
+        let shard = expected_shard(&predicted, &ns, &name)
+            .context("a ring of three shards assigns every key")?;
+        let got = created.labels().get(&key);
+        ensure!(
+            got.map(String::as_str) == Some(shard),
+            "{name}: got shard {got:?}, ring predicts {shard}"
+        );
+        let checksums: BTreeMap<String, String> = data
+            .iter()
+            .map(|(k, v)| (k.clone(), hex_sha256(v)))
+            .collect();
+        expected.insert(name, (shard.to_string(), checksums));
     }
-    .await;
-    let result = sharder.check(result);
-    if result.is_ok() {
-        for process in &mut shards {
-            process.passed();
-        }
+    let used: BTreeSet<_> = expected.values().map(|(s, _)| s.clone()).collect();
+    ensure!(
+        used.len() == 3,
+        "{count} Secrets should spread over all 3 shards: {used:?}"
+    );
+
+    let config_maps = Api::<ConfigMap>::namespaced(client.clone(), &ns);
+    poll_until(
+        &format!("{count} checksums ConfigMaps with the right data and shard"),
+        STARTUP,
+        || async {
+            let mut missing = Vec::new();
+            for (name, (shard, checksums)) in &expected {
+                let cm = config_maps.get_opt(&format!("checksums-{name}")).await?;
+                let ok = cm.is_some_and(|cm| {
+                    cm.data.as_ref() == Some(checksums) && cm.labels().get(&key) == Some(shard)
+                });
+                if !ok {
+                    missing.push(name.clone());
+                }
+            }
+            if missing.is_empty() {
+                Ok(Some(()))
+            } else {
+                Err(anyhow::anyhow!("not yet right: {missing:?}"))
+            }
+        },
+    )
+    .await?;
+
+    // Each Secret was reconciled by its own shard and by no other.
+    for (process, shard) in shards.iter().zip(SHARDS) {
+        let reconciled: BTreeSet<String> = process
+            .records()
+            .iter()
+            .filter(|r| r["event"] == "reconcile" && r["namespace"] == ns.as_str())
+            .filter_map(|r| r["name"].as_str().map(str::to_string))
+            .collect();
+        let own: BTreeSet<String> = expected
+            .iter()
+            .filter(|(_, (s, _))| s == shard)
+            .map(|(name, _)| name.clone())
+            .collect();
+        ensure!(
+            reconciled == own,
+            "{shard} reconciled {reconciled:?}, owns {own:?}"
+        );
     }
-    result
+
+    for process in &shards {
+        process.terminate()?;
+    }
+    for process in &mut shards {
+        let status = process.wait(STARTUP).await?;
+        ensure!(status.success(), "a shard exits 0 on SIGTERM, got {status}");
+    }
+    for process in &mut shards {
+        process.passed();
+    }
+    logs.passed();
+    Ok(())
 }
 
 /// Lowercase hex SHA-256 of `value`.

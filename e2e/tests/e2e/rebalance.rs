@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use anyhow::{Context, ensure};
 use e2e::fixtures::{
-    ShardTiming, create_lease, create_ring, ring_spec, secret, start_checksum_shard, wait_status,
-    wait_webhook,
+    ShardTiming, create_lease, create_ring, expected_shard, ring_spec, secret,
+    start_checksum_shard, wait_status, wait_webhook,
 };
 use e2e::process::{Process, poll_until};
 use e2e::sharder::{DedicatedCluster, SharderFiles, SharderSettings, shared};
@@ -142,11 +142,8 @@ async fn wait_converged(
         timeout,
         || async {
             let (secrets, configmaps, draining) = assignments(client, namespace, ring).await?;
-            let expected = |name: &str| {
-                predicted
-                    .shard_for(&format!("/Secret/{namespace}/{name}"))
-                    .map(str::to_string)
-            };
+            let expected =
+                |name: &str| expected_shard(&predicted, namespace, name).map(str::to_string);
             let secrets_ok = secrets.len() == count
                 && secrets.iter().all(|(name, shard)| *shard == expected(name));
             let configmaps_ok = configmaps.len() == count
@@ -168,18 +165,6 @@ async fn wait_converged(
     .await
 }
 
-/// Value of a counter of the shared sharder for `ring` and core `resource`.
-fn counter(metric: &str, ring: &str, resource: &str) -> anyhow::Result<u64> {
-    let text = shared().files.metrics()?;
-    let prefix = format!(r#"{metric}{{clusterring="{ring}",group="",resource="{resource}"}} "#);
-    Ok(text
-        .lines()
-        .find_map(|l| l.strip_prefix(&prefix))
-        .map(|v| v.trim().parse())
-        .transpose()?
-        .unwrap_or(0))
-}
-
 /// Waits until every Secret in `namespace` carries the shard the ring of `shards` predicts.
 async fn wait_all_assigned(
     client: &Client,
@@ -198,7 +183,7 @@ async fn wait_all_assigned(
             .iter()
             .all(|s| {
                 s.labels().get(&key).map(String::as_str)
-                    == predicted.shard_for(&format!("/Secret/{namespace}/{}", s.name_any()))
+                    == expected_shard(&predicted, namespace, &s.name_any())
             })
             .then_some(()))
     })
@@ -212,6 +197,7 @@ fn record_is(record: &serde_json::Value, event: &str, namespace: &str, name: &st
 #[tokio::test]
 async fn scale_out_drains_exactly_the_moved_objects() -> anyhow::Result<()> {
     let sharder = shared();
+    let mut logs = sharder.dump_on_failure();
     let cluster = cluster();
     let client = cluster.client().await?;
     let ns = cluster.namespace(&client, "scaleout").await?;
@@ -219,77 +205,67 @@ async fn scale_out_drains_exactly_the_moved_objects() -> anyhow::Result<()> {
     create_ring(&client, &ring, ring_spec(&ns)).await?;
     let names = ["shard-0", "shard-1", "shard-2", "shard-3"];
     let mut shards = start_shards(&ring, &ns, &names[..3])?;
-    let result = async {
-        let before = populate(&client, &ns, &ring, &names[..3], 300).await?;
-        ensure!(counter("controller_sharding_drains_total", &ring, "secrets")? == 0);
+    let before = populate(&client, &ns, &ring, &names[..3], 300).await?;
+    ensure!(sharder.counter("controller_sharding_drains_total", &ring, "secrets")? == 0);
 
-        shards.insert(names[3], start_shard(&ring, &ns, names[3])?);
-        wait_status(&client, &ring, 4, 4).await?;
-        let after =
-            wait_converged(&client, &ns, &ring, &names, 300, Duration::from_secs(120)).await?;
-        let moved: Vec<(&String, &String)> = after
+    shards.insert(names[3], start_shard(&ring, &ns, names[3])?);
+    wait_status(&client, &ring, 4, 4).await?;
+    let after = wait_converged(&client, &ns, &ring, &names, 300, Duration::from_secs(120)).await?;
+    let moved: Vec<(&String, &String)> = after
+        .iter()
+        .filter(|(name, shard)| before.get(*name) != Some(*shard))
+        .map(|(name, _)| (name, &before[name]))
+        .collect();
+    ensure!(!moved.is_empty(), "adding a shard should move some Secrets");
+    ensure!(
+        moved.iter().all(|(name, _)| after[*name] == names[3]),
+        "only the new shard gains Secrets"
+    );
+    let drains = sharder.counter("controller_sharding_drains_total", &ring, "secrets")?;
+    ensure!(
+        drains == moved.len() as u64,
+        "every moved Secret went through exactly one drain: {drains} drains, {} moved",
+        moved.len()
+    );
+    ensure!(
+        sharder.counter("controller_sharding_movements_total", &ring, "secrets")? == 0,
+        "Secrets of live shards are drained, never moved directly"
+    );
+    // The old shard acknowledged each drain and reconciled the Secret no more after that.
+    for (name, old) in &moved {
+        let records = shards[old.as_str()].records();
+        let drained_at = records
             .iter()
-            .filter(|(name, shard)| before.get(*name) != Some(*shard))
-            .map(|(name, _)| (name, &before[name]))
-            .collect();
-        ensure!(!moved.is_empty(), "adding a shard should move some Secrets");
+            .position(|r| record_is(r, "drain", &ns, name))
+            .with_context(|| format!("{old} has no drain record for {name}"))?;
         ensure!(
-            moved.iter().all(|(name, _)| after[*name] == names[3]),
-            "only the new shard gains Secrets"
-        );
-        let drains = counter("controller_sharding_drains_total", &ring, "secrets")?;
-        ensure!(
-            drains == moved.len() as u64,
-            "every moved Secret went through exactly one drain: {drains} drains, {} moved",
-            moved.len()
-        );
-        ensure!(
-            counter("controller_sharding_movements_total", &ring, "secrets")? == 0,
-            "Secrets of live shards are drained, never moved directly"
-        );
-        // The old shard acknowledged each drain and reconciled the Secret no more after that.
-        for (name, old) in &moved {
-            let records = shards[old.as_str()].records();
-            let drained_at = records
+            !records[drained_at..]
                 .iter()
-                .position(|r| record_is(r, "drain", &ns, name))
-                .with_context(|| format!("{old} has no drain record for {name}"))?;
-            ensure!(
-                !records[drained_at..]
-                    .iter()
-                    .any(|r| record_is(r, "reconcile", &ns, name)),
-                "{old} reconciled {name} after acknowledging its drain"
-            );
-        }
-        eprintln!(
-            "scale out 3 -> 4: {} of 300 Secrets moved, {drains} drains",
-            moved.len()
+                .any(|r| record_is(r, "reconcile", &ns, name)),
+            "{old} reconciled {name} after acknowledging its drain"
         );
-        Ok(())
     }
-    .await;
-    finish(result, shards.into_values(), sharder)
+    eprintln!(
+        "scale out 3 -> 4: {} of 300 Secrets moved, {drains} drains",
+        moved.len()
+    );
+    finish(shards.into_values());
+    logs.passed();
+    Ok(())
 }
 
-fn finish(
-    result: anyhow::Result<()>,
-    processes: impl IntoIterator<Item = Process>,
-    sharder: &e2e::sharder::SharedSharder,
-) -> anyhow::Result<()> {
-    if result.is_ok() {
-        for mut p in processes {
-            let _ = p.terminate();
-            p.passed();
-        }
-    } else {
-        sharder.dump_logs();
+/// Ends a passed test's shards: SIGTERM, and no log dump when they are dropped.
+fn finish(processes: impl IntoIterator<Item = Process>) {
+    for mut p in processes {
+        let _ = p.terminate();
+        p.passed();
     }
-    result
 }
 
 #[tokio::test]
 async fn graceful_scale_in_moves_without_drains() -> anyhow::Result<()> {
     let sharder = shared();
+    let mut logs = sharder.dump_on_failure();
     let cluster = cluster();
     let client = cluster.client().await?;
     let ns = cluster.namespace(&client, "scalein").await?;
@@ -297,61 +273,60 @@ async fn graceful_scale_in_moves_without_drains() -> anyhow::Result<()> {
     create_ring(&client, &ring, ring_spec(&ns)).await?;
     let names = ["shard-0", "shard-1", "shard-2"];
     let mut shards = start_shards(&ring, &ns, &names)?;
-    let result = async {
-        populate(&client, &ns, &ring, &names, 60).await?;
+    populate(&client, &ns, &ring, &names, 60).await?;
 
-        let mut leaving = shards.remove("shard-1").context("shard-1")?;
-        leaving.terminate()?;
-        let status = leaving.wait(Duration::from_secs(15)).await?;
-        ensure!(status.success(), "shard exits cleanly on SIGTERM: {status}");
-        leaving.passed();
-        let leases = Api::<Lease>::namespaced(client.clone(), &ns);
-        let lease = leases.get("shard-1").await?;
-        ensure!(
-            lease
-                .spec
-                .and_then(|s| s.holder_identity)
-                .unwrap_or_default()
-                .is_empty(),
-            "Lease released on SIGTERM"
-        );
-        let started = std::time::Instant::now();
-        wait_converged(
-            &client,
-            &ns,
-            &ring,
-            &["shard-0", "shard-2"],
-            60,
-            Duration::from_secs(15),
-        )
-        .await?;
-        eprintln!(
-            "graceful scale in: converged {:?} after SIGTERM",
-            started.elapsed()
-        );
-        ensure!(
-            counter("controller_sharding_drains_total", &ring, "secrets")? == 0,
-            "no drains"
-        );
-        ensure!(
-            counter("controller_sharding_movements_total", &ring, "secrets")? > 0,
-            "moves"
-        );
-        // The released Lease becomes orphaned 60 s after it expired, and is deleted.
-        poll_until("released Lease deleted", Duration::from_secs(90), || {
-            let leases = leases.clone();
-            async move { Ok(leases.get_opt("shard-1").await?.is_none().then_some(())) }
-        })
-        .await?;
-        Ok(())
-    }
-    .await;
-    finish(result, shards.into_values(), sharder)
+    let mut leaving = shards.remove("shard-1").context("shard-1")?;
+    leaving.terminate()?;
+    let status = leaving.wait(Duration::from_secs(15)).await?;
+    ensure!(status.success(), "shard exits cleanly on SIGTERM: {status}");
+    leaving.passed();
+    let leases = Api::<Lease>::namespaced(client.clone(), &ns);
+    let lease = leases.get("shard-1").await?;
+    ensure!(
+        lease
+            .spec
+            .and_then(|s| s.holder_identity)
+            .unwrap_or_default()
+            .is_empty(),
+        "Lease released on SIGTERM"
+    );
+    let started = std::time::Instant::now();
+    wait_converged(
+        &client,
+        &ns,
+        &ring,
+        &["shard-0", "shard-2"],
+        60,
+        Duration::from_secs(15),
+    )
+    .await?;
+    eprintln!(
+        "graceful scale in: converged {:?} after SIGTERM",
+        started.elapsed()
+    );
+    ensure!(
+        sharder.counter("controller_sharding_drains_total", &ring, "secrets")? == 0,
+        "no drains"
+    );
+    ensure!(
+        sharder.counter("controller_sharding_movements_total", &ring, "secrets")? > 0,
+        "moves"
+    );
+    // The released Lease becomes orphaned 60 s after it expired, and is deleted.
+    poll_until("released Lease deleted", Duration::from_secs(90), || {
+        let leases = leases.clone();
+        async move { Ok(leases.get_opt("shard-1").await?.is_none().then_some(())) }
+    })
+    .await?;
+    finish(shards.into_values());
+    logs.passed();
+    Ok(())
 }
 
 #[tokio::test]
 async fn crashed_shard_objects_move_after_takeover() -> anyhow::Result<()> {
     let sharder = shared();
+    let mut logs = sharder.dump_on_failure();
     let cluster = cluster();
     let client = cluster.client().await?;
     let ns = cluster.namespace(&client, "crash").await?;
@@ -359,34 +334,33 @@ async fn crashed_shard_objects_move_after_takeover() -> anyhow::Result<()> {
     create_ring(&client, &ring, ring_spec(&ns)).await?;
     let names = ["shard-0", "shard-1", "shard-2"];
     let mut shards = start_shards(&ring, &ns, &names)?;
-    let result = async {
-        populate(&client, &ns, &ring, &names, 60).await?;
+    populate(&client, &ns, &ring, &names, 60).await?;
 
-        let mut crashed = shards.remove("shard-1").context("shard-1")?;
-        crashed.signal("KILL")?;
-        let _ = crashed.wait(Duration::from_secs(5)).await?;
-        crashed.passed();
-        let started = std::time::Instant::now();
-        // Uncertain 2×duration after the last renewal, then taken over; a few seconds of slack.
-        let limit = Duration::from_secs(2 * u64::from(LEASE_SECONDS) + 8);
-        wait_converged(&client, &ns, &ring, &["shard-0", "shard-2"], 60, limit).await?;
-        eprintln!("crash: converged {:?} after SIGKILL", started.elapsed());
-        let lease = Api::<Lease>::namespaced(client.clone(), &ns)
-            .get("shard-1")
-            .await?;
-        ensure!(
-            lease.spec.and_then(|s| s.holder_identity).as_deref() == Some("shardlease-controller"),
-            "the sharder took the Lease over"
-        );
-        Ok(())
-    }
-    .await;
-    finish(result, shards.into_values(), sharder)
+    let mut crashed = shards.remove("shard-1").context("shard-1")?;
+    crashed.signal("KILL")?;
+    let _ = crashed.wait(Duration::from_secs(5)).await?;
+    crashed.passed();
+    let started = std::time::Instant::now();
+    // Uncertain 2×duration after the last renewal, then taken over; a few seconds of slack.
+    let limit = Duration::from_secs(2 * u64::from(LEASE_SECONDS) + 8);
+    wait_converged(&client, &ns, &ring, &["shard-0", "shard-2"], 60, limit).await?;
+    eprintln!("crash: converged {:?} after SIGKILL", started.elapsed());
+    let lease = Api::<Lease>::namespaced(client.clone(), &ns)
+        .get("shard-1")
+        .await?;
+    ensure!(
+        lease.spec.and_then(|s| s.holder_identity).as_deref() == Some("shardlease-controller"),
+        "the sharder took the Lease over"
+    );
+    finish(shards.into_values());
+    logs.passed();
+    Ok(())
 }
 
 #[tokio::test]
 async fn existing_objects_are_assigned_and_unselected_namespaces_untouched() -> anyhow::Result<()> {
     let sharder = shared();
+    let mut logs = sharder.dump_on_failure();
     let cluster = cluster();
     let client = cluster.client().await?;
     let ns = cluster.namespace(&client, "existing").await?;
@@ -402,29 +376,27 @@ async fn existing_objects_are_assigned_and_unselected_namespaces_untouched() -> 
         create_lease(&client, &ns, &ring, shard, 3600).await?;
     }
     create_ring(&client, &ring, ring_spec(&ns)).await?;
-    let result = async {
-        let key = labels::shard_label(&ring);
-        wait_all_assigned(
-            &client,
-            &ns,
-            &ring,
-            &["shard-a", "shard-b"],
-            Duration::from_secs(20),
-        )
-        .await?;
-        ensure!(
-            !outside.get("outside").await?.labels().contains_key(&key),
-            "Secret in an unselected namespace was labelled"
-        );
-        Ok(())
-    }
-    .await;
-    sharder.check(result)
+    let key = labels::shard_label(&ring);
+    wait_all_assigned(
+        &client,
+        &ns,
+        &ring,
+        &["shard-a", "shard-b"],
+        Duration::from_secs(20),
+    )
+    .await?;
+    ensure!(
+        !outside.get("outside").await?.labels().contains_key(&key),
+        "Secret in an unselected namespace was labelled"
+    );
+    logs.passed();
+    Ok(())
 }
 
 #[tokio::test]
 async fn cluster_scoped_resources_are_assigned() -> anyhow::Result<()> {
     let sharder = shared();
+    let mut logs = sharder.dump_on_failure();
     let cluster = cluster();
     let client = cluster.client().await?;
     let ns = cluster.namespace(&client, "clusterscoped").await?;
@@ -453,33 +425,30 @@ async fn cluster_scoped_resources_are_assigned() -> anyhow::Result<()> {
         namespace_selector: ring_spec(&ns).namespace_selector,
     };
     create_ring(&client, &ring, spec).await?;
-    let result = async {
-        let key = labels::shard_label(&ring);
-        let predicted = Ring::new(["shard-a", "shard-b", "shard-c"]);
-        poll_until("ClusterRoles assigned", Duration::from_secs(20), || {
-            let (roles, key, predicted, prefix) = (
-                roles.clone(),
-                key.clone(),
-                predicted.clone(),
-                prefix.clone(),
-            );
-            async move {
-                let mut ok = true;
-                for i in 0..5 {
-                    let name = format!("{prefix}-{i}");
-                    let role = roles.get(&name).await?;
-                    let expected = predicted
-                        .shard_for(&format!("rbac.authorization.k8s.io/ClusterRole//{name}"));
-                    ok &= role.labels().get(&key).map(String::as_str) == expected;
-                }
-                Ok(ok.then_some(()))
+    let key = labels::shard_label(&ring);
+    let predicted = Ring::new(["shard-a", "shard-b", "shard-c"]);
+    poll_until("ClusterRoles assigned", Duration::from_secs(20), || {
+        let (roles, key, predicted, prefix) = (
+            roles.clone(),
+            key.clone(),
+            predicted.clone(),
+            prefix.clone(),
+        );
+        async move {
+            let mut ok = true;
+            for i in 0..5 {
+                let name = format!("{prefix}-{i}");
+                let role = roles.get(&name).await?;
+                let expected =
+                    predicted.shard_for(&format!("rbac.authorization.k8s.io/ClusterRole//{name}"));
+                ok &= role.labels().get(&key).map(String::as_str) == expected;
             }
-        })
-        .await?;
-        Ok(())
-    }
-    .await;
-    sharder.check(result)
+            Ok(ok.then_some(()))
+        }
+    })
+    .await?;
+    logs.passed();
+    Ok(())
 }
 
 #[tokio::test]

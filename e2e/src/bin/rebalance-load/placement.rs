@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use anyhow::bail;
+use e2e::fixtures::expected_shard;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{ConfigMap, Secret};
 use kube::api::Api;
@@ -75,17 +76,13 @@ impl State {
         }
     }
 
-    pub(crate) fn expected<'r>(ring: &'r Ring, namespace: &str, secret: &str) -> Option<&'r str> {
-        ring.shard_for(&format!("/Secret/{namespace}/{secret}"))
-    }
-
     pub(crate) fn misplaced(
         ring: &Ring,
         namespace: &str,
         secret: &str,
         placement: &Placement,
     ) -> bool {
-        placement.draining || placement.shard.as_deref() != Self::expected(ring, namespace, secret)
+        placement.draining || placement.shard.as_deref() != expected_shard(ring, namespace, secret)
     }
 
     /// Sets the ring to converge to and rebuilds the set of misplaced objects.
@@ -145,7 +142,7 @@ impl State {
                             t.last_configmap_relabel_seconds = Some(since);
                         }
                     }
-                    if new.shard.as_deref() != Self::expected(&target.ring, &self.namespace, &name)
+                    if new.shard.as_deref() != expected_shard(&target.ring, &self.namespace, &name)
                     {
                         target.transitions.wrong_relabels += 1;
                     }

@@ -6,7 +6,7 @@ use std::time::Duration;
 use anyhow::Context;
 use e2e::fixtures::{ShardTiming, start_checksum_shard};
 use e2e::process::{Process, poll_until};
-use e2e::sharder::SharderFiles;
+use e2e::sharder::{SharderFiles, counter};
 use kube::Client;
 use kube::api::ListParams;
 
@@ -148,22 +148,6 @@ pub(crate) async fn probe_pages(client: &Client) -> anyhow::Result<Vec<PageProbe
         }
     }
     Ok(pages)
-}
-
-/// Value of a counter of the sharder for `ring` and core `resource` (0 when absent).
-pub(crate) fn counter(
-    metrics: &str,
-    metric: &str,
-    ring: &str,
-    resource: &str,
-) -> anyhow::Result<u64> {
-    let prefix = format!(r#"{metric}{{clusterring="{ring}",group="",resource="{resource}"}} "#);
-    Ok(metrics
-        .lines()
-        .find_map(|l| l.strip_prefix(&prefix))
-        .map(|v| v.trim().parse())
-        .transpose()?
-        .unwrap_or(0))
 }
 
 pub(crate) fn counters(files: &SharderFiles, ring: &str) -> anyhow::Result<Counters> {
