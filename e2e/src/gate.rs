@@ -99,16 +99,19 @@ async fn accept(
             drop(inbound);
             continue;
         }
-        tokio::spawn(async move {
-            let Ok(outbound) = TcpStream::connect(target).await else {
-                return;
-            };
-            let (mut inbound, mut outbound) = (inbound, outbound);
-            tokio::select! {
-                () = token.cancelled() => {}
-                _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
-            }
-        });
+        tokio::spawn(forward(inbound, target, token));
+    }
+}
+
+/// Copies bytes both ways between `inbound` and a new connection to `target` until either side
+/// closes or `cut` fires (a refused `target` ends `inbound` at once).
+async fn forward(mut inbound: TcpStream, target: SocketAddr, cut: CancellationToken) {
+    let Ok(mut outbound) = TcpStream::connect(target).await else {
+        return;
+    };
+    tokio::select! {
+        () = cut.cancelled() => {}
+        _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
     }
 }
 
@@ -199,17 +202,7 @@ async fn balance(
         }
         let target = ready[next % ready.len()];
         next = next.wrapping_add(1);
-        let stopped = stopped.clone();
-        tokio::spawn(async move {
-            let Ok(outbound) = TcpStream::connect(target).await else {
-                return;
-            };
-            let (mut inbound, mut outbound) = (inbound, outbound);
-            tokio::select! {
-                () = stopped.cancelled() => {}
-                _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
-            }
-        });
+        tokio::spawn(forward(inbound, target, stopped.clone()));
     }
 }
 

@@ -371,6 +371,11 @@ async fn a_sharder_rollout_refuses_no_admission_call() -> anyhow::Result<()> {
         SharderFiles::create(cluster.kubeconfig(), &settings)?,
         SharderFiles::create(cluster.kubeconfig(), &settings)?,
     ];
+    // Replicas of one Deployment serve one certificate (one Secret), which the webhook
+    // configuration's CA bundle trusts whichever replica leads.
+    for file in ["ca.crt", "ca.key", "tls.crt", "tls.key"] {
+        std::fs::copy(files[0].dir.join(file), files[1].dir.join(file))?;
+    }
     for f in &files {
         balancer.add(
             ([127, 0, 0, 1], f.webhook_port).into(),

@@ -293,11 +293,10 @@ async fn sync_resource(
         .unwrap_or(1)
         .max(1);
     // Pages are read from etcd, not from the watch cache (resourceVersion=0), deliberately
-    // unlike SPEC §9: API servers before the paginated watch cache ignore `limit` for
-    // resourceVersion=0 and return every object in one page (measured on 1.20: 10 000 Secrets,
-    // 4.9 MiB, no continue token), which would make the sharder's memory grow with the ring. kube
-    // drops resourceVersion=0 from limited lists for the same reason. Later pages pass only the
-    // continue token, as the API requires.
+    // unlike SPEC §9: the API server ignores `limit` for resourceVersion=0 and returns every
+    // object in one page with no continue token (still so on 1.37), which would make the
+    // sharder's memory grow with the ring. kube drops resourceVersion=0 from limited lists for
+    // the same reason. Later pages pass only the continue token, as the API requires.
     let mut params = ListParams::default().limit(PAGE_SIZE);
     loop {
         let page = api
