@@ -682,7 +682,8 @@ impl HeldLease {
     ///
     /// - `work` gets a token that is cancelled when `shutdown` is: it should stop gracefully on
     ///   it (e.g. `Controller::graceful_shutdown_on(token.cancelled_owned())`). Once it has
-    ///   ended, the Lease is released, so whoever waits for it takes over at once.
+    ///   ended, the Lease is released, so whoever waits for it takes over at once. Work still
+    ///   running the renew deadline after `shutdown` is dropped, and the Lease released anyway.
     /// - When the Lease is lost, the work future is dropped at once, whatever it is doing: no
     ///   reconcile starts or continues after that, since another holder may act already.
     ///
@@ -699,11 +700,22 @@ impl HeldLease {
         F: Future<Output = ()>,
     {
         let work = work(shutdown.child_token());
+        // A graceful stop gets the renew deadline, then the work is dropped: a controller told to
+        // stop before its caches first synced can wait for them forever, and the Lease must
+        // still be released.
+        let grace = self.inner.config.renew_deadline();
+        let stop_bound = async {
+            shutdown.cancelled().await;
+            tokio::time::sleep(grace).await;
+        };
         tokio::select! {
             // Checked first: once lost, the work must not be polled again.
             biased;
             () = self.lost() => return Ok(HeldRunEnd::LeaseLost),
             () = work => {}
+            () = stop_bound => {
+                tracing::warn!(grace = ?grace, "work did not stop within the renew deadline after shutdown; dropped it");
+            }
         }
         if self.is_lost() {
             return Ok(HeldRunEnd::LeaseLost);
@@ -1082,6 +1094,23 @@ mod tests {
             1_002,
             "finished gracefully"
         );
+        assert_eq!(spec(&fake).holder_identity.as_deref(), Some(""));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn run_while_held_drops_work_that_ignores_shutdown_after_the_renew_deadline() {
+        let fake = FakeStore::new();
+        let held = lock(&fake, "shard-a").acquire().await;
+        let shutdown = CancellationToken::new();
+        shutdown.cancel();
+        let started = Instant::now();
+        // Work that never stops by itself, like a controller waiting for caches that never sync.
+        let ended = held
+            .run_while_held(&shutdown, |_stop| std::future::pending::<()>())
+            .await
+            .expect("no error");
+        assert_eq!(ended, HeldRunEnd::WorkEnded { released: true });
+        assert_eq!(started.elapsed(), DEADLINE);
         assert_eq!(spec(&fake).holder_identity.as_deref(), Some(""));
     }
 

@@ -25,8 +25,9 @@ use sharding_crds::labels;
 /// Generous bound for processes starting up and caches syncing on a busy machine.
 const STARTUP: Duration = Duration::from_secs(60);
 
-/// Watches the API server holds open on `resource` (core group), from its own metrics.
-fn watches_on(cluster: &Cluster, resource: &str) -> anyhow::Result<u64> {
+/// The sum of the API server's own metric `name` over the series whose labels include every
+/// `label="value"` pair of `labels`.
+fn apiserver_metric(cluster: &Cluster, name: &str, labels: &[(&str, &str)]) -> anyhow::Result<u64> {
     let out = std::process::Command::new(kubectl())
         .arg("--kubeconfig")
         .arg(cluster.kubeconfig())
@@ -35,18 +36,25 @@ fn watches_on(cluster: &Cluster, resource: &str) -> anyhow::Result<u64> {
         .context("failed to run kubectl")?;
     ensure!(out.status.success(), "kubectl get --raw /metrics failed");
     let text = String::from_utf8(out.stdout)?;
-    let needle = format!("resource=\"{resource}\"");
+    let prefix = format!("{name}{{");
+    let needles: Vec<String> = labels.iter().map(|(k, v)| format!("{k}=\"{v}\"")).collect();
     let mut total = 0.0;
     for line in text.lines() {
-        if line.starts_with("apiserver_longrunning_requests{")
-            && line.contains("verb=\"WATCH\"")
-            && line.contains(&needle)
-        {
+        if line.starts_with(&prefix) && needles.iter().all(|n| line.contains(n.as_str())) {
             let value = line.rsplit(' ').next().unwrap_or_default();
             total += value.parse::<f64>().unwrap_or_default();
         }
     }
     Ok(total as u64)
+}
+
+/// Watches the API server holds open on `resource` (core group), from its own metrics.
+fn watches_on(cluster: &Cluster, resource: &str) -> anyhow::Result<u64> {
+    apiserver_metric(
+        cluster,
+        "apiserver_longrunning_requests",
+        &[("verb", "WATCH"), ("resource", resource)],
+    )
 }
 
 /// Waits until the API server holds exactly `expected` watches on `resource`, and they stay so
@@ -443,6 +451,60 @@ async fn a_sharder_rollout_refuses_no_admission_call() -> anyhow::Result<()> {
     stop.cancel();
     if result.is_ok() {
         old.passed();
+    }
+    result
+}
+
+/// Lease renewals cost the sharder no API request: with five shards renewing every second, the
+/// API server serves no GET or write of the ring's webhook configuration.
+#[tokio::test]
+async fn lease_renewals_cost_no_webhook_configuration_requests() -> anyhow::Result<()> {
+    let dedicated = DedicatedCluster::start().await?;
+    let cluster = dedicated.cluster();
+    let client = cluster.client().await?;
+    let ns = cluster.namespace(&client, "renewals").await?;
+    let ring = unique_name("renewals");
+    let shards = ["shard-a", "shard-b", "shard-c", "shard-d", "shard-e"];
+    create_ring(&client, &ring, ring_spec(&ns)).await?;
+    for shard in shards {
+        create_lease(&client, &ns, &ring, shard, 3600).await?;
+    }
+    let files = SharderFiles::create(cluster.kubeconfig(), &SharderSettings::default())?;
+    let mut sharder = files.start_process()?;
+    let result = async {
+        files.wait_ready(STARTUP).await?;
+        wait_status(&client, &ring, 5, 5).await?;
+        wait_webhook(&client, &ns, &ring, &shards).await?;
+        // Let the start-up writes settle.
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let requests = |verb: &'static str| {
+            apiserver_metric(
+                cluster,
+                "apiserver_request_total",
+                &[("resource", "mutatingwebhookconfigurations"), ("verb", verb)],
+            )
+        };
+        let before = (requests("GET")?, requests("PATCH")?);
+        let leases = Api::<Lease>::namespaced(client.clone(), &ns);
+        for _ in 0..8 {
+            for shard in shards {
+                let renew = json!({"spec": {"renewTime": MicroTime(Timestamp::now())}});
+                leases
+                    .patch(shard, &PatchParams::default(), &Patch::Merge(&renew))
+                    .await?;
+            }
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+        let after = (requests("GET")?, requests("PATCH")?);
+        ensure!(
+            after == before,
+            "40 renewals made the API server serve webhook configuration GETs/PATCHes: {before:?} -> {after:?}"
+        );
+        Ok(())
+    }
+    .await;
+    if result.is_ok() {
+        sharder.passed();
     }
     result
 }

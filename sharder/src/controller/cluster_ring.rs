@@ -12,8 +12,8 @@ use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::{Event, EventType};
-use kube::runtime::reflector::ObjectRef;
-use kube::runtime::watcher;
+use kube::runtime::reflector::{self, ObjectRef, Store};
+use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Resource, ResourceExt};
 use serde_json::Value;
 use sharding_crds::cluster_ring::{
@@ -71,12 +71,21 @@ pub(crate) async fn run(ctx: Context, shutdown: CancellationToken) {
     let rings: Api<ClusterRing> = Api::all(ctx.client.clone());
     let configs: Api<MutatingWebhookConfiguration> = Api::all(ctx.client.clone());
     let leases: Api<Lease> = Api::all(ctx.client.clone());
-    Controller::new(rings, watcher::Config::default())
+    let ours = watcher::Config::default().labels(&format!("{LABEL_APP_NAME}={APP_NAME}"));
+    // The webhook configurations the sharder owns, cached: drift is detected against this cache,
+    // so a reconcile (one per Lease renewal, say) sends no request unless something changed.
+    let (config_store, writer) = reflector::store();
+    let config_cache = reflector::reflector(writer, watcher(configs.clone(), ours.clone()))
+        .default_backoff()
+        .for_each(|_| async {});
+    let ready = config_store.clone();
+    let state = Arc::new(State {
+        ctx,
+        configs: config_store,
+    });
+    let controller = Controller::new(rings, watcher::Config::default())
         // Deleting or editing the webhook configuration triggers its ring, which restores it.
-        .owns(
-            configs,
-            watcher::Config::default().labels(&format!("{LABEL_APP_NAME}={APP_NAME}")),
-        )
+        .owns(configs, ours)
         .watches(
             leases,
             watcher::Config::default().labels(LABEL_CLUSTER_RING),
@@ -88,16 +97,32 @@ pub(crate) async fn run(ctx: Context, shutdown: CancellationToken) {
             },
         )
         .graceful_shutdown_on(shutdown.cancelled_owned())
-        .run(reconcile, error_policy, Arc::new(ctx))
+        .run(reconcile, error_policy, state)
         .for_each(|result| async move {
             if let Err(error) = result {
                 tracing::debug!(%error, "ClusterRing reconciliation failed");
             }
-        })
-        .await;
+        });
+    let controller = async {
+        // Reconciling before the cache has its first listing would re-apply every configuration.
+        if ready.wait_until_ready().await.is_ok() {
+            controller.await;
+        }
+    };
+    // The cache's watch ends with the controller, which ends on `shutdown`.
+    tokio::select! {
+        () = controller => {}
+        () = config_cache => {}
+    }
 }
 
-fn error_policy(ring: Arc<ClusterRing>, error: &Error, _ctx: Arc<Context>) -> Action {
+/// The controller's context: the shared one and the cache of webhook configurations.
+struct State {
+    ctx: Context,
+    configs: Store<MutatingWebhookConfiguration>,
+}
+
+fn error_policy(ring: Arc<ClusterRing>, error: &Error, _state: Arc<State>) -> Action {
     match error {
         Error::Invalid(_) => Action::await_change(),
         _ => {
@@ -109,8 +134,9 @@ fn error_policy(ring: Arc<ClusterRing>, error: &Error, _ctx: Arc<Context>) -> Ac
 
 /// Reconciles one ring: validate, apply the webhook configuration, update the status.
 #[tracing::instrument(skip_all, fields(ring = %ring.name_any()))]
-async fn reconcile(ring: Arc<ClusterRing>, ctx: Arc<Context>) -> Result<Action, Error> {
-    let result = apply_webhook_configuration(&ring, &ctx).await;
+async fn reconcile(ring: Arc<ClusterRing>, state: Arc<State>) -> Result<Action, Error> {
+    let ctx = &state.ctx;
+    let result = apply_webhook_configuration(&ring, ctx, &state.configs).await;
     let leases = ctx.leases.state();
     let name = ring.name_any();
     let members = ring_members(&name, leases.iter().map(AsRef::as_ref));
@@ -156,7 +182,11 @@ async fn reconcile(ring: Arc<ClusterRing>, ctx: Arc<Context>) -> Result<Action, 
     result.map(|()| Action::await_change())
 }
 
-async fn apply_webhook_configuration(ring: &ClusterRing, ctx: &Context) -> Result<(), Error> {
+async fn apply_webhook_configuration(
+    ring: &ClusterRing,
+    ctx: &Context,
+    cache: &Store<MutatingWebhookConfiguration>,
+) -> Result<(), Error> {
     validate_ring(ring).map_err(Error::Invalid)?;
     let client_config = &ctx.config.webhook.config.client_config;
     let ca_bundle = match (&client_config.ca_bundle, &client_config.ca_bundle_file) {
@@ -176,14 +206,11 @@ async fn apply_webhook_configuration(ring: &ClusterRing, ctx: &Context) -> Resul
     let desired = desired_webhook_configuration(ring, &ctx.config.webhook.config, ca_bundle);
     let name = desired.name_any();
     let api: Api<MutatingWebhookConfiguration> = Api::all(ctx.client.clone());
-    let existing = api.get_opt(&name).await.map_err(|source| Error::Api {
-        action: "read webhook configuration",
-        source,
-    })?;
+    let existing = cache.get(&ObjectRef::new(&name));
     let up_to_date = existing.is_some_and(|existing| {
         let (desired, existing) = (
             serde_json::to_value(&desired),
-            serde_json::to_value(&existing),
+            serde_json::to_value(existing.as_ref()),
         );
         matches!((desired, existing), (Ok(d), Ok(e)) if is_subset(&d, &e))
     });
