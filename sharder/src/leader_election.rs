@@ -49,7 +49,19 @@ impl Election {
     /// election), until `shutdown` fires. When the controllers end on their own while the Lease
     /// is held, the Lease is released and the replica competes again, so a leader never holds
     /// the Lease idle.
-    pub(crate) async fn run(self, ctx: Context, shutdown: CancellationToken) {
+    ///
+    /// Nothing starts before `synced` fires: controllers act on the caches and must never see
+    /// them before their first full listing.
+    pub(crate) async fn run(
+        self,
+        ctx: Context,
+        synced: CancellationToken,
+        shutdown: CancellationToken,
+    ) {
+        tokio::select! {
+            () = shutdown.cancelled() => return,
+            () = synced.cancelled() => {}
+        }
         let (lock, identity) = match self {
             Self::Off => {
                 controller::run_all(ctx, shutdown).await;

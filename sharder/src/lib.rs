@@ -113,9 +113,12 @@ pub async fn run(
     };
     // Refused leader-election settings stop the process here, before it serves anything.
     let election = leader_election::Election::new(&ctx, clients.leader_election, identity.clone())?;
+    // Fires once the caches have their first listing and the ring views are built.
+    let synced = CancellationToken::new();
     tasks.spawn(report_caches_synced(
         ctx.clone(),
         readiness.clone(),
+        synced.clone(),
         shutdown.clone(),
     ));
     tasks.spawn(ring_views::maintain(
@@ -181,7 +184,7 @@ pub async fn run(
     }
 
     // The controllers, on the leader only.
-    tasks.spawn(election.run(ctx.clone(), shutdown.clone()));
+    tasks.spawn(election.run(ctx.clone(), synced, shutdown.clone()));
 
     signal.cancelled().await;
     readiness.set_shutting_down();
@@ -244,6 +247,7 @@ where
 async fn report_caches_synced(
     ctx: Context,
     readiness: Arc<Readiness>,
+    synced: CancellationToken,
     shutdown: CancellationToken,
 ) {
     tokio::select! {
@@ -254,8 +258,12 @@ async fn report_caches_synced(
             ctx.namespaces.wait_until_ready().await
         } => match result {
             Ok(()) => {
+                // Ready only once the webhook can answer from complete caches: build the views of
+                // every ring now rather than waiting for the next change to trigger it.
+                ring_views::refresh(&ctx, false).await;
                 readiness.set_caches_synced();
-                tracing::info!("caches synced");
+                synced.cancel();
+                tracing::info!("caches synced, ring views built");
             }
             Err(error) => tracing::error!(%error, "caches failed to sync"),
         },

@@ -218,7 +218,9 @@ pub(crate) async fn maintain(ctx: Context, changed: Arc<Notify>, shutdown: Cance
     }
 }
 
-async fn refresh(ctx: &Context, retry_unresolved: bool) {
+/// Rebuilds the views whose ring's spec or set of available shards changed (and, with
+/// `retry_unresolved`, those with resources not served before), and forgets deleted rings.
+pub(crate) async fn refresh(ctx: &Context, retry_unresolved: bool) {
     let leases = ctx.leases.state();
     let mut keep = BTreeSet::new();
     for ring in ctx.rings.state() {

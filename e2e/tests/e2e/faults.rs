@@ -6,7 +6,8 @@ use std::time::Duration;
 
 use anyhow::{Context, ensure};
 use e2e::fixtures::{
-    WAIT, create_lease, create_ring, expected_shard, ring_spec, secret, wait_status, wait_webhook,
+    WAIT, create_lease, create_ring, expected_shard, ring_spec, secret, secret_review, wait_status,
+    wait_webhook,
 };
 use e2e::gate::{Balancer, TcpGate};
 use e2e::process::poll_until;
@@ -507,4 +508,56 @@ async fn lease_renewals_cost_no_webhook_configuration_requests() -> anyhow::Resu
         sharder.passed();
     }
     result
+}
+
+/// A replica reports ready only once its webhook answers from complete ring views: the first
+/// admission review it gets after `/readyz` turns 200 is assigned as the ring predicts.
+#[tokio::test]
+async fn a_ready_replica_assigns_at_once() -> anyhow::Result<()> {
+    let sharder = shared();
+    let cluster = cluster();
+    let client = cluster.client().await?;
+    let ns = cluster.namespace(&client, "ready").await?;
+    let ring = unique_name("ready");
+    let shards = ["shard-a", "shard-b", "shard-c"];
+    create_ring(&client, &ring, ring_spec(&ns)).await?;
+    for shard in shards {
+        create_lease(&client, &ns, &ring, shard, 3600).await?;
+    }
+    let mut logs = sharder.dump_on_failure();
+    // The shared sharder leads; this replica follows, serving the webhook and probes only.
+    let files = SharderFiles::create(cluster.kubeconfig(), &SharderSettings::default())?;
+    wait_status(&client, &ring, 3, 3).await?;
+    let mut replica = files.start_process()?;
+    let readyz = format!("http://127.0.0.1:{}/readyz", files.health_port);
+    poll_until("the replica to be ready", STARTUP, || {
+        let ready = std::process::Command::new("curl")
+            .args(["-sf", "-o", "/dev/null", &readyz])
+            .status()
+            .is_ok_and(|s| s.success());
+        async move { Ok(ready.then_some(())) }
+    })
+    .await?;
+    let review = secret_review("u-ready", &ns, "first", &[]);
+    let (status, body) =
+        files.post_webhook(&labels::webhook_path(&ring), review.to_string().as_bytes())?;
+    ensure!(status == 200, "webhook answered {status}: {body}");
+    let response: serde_json::Value = serde_json::from_str(&body)?;
+    let patch = response["response"]["patch"].as_str().unwrap_or_default();
+    ensure!(
+        !patch.is_empty(),
+        "the first review after readiness was not assigned: {body}"
+    );
+    let decoded: k8s_openapi::ByteString =
+        serde_json::from_value(response["response"]["patch"].clone())?;
+    let decoded = String::from_utf8(decoded.0)?;
+    let predicted = Ring::new(shards);
+    let want = expected_shard(&predicted, &ns, "first").unwrap_or_default();
+    ensure!(
+        decoded.contains(&format!("\"{want}\"")),
+        "assigned {decoded}, the ring predicts {want}"
+    );
+    replica.passed();
+    logs.passed();
+    Ok(())
 }
