@@ -203,12 +203,16 @@ provision() {
   log "built and cached $BIN_DIR in $((SECONDS - started))s"
 }
 
-# A port nothing listens on right now. Ports are drawn at random from a high range so that parallel
-# control planes rarely collide; the check closes the remaining race window mostly.
+# A port nothing listens on right now. Ports are drawn at random below the kernel's ephemeral
+# range: a port that an outgoing connection holds (the API server's to etcd, say) accepts no
+# connection, so the check below would call it free, yet binding it fails. Random draws keep
+# parallel control planes apart; the check closes most of the remaining race window.
 free_port() {
-  local p
+  local p low=20000 high
+  high=$(awk '{print $1 - 1}' /proc/sys/net/ipv4/ip_local_port_range 2>/dev/null || echo 32767)
+  [ "${high:-0}" -gt $((low + 1000)) ] || high=32767
   for _ in $(seq 100); do
-    p=$((20000 + RANDOM % 30000))
+    p=$((low + RANDOM % (high - low + 1)))
     if ! (exec 3<>"/dev/tcp/127.0.0.1/$p") 2>/dev/null; then
       echo "$p"
       return
