@@ -46,6 +46,24 @@ pub async fn create_ring(client: &Client, name: &str, spec: ClusterRingSpec) -> 
     Ok(())
 }
 
+/// The usual opening of a test: a fresh namespace starting with `prefix`, a ring of the same
+/// prefix restricted to it ([`ring_spec`]), and an hour-long self-held Lease in it for each of
+/// `shards`. Returns the namespace and the ring name.
+pub async fn ring_with_shards(
+    cluster: &crate::Cluster,
+    client: &Client,
+    prefix: &str,
+    shards: &[&str],
+) -> anyhow::Result<(String, String)> {
+    let namespace = cluster.namespace(client, prefix).await?;
+    let ring = crate::unique_name(prefix);
+    create_ring(client, &ring, ring_spec(&namespace)).await?;
+    for shard in shards {
+        create_lease(client, &namespace, &ring, shard, 3600).await?;
+    }
+    Ok((namespace, ring))
+}
+
 /// Creates a shard Lease held by the shard itself, renewed now.
 pub async fn create_lease(
     client: &Client,

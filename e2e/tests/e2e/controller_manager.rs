@@ -4,12 +4,10 @@
 use std::time::Duration;
 
 use anyhow::ensure;
-use e2e::fixtures::{
-    WAIT, create_lease, create_ring, ring_spec, secret, wait_status, wait_webhook,
-};
+use e2e::cluster;
+use e2e::fixtures::{WAIT, create_lease, ring_with_shards, secret, wait_status, wait_webhook};
 use e2e::process::poll_until;
 use e2e::sharder::shared;
-use e2e::{cluster, unique_name};
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Namespace, Secret};
@@ -30,13 +28,8 @@ async fn deleting_a_ring_removes_its_webhook_configuration_and_keeps_labels() ->
     let mut logs = sharder.dump_on_failure();
     let cluster = cluster();
     let client = cluster.client().await?;
-    let ns = cluster.namespace(&client, "gc").await?;
-    let ring = unique_name("gc");
-    create_ring(&client, &ring, ring_spec(&ns)).await?;
     let shards = ["shard-a", "shard-b"];
-    for shard in shards {
-        create_lease(&client, &ns, &ring, shard, 3600).await?;
-    }
+    let (ns, ring) = ring_with_shards(cluster, &client, "gc", &shards).await?;
     wait_status(&client, &ring, 2, 2).await?;
     wait_webhook(&client, &ns, &ring, &shards).await?;
     let key = labels::shard_label(&ring);
@@ -100,13 +93,8 @@ async fn deleting_a_rings_namespace_leaves_the_sharder_healthy() -> anyhow::Resu
     let mut logs = sharder.dump_on_failure();
     let cluster = cluster();
     let client = cluster.client().await?;
-    let ns = cluster.namespace(&client, "nsdel").await?;
-    let ring = unique_name("nsdel");
-    create_ring(&client, &ring, ring_spec(&ns)).await?;
     let shards = ["shard-a", "shard-b"];
-    for shard in shards {
-        create_lease(&client, &ns, &ring, shard, 3600).await?;
-    }
+    let (ns, ring) = ring_with_shards(cluster, &client, "nsdel", &shards).await?;
     wait_status(&client, &ring, 2, 2).await?;
     wait_webhook(&client, &ns, &ring, &shards).await?;
     let secrets = Api::<Secret>::namespaced(client.clone(), &ns);
