@@ -54,6 +54,23 @@ pub struct ClusterRingSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(extend("x-kubernetes-map-type" = "atomic"))]
     pub namespace_selector: Option<LabelSelector>,
+
+    /// What objects are hashed by (SPEC §16): `Object` (the default) hashes every object by its
+    /// own identity, or its controller's; `Namespace` hashes every namespaced object by its
+    /// namespace, so all of a namespace's objects of this ring land on one shard.
+    /// Cluster-scoped objects keep their own key. Changing it rebalances through drains.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hash_key: Option<HashKey>,
+}
+
+/// What a ring hashes objects by (SPEC §16).
+#[derive(Deserialize, Serialize, Clone, Copy, Debug, Default, PartialEq, Eq, Hash, JsonSchema)]
+pub enum HashKey {
+    /// Each object by its own identity (a controlled object by its controller's).
+    #[default]
+    Object,
+    /// Each namespaced object by its namespace.
+    Namespace,
 }
 
 /// A group and resource (plural name), as in `metav1.GroupResource`.
@@ -124,6 +141,13 @@ pub struct ClusterRingStatus {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
     pub conditions: Vec<Condition>,
+}
+
+impl ClusterRingSpec {
+    /// The hash key in effect: [`HashKey::Object`] when unset.
+    pub fn hash_key(&self) -> HashKey {
+        self.hash_key.unwrap_or_default()
+    }
 }
 
 impl ClusterRing {

@@ -1,39 +1,68 @@
-//! The generated CustomResourceDefinition of `ClusterRing` and its committed YAML.
+//! The generated CustomResourceDefinitions of `ClusterRing` and `ControllerRing` and their
+//! committed YAML.
 
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::JSON;
 use kube::CustomResourceExt;
 
-use crate::cluster_ring::{ClusterRing, NAME_LENGTH_MESSAGE, NAME_LENGTH_RULE};
+use crate::RingKind;
+use crate::cluster_ring::{ClusterRing, NAME_LENGTH_RULE};
 
-/// Path of the committed CRD YAML, relative to the repository root.
+/// Path of the committed ClusterRing CRD YAML, relative to the repository root.
 pub const CRD_PATH: &str = "config/crds/sharding.timebertt.dev_clusterrings.yaml";
 
-/// Command that regenerates [`CRD_PATH`] from the Rust types.
+/// Command that regenerates the committed CRD YAML files from the Rust types.
 pub const REGENERATE_COMMAND: &str = "cargo run -p sharding-crds --bin crdgen";
 
+/// Path of the committed CRD YAML of `kind`, relative to the repository root.
+pub fn crd_path(kind: RingKind) -> String {
+    format!("config/crds/sharding.timebertt.dev_{}.yaml", kind.plural())
+}
+
 /// Description of the resource at the root of its schema (shown by `kubectl explain`).
-const DESCRIPTION: &str = "ClusterRing is a ring of controller instances (shards) that split the \
-objects of some resources between them. The sharder assigns every object of the listed resources \
-to one available shard by writing the ring's shard label, and moves objects when shards come and go.";
+fn description(kind: RingKind) -> String {
+    format!(
+        "{} is a ring of controller instances (shards) that split the objects of some resources \
+between them. The sharder assigns every object of the listed resources to one available shard by \
+writing the ring's shard label, and moves objects when shards come and go.",
+        kind.kind()
+    )
+}
+
+/// The message of the CEL rule on the name length.
+pub fn name_length_message(kind: RingKind) -> String {
+    format!("{} name must not be longer than 63 characters", kind.kind())
+}
 
 /// The `ClusterRing` CRD, including the CEL rule on the name length.
-///
-/// The derive macro does not reach the root schema, so three things are set here: the CEL rule
-/// (API servers older than 1.25 drop it silently; the sharder checks the name at runtime as well),
-/// an optional `spec` defaulted to `{}` by the server (so a ring without one still deserializes),
-/// and the description.
 pub fn cluster_ring_crd() -> CustomResourceDefinition {
+    ring_crd(RingKind::ClusterRing)
+}
+
+/// The CRD of `kind`, including the CEL rule on the name length.
+///
+/// Both kinds have one schema: the ControllerRing CRD is the ClusterRing one with the names
+/// changed, so the two can never drift apart. The derive macro does not reach the root schema, so
+/// three things are set here: the CEL rule (API servers older than 1.25 drop it silently; the
+/// sharder checks the name at runtime as well), an optional `spec` defaulted to `{}` by the server
+/// (so a ring without one still deserializes), and the description.
+pub fn ring_crd(kind: RingKind) -> CustomResourceDefinition {
     let mut crd = ClusterRing::crd();
+    let names = &mut crd.spec.names;
+    names.kind = kind.kind().into();
+    names.plural = kind.plural().into();
+    names.singular = Some(kind.kind().to_ascii_lowercase());
     // The server would default it; spelling it out keeps the committed YAML complete.
-    crd.spec.names.list_kind = Some("ClusterRingList".into());
+    names.list_kind = Some(format!("{}List", kind.kind()));
+    crd.metadata.name = Some(format!("{}.{}", kind.plural(), crate::labels::GROUP));
     for version in &mut crd.spec.versions {
         if let Some(schema) = version
             .schema
             .as_mut()
             .and_then(|s| s.open_api_v3_schema.as_mut())
         {
-            schema.description = Some(DESCRIPTION.into());
+            schema.description = Some(description(kind));
+            schema.title = Some(kind.kind().into());
             schema.required = None;
             if let Some(spec) = schema.properties.as_mut().and_then(|p| p.get_mut("spec")) {
                 spec.default = Some(JSON(serde_json::json!({})));
@@ -41,7 +70,7 @@ pub fn cluster_ring_crd() -> CustomResourceDefinition {
             schema.x_kubernetes_validations = Some(vec![
                 k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::ValidationRule {
                     rule: NAME_LENGTH_RULE.into(),
-                    message: Some(NAME_LENGTH_MESSAGE.into()),
+                    message: Some(name_length_message(kind)),
                     ..Default::default()
                 },
             ]);
@@ -50,9 +79,9 @@ pub fn cluster_ring_crd() -> CustomResourceDefinition {
     crd
 }
 
-/// The CRD as the YAML text committed under [`CRD_PATH`].
-pub fn cluster_ring_crd_yaml() -> Result<String, serde_yaml::Error> {
-    let body = serde_yaml::to_string(&cluster_ring_crd())?;
+/// The CRD of `kind` as the YAML text committed under [`crd_path`].
+pub fn ring_crd_yaml(kind: RingKind) -> Result<String, serde_yaml::Error> {
+    let body = serde_yaml::to_string(&ring_crd(kind))?;
     Ok(format!(
         "# Generated from the Rust types in crds/ by `{REGENERATE_COMMAND}`. Do not edit.\n{body}"
     ))
@@ -63,16 +92,56 @@ mod tests {
     use super::*;
 
     #[test]
-    fn committed_crd_matches_types() {
-        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../");
-        let path = std::path::Path::new(path).join(CRD_PATH);
-        let committed = std::fs::read_to_string(&path).unwrap_or_default();
-        let generated = cluster_ring_crd_yaml().expect("CRD serializes");
-        assert!(
-            committed == generated,
-            "{} is out of date with the Rust types; regenerate it with `{REGENERATE_COMMAND}`",
-            path.display()
+    fn committed_crds_match_types() {
+        assert_eq!(crd_path(RingKind::ClusterRing), CRD_PATH);
+        for kind in RingKind::ALL {
+            let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../");
+            let path = std::path::Path::new(path).join(crd_path(kind));
+            let committed = std::fs::read_to_string(&path).unwrap_or_default();
+            let generated = ring_crd_yaml(kind).expect("CRD serializes");
+            assert!(
+                committed == generated,
+                "{} is out of date with the Rust types; regenerate it with `{REGENERATE_COMMAND}`",
+                path.display()
+            );
+        }
+    }
+
+    #[test]
+    fn both_kinds_share_one_schema() {
+        let cluster = ring_crd(RingKind::ClusterRing);
+        let controller = ring_crd(RingKind::ControllerRing);
+        assert_eq!(
+            controller.metadata.name.as_deref(),
+            Some("controllerrings.sharding.timebertt.dev")
         );
+        assert_eq!(controller.spec.names.kind, "ControllerRing");
+        assert_eq!(
+            controller.spec.names.list_kind.as_deref(),
+            Some("ControllerRingList")
+        );
+        // The ControllerRing type's own derived schema equals the one the CRD carries, so what
+        // the sharder deserializes is what the API server validates.
+        let derived = crate::ControllerRing::crd();
+        let schema = |crd: &CustomResourceDefinition| {
+            let mut s = crd.spec.versions[0].schema.clone().expect("schema");
+            let root = s.open_api_v3_schema.as_mut().expect("root");
+            root.description = None;
+            root.title = None;
+            root.required = None;
+            root.x_kubernetes_validations = None;
+            if let Some(spec) = root.properties.as_mut().and_then(|p| p.get_mut("spec")) {
+                spec.default = None;
+                spec.description = None;
+            }
+            serde_json::to_value(s).expect("serializes")
+        };
+        assert_eq!(schema(&cluster), schema(&controller));
+        assert_eq!(schema(&derived), schema(&cluster));
+        let json = serde_json::to_value(&cluster).expect("serializes");
+        let hash_key = &json["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+            ["properties"]["hashKey"];
+        assert_eq!(hash_key["enum"], serde_json::json!(["Object", "Namespace"]));
     }
 
     #[test]

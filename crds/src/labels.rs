@@ -8,8 +8,20 @@ use sha2::{Digest, Sha256};
 /// API group of the `ClusterRing` resource.
 pub const GROUP: &str = "sharding.timebertt.dev";
 
-/// Label on shard Leases (and on a ring's webhook configuration) naming the ring they belong to.
+/// Label on shard Leases (and on a ring's webhook configuration) naming the ClusterRing they
+/// belong to.
 pub const LABEL_CLUSTER_RING: &str = "alpha.sharding.timebertt.dev/clusterring";
+
+/// Label on shard Leases (and on a ring's webhook configuration) naming the ControllerRing they
+/// belong to (SPEC §15).
+pub const LABEL_CONTROLLER_RING: &str = "alpha.sharding.timebertt.dev/controllerring";
+
+/// Annotation on a shard Lease with the shard's weight (SPEC §17): an integer from 1 to
+/// [`MAX_SHARD_WEIGHT`]; absent means 1.
+pub const ANNOTATION_WEIGHT: &str = "alpha.sharding.timebertt.dev/weight";
+
+/// Largest shard weight; larger values are invalid and count as 1.
+pub const MAX_SHARD_WEIGHT: u32 = 10;
 
 /// Label on shard Leases with the shard's state as seen by the sharder (observability only).
 pub const LABEL_STATE: &str = "alpha.sharding.timebertt.dev/state";
@@ -35,7 +47,10 @@ pub const APP_NAME: &str = "controller-sharding";
 /// Name of the single webhook in each ring's MutatingWebhookConfiguration.
 pub const WEBHOOK_NAME: &str = "sharder.sharding.timebertt.dev";
 
-/// Prefix of the webhook path; the ring name follows.
+/// Root of every webhook path; the lowercase ring kind and the ring name follow.
+pub const WEBHOOK_PATH_ROOT: &str = "/webhooks/sharder/";
+
+/// Prefix of a ClusterRing's webhook path; the ring name follows.
 pub const WEBHOOK_PATH_PREFIX: &str = "/webhooks/sharder/clusterring/";
 
 /// Longest label name (the part after the `/` of a key) Kubernetes accepts.
@@ -83,6 +98,23 @@ pub fn webhook_configuration_name(ring_name: &str) -> String {
 /// Path under which the sharder serves the ring's webhook.
 pub fn webhook_path(ring_name: &str) -> String {
     format!("{WEBHOOK_PATH_PREFIX}{ring_name}")
+}
+
+/// The weight a shard's Lease asks for through [`ANNOTATION_WEIGHT`] (SPEC §17): `Ok(1)` without
+/// the annotation, `Err` with what is wrong for a value that is not an integer from 1 to
+/// [`MAX_SHARD_WEIGHT`] (such a shard counts with weight 1).
+pub fn parse_weight(annotation: Option<&str>) -> Result<u32, String> {
+    let Some(value) = annotation else {
+        return Ok(1);
+    };
+    // Decimal digits only: no sign, no blanks, as other implementations would read it.
+    let digits = !value.is_empty() && value.bytes().all(|b| b.is_ascii_digit());
+    match value.parse::<u32>() {
+        Ok(weight) if digits && (1..=MAX_SHARD_WEIGHT).contains(&weight) => Ok(weight),
+        _ => Err(format!(
+            "annotation {ANNOTATION_WEIGHT}={value:?} is not an integer from 1 to {MAX_SHARD_WEIGHT}; the shard counts with weight 1"
+        )),
+    }
 }
 
 /// Checks a label key against the Kubernetes rules: an optional DNS-subdomain prefix of at most
@@ -224,6 +256,17 @@ mod tests {
         assert!(suffix.ends_with('x'), "{suffix}");
         let name = format!("{}.{}", "x".repeat(41), "y".repeat(21));
         assert!(ring_suffix(&name).ends_with('x'));
+    }
+
+    #[test]
+    fn weights() {
+        assert_eq!(parse_weight(None), Ok(1));
+        assert_eq!(parse_weight(Some("1")), Ok(1));
+        assert_eq!(parse_weight(Some("10")), Ok(10));
+        for bad in ["0", "11", "-1", "+2", " 2", "1.5", "", "two", "99999999999"] {
+            let error = parse_weight(Some(bad)).expect_err(bad);
+            assert!(error.contains("weight 1"), "{error}");
+        }
     }
 
     #[test]

@@ -1,11 +1,13 @@
-//! The API of controller-sharding: the `ClusterRing` custom resource, the label and Lease protocol
+//! The API of controller-sharding: the `ClusterRing` and `ControllerRing` custom resources, the label and Lease protocol
 //! shared by the sharder and shards, and the sharder's configuration file.
 //!
 //! This crate makes no API calls; it holds types, constants and pure derivations only.
 //!
 //! | module | what |
 //! |---|---|
-//! | [`cluster_ring`] | the `ClusterRing` API types, its condition reasons and name rule |
+//! | [`cluster_ring`] | the `ClusterRing` API types (the spec and status both kinds share), condition reasons and name rule |
+//! | [`controller_ring`] | the `ControllerRing` API type (SPEC §15) |
+//! | [`ring_kind`] | the two ring kinds and the names each derives (label keys, Lease label, webhook names) |
 //! | [`crd`] | the generated CustomResourceDefinition (`crdgen` writes it to `config/crds/`) |
 //! | [`labels`] | well-known labels, identities, the label-key derivation, label syntax checks |
 //! | [`lease`] | the Lease protocol's rules both sides use: expiry, shard states, takeover, timing, shard names |
@@ -14,12 +16,16 @@
 
 pub mod cluster_ring;
 pub mod config;
+pub mod controller_ring;
 pub mod crd;
 pub mod duration;
 pub mod labels;
 pub mod lease;
+pub mod ring_kind;
 pub mod selector;
 
 pub use cluster_ring::{
-    ClusterRing, ClusterRingSpec, ClusterRingStatus, GroupResource, RingResource,
+    ClusterRing, ClusterRingSpec, ClusterRingStatus, GroupResource, HashKey, RingResource,
 };
+pub use controller_ring::{ControllerRing, ControllerRingSpec};
+pub use ring_kind::{RingKind, RingObject, RingRef};

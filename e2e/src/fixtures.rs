@@ -35,6 +35,7 @@ pub fn ring_spec(namespace: &str) -> ClusterRingSpec {
             )])),
             match_expressions: None,
         }),
+        hash_key: None,
     }
 }
 

@@ -201,24 +201,27 @@ impl Cluster {
     }
 }
 
-/// Installs the ClusterRing CRD with server-side apply and waits until it is Established.
+/// Installs the ClusterRing and ControllerRing CRDs with server-side apply and waits until they
+/// are Established.
 pub async fn install_crds(client: &Client) -> anyhow::Result<()> {
     let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
-    let crd = sharding_crds::crd::cluster_ring_crd();
-    let name = crd.metadata.name.clone().unwrap_or_default();
-    crds.patch(
-        &name,
-        &PatchParams::apply(FIELD_MANAGER).force(),
-        &Patch::Apply(&crd),
-    )
-    .await
-    .with_context(|| format!("failed to apply CRD {name}"))?;
-    tokio::time::timeout(
-        Duration::from_secs(30),
-        await_condition(crds, &name, conditions::is_crd_established()),
-    )
-    .await
-    .with_context(|| format!("CRD {name} not Established within 30s"))??;
+    for kind in sharding_crds::RingKind::ALL {
+        let crd = sharding_crds::crd::ring_crd(kind);
+        let name = crd.metadata.name.clone().unwrap_or_default();
+        crds.patch(
+            &name,
+            &PatchParams::apply(FIELD_MANAGER).force(),
+            &Patch::Apply(&crd),
+        )
+        .await
+        .with_context(|| format!("failed to apply CRD {name}"))?;
+        tokio::time::timeout(
+            Duration::from_secs(30),
+            await_condition(crds.clone(), &name, conditions::is_crd_established()),
+        )
+        .await
+        .with_context(|| format!("CRD {name} not Established within 30s"))??;
+    }
     Ok(())
 }
 

@@ -41,6 +41,7 @@ fn state(shards: usize) -> WebhookState {
                 controlled_resources: vec![GroupResource::new("", "configmaps")],
             }],
             namespace_selector: None,
+            hash_key: None,
         },
         status: None,
     };

@@ -1,12 +1,18 @@
-//! Writes the `ClusterRing` CRD YAML generated from the Rust types to `config/crds/`.
+//! Writes the `ClusterRing` and `ControllerRing` CRD YAML generated from the Rust types to
+//! `config/crds/`.
 
 use std::path::Path;
 
+use sharding_crds::RingKind;
+use sharding_crds::crd::{crd_path, ring_crd_yaml};
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("..")
-        .join(sharding_crds::crd::CRD_PATH);
-    std::fs::write(&path, sharding_crds::crd::cluster_ring_crd_yaml()?)?;
-    println!("wrote {}", path.display());
+    for kind in RingKind::ALL {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("..")
+            .join(crd_path(kind));
+        std::fs::write(&path, ring_crd_yaml(kind)?)?;
+        println!("wrote {}", path.display());
+    }
     Ok(())
 }

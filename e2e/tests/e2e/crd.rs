@@ -55,6 +55,7 @@ async fn valid_ring_round_trips_with_status() -> anyhow::Result<()> {
             match_labels: Some([("team".to_string(), String::new())].into()),
             ..Default::default()
         }),
+        hash_key: Some(sharding_crds::HashKey::Namespace),
     };
     let created = api
         .create(

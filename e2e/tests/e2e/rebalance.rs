@@ -423,6 +423,7 @@ async fn cluster_scoped_resources_are_assigned() -> anyhow::Result<()> {
             controlled_resources: vec![GroupResource::new("", "configmaps")],
         }],
         namespace_selector: ring_spec(&ns).namespace_selector,
+        hash_key: None,
     };
     create_ring(&client, &ring, spec).await?;
     let key = labels::shard_label(&ring);

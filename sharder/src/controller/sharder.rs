@@ -394,6 +394,7 @@ mod tests {
                     },
                 ],
                 namespace_selector: None,
+                hash_key: None,
             },
         );
         let discovered = HashMap::from([

@@ -64,6 +64,7 @@ mod tests {
             ClusterRingSpec {
                 resources,
                 namespace_selector: None,
+                hash_key: None,
             },
         )
     }

@@ -123,6 +123,7 @@ mod tests {
                     controlled_resources: vec![GroupResource::new("", "configmaps")],
                 }],
                 namespace_selector: None,
+                hash_key: None,
             },
         );
         ring.metadata.uid = Some("uid-1".into());

@@ -28,6 +28,7 @@ fn state(shards: &[&str]) -> WebhookState {
                 controlled_resources: vec![GroupResource::new("", "configmaps")],
             }],
             namespace_selector: None,
+            hash_key: None,
         },
         status: None,
     };
