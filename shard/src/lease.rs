@@ -108,6 +108,7 @@ pub struct LeaseLockConfig {
     name: String,
     identity: String,
     labels: BTreeMap<String, String>,
+    annotations: BTreeMap<String, String>,
     timing: LeaseTiming,
 }
 
@@ -127,6 +128,7 @@ impl LeaseLockConfig {
             name: name.into(),
             identity: identity.into(),
             labels: BTreeMap::new(),
+            annotations: BTreeMap::new(),
             timing: LeaseTiming::default(),
         }
     }
@@ -188,6 +190,18 @@ impl LeaseLockConfig {
     /// Labels the lock keeps on the Lease.
     pub fn labels(&self) -> &BTreeMap<String, String> {
         &self.labels
+    }
+
+    /// Adds an annotation the lock puts on the Lease when creating, taking and renewing it (a
+    /// shard's weight, say). Annotations written by others are kept.
+    pub fn with_annotation(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.annotations.insert(key.into(), value.into());
+        self
+    }
+
+    /// Annotations the lock keeps on the Lease.
+    pub fn annotations(&self) -> &BTreeMap<String, String> {
+        &self.annotations
     }
 
     /// Lease duration, renew deadline and retry period.
@@ -411,6 +425,8 @@ impl Inner {
             spec: None,
         });
         lease.metadata.labels = merge_labels(lease.metadata.labels.take(), &self.config.labels);
+        lease.metadata.annotations =
+            merge_labels(lease.metadata.annotations.take(), &self.config.annotations);
         // Server-populated fields must not be echoed back in an update.
         lease.metadata.managed_fields = None;
         lease.spec = Some(spec);
@@ -758,6 +774,7 @@ mod tests {
     fn lock(fake: &FakeStore, identity: &str) -> LeaseLock {
         let config = LeaseLockConfig::new("ns", "shard-a", identity)
             .with_label("ring", "r")
+            .with_annotation("weight", "2")
             .with_lease_duration(DURATION)
             .with_renew_deadline(DEADLINE)
             .with_retry_period(RETRY);
@@ -923,6 +940,11 @@ mod tests {
                 .labels
                 .get_or_insert_default()
                 .insert("state".into(), "ready".into());
+            lease
+                .metadata
+                .annotations
+                .get_or_insert_default()
+                .insert("note".into(), "kept".into());
         });
         tokio::time::sleep(RETRY + Duration::from_millis(1)).await;
         settle().await;
@@ -933,6 +955,12 @@ mod tests {
             .expect("labels");
         assert_eq!(labels.get("state").map(String::as_str), Some("ready"));
         assert_eq!(labels.get("ring").map(String::as_str), Some("r"));
+        let annotations = fake
+            .lease()
+            .and_then(|l| l.metadata.annotations)
+            .expect("annotations");
+        assert_eq!(annotations.get("weight").map(String::as_str), Some("2"));
+        assert_eq!(annotations.get("note").map(String::as_str), Some("kept"));
         assert_eq!(fake.writes(), 2, "renewed after re-reading");
     }
 

@@ -1,6 +1,6 @@
 //! Turn a kube-rs controller into a *shard* of a controller-sharding ring.
 //!
-//! A ring (`ClusterRing`) lets N replicas of a controller split the objects of some resources
+//! A ring (a `ClusterRing` or a `ControllerRing`, [`RingKind`]) lets N replicas of a controller split the objects of some resources
 //! between them. A central sharder assigns every object to one shard by writing a ring-specific
 //! shard label, and moves objects when shards come and go. This crate implements the shard's
 //! side of that contract:
@@ -123,3 +123,5 @@ mod shard;
 pub use crate::drain::{Disposition, DrainPassthrough, ReconcileError};
 pub use crate::lease::{HeldLease, HeldRunEnd, LeaseLock, LeaseLockConfig};
 pub use crate::shard::Shard;
+/// The kind of ring a [`Shard`] joins.
+pub use sharding_crds::RingKind;

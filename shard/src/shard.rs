@@ -3,6 +3,7 @@
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::runtime::watcher;
+use sharding_crds::RingKind;
 use sharding_crds::labels;
 
 use crate::drain::{self, Disposition};
@@ -10,6 +11,9 @@ use crate::lease::LeaseLockConfig;
 
 /// A shard: a controller instance that joins the ring `ring` under the name `name`, announcing
 /// its membership with a Lease in `lease_namespace`.
+///
+/// [`Shard::new`] joins a `ClusterRing`; [`Shard::of_kind`] joins either kind, e.g. a
+/// `ControllerRing` (SPEC §15), whose label keys and Lease label differ.
 ///
 /// ```
 /// let shard = shard::Shard::new("example", "shard-0", "default");
@@ -20,11 +24,13 @@ use crate::lease::LeaseLockConfig;
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Shard {
+    kind: RingKind,
     ring: String,
     name: String,
     lease_namespace: String,
     shard_label_key: String,
     drain_label_key: String,
+    weight: Option<u32>,
 }
 
 impl Shard {
@@ -38,17 +44,52 @@ impl Shard {
         name: impl Into<String>,
         lease_namespace: impl Into<String>,
     ) -> Self {
+        Self::of_kind(RingKind::ClusterRing, ring, name, lease_namespace)
+    }
+
+    /// A shard named `name` in ring `ring` of kind `kind` (see [`Shard::new`] for the name).
+    ///
+    /// ```
+    /// use shard::RingKind;
+    /// let shard = shard::Shard::of_kind(RingKind::ControllerRing, "example", "shard-0", "default");
+    /// assert_eq!(
+    ///     shard.label_selector(),
+    ///     "shard.alpha.sharding.timebertt.dev/example=shard-0"
+    /// );
+    /// ```
+    pub fn of_kind(
+        kind: RingKind,
+        ring: impl Into<String>,
+        name: impl Into<String>,
+        lease_namespace: impl Into<String>,
+    ) -> Self {
         let ring = ring.into();
         Self {
-            shard_label_key: labels::shard_label(&ring),
-            drain_label_key: labels::drain_label(&ring),
+            kind,
+            shard_label_key: kind.shard_label(&ring),
+            drain_label_key: kind.drain_label(&ring),
             ring,
             name: name.into(),
             lease_namespace: lease_namespace.into(),
+            weight: None,
         }
     }
 
-    /// Name of the ring (the `ClusterRing`).
+    /// The shard with weight `weight` (SPEC §17): it receives about `weight` times the share of
+    /// a shard of weight 1. The sharder accepts 1 to 10 ([`labels::MAX_SHARD_WEIGHT`]) and counts
+    /// any other value as 1, reporting it with an Event on the Lease.
+    #[must_use]
+    pub fn with_weight(mut self, weight: u32) -> Self {
+        self.weight = Some(weight);
+        self
+    }
+
+    /// The kind of the ring.
+    pub fn kind(&self) -> RingKind {
+        self.kind
+    }
+
+    /// Name of the ring.
     pub fn ring(&self) -> &str {
         &self.ring
     }
@@ -89,10 +130,15 @@ impl Shard {
     }
 
     /// Configuration of the shard's membership Lease: name and holder identity are the shard
-    /// name, labelled with the ring. Default timing; adjust it with the `with_*` methods.
+    /// name, labelled with the ring (the label key depends on the ring kind), annotated with the
+    /// weight if one was set. Default timing; adjust it with the `with_*` methods.
     pub fn lease_config(&self) -> LeaseLockConfig {
-        LeaseLockConfig::new(&self.lease_namespace, &self.name, &self.name)
-            .with_label(labels::LABEL_CLUSTER_RING, &self.ring)
+        let config = LeaseLockConfig::new(&self.lease_namespace, &self.name, &self.name)
+            .with_label(self.kind.lease_label(), &self.ring);
+        match self.weight {
+            Some(weight) => config.with_annotation(labels::ANNOTATION_WEIGHT, weight.to_string()),
+            None => config,
+        }
     }
 
     /// What this shard must do with an object, judged by its labels (see [`drain::classify`]).
@@ -153,6 +199,40 @@ mod tests {
                 .labels()
                 .get("alpha.sharding.timebertt.dev/clusterring"),
             Some(&"checksum-controller".to_string())
+        );
+        assert!(lease.annotations().is_empty());
+    }
+
+    #[test]
+    fn controller_ring_shards_use_its_keys_and_lease_label() {
+        let shard =
+            Shard::of_kind(RingKind::ControllerRing, "example", "shard-x", "leases").with_weight(3);
+        assert_eq!(shard.kind(), RingKind::ControllerRing);
+        assert_eq!(
+            shard.shard_label_key(),
+            "shard.alpha.sharding.timebertt.dev/example"
+        );
+        assert_eq!(
+            shard.drain_label_key(),
+            "drain.alpha.sharding.timebertt.dev/example"
+        );
+        let lease = shard.lease_config();
+        assert_eq!(
+            lease
+                .labels()
+                .get("alpha.sharding.timebertt.dev/controllerring"),
+            Some(&"example".to_string())
+        );
+        assert!(
+            !lease
+                .labels()
+                .contains_key("alpha.sharding.timebertt.dev/clusterring")
+        );
+        assert_eq!(
+            lease
+                .annotations()
+                .get("alpha.sharding.timebertt.dev/weight"),
+            Some(&"3".to_string())
         );
     }
 }

@@ -48,9 +48,16 @@ enum LogFormat {
 #[derive(Debug, clap::Parser)]
 #[command(version)]
 struct Args {
-    /// Name of the ClusterRing to join.
-    #[arg(long, default_value = "checksum-controller")]
+    /// Name of the ring to join (a ClusterRing unless `--ring-kind` says otherwise).
+    #[arg(long, visible_alias = "ring", default_value = "checksum-controller")]
     clusterring: String,
+    /// Kind of the ring to join: `ClusterRing` or `ControllerRing`.
+    #[arg(long, default_value = "ClusterRing")]
+    ring_kind: shard::RingKind,
+    /// Weight of this shard (1 to 10): it receives about this many times the share of a shard
+    /// of weight 1. Without it, the Lease carries no weight annotation (weight 1).
+    #[arg(long)]
+    weight: Option<u32>,
     /// Only watch Secrets and ConfigMaps in this namespace (default: all namespaces).
     #[arg(long)]
     namespace: Option<String>,
@@ -253,7 +260,15 @@ async fn main() -> anyhow::Result<()> {
         .lease_namespace
         .clone()
         .unwrap_or_else(|| client.default_namespace().to_string());
-    let shard = Shard::new(&args.clusterring, shard_name, lease_namespace);
+    let mut shard = Shard::of_kind(
+        args.ring_kind,
+        &args.clusterring,
+        shard_name,
+        lease_namespace,
+    );
+    if let Some(weight) = args.weight {
+        shard = shard.with_weight(weight);
+    }
     let lock = LeaseLock::new(
         client.clone(),
         shard
@@ -264,7 +279,7 @@ async fn main() -> anyhow::Result<()> {
     )?;
 
     // Membership first: nothing is reconciled before the Lease is ours.
-    info!(shard = %shard.name(), ring = %shard.ring(), namespace = %shard.lease_namespace(), "acquiring shard Lease");
+    info!(shard = %shard.name(), ring = %shard.ring(), kind = %shard.kind(), namespace = %shard.lease_namespace(), "acquiring shard Lease");
     let held = tokio::select! {
         held = lock.acquire() => held,
         () = shutdown.cancelled() => return Ok(()),

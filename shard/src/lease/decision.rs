@@ -113,7 +113,7 @@ pub fn is_held_by(spec: Option<&LeaseSpec>, identity: &str) -> bool {
     spec.and_then(|s| s.holder_identity.as_deref()) == Some(identity)
 }
 
-/// `labels` with every entry of `ours` put in, overwriting values under the same keys and keeping
+/// `labels` (or annotations) with every entry of `ours` put in, overwriting values under the same keys and keeping
 /// every other label (e.g. the sharder's state label on shard Leases).
 pub fn merge_labels(
     labels: Option<BTreeMap<String, String>>,
