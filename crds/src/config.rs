@@ -11,6 +11,7 @@ use k8s_openapi::ByteString;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, LabelSelectorRequirement};
 use serde::{Deserialize, Serialize};
 
+use crate::RingKind;
 use crate::duration::Duration;
 use crate::labels::{self, NAMESPACE_SYSTEM};
 use crate::lease::LeaseTiming;
@@ -555,9 +556,10 @@ impl SharderConfig {
         Ok(())
     }
 
-    /// The webhook URL or Service path for `ring`: the configured base with the ring path joined.
-    pub fn webhook_path_for(base: Option<&str>, ring_name: &str) -> String {
-        let ring_path = labels::webhook_path(ring_name);
+    /// The webhook URL or Service path for ring `ring_name` of `kind`: the configured base with
+    /// the ring path joined.
+    pub fn webhook_path_for(base: Option<&str>, kind: RingKind, ring_name: &str) -> String {
+        let ring_path = kind.webhook_path(ring_name);
         match base {
             Some(base) => format!("{}{ring_path}", base.trim_end_matches('/')),
             None => ring_path,
@@ -746,12 +748,16 @@ shutdownDelay: 2s
     #[test]
     fn webhook_paths() {
         assert_eq!(
-            SharderConfig::webhook_path_for(Some("https://h:1/base/"), "r"),
+            SharderConfig::webhook_path_for(Some("https://h:1/base/"), RingKind::ClusterRing, "r"),
             "https://h:1/base/webhooks/sharder/clusterring/r"
         );
         assert_eq!(
-            SharderConfig::webhook_path_for(None, "r"),
+            SharderConfig::webhook_path_for(None, RingKind::ClusterRing, "r"),
             "/webhooks/sharder/clusterring/r"
+        );
+        assert_eq!(
+            SharderConfig::webhook_path_for(None, RingKind::ControllerRing, "r"),
+            "/webhooks/sharder/controllerring/r"
         );
     }
 }

@@ -6,7 +6,7 @@
 //! that already carries the shard label (answered unchanged). Each runs against rings of 3 and 100
 //! shards; the view is prebuilt, as the sharder rebuilds it only when membership changes.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use axum::Router;
@@ -54,9 +54,9 @@ fn state(shards: usize) -> WebhookState {
         (GroupResource::new("", "secrets"), info("Secret")),
         (GroupResource::new("", "configmaps"), info("ConfigMap")),
     ]);
-    let shards: BTreeSet<String> = (0..shards).map(|i| format!("shard-{i}")).collect();
+    let shards: BTreeMap<String, u32> = (0..shards).map(|i| (format!("shard-{i}"), 1)).collect();
     let rings = Arc::new(RingViews::default());
-    rings.insert(build_view(&ring, &shards, &discovered));
+    rings.insert(build_view(&ring, &shards, &discovered, &Default::default()));
     WebhookState {
         rings,
         metrics: Metrics::default(),

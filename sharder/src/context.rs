@@ -6,10 +6,13 @@ use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Namespace;
 use kube::Client;
 use kube::runtime::events::Recorder;
-use kube::runtime::reflector::Store;
-use sharding_crds::ClusterRing;
+use kube::runtime::reflector::{ObjectRef, Store};
 use sharding_crds::config::SharderConfig;
+use sharding_crds::{
+    ClusterRing, ClusterRingSpec, ClusterRingStatus, ControllerRing, RingKind, RingObject, RingRef,
+};
 
+use crate::core::validation::validate_ring;
 use crate::metrics::Metrics;
 use crate::ring_views::{Discovery, RingViews};
 
@@ -21,9 +24,13 @@ pub(crate) struct Context {
     /// The validated configuration.
     pub(crate) config: Arc<SharderConfig>,
     /// Cache of every ClusterRing.
-    pub(crate) rings: Store<ClusterRing>,
-    /// Cache of every Lease carrying the ring label.
-    pub(crate) leases: Store<Lease>,
+    pub(crate) cluster_rings: Store<ClusterRing>,
+    /// Cache of every ControllerRing.
+    pub(crate) controller_rings: Store<ControllerRing>,
+    /// Cache of every Lease carrying the ClusterRing label.
+    pub(crate) cluster_ring_leases: Store<Lease>,
+    /// Cache of every Lease carrying the ControllerRing label.
+    pub(crate) controller_ring_leases: Store<Lease>,
     /// Cache of every Namespace (for namespace selectors).
     pub(crate) namespaces: Store<Namespace>,
     /// Current view of each ring.
@@ -32,12 +39,125 @@ pub(crate) struct Context {
     pub(crate) discovery: Arc<Discovery>,
     /// Counters.
     pub(crate) metrics: Metrics,
-    /// Publishes Events on ClusterRings.
+    /// Publishes Events on rings and Leases.
     pub(crate) recorder: Recorder,
+}
+
+impl Context {
+    /// Every cached ring of both kinds.
+    pub(crate) fn rings(&self) -> Vec<AnyRing> {
+        let cluster = self.cluster_rings.state().into_iter().map(AnyRing::Cluster);
+        let controller = self
+            .controller_rings
+            .state()
+            .into_iter()
+            .map(AnyRing::Controller);
+        cluster.chain(controller).collect()
+    }
+
+    /// The cached ring `ring`, if it exists.
+    pub(crate) fn ring(&self, ring: &RingRef) -> Option<AnyRing> {
+        match ring.kind {
+            RingKind::ClusterRing => self
+                .cluster_rings
+                .get(&ObjectRef::new(&ring.name))
+                .map(AnyRing::Cluster),
+            RingKind::ControllerRing => self
+                .controller_rings
+                .get(&ObjectRef::new(&ring.name))
+                .map(AnyRing::Controller),
+        }
+    }
+
+    /// The cache of Leases carrying the ring label of `kind`.
+    pub(crate) fn lease_store(&self, kind: RingKind) -> &Store<Lease> {
+        match kind {
+            RingKind::ClusterRing => &self.cluster_ring_leases,
+            RingKind::ControllerRing => &self.controller_ring_leases,
+        }
+    }
+
+    /// Every cached Lease carrying the ring label of `kind`.
+    pub(crate) fn leases(&self, kind: RingKind) -> Vec<Arc<Lease>> {
+        self.lease_store(kind).state()
+    }
 }
 
 impl std::fmt::Debug for Context {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Context").finish_non_exhaustive()
+    }
+}
+
+/// A cached ring of either kind.
+#[derive(Clone, Debug)]
+pub(crate) enum AnyRing {
+    /// A ClusterRing.
+    Cluster(Arc<ClusterRing>),
+    /// A ControllerRing.
+    Controller(Arc<ControllerRing>),
+}
+
+impl AnyRing {
+    /// Kind and name.
+    pub(crate) fn ring_ref(&self) -> RingRef {
+        match self {
+            Self::Cluster(r) => r.ring_ref(),
+            Self::Controller(r) => r.ring_ref(),
+        }
+    }
+
+    /// The spec.
+    pub(crate) fn spec(&self) -> &ClusterRingSpec {
+        match self {
+            Self::Cluster(r) => r.ring_spec(),
+            Self::Controller(r) => r.ring_spec(),
+        }
+    }
+
+    /// The status, if set.
+    pub(crate) fn status(&self) -> Option<&ClusterRingStatus> {
+        match self {
+            Self::Cluster(r) => r.ring_status(),
+            Self::Controller(r) => r.ring_status(),
+        }
+    }
+
+    /// The metadata.
+    pub(crate) fn meta(&self) -> &kube::api::ObjectMeta {
+        match self {
+            Self::Cluster(r) => &r.metadata,
+            Self::Controller(r) => &r.metadata,
+        }
+    }
+
+    /// A reference to the ring, for Events.
+    pub(crate) fn object_ref(&self) -> k8s_openapi::api::core::v1::ObjectReference {
+        use kube::Resource;
+        match self {
+            Self::Cluster(r) => r.object_ref(&()),
+            Self::Controller(r) => r.object_ref(&()),
+        }
+    }
+
+    /// Describes the first invariant the ring violates (see [`validate_ring`]).
+    pub(crate) fn validate(&self) -> Result<(), String> {
+        match self {
+            Self::Cluster(r) => validate_ring(r.as_ref()),
+            Self::Controller(r) => validate_ring(r.as_ref()),
+        }
+    }
+
+    /// Whether the ring's webhook configuration has been applied for its current spec: the ring
+    /// controller sets `Ready=True` with the ring's generation only after applying it.
+    pub(crate) fn webhook_in_place(&self) -> bool {
+        let generation = self.meta().generation;
+        self.status().is_some_and(|s| {
+            s.conditions.iter().any(|c| {
+                c.type_ == sharding_crds::cluster_ring::CONDITION_READY
+                    && c.status == "True"
+                    && c.observed_generation == generation
+            })
+        })
     }
 }

@@ -2,16 +2,17 @@
 //!
 //! | module | controller |
 //! |---|---|
-//! | `cluster_ring` | the ClusterRing controller: validates each ring, applies its webhook configuration, writes its status |
-//! | `shard_lease` | the shard-lease controller: keeps shard states current, takes over and deletes Leases |
+//! | `ring` | the ring controller (one per ring kind): validates each ring, applies its webhook configuration, writes its status |
+//! | `shard_lease` | the shard-lease controller (one per ring kind): keeps shard states current, takes over and deletes Leases |
 //! | [`sharder`] | the sharder controller: syncs every ring, draining and moving objects |
 //! | `missed_assignments` | the sharder controller's fast path for objects the webhook missed |
 
-pub(crate) mod cluster_ring;
 pub(crate) mod missed_assignments;
+pub(crate) mod ring;
 pub(crate) mod shard_lease;
 pub mod sharder;
 
+use sharding_crds::{ClusterRing, ControllerRing};
 use tokio_util::sync::CancellationToken;
 
 use crate::context::Context;
@@ -19,8 +20,10 @@ use crate::context::Context;
 /// Runs every controller until `shutdown` fires (or until dropped, on lost leadership).
 pub(crate) async fn run_all(ctx: Context, shutdown: CancellationToken) {
     tokio::join!(
-        cluster_ring::run(ctx.clone(), shutdown.clone()),
-        shard_lease::run(ctx.clone(), shutdown.clone()),
+        ring::run::<ClusterRing>(ctx.clone(), shutdown.clone()),
+        ring::run::<ControllerRing>(ctx.clone(), shutdown.clone()),
+        shard_lease::run::<ClusterRing>(ctx.clone(), shutdown.clone()),
+        shard_lease::run::<ControllerRing>(ctx.clone(), shutdown.clone()),
         sharder::run(ctx, shutdown),
     );
 }

@@ -1,10 +1,11 @@
-//! The sharder: assigns the objects of every `ClusterRing` to the ring's available shards and
-//! moves them when shards come and go.
+//! The sharder: assigns the objects of every `ClusterRing` and `ControllerRing` to the ring's
+//! available shards and moves them when shards come and go. Both kinds run through one engine;
+//! what differs between them is in [`sharding_crds::RingKind`].
 //!
 //! | module | what |
 //! |---|---|
 //! | [`core`] | the pure core: hash ring, hash keys, rebalance decision, sync schedule, ring validation, desired webhook configuration |
-//! | `controller` | the leader's controllers, one module each: ClusterRing, shard Leases, the sharder's sync and its missed-assignment path |
+//! | `controller` | the leader's controllers, one module each: rings, shard Leases, the sharder's sync and its missed-assignment path |
 //! | [`ring_views`] | the ring-view registry the webhook and the sync read, and the task that keeps it current |
 //! | [`webhook`] | the admission webhook that assigns objects |
 //! | [`server`] | the HTTPS webhook server with certificate reload, the health and metrics servers |
@@ -39,9 +40,8 @@ use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Resource};
 use prometheus_client::registry::Registry;
 use serde::de::DeserializeOwned;
-use sharding_crds::ClusterRing;
 use sharding_crds::config::SharderConfig;
-use sharding_crds::labels::LABEL_CLUSTER_RING;
+use sharding_crds::{ClusterRing, ControllerRing, RingKind};
 use tokio::sync::Notify;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
@@ -73,20 +73,30 @@ pub async fn run(
 
     // Caches on every replica: the webhook and the metrics need them, not only the leader.
     // Changes of rings and Leases make the ring views be rebuilt.
-    let rings = spawn_reflector(
+    let cluster_rings = spawn_reflector(
         &mut tasks,
         Api::<ClusterRing>::all(client.clone()),
         watcher::Config::default(),
         Some(changed.clone()),
         &shutdown,
     );
-    let leases = spawn_reflector(
+    let controller_rings = spawn_reflector(
         &mut tasks,
-        Api::<Lease>::all(client.clone()),
-        watcher::Config::default().labels(LABEL_CLUSTER_RING),
+        Api::<ControllerRing>::all(client.clone()),
+        watcher::Config::default(),
         Some(changed.clone()),
         &shutdown,
     );
+    // A label selector cannot say "either label", so each kind's Leases have a cache of their own.
+    let [cluster_ring_leases, controller_ring_leases] = RingKind::ALL.map(|kind| {
+        spawn_reflector(
+            &mut tasks,
+            Api::<Lease>::all(client.clone()),
+            watcher::Config::default().labels(kind.lease_label()),
+            Some(changed.clone()),
+            &shutdown,
+        )
+    });
     let namespaces = spawn_reflector(
         &mut tasks,
         Api::<Namespace>::all(client.clone()),
@@ -97,8 +107,10 @@ pub async fn run(
     let ctx = Context {
         client: client.clone(),
         config: config.clone(),
-        rings,
-        leases,
+        cluster_rings,
+        controller_rings,
+        cluster_ring_leases,
+        controller_ring_leases,
         namespaces,
         ring_views: Arc::new(RingViews::default()),
         discovery: Arc::new(Discovery::new(client.clone())),
@@ -253,8 +265,10 @@ async fn report_caches_synced(
     tokio::select! {
         () = shutdown.cancelled() => {}
         result = async {
-            ctx.rings.wait_until_ready().await?;
-            ctx.leases.wait_until_ready().await?;
+            ctx.cluster_rings.wait_until_ready().await?;
+            ctx.controller_rings.wait_until_ready().await?;
+            ctx.cluster_ring_leases.wait_until_ready().await?;
+            ctx.controller_ring_leases.wait_until_ready().await?;
             ctx.namespaces.wait_until_ready().await
         } => match result {
             Ok(()) => {

@@ -9,13 +9,15 @@ use std::sync::Arc;
 
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
-use sharding_crds::labels::LABEL_CLUSTER_RING;
 use sharding_crds::lease::ShardLease;
+use sharding_crds::{RingKind, RingRef};
 
 use crate::context::Context;
 use crate::core::membership::{Exclusion, ring_members};
 
-use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
+use prometheus_client::encoding::{
+    DescriptorEncoder, EncodeLabelSet, EncodeMetric, LabelSetEncoder,
+};
 use prometheus_client::metrics::MetricType;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -28,22 +30,27 @@ pub const MOVEMENTS: &str = "controller_sharding_movements";
 /// Name of the counter of drain patches; exposed as `controller_sharding_drains_total`.
 pub const DRAINS: &str = "controller_sharding_drains";
 
+/// The ring label of a series: `clusterring="<name>"` for a ClusterRing, `controllerring="<name>"`
+/// for a ControllerRing (SPEC §15), so each kind's series look as its own protocol's do.
+#[derive(Clone, Debug, Hash, PartialEq, Eq)]
+pub(crate) struct RingLabel(pub(crate) RingRef);
+
+impl EncodeLabelSet for RingLabel {
+    fn encode(&self, encoder: &mut LabelSetEncoder) -> Result<(), std::fmt::Error> {
+        [(self.0.kind.metric_label(), self.0.name.as_str())].encode(encoder)
+    }
+}
+
 /// Labels of the per-resource counters.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub(crate) struct ResourceLabels {
-    /// Ring name.
-    pub(crate) clusterring: String,
+    /// The ring.
+    #[prometheus(flatten)]
+    pub(crate) ring: RingLabel,
     /// API group of the resource.
     pub(crate) group: String,
     /// Plural resource name.
     pub(crate) resource: String,
-}
-
-/// Labels of the per-ring counters.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub(crate) struct RingLabels {
-    /// Ring name.
-    pub(crate) clusterring: String,
 }
 
 /// Counters the sharder increments.
@@ -56,7 +63,7 @@ pub struct Metrics {
     /// Drain patches sent by the sharder controller.
     pub(crate) drains: Family<ResourceLabels, Counter>,
     /// Rebuilds of a ring's hash ring.
-    pub(crate) ring_calculations: Family<RingLabels, Counter>,
+    pub(crate) ring_calculations: Family<RingLabel, Counter>,
     /// Unassigned objects the missed-assignment path is moving or waiting to retry, per resource.
     pub(crate) missed_assignment_backlog: Family<ResourceLabels, Gauge>,
 }
@@ -81,7 +88,7 @@ impl Metrics {
         );
         registry.register(
             "controller_sharding_ring_calculations",
-            "Rebuilds of a ClusterRing's hash ring",
+            "Rebuilds of a ring's hash ring",
             self.ring_calculations.clone(),
         );
         registry.register(
@@ -92,9 +99,9 @@ impl Metrics {
     }
 
     /// Labels for a resource of a ring.
-    pub(crate) fn resource_labels(ring: &str, group: &str, resource: &str) -> ResourceLabels {
+    pub(crate) fn resource_labels(ring: &RingRef, group: &str, resource: &str) -> ResourceLabels {
         ResourceLabels {
-            clusterring: ring.into(),
+            ring: RingLabel(ring.clone()),
             group: group.into(),
             resource: resource.into(),
         }
@@ -104,8 +111,8 @@ impl Metrics {
 /// What the state metrics report about one ring.
 #[derive(Clone, Debug, PartialEq)]
 pub(crate) struct RingSnapshot {
-    /// Ring name.
-    pub(crate) name: String,
+    /// Ring kind and name.
+    pub(crate) ring: RingRef,
     /// Ring UID.
     pub(crate) uid: String,
     /// `metadata.generation`.
@@ -125,14 +132,16 @@ pub(crate) struct ShardSnapshot {
     pub(crate) namespace: String,
     /// Shard name (the Lease name).
     pub(crate) shard: String,
-    /// Ring name.
-    pub(crate) clusterring: String,
+    /// The ring.
+    pub(crate) ring: RingRef,
     /// UID of the Lease.
     pub(crate) uid: String,
     /// Current state, one of [`SHARD_STATES`] (`unknown` when it cannot be determined).
     pub(crate) state: &'static str,
     /// Why the Lease is kept out of the ring (an invalid or duplicate name), if it is.
     pub(crate) excluded: Option<&'static str>,
+    /// The shard's weight (1 unless its Lease asks for a valid other one).
+    pub(crate) weight: u32,
 }
 
 /// Every value of the `state` label of `controller_sharding_shard_state`.
@@ -159,7 +168,8 @@ pub(crate) struct StateCollector<S>(pub(crate) Arc<S>);
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RingUidLabels {
-    clusterring: String,
+    #[prometheus(flatten)]
+    ring: RingLabel,
     uid: String,
 }
 
@@ -167,7 +177,8 @@ struct RingUidLabels {
 struct ShardInfoLabels {
     namespace: String,
     shard: String,
-    clusterring: String,
+    #[prometheus(flatten)]
+    ring: RingLabel,
     uid: String,
 }
 
@@ -175,7 +186,8 @@ struct ShardInfoLabels {
 struct ShardStateLabels {
     namespace: String,
     shard: String,
-    clusterring: String,
+    #[prometheus(flatten)]
+    ring: RingLabel,
     state: String,
 }
 
@@ -183,8 +195,17 @@ struct ShardStateLabels {
 struct ShardExcludedLabels {
     namespace: String,
     shard: String,
-    clusterring: String,
+    #[prometheus(flatten)]
+    ring: RingLabel,
     reason: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ShardWeightLabels {
+    namespace: String,
+    shard: String,
+    #[prometheus(flatten)]
+    ring: RingLabel,
 }
 
 fn encode_gauges<L>(
@@ -206,53 +227,59 @@ where
 impl<S: StateSource> prometheus_client::collector::Collector for StateCollector<S> {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
         let rings = self.0.rings();
-        let ring_gauge = |f: fn(&RingSnapshot) -> i64| {
-            rings
-                .iter()
-                .map(move |r| {
-                    let labels = RingUidLabels {
-                        clusterring: r.name.clone(),
-                        uid: r.uid.clone(),
-                    };
-                    (labels, f(r))
-                })
-                .collect::<Vec<_>>()
-        };
-        encode_gauges(
-            &mut encoder,
-            "controller_sharding_clusterring_metadata_generation",
-            "metadata.generation of the ClusterRing",
-            ring_gauge(|r| r.generation),
-        )?;
-        encode_gauges(
-            &mut encoder,
-            "controller_sharding_clusterring_observed_generation",
-            "status.observedGeneration of the ClusterRing",
-            ring_gauge(|r| r.observed_generation),
-        )?;
-        encode_gauges(
-            &mut encoder,
-            "controller_sharding_clusterring_status_shards",
-            "status.shards of the ClusterRing: all shard Leases of the ring",
-            ring_gauge(|r| r.shards),
-        )?;
-        encode_gauges(
-            &mut encoder,
-            "controller_sharding_clusterring_status_available_shards",
-            "status.availableShards of the ClusterRing",
-            ring_gauge(|r| r.available_shards),
-        )?;
+        // Each kind's ring metrics carry its own name, as in the protocol it comes from:
+        // `controller_sharding_clusterring_*` and `controller_sharding_controllerring_*`.
+        for kind in RingKind::ALL {
+            let ring_gauge = |f: fn(&RingSnapshot) -> i64| {
+                rings
+                    .iter()
+                    .filter(|r| r.ring.kind == kind)
+                    .map(move |r| {
+                        let labels = RingUidLabels {
+                            ring: RingLabel(r.ring.clone()),
+                            uid: r.uid.clone(),
+                        };
+                        (labels, f(r))
+                    })
+                    .collect::<Vec<_>>()
+            };
+            let (prefix, kind) = (kind.metric_label(), kind.kind());
+            encode_gauges(
+                &mut encoder,
+                &format!("controller_sharding_{prefix}_metadata_generation"),
+                &format!("metadata.generation of the {kind}"),
+                ring_gauge(|r| r.generation),
+            )?;
+            encode_gauges(
+                &mut encoder,
+                &format!("controller_sharding_{prefix}_observed_generation"),
+                &format!("status.observedGeneration of the {kind}"),
+                ring_gauge(|r| r.observed_generation),
+            )?;
+            encode_gauges(
+                &mut encoder,
+                &format!("controller_sharding_{prefix}_status_shards"),
+                &format!("status.shards of the {kind}: all shard Leases of the ring"),
+                ring_gauge(|r| r.shards),
+            )?;
+            encode_gauges(
+                &mut encoder,
+                &format!("controller_sharding_{prefix}_status_available_shards"),
+                &format!("status.availableShards of the {kind}"),
+                ring_gauge(|r| r.available_shards),
+            )?;
+        }
 
         let shards = self.0.shards();
         encode_gauges(
             &mut encoder,
             "controller_sharding_shard_info",
-            "Information about a shard of a ClusterRing",
+            "Information about a shard of a ring",
             shards.iter().map(|s| {
                 let labels = ShardInfoLabels {
                     namespace: s.namespace.clone(),
                     shard: s.shard.clone(),
-                    clusterring: s.clusterring.clone(),
+                    ring: RingLabel(s.ring.clone()),
                     uid: s.uid.clone(),
                 };
                 (labels, 1)
@@ -267,7 +294,7 @@ impl<S: StateSource> prometheus_client::collector::Collector for StateCollector<
                     let labels = ShardStateLabels {
                         namespace: s.namespace.clone(),
                         shard: s.shard.clone(),
-                        clusterring: s.clusterring.clone(),
+                        ring: RingLabel(s.ring.clone()),
                         state: (*state).to_string(),
                     };
                     (labels, i64::from(*state == s.state))
@@ -277,15 +304,28 @@ impl<S: StateSource> prometheus_client::collector::Collector for StateCollector<
         encode_gauges(
             &mut encoder,
             "controller_sharding_shard_excluded",
-            "Shard Leases kept out of their ring although held: 1 per Lease, with the reason (InvalidShardName, DuplicateShardName)",
+            "Shard Leases kept out of their ring although held: 1 per Lease, with the reason (InvalidShardName, DuplicateShardName, AmbiguousRingKind)",
             shards.iter().filter_map(|s| {
                 let labels = ShardExcludedLabels {
                     namespace: s.namespace.clone(),
                     shard: s.shard.clone(),
-                    clusterring: s.clusterring.clone(),
+                    ring: RingLabel(s.ring.clone()),
                     reason: s.excluded?.to_string(),
                 };
                 Some((labels, 1))
+            }),
+        )?;
+        encode_gauges(
+            &mut encoder,
+            "controller_sharding_shard_weight",
+            "Weight of a shard in its ring (tokens are 100 times the weight)",
+            shards.iter().map(|s| {
+                let labels = ShardWeightLabels {
+                    namespace: s.namespace.clone(),
+                    shard: s.shard.clone(),
+                    ring: RingLabel(s.ring.clone()),
+                };
+                (labels, i64::from(s.weight))
             }),
         )
     }
@@ -305,15 +345,14 @@ pub(crate) struct CacheState(pub(crate) Context);
 impl StateSource for CacheState {
     fn rings(&self) -> Vec<RingSnapshot> {
         self.0
-            .rings
-            .state()
+            .rings()
             .iter()
             .map(|r| {
-                let status = r.status.clone().unwrap_or_default();
+                let status = r.status().cloned().unwrap_or_default();
                 RingSnapshot {
-                    name: r.name_any(),
-                    uid: r.uid().unwrap_or_default(),
-                    generation: r.metadata.generation.unwrap_or_default(),
+                    ring: r.ring_ref(),
+                    uid: r.meta().uid.clone().unwrap_or_default(),
+                    generation: r.meta().generation.unwrap_or_default(),
                     observed_generation: status.observed_generation.unwrap_or_default(),
                     shards: status.shards.into(),
                     available_shards: status.available_shards.into(),
@@ -324,26 +363,27 @@ impl StateSource for CacheState {
 
     fn shards(&self) -> Vec<ShardSnapshot> {
         let now = Timestamp::now();
-        let leases = self.0.leases.state();
-        let rings: BTreeSet<&String> = leases
-            .iter()
-            .filter_map(|l| l.labels().get(LABEL_CLUSTER_RING))
-            .collect();
-        rings
-            .into_iter()
-            .flat_map(|ring| {
-                ring_members(ring, leases.iter().map(AsRef::as_ref))
-                    .into_iter()
-                    .map(move |m| ShardSnapshot {
-                        namespace: m.lease.namespace().unwrap_or_default(),
-                        shard: m.lease.name_any(),
-                        clusterring: ring.clone(),
-                        uid: m.lease.uid().unwrap_or_default(),
-                        state: ShardLease::from_lease(m.lease).state(now).as_str(),
-                        excluded: m.exclusion.as_ref().map(Exclusion::reason),
-                    })
-            })
-            .collect()
+        let mut snapshots = Vec::new();
+        for kind in RingKind::ALL {
+            let leases = self.0.leases(kind);
+            let rings: BTreeSet<&String> = leases
+                .iter()
+                .filter_map(|l| l.labels().get(kind.lease_label()))
+                .collect();
+            for ring in rings {
+                let members = ring_members(kind, ring, leases.iter().map(AsRef::as_ref));
+                snapshots.extend(members.into_iter().map(|m| ShardSnapshot {
+                    namespace: m.lease.namespace().unwrap_or_default(),
+                    shard: m.lease.name_any(),
+                    ring: RingRef::new(kind, ring.clone()),
+                    uid: m.lease.uid().unwrap_or_default(),
+                    state: ShardLease::from_lease(m.lease).state(now).as_str(),
+                    excluded: m.exclusion.as_ref().map(Exclusion::reason),
+                    weight: m.weight,
+                }));
+            }
+        }
+        snapshots
     }
 }
 
@@ -356,14 +396,24 @@ mod tests {
 
     impl StateSource for Fixed {
         fn rings(&self) -> Vec<RingSnapshot> {
-            vec![RingSnapshot {
-                name: "example".into(),
-                uid: "u1".into(),
-                generation: 3,
-                observed_generation: 2,
-                shards: 3,
-                available_shards: 2,
-            }]
+            vec![
+                RingSnapshot {
+                    ring: RingRef::new(RingKind::ClusterRing, "example"),
+                    uid: "u1".into(),
+                    generation: 3,
+                    observed_generation: 2,
+                    shards: 3,
+                    available_shards: 2,
+                },
+                RingSnapshot {
+                    ring: RingRef::new(RingKind::ControllerRing, "example"),
+                    uid: "u2".into(),
+                    generation: 5,
+                    observed_generation: 5,
+                    shards: 1,
+                    available_shards: 1,
+                },
+            ]
         }
 
         fn shards(&self) -> Vec<ShardSnapshot> {
@@ -371,18 +421,29 @@ mod tests {
                 ShardSnapshot {
                     namespace: "default".into(),
                     shard: "shard-a".into(),
-                    clusterring: "example".into(),
+                    ring: RingRef::new(RingKind::ClusterRing, "example"),
                     uid: "l1".into(),
                     state: "expired",
                     excluded: None,
+                    weight: 1,
+                },
+                ShardSnapshot {
+                    namespace: "default".into(),
+                    shard: "shard-c".into(),
+                    ring: RingRef::new(RingKind::ControllerRing, "example"),
+                    uid: "l3".into(),
+                    state: "ready",
+                    excluded: None,
+                    weight: 3,
                 },
                 ShardSnapshot {
                     namespace: "default".into(),
                     shard: "x".repeat(64),
-                    clusterring: "example".into(),
+                    ring: RingRef::new(RingKind::ClusterRing, "example"),
                     uid: "l2".into(),
                     state: "ready",
                     excluded: Some("InvalidShardName"),
+                    weight: 1,
                 },
             ]
         }
@@ -394,19 +455,29 @@ mod tests {
         let mut registry = Registry::default();
         metrics.register(&mut registry);
         registry.register_collector(Box::new(StateCollector(Arc::new(Fixed))));
+        let cluster = RingRef::new(RingKind::ClusterRing, "example");
+        let controller = RingRef::new(RingKind::ControllerRing, "example");
         metrics
             .assignments
-            .get_or_create(&Metrics::resource_labels("example", "", "secrets"))
+            .get_or_create(&Metrics::resource_labels(&cluster, "", "secrets"))
             .inc();
         metrics
+            .assignments
+            .get_or_create(&Metrics::resource_labels(&controller, "", "secrets"))
+            .inc_by(4);
+        metrics
             .ring_calculations
-            .get_or_create(&RingLabels {
-                clusterring: "example".into(),
-            })
+            .get_or_create(&RingLabel(cluster))
             .inc_by(2);
         let text = render(&registry).expect("renders");
         for line in [
             r#"controller_sharding_assignments_total{clusterring="example",group="",resource="secrets"} 1"#,
+            r#"controller_sharding_assignments_total{controllerring="example",group="",resource="secrets"} 4"#,
+            r#"controller_sharding_controllerring_metadata_generation{controllerring="example",uid="u2"} 5"#,
+            r#"controller_sharding_controllerring_status_available_shards{controllerring="example",uid="u2"} 1"#,
+            r#"controller_sharding_shard_state{namespace="default",shard="shard-c",controllerring="example",state="ready"} 1"#,
+            r#"controller_sharding_shard_weight{namespace="default",shard="shard-c",controllerring="example"} 3"#,
+            r#"controller_sharding_shard_weight{namespace="default",shard="shard-a",clusterring="example"} 1"#,
             r#"controller_sharding_ring_calculations_total{clusterring="example"} 2"#,
             r#"controller_sharding_clusterring_metadata_generation{clusterring="example",uid="u1"} 3"#,
             r#"controller_sharding_clusterring_observed_generation{clusterring="example",uid="u1"} 2"#,

@@ -7,24 +7,22 @@
 
 mod discovery;
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
-use kube::ResourceExt;
-use sharding_crds::labels;
-use sharding_crds::{ClusterRing, GroupResource};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
+use sharding_crds::{GroupResource, HashKey, RingKind, RingObject, RingRef};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 pub(crate) use self::discovery::Discovery;
-use crate::context::Context;
-use crate::core::key::{ControllerKind, ResourceRole};
+use crate::context::{AnyRing, Context};
+use crate::core::key::{self, ControllerKind, KeyError, KeyOutcome, ObjectInfo, ResourceRole};
 use crate::core::membership::available_shards;
 use crate::core::ring::Ring;
-use crate::core::validation;
-use crate::metrics::RingLabels;
+use crate::metrics::RingLabel;
 
 /// How often rings with unresolved resources (e.g. a CRD installed later) are resolved again.
 const UNRESOLVED_RETRY: Duration = Duration::from_secs(10);
@@ -59,6 +57,8 @@ impl ResolvedResource {
 /// A consistent snapshot of one ring, as the webhook and the sync use it.
 #[derive(Debug)]
 pub struct RingView {
+    /// Ring kind.
+    pub(crate) kind: RingKind,
     /// Ring name.
     pub(crate) name: String,
     /// The ring's shard label key.
@@ -67,6 +67,10 @@ pub struct RingView {
     pub(crate) drain_label: String,
     /// Hash ring over the available shards.
     pub(crate) ring: Ring,
+    /// What objects are hashed by.
+    pub(crate) hash_key: HashKey,
+    /// Namespaces whose objects belong to the ring: its selector, else the configured default.
+    pub(crate) namespace_selector: LabelSelector,
     /// Every resolved resource of the ring with its role. A resource that is main in one entry
     /// and controlled in another counts as main.
     pub(crate) resources: HashMap<GroupResource, ResolvedResource>,
@@ -79,17 +83,48 @@ pub struct RingView {
     pub(crate) revision: u64,
 }
 
-/// Builds a view from a ring, its available shards and discovery results.
-pub fn build_view(
-    ring: &ClusterRing,
-    shards: &BTreeSet<String>,
+impl RingView {
+    /// Kind and name of the ring.
+    pub(crate) fn ring_ref(&self) -> RingRef {
+        RingRef::new(self.kind, &self.name)
+    }
+
+    /// The hash key of `object`, whose resource plays `role` in the ring (SPEC §6, §16).
+    ///
+    /// With `hashKey: Namespace` a namespaced object, main or controlled, is keyed by its
+    /// namespace as the Namespace object would be as a main object; so it needs neither a name
+    /// nor a controller.
+    pub(crate) fn key(
+        &self,
+        object: &ObjectInfo<'_>,
+        role: &ResourceRole,
+    ) -> Result<KeyOutcome, KeyError> {
+        match (self.hash_key, object.namespace.filter(|ns| !ns.is_empty())) {
+            (HashKey::Namespace, Some(namespace)) => Ok(KeyOutcome::Key(key::format_key(
+                "",
+                "Namespace",
+                "",
+                namespace,
+            ))),
+            _ => key::hash_key(object, role),
+        }
+    }
+}
+
+/// Builds a view from a ring, its available shards with their weights, discovery results and the
+/// configured default namespace selector.
+pub fn build_view<R: RingObject>(
+    ring: &R,
+    shards: &BTreeMap<String, u32>,
     discovered: &HashMap<GroupResource, ResourceInfo>,
+    default_selector: &LabelSelector,
 ) -> RingView {
-    let name = ring.name_any();
+    let RingRef { kind, name } = ring.ring_ref();
+    let spec = ring.ring_spec();
     let mut resources = HashMap::new();
     let mut unresolved = Vec::new();
     let mut controlled: HashMap<GroupResource, Vec<ControllerKind>> = HashMap::new();
-    for entry in &ring.spec.resources {
+    for entry in &spec.resources {
         let main = entry.group_resource();
         let Some(info) = discovered.get(&main) else {
             unresolved.push(main);
@@ -131,13 +166,19 @@ pub fn build_view(
         }
     }
     RingView {
-        shard_label: labels::shard_label(&name),
-        drain_label: labels::drain_label(&name),
+        kind,
+        shard_label: kind.shard_label(&name),
+        drain_label: kind.drain_label(&name),
         name,
-        ring: Ring::new(shards),
+        ring: Ring::weighted(shards.iter().map(|(name, weight)| (name, *weight))),
+        hash_key: spec.hash_key(),
+        namespace_selector: spec
+            .namespace_selector
+            .clone()
+            .unwrap_or_else(|| default_selector.clone()),
         resources,
         unresolved,
-        generation: ring.metadata.generation,
+        generation: ring.meta().generation,
         revision: 0,
     }
 }
@@ -145,7 +186,7 @@ pub fn build_view(
 /// The current view of every ring, shared between the webhook and the controllers.
 #[derive(Debug)]
 pub struct RingViews {
-    views: RwLock<HashMap<String, Arc<RingView>>>,
+    views: RwLock<HashMap<RingRef, Arc<RingView>>>,
     revision: AtomicU64,
     changed: tokio::sync::watch::Sender<u64>,
 }
@@ -162,7 +203,7 @@ impl Default for RingViews {
 
 impl RingViews {
     /// The current view of `ring`, if the ring is known.
-    pub(crate) fn get(&self, ring: &str) -> Option<Arc<RingView>> {
+    pub(crate) fn get(&self, ring: &RingRef) -> Option<Arc<RingView>> {
         self.views.read().ok()?.get(ring).cloned()
     }
 
@@ -179,13 +220,13 @@ impl RingViews {
         let revision = self.revision.fetch_add(1, Ordering::SeqCst) + 1;
         view.revision = revision;
         if let Ok(mut views) = self.views.write() {
-            views.insert(view.name.clone(), Arc::new(view));
+            views.insert(view.ring_ref(), Arc::new(view));
         }
         self.changed.send_replace(revision);
     }
 
     /// Forgets every ring not in `keep`.
-    pub(crate) fn retain(&self, keep: &BTreeSet<String>) {
+    pub(crate) fn retain(&self, keep: &BTreeSet<RingRef>) {
         let removed = self.views.write().is_ok_and(|mut views| {
             let before = views.len();
             views.retain(|name, _| keep.contains(name));
@@ -204,7 +245,7 @@ impl RingViews {
 }
 
 /// Rebuilds ring views when a ring's spec or its set of available shards changes (`changed` is
-/// notified by the ClusterRing and Lease watches), and retries rings with unresolved resources
+/// notified by the ring and Lease watches), and retries rings with unresolved resources
 /// every few seconds, until `shutdown` fires.
 pub(crate) async fn maintain(ctx: Context, changed: Arc<Notify>, shutdown: CancellationToken) {
     let mut retry = tokio::time::interval(UNRESOLVED_RETRY);
@@ -221,30 +262,42 @@ pub(crate) async fn maintain(ctx: Context, changed: Arc<Notify>, shutdown: Cance
 /// Rebuilds the views whose ring's spec or set of available shards changed (and, with
 /// `retry_unresolved`, those with resources not served before), and forgets deleted rings.
 pub(crate) async fn refresh(ctx: &Context, retry_unresolved: bool) {
-    let leases = ctx.leases.state();
+    let leases = [
+        ctx.leases(RingKind::ClusterRing),
+        ctx.leases(RingKind::ControllerRing),
+    ];
     let mut keep = BTreeSet::new();
-    for ring in ctx.rings.state() {
-        let name = ring.name_any();
-        if validation::validate_ring(&ring).is_err() {
+    for ring in ctx.rings() {
+        let ring_ref = ring.ring_ref();
+        if ring.validate().is_err() {
             // A broken ring is not acted on; the ring controller reports why.
             continue;
         }
-        keep.insert(name.clone());
-        let shards = available_shards(&name, leases.iter().map(AsRef::as_ref));
-        let current = ctx.ring_views.get(&name);
+        keep.insert(ring_ref.clone());
+        let kind_leases = match ring_ref.kind {
+            RingKind::ClusterRing => &leases[0],
+            RingKind::ControllerRing => &leases[1],
+        };
+        let shards = available_shards(
+            ring_ref.kind,
+            &ring_ref.name,
+            kind_leases.iter().map(AsRef::as_ref),
+        );
+        let current = ctx.ring_views.get(&ring_ref);
         let shards_changed = current.as_ref().is_none_or(|v| {
-            v.ring.shards().len() != shards.len()
-                || !v.ring.shards().iter().zip(&shards).all(|(a, b)| a == b)
+            !v.ring
+                .members()
+                .eq(shards.iter().map(|(n, w)| (n.as_str(), *w)))
         });
         let spec_changed = current
             .as_ref()
-            .is_none_or(|v| v.generation != ring.metadata.generation);
+            .is_none_or(|v| v.generation != ring.meta().generation);
         let retry = retry_unresolved && current.as_ref().is_some_and(|v| !v.unresolved.is_empty());
         if !(shards_changed || spec_changed || retry) {
             continue;
         }
         let resources: Vec<_> = ring
-            .spec
+            .spec()
             .resources
             .iter()
             .flat_map(|r| {
@@ -252,7 +305,13 @@ pub(crate) async fn refresh(ctx: &Context, retry_unresolved: bool) {
             })
             .collect();
         let discovered = ctx.discovery.resolve(&resources).await;
-        let view = build_view(&ring, &shards, &discovered);
+        let default_selector = &ctx.config.webhook.config.namespace_selector;
+        let view = match &ring {
+            AnyRing::Cluster(r) => build_view(r.as_ref(), &shards, &discovered, default_selector),
+            AnyRing::Controller(r) => {
+                build_view(r.as_ref(), &shards, &discovered, default_selector)
+            }
+        };
         if !(shards_changed || spec_changed)
             && current
                 .as_ref()
@@ -265,14 +324,12 @@ pub(crate) async fn refresh(ctx: &Context, retry_unresolved: bool) {
         if shards_changed {
             ctx.metrics
                 .ring_calculations
-                .get_or_create(&RingLabels {
-                    clusterring: name.clone(),
-                })
+                .get_or_create(&RingLabel(ring_ref.clone()))
                 .inc();
-            tracing::info!(ring = %name, shards = ?shards, "rebuilt hash ring");
+            tracing::info!(ring = %ring_ref, shards = ?shards, "rebuilt hash ring");
         }
         if !view.unresolved.is_empty() {
-            tracing::warn!(ring = %name, unresolved = ?view.unresolved, "some ring resources are not served by the API server (yet)");
+            tracing::warn!(ring = %ring_ref, unresolved = ?view.unresolved, "some ring resources are not served by the API server (yet)");
         }
         ctx.ring_views.insert(view);
     }
@@ -282,7 +339,7 @@ pub(crate) async fn refresh(ctx: &Context, retry_unresolved: bool) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use sharding_crds::{ClusterRingSpec, RingResource};
+    use sharding_crds::{ClusterRing, ClusterRingSpec, ControllerRing, RingResource};
 
     fn info(kind: &str, namespaced: bool) -> ResourceInfo {
         ResourceInfo {
@@ -327,10 +384,11 @@ mod tests {
                 info("Namespace", false),
             ),
         ]);
-        let shards = BTreeSet::from(["s1".to_string()]);
-        let view = build_view(&ring, &shards, &discovered);
-        assert_eq!(view.shard_label, labels::shard_label("r"));
-        assert_eq!(view.ring.shards(), ["s1"]);
+        let shards = BTreeMap::from([("s1".to_string(), 1)]);
+        let view = build_view(&ring, &shards, &discovered, &LabelSelector::default());
+        assert_eq!(view.shard_label, sharding_crds::labels::shard_label("r"));
+        assert_eq!(view.kind, RingKind::ClusterRing);
+        assert_eq!(view.ring.members().collect::<Vec<_>>(), [("s1", 1)]);
         assert_eq!(
             view.unresolved,
             [GroupResource::new("example.com", "unknowns")]
@@ -346,5 +404,70 @@ mod tests {
             other => panic!("unexpected role {other:?}"),
         }
         assert!(view.resources[&GroupResource::new("", "secrets")].is_main());
+    }
+
+    #[test]
+    fn controller_ring_view_with_namespace_keys() {
+        let spec = ClusterRingSpec {
+            resources: vec![RingResource {
+                group: String::new(),
+                resource: "secrets".into(),
+                controlled_resources: vec![GroupResource::new("", "configmaps")],
+            }],
+            namespace_selector: None,
+            hash_key: Some(HashKey::Namespace),
+        };
+        let ring = ControllerRing::new("r", spec.into());
+        let discovered = HashMap::from([
+            (GroupResource::new("", "secrets"), info("Secret", true)),
+            (
+                GroupResource::new("", "configmaps"),
+                info("ConfigMap", true),
+            ),
+        ]);
+        let shards = BTreeMap::from([("a".to_string(), 1), ("b".to_string(), 2)]);
+        let selector = LabelSelector {
+            match_labels: Some([("x".to_string(), "y".to_string())].into()),
+            ..Default::default()
+        };
+        let view = build_view(&ring, &shards, &discovered, &selector);
+        assert_eq!(view.ring_ref(), RingRef::new(RingKind::ControllerRing, "r"));
+        assert_eq!(view.shard_label, "shard.alpha.sharding.timebertt.dev/r");
+        assert_eq!(view.drain_label, "drain.alpha.sharding.timebertt.dev/r");
+        assert_eq!(view.namespace_selector, selector, "the default applies");
+        assert_eq!(
+            view.ring.members().collect::<Vec<_>>(),
+            [("a", 1), ("b", 2)]
+        );
+
+        let main = &view.resources[&GroupResource::new("", "secrets")].role;
+        let controlled = &view.resources[&GroupResource::new("", "configmaps")].role;
+        let namespace_key = Ok(KeyOutcome::Key("/Namespace//team-a".to_string()));
+        // A main object without a name (generateName) and a controlled object without a
+        // controller both get their namespace's key.
+        let unnamed = ObjectInfo {
+            group: "",
+            kind: "Secret",
+            namespace: Some("team-a"),
+            name: None,
+            owner_references: &[],
+        };
+        assert_eq!(view.key(&unnamed, main), namespace_key);
+        let orphan = ObjectInfo {
+            kind: "ConfigMap",
+            name: Some("cm"),
+            ..unnamed
+        };
+        assert_eq!(view.key(&orphan, controlled), namespace_key);
+        // Cluster-scoped objects keep their own key.
+        let cluster_scoped = ObjectInfo {
+            namespace: None,
+            name: Some("s"),
+            ..unnamed
+        };
+        assert_eq!(
+            view.key(&cluster_scoped, main),
+            Ok(KeyOutcome::Key("/Secret//s".to_string()))
+        );
     }
 }

@@ -18,9 +18,9 @@ use k8s_openapi::ByteString;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use serde::Deserialize;
 use serde_json::{Value, json};
-use sharding_crds::GroupResource;
+use sharding_crds::{GroupResource, RingKind, RingRef};
 
-use crate::core::key::{self, KeyOutcome, ObjectInfo};
+use crate::core::key::{KeyOutcome, ObjectInfo};
 use crate::metrics::Metrics;
 use crate::ring_views::RingViews;
 
@@ -28,8 +28,11 @@ use crate::ring_views::RingViews;
 /// from it.
 pub(crate) const MAX_BODY_BYTES: usize = 3 * 1024 * 1024;
 
-/// Route of the per-ring webhook.
-pub(crate) const ROUTE: &str = "/webhooks/sharder/clusterring/{ring}";
+/// Route of the per-ring webhook: the lowercase ring kind, then the ring name.
+pub(crate) const ROUTE: &str = "/webhooks/sharder/{kind}/{ring}";
+
+/// Body of the 404 answer for any other path.
+const NOT_FOUND: &str = "not found: the webhook path is /webhooks/sharder/clusterring/<ring> or /webhooks/sharder/controllerring/<ring>\n";
 
 /// What the webhook handler needs.
 #[derive(Clone, Debug)]
@@ -45,12 +48,7 @@ pub fn router(state: WebhookState) -> Router {
     Router::new()
         .route(ROUTE, post(handle))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
-        .fallback(|| async {
-            (
-                StatusCode::NOT_FOUND,
-                "not found: the webhook path is /webhooks/sharder/clusterring/<ring>\n",
-            )
-        })
+        .fallback(|| async { (StatusCode::NOT_FOUND, NOT_FOUND) })
         .with_state(state)
 }
 
@@ -143,10 +141,19 @@ enum AdmissionDecision {
 
 async fn handle(
     State(state): State<WebhookState>,
-    Path(ring): Path<String>,
+    Path((kind, ring)): Path<(String, String)>,
     body: Bytes,
-) -> Result<Response, BadRequest> {
-    let review: Review = serde_json::from_slice(&body)
+) -> Result<Response, Response> {
+    let Some(kind) = RingKind::from_path_segment(&kind) else {
+        return Err((StatusCode::NOT_FOUND, NOT_FOUND).into_response());
+    };
+    let ring = RingRef::new(kind, ring);
+    review(&state, &ring, &body).map_err(IntoResponse::into_response)
+}
+
+/// Answers one AdmissionReview for `ring`.
+fn review(state: &WebhookState, ring: &RingRef, body: &[u8]) -> Result<Response, BadRequest> {
+    let review: Review = serde_json::from_slice(body)
         .map_err(|e| BadRequest(format!("failed to decode AdmissionReview: {e}")))?;
     if review.api_version != "admission.k8s.io/v1" || review.kind != "AdmissionReview" {
         return Err(BadRequest(format!(
@@ -157,7 +164,7 @@ async fn handle(
     let request = review
         .request
         .ok_or_else(|| BadRequest("AdmissionReview has no request".into()))?;
-    let decision = decide(&state, &ring, &request);
+    let decision = decide(state, ring, &request);
     let mut response = json!({"uid": request.uid, "allowed": true});
     match &decision {
         AdmissionDecision::Allow(reason) => {
@@ -187,7 +194,7 @@ async fn handle(
                     .metrics
                     .assignments
                     .get_or_create(&Metrics::resource_labels(
-                        &ring,
+                        ring,
                         &request.resource.group,
                         &request.resource.resource,
                     ))
@@ -207,7 +214,7 @@ async fn handle(
     Ok(axum::Json(body).into_response())
 }
 
-fn decide(state: &WebhookState, ring_name: &str, request: &Request) -> AdmissionDecision {
+fn decide(state: &WebhookState, ring: &RingRef, request: &Request) -> AdmissionDecision {
     if request
         .sub_resource
         .as_deref()
@@ -219,8 +226,8 @@ fn decide(state: &WebhookState, ring_name: &str, request: &Request) -> Admission
         return AdmissionDecision::Allow("request carries no object");
     };
     let meta = &object.metadata;
-    let Some(view) = state.rings.get(ring_name) else {
-        tracing::warn!(ring = %ring_name, "webhook called for a ring the sharder does not know (yet); allowing unchanged");
+    let Some(view) = state.rings.get(ring) else {
+        tracing::warn!(%ring, "webhook called for a ring the sharder does not know (yet); allowing unchanged");
         return AdmissionDecision::Allow("unknown ring");
     };
     if meta
@@ -233,7 +240,7 @@ fn decide(state: &WebhookState, ring_name: &str, request: &Request) -> Admission
     }
     let group_resource = GroupResource::new(&request.resource.group, &request.resource.resource);
     let Some(resource) = view.resources.get(&group_resource) else {
-        tracing::warn!(ring = %ring_name, resource = %group_resource, "webhook called for a resource that is not part of the ring; allowing unchanged");
+        tracing::warn!(%ring, resource = %group_resource, "webhook called for a resource that is not part of the ring; allowing unchanged");
         return AdmissionDecision::Allow("resource is not part of the ring");
     };
     let info = ObjectInfo {
@@ -243,7 +250,7 @@ fn decide(state: &WebhookState, ring_name: &str, request: &Request) -> Admission
         name: meta.name.as_deref(),
         owner_references: meta.owner_references.as_deref().unwrap_or_default(),
     };
-    let outcome = key::hash_key(&info, &resource.role);
+    let outcome = view.key(&info, &resource.role);
     let key = match outcome {
         Ok(KeyOutcome::Key(key)) => key,
         Ok(KeyOutcome::Unassigned(_)) => {

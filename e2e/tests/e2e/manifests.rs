@@ -31,6 +31,7 @@ const KUSTOMIZATIONS: &[&str] = &[
     "config/default",
     "config/overlays/no-cert-manager",
     "deploy",
+    "deploy/controllerring",
 ];
 
 /// Kinds of other projects our manifests use, with their plural names: the test control plane
@@ -590,12 +591,27 @@ fn sharder_cluster_role_is_exactly_the_spec_list() -> anyhow::Result<()> {
         ),
         (
             &["sharding.timebertt.dev"],
+            "controllerrings",
+            &["get", "list", "watch"],
+        ),
+        (
+            &["sharding.timebertt.dev"],
             "clusterrings/status",
             &["update", "patch"],
         ),
         (
             &["sharding.timebertt.dev"],
+            "controllerrings/status",
+            &["update", "patch"],
+        ),
+        (
+            &["sharding.timebertt.dev"],
             "clusterrings/finalizers",
+            &["update"],
+        ),
+        (
+            &["sharding.timebertt.dev"],
+            "controllerrings/finalizers",
             &["update"],
         ),
     ]);
@@ -654,8 +670,32 @@ fn sharder_cluster_role_is_exactly_the_spec_list() -> anyhow::Result<()> {
 /// watch them, for assigning objects the webhook missed), through `sharding:clusterring:<ring>`.
 #[test]
 fn example_ring_grants_the_sharder_its_resources() -> anyhow::Result<()> {
-    let objects = render("deploy")?;
-    let ring = only(&objects, "ClusterRing")?;
+    for (dir, ring_kind, other) in [
+        ("deploy", "ClusterRing", "ControllerRing"),
+        ("deploy/controllerring", "ControllerRing", "ClusterRing"),
+    ] {
+        let objects = render(dir)?;
+        ensure!(
+            !objects.iter().any(|o| kind(o) == other),
+            "{dir} has a {other}"
+        );
+        example_grants(&objects, ring_kind)?;
+    }
+    let shards = render("deploy/controllerring")?;
+    let args = &container(
+        find(&shards, "Deployment", "checksum-controller")?,
+        "checksum-controller",
+    )?["args"];
+    ensure!(
+        args.as_array()
+            .is_some_and(|a| a.iter().any(|v| v == "--ring-kind=ControllerRing")),
+        "the ControllerRing example's shards do not join a ControllerRing: {args}"
+    );
+    Ok(())
+}
+
+fn example_grants(objects: &[Value], ring_kind: &str) -> anyhow::Result<()> {
+    let ring = only(objects, ring_kind)?;
     let role_name = format!("sharding:clusterring:{}", name(ring));
     let granted = grants(find(&objects, "ClusterRole", &role_name)?)?;
     ensure!(

@@ -15,7 +15,7 @@ use kube::ResourceExt;
 use kube::api::{Api, DynamicObject, ObjectMeta};
 use kube::core::{ApiResource, PartialObjectMeta};
 use kube::runtime::{WatchStreamExt, watcher};
-use sharding_crds::GroupResource;
+use sharding_crds::{GroupResource, RingRef};
 use tokio::sync::Semaphore;
 use tokio::task::{AbortHandle, JoinSet};
 
@@ -37,7 +37,7 @@ const RETRY_MAX: Duration = Duration::from_secs(4);
 #[derive(Debug, Default)]
 pub(crate) struct MissedAssignments {
     tasks: JoinSet<()>,
-    running: HashMap<(String, GroupResource), AbortHandle>,
+    running: HashMap<(RingRef, GroupResource), AbortHandle>,
 }
 
 impl MissedAssignments {
@@ -45,9 +45,9 @@ impl MissedAssignments {
     pub(crate) fn reconcile(&mut self, ctx: &Context, views: &[Arc<RingView>]) {
         // A watch ends on its own only when its ring or resource went away; reap it.
         while self.tasks.try_join_next().is_some() {}
-        let wanted: HashSet<(String, GroupResource)> = views
+        let wanted: HashSet<(RingRef, GroupResource)> = views
             .iter()
-            .flat_map(|v| v.resources.keys().map(|gr| (v.name.clone(), gr.clone())))
+            .flat_map(|v| v.resources.keys().map(|gr| (v.ring_ref(), gr.clone())))
             .collect();
         self.running.retain(|key, task| {
             let keep = wanted.contains(key) && !task.is_finished();
@@ -82,7 +82,7 @@ impl MissedAssignments {
 /// conflict) is retried with backoff until the object is assigned or gone: objects missed during a
 /// webhook outage are assigned within seconds of its end, not at the next periodic sync. Objects of
 /// the initial listing count as well: after a re-list they are exactly those missed meanwhile.
-async fn watch_unassigned(ctx: Context, ring: String, gr: GroupResource) {
+async fn watch_unassigned(ctx: Context, ring: RingRef, gr: GroupResource) {
     let Some(view) = ctx.ring_views.get(&ring) else {
         return;
     };
@@ -124,7 +124,7 @@ async fn watch_unassigned(ctx: Context, ring: String, gr: GroupResource) {
             Some(Ok(watcher::Event::Apply(obj) | watcher::Event::InitApply(obj))) => obj,
             Some(Ok(_)) => continue,
             Some(Err(error)) => {
-                tracing::warn!(%error, ring = %ring, resource = %gr, "missed-assignment watch failed, retrying with backoff");
+                tracing::warn!(%error, %ring, resource = %gr, "missed-assignment watch failed, retrying with backoff");
                 continue;
             }
         };
@@ -162,7 +162,7 @@ struct ObjectKey {
 /// move any more, retrying with backoff from [`RETRY_INITIAL`] up to [`RETRY_MAX`].
 async fn assign(
     ctx: &Context,
-    ring: &str,
+    ring: &RingRef,
     gr: &GroupResource,
     ar: &ApiResource,
     limit: &Semaphore,
@@ -181,7 +181,7 @@ async fn assign(
             && !meta
                 .namespace
                 .as_deref()
-                .is_some_and(|ns| namespace_selected(ctx, ring, ns))
+                .is_some_and(|ns| namespace_selected(ctx, &view, ns))
         {
             return;
         }

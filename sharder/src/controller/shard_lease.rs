@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::ObjectReference;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions};
 use kube::runtime::controller::{Action, Controller};
@@ -14,13 +15,16 @@ use kube::runtime::events::{Event, EventType};
 use kube::runtime::reflector::ObjectRef;
 use kube::runtime::watcher;
 use kube::{Resource, ResourceExt};
-use sharding_crds::ClusterRing;
-use sharding_crds::labels::{LABEL_CLUSTER_RING, LABEL_STATE};
+use sharding_crds::labels::LABEL_STATE;
 use sharding_crds::lease::{ShardLease, ShardState};
+use sharding_crds::{RingKind, RingObject, RingRef};
 use tokio_util::sync::CancellationToken;
 
-use crate::context::Context;
+use crate::context::{AnyRing, Context};
 use crate::core::membership::{Exclusion, ring_members};
+
+/// Reason of the Warning Event about a weight annotation that is not a valid weight.
+const REASON_INVALID_WEIGHT: &str = "InvalidShardWeight";
 
 /// Longest requeue; far-away boundaries (absurd durations) are re-evaluated at least this often.
 const MAX_REQUEUE: Duration = Duration::from_secs(3600);
@@ -43,38 +47,36 @@ pub(crate) enum Error {
     },
 }
 
-/// Runs the controller until `shutdown` fires.
-pub(crate) async fn run(ctx: Context, shutdown: CancellationToken) {
+/// Runs the controller of the shard Leases of rings of type `R` until `shutdown` fires.
+pub(crate) async fn run<R: RingObject>(ctx: Context, shutdown: CancellationToken) {
+    let kind = R::KIND;
     let leases: Api<Lease> = Api::all(ctx.client.clone());
-    let rings: Api<ClusterRing> = Api::all(ctx.client.clone());
-    let lease_store = ctx.leases.clone();
+    let rings: Api<R> = Api::all(ctx.client.clone());
+    let lease_store = ctx.lease_store(kind).clone();
     Controller::new(
         leases,
-        watcher::Config::default().labels(LABEL_CLUSTER_RING),
+        watcher::Config::default().labels(kind.lease_label()),
     )
     // A ring that appears makes its (so far ignored) Leases relevant.
-    .watches(
-        rings,
-        watcher::Config::default(),
-        move |ring: ClusterRing| {
-            let name = ring.name_any();
-            lease_store
-                .state()
-                .into_iter()
-                .filter(|l| l.labels().get(LABEL_CLUSTER_RING) == Some(&name))
-                .filter_map(|l| {
-                    let (name, namespace) = (l.metadata.name.as_deref()?, l.namespace()?);
-                    Some(ObjectRef::<Lease>::new(name).within(&namespace))
-                })
-                .collect::<Vec<_>>()
-        },
-    )
+    .watches(rings, watcher::Config::default(), move |ring: R| {
+        let name = ring.name_any();
+        lease_store
+            .state()
+            .into_iter()
+            .filter(|l| l.labels().get(kind.lease_label()) == Some(&name))
+            .filter_map(|l| {
+                let (name, namespace) = (l.metadata.name.as_deref()?, l.namespace()?);
+                Some(ObjectRef::<Lease>::new(name).within(&namespace))
+            })
+            .collect::<Vec<_>>()
+    })
     .graceful_shutdown_on(shutdown.cancelled_owned())
     .run(
         reconcile,
         error_policy,
         Arc::new(State {
             ctx,
+            kind,
             reported: Mutex::default(),
         }),
     )
@@ -86,12 +88,20 @@ pub(crate) async fn run(ctx: Context, shutdown: CancellationToken) {
     .await;
 }
 
-/// The controller's context: the shared one, and the exclusions already reported.
+/// The controller's context: the shared one, its ring kind, and the problems already reported.
 struct State {
     ctx: Context,
-    /// Lease UID → the exclusion a Warning Event was published for, so that renewals (every few
-    /// seconds per shard) do not publish it again.
-    reported: Mutex<HashMap<String, Exclusion>>,
+    kind: RingKind,
+    /// Lease UID → the problems (exclusion, invalid weight) Warning Events were published for, so
+    /// that renewals (every few seconds per shard) do not publish them again.
+    reported: Mutex<HashMap<String, Problems>>,
+}
+
+/// What is wrong with a shard Lease, as reported.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+struct Problems {
+    exclusion: Option<Exclusion>,
+    weight: Option<String>,
 }
 
 fn error_policy(_lease: Arc<Lease>, error: &Error, _state: Arc<State>) -> Action {
@@ -103,14 +113,21 @@ fn error_policy(_lease: Arc<Lease>, error: &Error, _state: Arc<State>) -> Action
 #[tracing::instrument(skip_all, fields(lease = %lease.name_any(), namespace = lease.namespace().unwrap_or_default()))]
 async fn reconcile(lease: Arc<Lease>, state: Arc<State>) -> Result<Action, Error> {
     let ctx = &state.ctx;
-    let Some(ring) = lease.labels().get(LABEL_CLUSTER_RING) else {
+    let kind = state.kind;
+    let Some(ring) = lease.labels().get(kind.lease_label()) else {
         return Ok(Action::await_change());
     };
-    let Some(ring_object) = ctx.rings.get(&ObjectRef::new(ring)) else {
+    let ring_ref = RingRef::new(kind, ring.clone());
+    let Some(ring_object) = ctx.ring(&ring_ref) else {
         // Leases of rings that do not exist are not ours to manage.
         return Ok(Action::await_change());
     };
-    report_exclusion(&state, &lease, &ring_object).await;
+    let problems = report_problems(&state, &lease, &ring_object).await;
+    if problems.exclusion == Some(Exclusion::BothRingKinds) {
+        // Used by neither kind's ring (SPEC §15), so neither controller labels, takes over or
+        // deletes it: it is not clear whose it is.
+        return Ok(Action::await_change());
+    }
     let namespace = lease.namespace().unwrap_or_default();
     let name = lease.name_any();
     let api: Api<Lease> = Api::namespaced(ctx.client.clone(), &namespace);
@@ -178,45 +195,76 @@ async fn reconcile(lease: Arc<Lease>, state: Arc<State>) -> Result<Action, Error
     }
 }
 
-/// Publishes a Warning Event on the Lease and on its ring when the Lease is kept out of the ring
-/// (SPEC §18), once per Lease and reason.
-async fn report_exclusion(state: &State, lease: &Lease, ring: &ClusterRing) {
+/// Publishes Warning Events about what is wrong with a shard Lease, once per Lease and problem:
+/// on the Lease and its ring when it is kept out of the ring (SPEC §15, §18), on the Lease when
+/// its weight annotation is invalid (SPEC §17). Returns the Lease's current problems.
+async fn report_problems(state: &State, lease: &Lease, ring: &AnyRing) -> Problems {
     let ctx = &state.ctx;
+    let kind = state.kind;
+    let ring_ref = ring.ring_ref();
     let uid = lease.uid().unwrap_or_default();
-    let leases = ctx.leases.state();
-    let exclusion = ring_members(&ring.name_any(), leases.iter().map(AsRef::as_ref))
+    let leases = ctx.leases(kind);
+    let problems = ring_members(kind, &ring_ref.name, leases.iter().map(AsRef::as_ref))
         .into_iter()
         .find(|m| m.lease.uid() == lease.uid())
-        .and_then(|m| m.exclusion);
-    {
+        .map(|m| Problems {
+            exclusion: m.exclusion,
+            weight: m.weight_error,
+        })
+        .unwrap_or_default();
+    let previous = {
         let Ok(mut reported) = state.reported.lock() else {
-            return;
+            return problems;
         };
-        match &exclusion {
-            None => {
-                reported.remove(&uid);
-                return;
-            }
-            Some(e) if reported.get(&uid) == Some(e) => return,
-            Some(e) => {
-                reported.insert(uid, e.clone());
-            }
+        if problems == Problems::default() {
+            reported.remove(&uid);
+            return problems;
+        }
+        match reported.insert(uid, problems.clone()) {
+            Some(previous) if previous == problems => return problems,
+            previous => previous.unwrap_or_default(),
+        }
+    };
+    let shard = lease.name_any();
+    let namespace = lease.namespace().unwrap_or_default();
+    if let Some(exclusion) = problems
+        .exclusion
+        .as_ref()
+        .filter(|e| previous.exclusion.as_ref() != Some(*e))
+    {
+        let message = exclusion.message(kind, &ring_ref.name, &shard);
+        tracing::warn!(ring = %ring_ref, %shard, %namespace, reason = exclusion.reason(), "{message}");
+        let event = warning(exclusion.reason(), "KeepOutOfRing", message);
+        for reference in [lease.object_ref(&()), ring.object_ref()] {
+            publish(ctx, &event, &reference).await;
         }
     }
-    let Some(exclusion) = exclusion else { return };
-    let message = exclusion.message(&ring.name_any(), &lease.name_any());
-    tracing::warn!(ring = %ring.name_any(), shard = %lease.name_any(), namespace = %lease.namespace().unwrap_or_default(), reason = exclusion.reason(), "{message}");
-    let event = Event {
+    if let Some(error) = problems
+        .weight
+        .as_ref()
+        .filter(|e| previous.weight.as_ref() != Some(*e))
+    {
+        let message = format!("Shard {shard:?} of {ring_ref}: {error}");
+        tracing::warn!(ring = %ring_ref, %shard, %namespace, reason = REASON_INVALID_WEIGHT, "{message}");
+        let event = warning(REASON_INVALID_WEIGHT, "ReadWeight", message);
+        publish(ctx, &event, &lease.object_ref(&())).await;
+    }
+    problems
+}
+
+fn warning(reason: &str, action: &str, note: String) -> Event {
+    Event {
         type_: EventType::Warning,
-        reason: exclusion.reason().into(),
-        note: Some(message),
-        action: "KeepOutOfRing".into(),
+        reason: reason.into(),
+        note: Some(note),
+        action: action.into(),
         secondary: None,
-    };
-    for reference in [lease.object_ref(&()), ring.object_ref(&())] {
-        if let Err(error) = ctx.recorder.publish(&event, &reference).await {
-            tracing::warn!(%error, "failed to publish an Event about an excluded shard");
-        }
+    }
+}
+
+async fn publish(ctx: &Context, event: &Event, reference: &ObjectReference) {
+    if let Err(error) = ctx.recorder.publish(event, reference).await {
+        tracing::warn!(%error, "failed to publish an Event about a shard Lease");
     }
 }
 

@@ -6,21 +6,24 @@
 //! `resourceVersion`. Besides, the missed-assignment path (`missed_assignments`) assigns
 //! objects the webhook missed within seconds.
 
+use std::collections::HashMap;
+use std::sync::Arc;
+
 use futures::StreamExt;
 use kube::api::{Api, DynamicObject, ListParams, Patch, PatchParams};
 use kube::core::{ApiResource, PartialObjectMeta};
 use kube::runtime::reflector::ObjectRef;
 use kube::{Resource, ResourceExt};
 use serde_json::json;
-use sharding_crds::GroupResource;
 use sharding_crds::selector::selector_matches;
+use sharding_crds::{GroupResource, RingRef};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::missed_assignments::MissedAssignments;
 use crate::context::Context;
-use crate::core::key::{self, KeyOutcome, ObjectInfo};
+use crate::core::key::{KeyOutcome, ObjectInfo};
 use crate::core::rebalance::{ObjectState, RebalanceDecision, decide};
 use crate::core::sync_schedule::SyncSchedule;
 use crate::metrics::Metrics;
@@ -78,17 +81,26 @@ pub(crate) async fn run(ctx: Context, shutdown: CancellationToken) {
     loop {
         let now = Instant::now();
         let views = ctx.ring_views.all();
+        // The schedule keys rings by `Kind/name`, which is unique across both kinds.
+        let keyed: HashMap<String, &Arc<RingView>> = views
+            .iter()
+            .map(|v| (v.ring_ref().to_string(), v))
+            .collect();
         let start = schedule.start_due(
             now,
-            views.iter().map(|v| (v.name.as_str(), v.revision)),
-            |ring| webhook_in_place(&ctx, ring),
+            keyed.iter().map(|(key, v)| (key.as_str(), v.revision)),
+            |key| {
+                keyed
+                    .get(key)
+                    .is_some_and(|v| webhook_in_place(&ctx, &v.ring_ref()))
+            },
         );
-        for view in views.iter().filter(|v| start.contains(&v.name)) {
-            let (ctx, view) = (ctx.clone(), view.clone());
-            running.spawn(async move {
-                let name = view.name.clone();
-                (name, sync_ring(&ctx, &view).await)
-            });
+        for key in start {
+            let Some(view) = keyed.get(&key) else {
+                continue;
+            };
+            let (ctx, view) = (ctx.clone(), Arc::clone(view));
+            running.spawn(async move { (key, sync_ring(&ctx, &view).await) });
         }
         missed.reconcile(&ctx, &views);
 
@@ -124,28 +136,17 @@ pub(super) fn api_resource(gr: &GroupResource, info: &ResourceInfo) -> ApiResour
     }
 }
 
-/// Whether the ring's webhook configuration has been applied for its current spec: the ring
-/// controller sets `Ready=True` with the ring's generation only after applying it.
-fn webhook_in_place(ctx: &Context, ring: &str) -> bool {
-    ctx.rings.get(&ObjectRef::new(ring)).is_some_and(|r| {
-        r.ready_condition()
-            .is_some_and(|c| c.status == "True" && c.observed_generation == r.metadata.generation)
-    })
+/// Whether the ring's webhook configuration has been applied for its current spec.
+fn webhook_in_place(ctx: &Context, ring: &RingRef) -> bool {
+    ctx.ring(ring).is_some_and(|r| r.webhook_in_place())
 }
 
-/// Whether objects in `namespace` belong to `ring` (its selector, else the configured default).
-pub(super) fn namespace_selected(ctx: &Context, ring: &str, namespace: &str) -> bool {
-    let Some(ring) = ctx.rings.get(&ObjectRef::new(ring)) else {
-        return false;
-    };
-    let selector = ring
-        .spec
-        .namespace_selector
-        .as_ref()
-        .unwrap_or(&ctx.config.webhook.config.namespace_selector);
+/// Whether objects in `namespace` belong to the ring of `view` (its selector, else the
+/// configured default, resolved when the view was built).
+pub(super) fn namespace_selected(ctx: &Context, view: &RingView, namespace: &str) -> bool {
     ctx.namespaces
         .get(&ObjectRef::new(namespace))
-        .is_some_and(|ns| selector_matches(selector, ns.labels()))
+        .is_some_and(|ns| selector_matches(&view.namespace_selector, ns.labels()))
 }
 
 /// The decision for one object of `view`.
@@ -156,7 +157,7 @@ pub(super) fn decide_object(
     meta: &kube::api::ObjectMeta,
 ) -> RebalanceDecision {
     let info = ObjectInfo::from_meta(&gr.group, &resource.info.kind, meta);
-    let Ok(KeyOutcome::Key(key)) = key::hash_key(&info, &resource.role) else {
+    let Ok(KeyOutcome::Key(key)) = view.key(&info, &resource.role) else {
         return RebalanceDecision::Keep;
     };
     let labels = meta.labels.as_ref();
@@ -225,7 +226,7 @@ pub(super) fn count(
     gr: &GroupResource,
     decision: RebalanceDecision,
 ) {
-    let labels = Metrics::resource_labels(&view.name, &gr.group, &gr.resource);
+    let labels = Metrics::resource_labels(&view.ring_ref(), &gr.group, &gr.resource);
     match decision {
         RebalanceDecision::Drain => ctx.metrics.drains.get_or_create(&labels).inc(),
         RebalanceDecision::Move => ctx.metrics.movements.get_or_create(&labels).inc(),
@@ -247,10 +248,10 @@ fn sync_order(view: &RingView) -> Vec<(&GroupResource, &ResolvedResource)> {
 }
 
 /// Syncs every resource of one ring.
-#[tracing::instrument(skip_all, fields(ring = %view.name))]
+#[tracing::instrument(skip_all, fields(ring = %view.ring_ref()))]
 async fn sync_ring(ctx: &Context, view: &RingView) -> Result<SyncStats, Error> {
     let started = Instant::now();
-    tracing::info!(ring = %view.name, shards = view.ring.len(), "starting sync of ring");
+    tracing::info!(ring = %view.ring_ref(), shards = view.ring.len(), "starting sync of ring");
     let mut stats = SyncStats::default();
     let mut first_error = None;
     for (gr, resource) in sync_order(view) {
@@ -259,7 +260,7 @@ async fn sync_ring(ctx: &Context, view: &RingView) -> Result<SyncStats, Error> {
         }
     }
     tracing::info!(
-        ring = %view.name,
+        ring = %view.ring_ref(),
         duration = ?started.elapsed(),
         listed = stats.listed,
         drained = stats.drained,
@@ -316,7 +317,7 @@ async fn sync_resource(
                         .metadata
                         .namespace
                         .as_deref()
-                        .is_some_and(|ns| namespace_selected(ctx, &view.name, ns))
+                        .is_some_and(|ns| namespace_selected(ctx, view, ns))
             })
             .map(|obj| {
                 let decision = decide_object(view, gr, resource, &obj.metadata);
@@ -371,7 +372,7 @@ mod tests {
     fn main_resources_sync_before_controlled_ones() {
         use crate::ring_views::{ResourceInfo, build_view};
         use sharding_crds::{ClusterRing, ClusterRingSpec, RingResource};
-        use std::collections::{BTreeSet, HashMap};
+        use std::collections::BTreeMap;
 
         let info = |kind: &str| ResourceInfo {
             kind: kind.into(),
@@ -409,7 +410,7 @@ mod tests {
                 info("ReplicaSet"),
             ),
         ]);
-        let view = build_view(&ring, &BTreeSet::new(), &discovered);
+        let view = build_view(&ring, &BTreeMap::new(), &discovered, &Default::default());
         let order: Vec<String> = sync_order(&view)
             .into_iter()
             .map(|(gr, _)| gr.to_string())

@@ -2,14 +2,18 @@
 //!
 //! A shard is available when its Lease is held by the shard itself, unless the Lease is kept out
 //! of the ring: a name that cannot be a label value would make the webhook return patches the API
-//! server rejects (users' writes would fail), and one name in two namespaces of one ring would
-//! make two processes own the same objects.
+//! server rejects (users' writes would fail), one name in two namespaces of one ring would make
+//! two processes own the same objects, and a Lease labelled for a ClusterRing and a ControllerRing
+//! at once has no single ring it could serve (SPEC §15).
+//!
+//! An available shard takes part with its weight (SPEC §17), read from its Lease's annotation.
 
 use std::collections::{BTreeMap, BTreeSet};
 
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::ResourceExt;
-use sharding_crds::labels::LABEL_CLUSTER_RING;
+use sharding_crds::RingKind;
+use sharding_crds::labels::{ANNOTATION_WEIGHT, parse_weight};
 use sharding_crds::lease::{ShardLease, is_valid_shard_name};
 
 /// Why a Lease of a ring is kept out of the ring, whatever its holder.
@@ -22,6 +26,8 @@ pub(crate) enum Exclusion {
         /// Namespaces of every Lease of the ring with this name, sorted.
         namespaces: Vec<String>,
     },
+    /// The Lease carries the ring labels of both kinds.
+    BothRingKinds,
 }
 
 impl Exclusion {
@@ -30,18 +36,24 @@ impl Exclusion {
         match self {
             Self::InvalidName => "InvalidShardName",
             Self::DuplicateName { .. } => "DuplicateShardName",
+            Self::BothRingKinds => "AmbiguousRingKind",
         }
     }
 
-    /// What a user reads about shard `name` of ring `ring`.
-    pub(crate) fn message(&self, ring: &str, name: &str) -> String {
+    /// What a user reads about shard `name` of ring `ring` of `kind`.
+    pub(crate) fn message(&self, kind: RingKind, ring: &str, name: &str) -> String {
         match self {
             Self::InvalidName => format!(
-                "Shard {name:?} of ClusterRing {ring} is kept out of the ring: its name is not a valid label value (at most 63 characters: alphanumerics, '-', '_' or '.', starting and ending alphanumeric)"
+                "Shard {name:?} of {kind} {ring} is kept out of the ring: its name is not a valid label value (at most 63 characters: alphanumerics, '-', '_' or '.', starting and ending alphanumeric)"
             ),
             Self::DuplicateName { namespaces } => format!(
-                "Shard {name:?} of ClusterRing {ring} is kept out of the ring: Leases of that name exist in namespaces {}; keep exactly one",
+                "Shard {name:?} of {kind} {ring} is kept out of the ring: Leases of that name exist in namespaces {}; keep exactly one",
                 namespaces.join(", ")
+            ),
+            Self::BothRingKinds => format!(
+                "Shard {name:?} of {kind} {ring} is kept out of the ring: its Lease carries both {} and {}; keep the label of the one ring it serves",
+                RingKind::ClusterRing.lease_label(),
+                RingKind::ControllerRing.lease_label()
             ),
         }
     }
@@ -54,6 +66,10 @@ pub(crate) struct Member<'a> {
     pub(crate) lease: &'a Lease,
     /// Why the Lease is kept out of the ring, if it is.
     pub(crate) exclusion: Option<Exclusion>,
+    /// The shard's weight: 1 unless the Lease asks for a valid other one.
+    pub(crate) weight: u32,
+    /// What is wrong with the Lease's weight annotation, if anything.
+    pub(crate) weight_error: Option<String>,
 }
 
 impl Member<'_> {
@@ -63,14 +79,16 @@ impl Member<'_> {
     }
 }
 
-/// The Leases of `ring` among `leases` (those carrying its ring label), each with its exclusion.
+/// The Leases of ring `ring` of `kind` among `leases` (those carrying its ring label), each with
+/// its exclusion and weight.
 pub(crate) fn ring_members<'a>(
+    kind: RingKind,
     ring: &str,
     leases: impl IntoIterator<Item = &'a Lease>,
 ) -> Vec<Member<'a>> {
     let leases: Vec<&Lease> = leases
         .into_iter()
-        .filter(|l| l.labels().get(LABEL_CLUSTER_RING).map(String::as_str) == Some(ring))
+        .filter(|l| l.labels().get(kind.lease_label()).map(String::as_str) == Some(ring))
         .collect();
     let mut namespaces: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
     for lease in &leases {
@@ -85,6 +103,8 @@ pub(crate) fn ring_members<'a>(
             let name = lease.name_any();
             let exclusion = if !is_valid_shard_name(&name) {
                 Some(Exclusion::InvalidName)
+            } else if lease.labels().contains_key(kind.other().lease_label()) {
+                Some(Exclusion::BothRingKinds)
             } else {
                 namespaces
                     .get(&name)
@@ -93,21 +113,37 @@ pub(crate) fn ring_members<'a>(
                         namespaces: set.iter().cloned().collect(),
                     })
             };
-            Member { lease, exclusion }
+            let (weight, weight_error) = match parse_weight(
+                lease
+                    .annotations()
+                    .get(ANNOTATION_WEIGHT)
+                    .map(String::as_str),
+            ) {
+                Ok(weight) => (weight, None),
+                Err(error) => (1, Some(error)),
+            };
+            Member {
+                lease,
+                exclusion,
+                weight,
+                weight_error,
+            }
         })
         .collect()
 }
 
-/// Names of the available shards of `ring` among `leases` (SPEC §4: ready, expired and uncertain
-/// Leases held by the shard itself), without the Leases kept out of the ring.
+/// The available shards of ring `ring` of `kind` among `leases` (SPEC §4: ready, expired and
+/// uncertain Leases held by the shard itself), without the Leases kept out of the ring, each
+/// with its weight.
 pub(crate) fn available_shards<'a>(
+    kind: RingKind,
     ring: &str,
     leases: impl IntoIterator<Item = &'a Lease>,
-) -> BTreeSet<String> {
-    ring_members(ring, leases)
+) -> BTreeMap<String, u32> {
+    ring_members(kind, ring, leases)
         .into_iter()
         .filter(Member::is_available)
-        .map(|m| m.lease.name_any())
+        .map(|m| (m.lease.name_any(), m.weight))
         .collect()
 }
 
@@ -117,12 +153,18 @@ mod tests {
     use k8s_openapi::api::coordination::v1::LeaseSpec;
     use kube::api::ObjectMeta;
 
+    const KIND: RingKind = RingKind::ClusterRing;
+
+    fn names(shards: BTreeMap<String, u32>) -> Vec<String> {
+        shards.into_keys().collect()
+    }
+
     fn lease(namespace: &str, name: &str, ring: &str, holder: Option<&str>) -> Lease {
         Lease {
             metadata: ObjectMeta {
                 name: Some(name.into()),
                 namespace: Some(namespace.into()),
-                labels: Some([(LABEL_CLUSTER_RING.to_string(), ring.to_string())].into()),
+                labels: Some([(KIND.lease_label().to_string(), ring.to_string())].into()),
                 ..Default::default()
             },
             spec: Some(LeaseSpec {
@@ -141,8 +183,8 @@ mod tests {
             lease("ns", "d", "other", Some("d")),
             lease("ns", "e", "r", Some("e")),
         ];
-        let shards = available_shards("r", &leases);
-        assert_eq!(shards.into_iter().collect::<Vec<_>>(), ["a", "e"]);
+        let shards = available_shards(KIND, "r", &leases);
+        assert_eq!(names(shards), ["a", "e"]);
     }
 
     #[test]
@@ -153,18 +195,13 @@ mod tests {
             lease("ns", &long, "r", Some(&long)),
             lease("ns", "b.", "r", Some("b.")),
         ];
-        assert_eq!(
-            available_shards("r", &leases)
-                .into_iter()
-                .collect::<Vec<_>>(),
-            ["a"]
-        );
-        let members = ring_members("r", &leases);
+        assert_eq!(names(available_shards(KIND, "r", &leases)), ["a"]);
+        let members = ring_members(KIND, "r", &leases);
         assert_eq!(members[1].exclusion, Some(Exclusion::InvalidName));
         assert_eq!(members[2].exclusion, Some(Exclusion::InvalidName));
         assert!(
             Exclusion::InvalidName
-                .message("r", &long)
+                .message(KIND, "r", &long)
                 .contains("not a valid label value")
         );
     }
@@ -178,23 +215,80 @@ mod tests {
             // Same name in another ring is no duplicate.
             lease("ns3", "b", "other", Some("b")),
         ];
-        assert_eq!(
-            available_shards("r", &leases)
-                .into_iter()
-                .collect::<Vec<_>>(),
-            ["b"]
-        );
-        let members = ring_members("r", &leases);
+        assert_eq!(names(available_shards(KIND, "r", &leases)), ["b"]);
+        let members = ring_members(KIND, "r", &leases);
         let duplicate = Exclusion::DuplicateName {
             namespaces: vec!["ns1".into(), "ns2".into()],
         };
         assert_eq!(members[0].exclusion.as_ref(), Some(&duplicate));
         assert_eq!(members[1].exclusion.as_ref(), Some(&duplicate));
         assert_eq!(members[2].exclusion, None);
-        assert!(duplicate.message("r", "a").contains("ns1, ns2"));
+        assert!(duplicate.message(KIND, "r", "a").contains("ns1, ns2"));
 
         // Once one copy is gone, the other takes part again.
-        let available = available_shards("r", [&leases[0], &leases[2]]);
-        assert_eq!(available.into_iter().collect::<Vec<_>>(), ["a", "b"]);
+        let available = available_shards(KIND, "r", [&leases[0], &leases[2]]);
+        assert_eq!(names(available), ["a", "b"]);
+    }
+
+    #[test]
+    fn kinds_see_only_their_own_leases_and_a_lease_of_both_kinds_serves_neither() {
+        let mut both = lease("ns", "both", "r", Some("both"));
+        both.metadata
+            .labels
+            .get_or_insert_default()
+            .insert(RingKind::ControllerRing.lease_label().into(), "r".into());
+        let mut controller = lease("ns", "c", "r", Some("c"));
+        controller.metadata.labels = Some(
+            [(
+                RingKind::ControllerRing.lease_label().to_string(),
+                "r".to_string(),
+            )]
+            .into(),
+        );
+        let leases = [lease("ns", "a", "r", Some("a")), both, controller];
+        assert_eq!(names(available_shards(KIND, "r", &leases)), ["a"]);
+        assert_eq!(
+            names(available_shards(RingKind::ControllerRing, "r", &leases)),
+            ["c"]
+        );
+        let members = ring_members(RingKind::ControllerRing, "r", &leases);
+        assert_eq!(members[0].exclusion, Some(Exclusion::BothRingKinds));
+        assert!(
+            Exclusion::BothRingKinds
+                .message(RingKind::ControllerRing, "r", "both")
+                .contains("ControllerRing r")
+        );
+    }
+
+    #[test]
+    fn weights_come_from_the_annotation_and_bad_values_count_as_one() {
+        let weighted = |name: &str, weight: &str| {
+            let mut l = lease("ns", name, "r", Some(name));
+            l.metadata.annotations =
+                Some([(ANNOTATION_WEIGHT.to_string(), weight.to_string())].into());
+            l
+        };
+        let leases = [
+            lease("ns", "plain", "r", Some("plain")),
+            weighted("three", "3"),
+            weighted("bad", "eleven"),
+        ];
+        let shards = available_shards(KIND, "r", &leases);
+        assert_eq!(
+            shards,
+            BTreeMap::from([
+                ("bad".to_string(), 1),
+                ("plain".to_string(), 1),
+                ("three".to_string(), 3)
+            ])
+        );
+        let members = ring_members(KIND, "r", &leases);
+        assert!(members[0].weight_error.is_none());
+        assert!(
+            members[2]
+                .weight_error
+                .as_deref()
+                .is_some_and(|e| e.contains("eleven"))
+        );
     }
 }

@@ -4,6 +4,10 @@
 //! shard owning the first token at or after the key's hash, wrapping around past the largest token.
 //! Adding or removing one shard therefore only moves the keys between that shard's tokens and their
 //! predecessors, which is what keeps rebalancing cheap.
+//!
+//! A shard of weight `w` (SPEC §17) places `w × 100` tokens, `XXH64(name + i)` for `i` below
+//! that; its first 100 tokens are those of weight 1, so a weight change only adds or removes
+//! tokens of that one shard, and weight 1 everywhere is exactly the unweighted ring.
 
 use std::fmt::Write as _;
 
@@ -33,6 +37,8 @@ pub(crate) fn hash(data: &str) -> u64 {
 pub struct Ring {
     /// Distinct shard names, sorted ascending.
     names: Vec<String>,
+    /// `weights[i]` is the weight of `names[i]`.
+    weights: Vec<u32>,
     /// Token hashes, sorted ascending and unique.
     tokens: Vec<u64>,
     /// `owners[i]` is the index into `names` of the shard owning `tokens[i]`. Kept apart from
@@ -48,26 +54,43 @@ impl Ring {
         I: IntoIterator<Item = S>,
         S: AsRef<str>,
     {
-        let mut names: Vec<String> = shards.into_iter().map(|s| s.as_ref().to_owned()).collect();
-        names.sort_unstable();
-        names.dedup();
+        Self::weighted(shards.into_iter().map(|s| (s, 1)))
+    }
 
-        let mut pairs: Vec<(u64, usize)> = Vec::with_capacity(names.len() * TOKENS_PER_SHARD);
+    /// Builds a ring from shard names with weights (SPEC §17). Order does not matter; a name
+    /// given twice counts once, with its largest weight. Weights below 1 count as 1.
+    #[must_use]
+    pub fn weighted<I, S>(shards: I) -> Self
+    where
+        I: IntoIterator<Item = (S, u32)>,
+        S: AsRef<str>,
+    {
+        let mut members: Vec<(String, u32)> = shards
+            .into_iter()
+            .map(|(s, w)| (s.as_ref().to_owned(), w.max(1)))
+            .collect();
+        // Descending weight within a name, so `dedup` keeps the largest.
+        members.sort_unstable_by(|a, b| a.0.cmp(&b.0).then(b.1.cmp(&a.1)));
+        members.dedup_by(|a, b| a.0 == b.0);
+        let (names, weights): (Vec<String>, Vec<u32>) = members.into_iter().unzip();
+
+        let total: usize = weights.iter().map(|&w| TOKENS_PER_SHARD * w as usize).sum();
+        let mut pairs: Vec<(u64, usize)> = Vec::with_capacity(total);
         let mut buf = String::new();
-        for (index, name) in names.iter().enumerate() {
-            for i in 0..TOKENS_PER_SHARD {
+        for (index, (name, &weight)) in names.iter().zip(&weights).enumerate() {
+            for i in 0..TOKENS_PER_SHARD * weight as usize {
                 buf.clear();
                 // Writing to a `String` cannot fail.
                 let _ = write!(buf, "{name}{i}");
                 pairs.push((hash(&buf), index));
             }
         }
-        Self::from_tokens(names, pairs)
+        Self::from_tokens(names, weights, pairs)
     }
 
-    /// Builds the ring from sorted, distinct `names` and unsorted `(token, index into names)`
-    /// pairs.
-    fn from_tokens(names: Vec<String>, mut pairs: Vec<(u64, usize)>) -> Self {
+    /// Builds the ring from sorted, distinct `names`, their `weights` and unsorted
+    /// `(token, index into names)` pairs.
+    fn from_tokens(names: Vec<String>, weights: Vec<u32>, mut pairs: Vec<(u64, usize)>) -> Self {
         // Sorting by (hash, index) puts the smaller name first among equal hashes because `names`
         // is sorted; `dedup_by_key` keeps that first one, which is the documented tie-break.
         pairs.sort_unstable();
@@ -76,6 +99,7 @@ impl Ring {
 
         Self {
             names,
+            weights,
             tokens,
             owners,
         }
@@ -110,10 +134,12 @@ impl Ring {
         self.names.len()
     }
 
-    /// The distinct shard names in the ring, sorted ascending.
-    #[must_use]
-    pub(crate) fn shards(&self) -> &[String] {
-        &self.names
+    /// The distinct shards with their weights, sorted by name.
+    pub(crate) fn members(&self) -> impl Iterator<Item = (&str, u32)> {
+        self.names
+            .iter()
+            .map(String::as_str)
+            .zip(self.weights.iter().copied())
     }
 
     /// Whether `shard` is one of the ring's shards.
@@ -215,7 +241,7 @@ mod tests {
     fn duplicates_count_once_and_shards_are_sorted() {
         let ring = Ring::new(["shard-b", "shard-a", "shard-b"]);
         assert_eq!(ring.len(), 2);
-        assert_eq!(ring.shards(), ["shard-a", "shard-b"]);
+        assert_eq!(ring.names, ["shard-a", "shard-b"]);
         assert_eq!(ring.tokens.len(), 2 * TOKENS_PER_SHARD);
         assert!(ring.contains("shard-a"));
         assert!(!ring.contains("shard-c"));
@@ -226,7 +252,11 @@ mod tests {
     fn colliding_tokens_go_to_the_smaller_name() {
         let names = vec!["shard-a".to_owned(), "shard-b".to_owned()];
         // Forced collisions, since real XXH64 collisions are impractical to find.
-        let ring = Ring::from_tokens(names, vec![(10, 1), (5, 1), (5, 0), (10, 0), (20, 1)]);
+        let ring = Ring::from_tokens(
+            names,
+            vec![1, 1],
+            vec![(10, 1), (5, 1), (5, 0), (10, 0), (20, 1)],
+        );
         assert_eq!(ring.tokens, [5, 10, 20]);
         assert_eq!(ring.shard_for_hash(5), Some("shard-a"));
         assert_eq!(ring.shard_for_hash(10), Some("shard-a"));
@@ -277,6 +307,47 @@ mod tests {
         }
     }
 
+    #[test]
+    fn weights_multiply_tokens_and_weight_one_is_the_plain_ring() {
+        let plain = Ring::new(["a", "b"]);
+        assert_eq!(Ring::weighted([("a", 1), ("b", 1)]), plain);
+        assert_eq!(Ring::weighted([("b", 0), ("a", 1)]), plain, "0 counts as 1");
+        let ring = Ring::weighted([("a", 3), ("b", 1), ("a", 2)]);
+        assert_eq!(ring.members().collect::<Vec<_>>(), [("a", 3), ("b", 1)]);
+        let owned_by_a = ring.owners.iter().filter(|&&o| o == 0).count();
+        assert_eq!(owned_by_a, 300);
+        assert_eq!(ring.tokens.len(), 400);
+    }
+
+    /// The exact share of the hash space each shard of `ring` owns (keys are assumed uniform).
+    fn exact_shares(ring: &Ring) -> Vec<f64> {
+        let mut owned = vec![0u128; ring.names.len()];
+        let space = 2f64.powi(64);
+        for (i, &token) in ring.tokens.iter().enumerate() {
+            // Token i owns the keys after the previous token up to itself; the first token also
+            // owns the wrap-around part after the largest token.
+            let arc = if i == 0 {
+                u128::from(token)
+                    + 1
+                    + (u128::from(u64::MAX) - u128::from(ring.tokens[ring.tokens.len() - 1]))
+            } else {
+                u128::from(token - ring.tokens[i - 1])
+            };
+            owned[ring.owners[i]] += arc;
+        }
+        owned.into_iter().map(|o| o as f64 / space).collect()
+    }
+
+    /// A small deterministic generator of shard names (SplitMix64), so the averaged property
+    /// below covers many name sets per proptest case without proptest shrinking them.
+    fn names_from(seed: &mut u64) -> String {
+        *seed = seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = *seed;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        format!("shard-{:x}", z ^ (z >> 31))
+    }
+
     fn shard_names() -> impl Strategy<Value = BTreeSet<String>> {
         prop::collection::btree_set("[a-z0-9.-]{1,16}", 1..8)
     }
@@ -286,6 +357,60 @@ mod tests {
     }
 
     proptest! {
+        #![proptest_config(ProptestConfig::with_cases(8))]
+        /// Averaged over 400 random name sets, shards of weights 1, 2 and 3 own shares within 2 %
+        /// (relative) of 1/6, 2/6 and 3/6 of the hash space.
+        #[test]
+        fn weighted_shares_average_to_their_weights(seed in any::<u64>()) {
+            const SETS: usize = 400;
+            let mut seed = seed;
+            let mut sums = [0.0f64; 3];
+            for _ in 0..SETS {
+                let names = [names_from(&mut seed), names_from(&mut seed), names_from(&mut seed)];
+                let ring = Ring::weighted(names.iter().zip([1, 2, 3]));
+                let shares = exact_shares(&ring);
+                for (w, name) in names.iter().enumerate() {
+                    let index = ring.names.binary_search(name).expect("member");
+                    sums[w] += shares[index];
+                }
+            }
+            for (w, sum) in sums.iter().enumerate() {
+                let average = sum / SETS as f64;
+                let expected = (w + 1) as f64 / 6.0;
+                prop_assert!(
+                    (average - expected).abs() <= 0.02 * expected,
+                    "weight {}: average share {average:.4}, expected {expected:.4}", w + 1
+                );
+            }
+        }
+    }
+
+    proptest! {
+        /// Changing one shard's weight moves keys only onto it (up) or off it (down).
+        #[test]
+        fn a_weight_change_moves_keys_only_to_or_from_that_shard(
+            shards in prop::collection::btree_map("[a-z0-9.-]{1,16}", 1u32..=10, 1..6),
+            changed in any::<prop::sample::Index>(),
+            new_weight in 1u32..=10,
+            keys in keys(),
+        ) {
+            let names: Vec<&String> = shards.keys().collect();
+            let changed = names[changed.index(names.len())].clone();
+            let before = Ring::weighted(shards.iter().map(|(n, w)| (n, *w)));
+            let after = Ring::weighted(
+                shards.iter().map(|(n, w)| (n, if *n == changed { new_weight } else { *w })),
+            );
+            for key in &keys {
+                let (old, new) = (before.shard_for(key), after.shard_for(key));
+                if old != new {
+                    prop_assert!(
+                        old == Some(changed.as_str()) || new == Some(changed.as_str()),
+                        "key {:?} moved from {:?} to {:?}", key, old, new
+                    );
+                }
+            }
+        }
+
         #[test]
         fn adding_a_shard_only_moves_keys_onto_it(
             shards in shard_names(),

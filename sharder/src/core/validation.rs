@@ -1,4 +1,4 @@
-//! Runtime checks of a `ClusterRing` that the API server may not enforce.
+//! Runtime checks of a ring (either kind) that the API server may not enforce.
 //!
 //! API servers before 1.25 drop the CRD's CEL rule on the name length, and no schema can express
 //! "no resource twice across the ring" or a well-formed label selector. A ring that fails here is
@@ -6,19 +6,20 @@
 
 use std::collections::HashSet;
 
-use kube::ResourceExt;
-use sharding_crds::ClusterRing;
-use sharding_crds::cluster_ring::{MAX_NAME_LEN, NAME_LENGTH_MESSAGE};
+use sharding_crds::RingObject;
+use sharding_crds::cluster_ring::MAX_NAME_LEN;
+use sharding_crds::crd::name_length_message;
 use sharding_crds::selector::validate_label_selector;
 
 /// Describes the first invariant `ring` violates, as a capitalised sentence for its status.
-pub fn validate_ring(ring: &ClusterRing) -> Result<(), String> {
-    let name = ring.name_any();
+pub fn validate_ring<R: RingObject>(ring: &R) -> Result<(), String> {
+    let name = ring.ring_ref().name;
     if name.len() > MAX_NAME_LEN {
-        return Err(NAME_LENGTH_MESSAGE.to_string());
+        return Err(name_length_message(R::KIND));
     }
+    let spec = ring.ring_spec();
     let mut main_resources = HashSet::new();
-    for (i, resource) in ring.spec.resources.iter().enumerate() {
+    for (i, resource) in spec.resources.iter().enumerate() {
         if resource.resource.is_empty() {
             return Err(format!(
                 "Resource spec.resources[{i}].resource must not be empty"
@@ -45,7 +46,7 @@ pub fn validate_ring(ring: &ClusterRing) -> Result<(), String> {
             }
         }
     }
-    if let Some(selector) = &ring.spec.namespace_selector {
+    if let Some(selector) = &spec.namespace_selector {
         validate_label_selector(selector)
             .map_err(|e| format!("Invalid spec.namespaceSelector: {e}"))?;
     }
@@ -56,7 +57,7 @@ pub fn validate_ring(ring: &ClusterRing) -> Result<(), String> {
 mod tests {
     use super::*;
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, LabelSelectorRequirement};
-    use sharding_crds::{ClusterRingSpec, GroupResource, RingResource};
+    use sharding_crds::{ClusterRing, ClusterRingSpec, GroupResource, RingResource};
 
     fn ring(name: &str, resources: Vec<RingResource>) -> ClusterRing {
         ClusterRing::new(

@@ -10,33 +10,36 @@ use k8s_openapi::api::admissionregistration::v1::{
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{
     LabelSelector, LabelSelectorRequirement, ObjectMeta, OwnerReference,
 };
-use kube::{Resource, ResourceExt};
+use kube::ResourceExt;
 use sharding_crds::config::{SharderConfig, WebhookConfig};
-use sharding_crds::labels::{self, APP_NAME, LABEL_APP_NAME, LABEL_CLUSTER_RING, WEBHOOK_NAME};
-use sharding_crds::{ClusterRing, GroupResource};
+use sharding_crds::labels::{APP_NAME, LABEL_APP_NAME, WEBHOOK_NAME};
+use sharding_crds::{GroupResource, RingObject};
 
 /// Field manager of the sharder's server-side applies.
 pub const FIELD_MANAGER: &str = "sharder";
 
 /// Builds the desired webhook configuration of `ring`. `ca_bundle` is the PEM bundle resolved from
 /// the sharder config (inline or file), if any.
-pub fn desired_webhook_configuration(
-    ring: &ClusterRing,
+pub fn desired_webhook_configuration<R: RingObject>(
+    ring: &R,
     config: &WebhookConfig,
     ca_bundle: Option<Vec<u8>>,
 ) -> MutatingWebhookConfiguration {
+    let kind = R::KIND;
     let ring_name = ring.name_any();
+    let spec = ring.ring_spec();
     let client = &config.client_config;
     let client_config = WebhookClientConfig {
         url: client
             .url
             .as_deref()
-            .map(|base| SharderConfig::webhook_path_for(Some(base), &ring_name)),
+            .map(|base| SharderConfig::webhook_path_for(Some(base), kind, &ring_name)),
         service: client.service.as_ref().map(|s| ServiceReference {
             namespace: s.namespace.clone(),
             name: s.name.clone(),
             path: Some(SharderConfig::webhook_path_for(
                 s.path.as_deref(),
+                kind,
                 &ring_name,
             )),
             port: s.port,
@@ -45,14 +48,14 @@ pub fn desired_webhook_configuration(
     };
 
     let mut rules = Vec::new();
-    for resource in &ring.spec.resources {
+    for resource in &spec.resources {
         rules.push(rule(&resource.group_resource()));
         rules.extend(resource.controlled_resources.iter().map(rule));
     }
 
     let owner = OwnerReference {
-        api_version: ClusterRing::api_version(&()).into_owned(),
-        kind: ClusterRing::kind(&()).into_owned(),
+        api_version: R::api_version(&()).into_owned(),
+        kind: R::kind(&()).into_owned(),
         name: ring_name.clone(),
         uid: ring.uid().unwrap_or_default(),
         controller: Some(true),
@@ -61,10 +64,10 @@ pub fn desired_webhook_configuration(
 
     MutatingWebhookConfiguration {
         metadata: ObjectMeta {
-            name: Some(labels::webhook_configuration_name(&ring_name)),
+            name: Some(kind.webhook_configuration_name(&ring_name)),
             labels: Some(BTreeMap::from([
                 (LABEL_APP_NAME.to_string(), APP_NAME.to_string()),
-                (LABEL_CLUSTER_RING.to_string(), ring_name.clone()),
+                (kind.lease_label().to_string(), ring_name.clone()),
             ])),
             annotations: (!config.annotations.is_empty()).then(|| config.annotations.clone()),
             owner_references: Some(vec![owner]),
@@ -74,14 +77,13 @@ pub fn desired_webhook_configuration(
             name: WEBHOOK_NAME.into(),
             client_config,
             namespace_selector: Some(
-                ring.spec
-                    .namespace_selector
+                spec.namespace_selector
                     .clone()
                     .unwrap_or_else(|| config.namespace_selector.clone()),
             ),
             object_selector: Some(LabelSelector {
                 match_expressions: Some(vec![LabelSelectorRequirement {
-                    key: labels::shard_label(&ring_name),
+                    key: kind.shard_label(&ring_name),
                     operator: "DoesNotExist".into(),
                     values: None,
                 }]),
@@ -111,7 +113,7 @@ fn rule(gr: &GroupResource) -> RuleWithOperations {
 mod tests {
     use super::*;
     use sharding_crds::config::{ServiceReference as ConfigService, WebhookClientConfig as Cfg};
-    use sharding_crds::{ClusterRingSpec, RingResource};
+    use sharding_crds::{ClusterRing, ClusterRingSpec, RingResource};
 
     fn ring() -> ClusterRing {
         let mut ring = ClusterRing::new(
@@ -249,5 +251,37 @@ mod tests {
             Some("/base/webhooks/sharder/clusterring/example")
         );
         assert_eq!(service.port, Some(8443));
+    }
+
+    #[test]
+    fn controller_ring_names_path_labels_and_owner() {
+        let mut ring = sharding_crds::ControllerRing::new("example", ring().spec.into());
+        ring.metadata.uid = Some("uid-2".into());
+        let wc = desired_webhook_configuration(&ring, &WebhookConfig::default(), None);
+        assert_eq!(wc.metadata.name.as_deref(), Some("controllerring-example"));
+        let labels = wc.metadata.labels.clone().unwrap_or_default();
+        assert_eq!(
+            labels.get("alpha.sharding.timebertt.dev/controllerring"),
+            Some(&"example".to_string())
+        );
+        assert!(!labels.contains_key("alpha.sharding.timebertt.dev/clusterring"));
+        let owner = &wc.metadata.owner_references.as_ref().expect("owner")[0];
+        assert_eq!(
+            (owner.kind.as_str(), owner.uid.as_str()),
+            ("ControllerRing", "uid-2")
+        );
+        let hook = &wc.webhooks.expect("webhooks")[0];
+        assert_eq!(
+            hook.client_config
+                .service
+                .as_ref()
+                .and_then(|s| s.path.as_deref()),
+            Some("/webhooks/sharder/controllerring/example")
+        );
+        let selector = hook.object_selector.clone().expect("object selector");
+        assert_eq!(
+            selector.match_expressions.expect("expressions")[0].key,
+            "shard.alpha.sharding.timebertt.dev/example"
+        );
     }
 }

@@ -1,11 +1,13 @@
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, HashMap};
 
 use axum::body::Body;
 use axum::http::{Request as HttpRequest, StatusCode};
 use http_body_util::BodyExt;
 use kube::api::ObjectMeta;
 use serde_json::{Value, json};
-use sharding_crds::{ClusterRing, ClusterRingSpec, GroupResource, RingResource};
+use sharding_crds::{
+    ClusterRing, ClusterRingSpec, ControllerRing, GroupResource, HashKey, RingResource,
+};
 use tower::ServiceExt;
 
 use super::*;
@@ -41,9 +43,20 @@ fn state(shards: &[&str]) -> WebhookState {
         (GroupResource::new("", "secrets"), info("Secret")),
         (GroupResource::new("", "configmaps"), info("ConfigMap")),
     ]);
-    let shards: BTreeSet<String> = shards.iter().map(|s| s.to_string()).collect();
+    let shards: BTreeMap<String, u32> = shards.iter().map(|s| (s.to_string(), 1)).collect();
     let rings = Arc::new(RingViews::default());
-    rings.insert(build_view(&ring, &shards, &discovered));
+    let selector = Default::default();
+    // A ControllerRing of the same name, hashing by namespace, beside the ClusterRing.
+    let mut controller_spec = ring.spec.clone();
+    controller_spec.hash_key = Some(HashKey::Namespace);
+    let controller_ring = ControllerRing::new("example", controller_spec.into());
+    rings.insert(build_view(&ring, &shards, &discovered, &selector));
+    rings.insert(build_view(
+        &controller_ring,
+        &shards,
+        &discovered,
+        &selector,
+    ));
     WebhookState {
         rings,
         metrics: Metrics::default(),
@@ -125,7 +138,11 @@ async fn assigns_main_object_to_predicted_shard() {
     );
     let count = metrics
         .assignments
-        .get_or_create(&Metrics::resource_labels("example", "", "secrets"))
+        .get_or_create(&Metrics::resource_labels(
+            &RingRef::new(RingKind::ClusterRing, "example"),
+            "",
+            "secrets",
+        ))
         .get();
     assert_eq!(count, 1);
 }
@@ -261,7 +278,11 @@ async fn dry_run_gets_the_same_answer_without_metrics() {
     assert_eq!(patch_of(&response)[1]["value"], "shard-a");
     let count = metrics
         .assignments
-        .get_or_create(&Metrics::resource_labels("example", "", "secrets"))
+        .get_or_create(&Metrics::resource_labels(
+            &RingRef::new(RingKind::ClusterRing, "example"),
+            "",
+            "secrets",
+        ))
         .get();
     assert_eq!(count, 0);
 }
@@ -329,4 +350,54 @@ async fn bad_input_gets_4xx_with_a_message() {
 #[test]
 fn pointer_escaping() {
     assert_eq!(escape_pointer("a/b~c"), "a~1b~0c");
+}
+
+#[tokio::test]
+async fn controller_ring_path_uses_its_label_and_namespace_keys() {
+    let state = state(&["shard-a", "shard-b", "shard-c"]);
+    let metrics = state.metrics.clone();
+    let expected = Ring::new(["shard-a", "shard-b", "shard-c"])
+        .shard_for("/Namespace//default")
+        .expect("a shard")
+        .to_string();
+    // Two objects in one namespace land on the namespace's shard, a generateName one included.
+    for object in [
+        json!({"metadata": {"name": "foo", "namespace": "default"}}),
+        json!({"metadata": {"generateName": "foo-", "namespace": "default"}}),
+    ] {
+        let body = review("secrets", "Secret", object).to_string();
+        let (status, body) = call(
+            state.clone(),
+            "/webhooks/sharder/controllerring/example",
+            body,
+        )
+        .await;
+        assert_eq!(status, StatusCode::OK);
+        let body: Value = serde_json::from_slice(&body).expect("json");
+        assert_eq!(body["response"]["allowed"], true);
+        assert_eq!(
+            patch_of(&body["response"]),
+            json!([
+                {"op": "add", "path": "/metadata/labels", "value": {}},
+                {"op": "add", "path": "/metadata/labels/shard.alpha.sharding.timebertt.dev~1example", "value": expected},
+            ])
+        );
+    }
+    let count = metrics
+        .assignments
+        .get_or_create(&Metrics::resource_labels(
+            &RingRef::new(RingKind::ControllerRing, "example"),
+            "",
+            "secrets",
+        ))
+        .get();
+    assert_eq!(count, 2);
+}
+
+#[tokio::test]
+async fn unknown_ring_kind_is_not_found() {
+    let body = review("secrets", "Secret", json!({"metadata": {"name": "foo"}})).to_string();
+    let (status, body) = call(state(&["shard-a"]), "/webhooks/sharder/ring/example", body).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    assert!(String::from_utf8_lossy(&body).contains("controllerring"));
 }

@@ -1,5 +1,6 @@
-//! The ClusterRing controller (SPEC §10): validates each ring, keeps its MutatingWebhookConfiguration
-//! applied (restoring it within seconds after deletion or edits), and writes the ring's status.
+//! The ring controller (SPEC §10), run once per ring kind: validates each ring, keeps its
+//! MutatingWebhookConfiguration applied (restoring it within seconds after deletion or edits), and
+//! writes the ring's status.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -9,19 +10,18 @@ use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
+use kube::ResourceExt;
 use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::{Event, EventType};
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
-use kube::{Resource, ResourceExt};
 use serde_json::Value;
 use sharding_crds::cluster_ring::{
-    CONDITION_READY, MESSAGE_RECONCILIATION_SUCCEEDED, REASON_RECONCILIATION_FAILED,
-    REASON_RECONCILIATION_SUCCEEDED,
+    CONDITION_READY, REASON_RECONCILIATION_FAILED, REASON_RECONCILIATION_SUCCEEDED,
 };
-use sharding_crds::labels::{APP_NAME, LABEL_APP_NAME, LABEL_CLUSTER_RING};
-use sharding_crds::{ClusterRing, ClusterRingStatus};
+use sharding_crds::labels::{APP_NAME, LABEL_APP_NAME};
+use sharding_crds::{ClusterRingStatus, RingObject};
 use tokio_util::sync::CancellationToken;
 
 use crate::context::Context;
@@ -66,12 +66,17 @@ impl Error {
     }
 }
 
-/// Runs the controller until `shutdown` fires.
-pub(crate) async fn run(ctx: Context, shutdown: CancellationToken) {
-    let rings: Api<ClusterRing> = Api::all(ctx.client.clone());
+/// Runs the controller of rings of type `R` until `shutdown` fires.
+pub(crate) async fn run<R: RingObject>(ctx: Context, shutdown: CancellationToken) {
+    let kind = R::KIND;
+    let rings: Api<R> = Api::all(ctx.client.clone());
     let configs: Api<MutatingWebhookConfiguration> = Api::all(ctx.client.clone());
     let leases: Api<Lease> = Api::all(ctx.client.clone());
-    let ours = watcher::Config::default().labels(&format!("{LABEL_APP_NAME}={APP_NAME}"));
+    // The configurations of this kind's rings carry its ring label.
+    let ours = watcher::Config::default().labels(&format!(
+        "{LABEL_APP_NAME}={APP_NAME},{}",
+        kind.lease_label()
+    ));
     // The webhook configurations the sharder owns, cached: drift is detected against this cache,
     // so a reconcile (one per Lease renewal, say) sends no request unless something changed.
     let (config_store, writer) = reflector::store();
@@ -88,19 +93,19 @@ pub(crate) async fn run(ctx: Context, shutdown: CancellationToken) {
         .owns(configs, ours)
         .watches(
             leases,
-            watcher::Config::default().labels(LABEL_CLUSTER_RING),
-            |lease: Lease| {
+            watcher::Config::default().labels(kind.lease_label()),
+            move |lease: Lease| {
                 lease
                     .labels()
-                    .get(LABEL_CLUSTER_RING)
-                    .map(|ring| ObjectRef::<ClusterRing>::new(ring))
+                    .get(kind.lease_label())
+                    .map(|ring| ObjectRef::<R>::new(ring))
             },
         )
         .graceful_shutdown_on(shutdown.cancelled_owned())
-        .run(reconcile, error_policy, state)
+        .run(reconcile::<R>, error_policy::<R>, state)
         .for_each(|result| async move {
             if let Err(error) = result {
-                tracing::debug!(%error, "ClusterRing reconciliation failed");
+                tracing::debug!(%error, %kind, "ring reconciliation failed");
             }
         });
     let controller = async {
@@ -122,49 +127,48 @@ struct State {
     configs: Store<MutatingWebhookConfiguration>,
 }
 
-fn error_policy(ring: Arc<ClusterRing>, error: &Error, _state: Arc<State>) -> Action {
+fn error_policy<R: RingObject>(ring: Arc<R>, error: &Error, _state: Arc<State>) -> Action {
     match error {
         Error::Invalid(_) => Action::await_change(),
         _ => {
-            tracing::warn!(%error, ring = %ring.name_any(), category = error.category(), "failed to reconcile ClusterRing");
+            tracing::warn!(%error, ring = %ring.ring_ref(), category = error.category(), "failed to reconcile ring");
             Action::requeue(Duration::from_secs(5))
         }
     }
 }
 
 /// Reconciles one ring: validate, apply the webhook configuration, update the status.
-#[tracing::instrument(skip_all, fields(ring = %ring.name_any()))]
-async fn reconcile(ring: Arc<ClusterRing>, state: Arc<State>) -> Result<Action, Error> {
+#[tracing::instrument(skip_all, fields(ring = %ring.ring_ref()))]
+async fn reconcile<R: RingObject>(ring: Arc<R>, state: Arc<State>) -> Result<Action, Error> {
     let ctx = &state.ctx;
-    let result = apply_webhook_configuration(&ring, ctx, &state.configs).await;
-    let leases = ctx.leases.state();
+    let result = apply_webhook_configuration(ring.as_ref(), ctx, &state.configs).await;
+    let leases = ctx.leases(R::KIND);
     let name = ring.name_any();
-    let members = ring_members(&name, leases.iter().map(AsRef::as_ref));
+    let members = ring_members(R::KIND, &name, leases.iter().map(AsRef::as_ref));
     let shards = i32::try_from(members.len()).unwrap_or(i32::MAX);
     // Leases kept out of the ring (invalid or duplicate names) count as shards, not as available.
     let available = members.iter().filter(|m| m.is_available()).count();
     let available = i32::try_from(available).unwrap_or(i32::MAX);
     let failure = result.as_ref().err().map(capitalised);
     let status = desired_status(
-        &ring,
+        ring.as_ref(),
         shards,
         available,
         failure.as_deref(),
         Timestamp::now(),
     );
-    if ring.status.as_ref() != Some(&status) {
-        let api: Api<ClusterRing> = Api::all(ctx.client.clone());
+    if ring.ring_status() != Some(&status) {
+        let api: Api<R> = Api::all(ctx.client.clone());
         let patch = serde_json::json!({"status": status});
         api.patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
             .await
             .map_err(|source| Error::Api {
-                action: "update ClusterRing status",
+                action: "update ring status",
                 source,
             })?;
     }
     if let Some(message) = &failure {
-        let flipped = ring
-            .ready_condition()
+        let flipped = ready_condition(ring.as_ref())
             .is_none_or(|c| c.status != "False" || &c.message != message);
         if flipped {
             let event = Event {
@@ -182,8 +186,8 @@ async fn reconcile(ring: Arc<ClusterRing>, state: Arc<State>) -> Result<Action, 
     result.map(|()| Action::await_change())
 }
 
-async fn apply_webhook_configuration(
-    ring: &ClusterRing,
+async fn apply_webhook_configuration<R: RingObject>(
+    ring: &R,
     ctx: &Context,
     cache: &Store<MutatingWebhookConfiguration>,
 ) -> Result<(), Error> {
@@ -253,30 +257,37 @@ fn capitalised(error: &Error) -> String {
     }
 }
 
+/// The ring's `Ready` condition, if set.
+fn ready_condition<R: RingObject>(ring: &R) -> Option<&Condition> {
+    ring.ring_status()?
+        .conditions
+        .iter()
+        .find(|c| c.type_ == CONDITION_READY)
+}
+
 /// The status a ring should have; `lastTransitionTime` only moves when the condition flips.
-fn desired_status(
-    ring: &ClusterRing,
+fn desired_status<R: RingObject>(
+    ring: &R,
     shards: i32,
     available_shards: i32,
     failure: Option<&str>,
     now: Timestamp,
 ) -> ClusterRingStatus {
-    let generation = ring.metadata.generation;
+    let generation = ring.meta().generation;
     let (status, reason, message) = match failure {
         None => (
             "True",
             REASON_RECONCILIATION_SUCCEEDED,
-            MESSAGE_RECONCILIATION_SUCCEEDED.to_string(),
+            format!("{} was successfully reconciled", R::KIND),
         ),
         Some(message) => ("False", REASON_RECONCILIATION_FAILED, message.to_string()),
     };
-    let previous = ring.ready_condition();
+    let previous = ready_condition(ring);
     let last_transition_time = previous
         .filter(|c| c.status == status)
         .map_or(Time(now), |c| c.last_transition_time.clone());
     let mut conditions: Vec<Condition> = ring
-        .status
-        .as_ref()
+        .ring_status()
         .map(|s| s.conditions.clone())
         .unwrap_or_default();
     conditions.retain(|c| c.type_ != CONDITION_READY);
@@ -300,7 +311,7 @@ fn desired_status(
 mod tests {
     use super::*;
     use serde_json::json;
-    use sharding_crds::ClusterRingSpec;
+    use sharding_crds::{ClusterRing, ClusterRingSpec};
 
     #[test]
     fn subset_ignores_server_defaults_but_not_changes() {
