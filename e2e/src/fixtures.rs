@@ -6,13 +6,15 @@ use std::time::Duration;
 
 use ::sharder::core::ring::Ring;
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
-use k8s_openapi::api::core::v1::Secret;
+use k8s_openapi::api::core::v1::{Event, Secret};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, MicroTime};
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{Api, ObjectMeta, PostParams};
+use kube::api::{Api, ListParams, ObjectMeta, PostParams};
 use kube::{Client, ResourceExt};
-use sharding_crds::labels;
-use sharding_crds::{ClusterRing, ClusterRingSpec, GroupResource, RingResource};
+use sharding_crds::{
+    ClusterRing, ClusterRingSpec, ControllerRing, GroupResource, RingKind, RingObject, RingRef,
+    RingResource,
+};
 
 use crate::process::poll_until;
 
@@ -41,9 +43,28 @@ pub fn ring_spec(namespace: &str) -> ClusterRingSpec {
 
 /// Creates the ClusterRing `name`.
 pub async fn create_ring(client: &Client, name: &str, spec: ClusterRingSpec) -> anyhow::Result<()> {
-    Api::<ClusterRing>::all(client.clone())
-        .create(&PostParams::default(), &ClusterRing::new(name, spec))
-        .await?;
+    create_ring_of(client, &RingRef::new(RingKind::ClusterRing, name), spec).await
+}
+
+/// Creates `ring`, of either kind.
+pub async fn create_ring_of(
+    client: &Client,
+    ring: &RingRef,
+    spec: ClusterRingSpec,
+) -> anyhow::Result<()> {
+    let params = PostParams::default();
+    match ring.kind {
+        RingKind::ClusterRing => {
+            Api::<ClusterRing>::all(client.clone())
+                .create(&params, &ClusterRing::new(&ring.name, spec))
+                .await?;
+        }
+        RingKind::ControllerRing => {
+            Api::<ControllerRing>::all(client.clone())
+                .create(&params, &ControllerRing::new(&ring.name, spec.into()))
+                .await?;
+        }
+    }
     Ok(())
 }
 
@@ -65,11 +86,23 @@ pub async fn ring_with_shards(
     Ok((namespace, ring))
 }
 
-/// Creates a shard Lease held by the shard itself, renewed now.
+/// Creates a shard Lease of ClusterRing `ring` held by the shard itself, renewed now.
 pub async fn create_lease(
     client: &Client,
     namespace: &str,
     ring: &str,
+    shard: &str,
+    duration_seconds: i32,
+) -> anyhow::Result<Lease> {
+    let ring = RingRef::new(RingKind::ClusterRing, ring);
+    create_lease_of(client, namespace, &ring, shard, duration_seconds).await
+}
+
+/// Creates a shard Lease of `ring` (either kind) held by the shard itself, renewed now.
+pub async fn create_lease_of(
+    client: &Client,
+    namespace: &str,
+    ring: &RingRef,
     shard: &str,
     duration_seconds: i32,
 ) -> anyhow::Result<Lease> {
@@ -78,8 +111,8 @@ pub async fn create_lease(
         metadata: ObjectMeta {
             name: Some(shard.into()),
             labels: Some(BTreeMap::from([(
-                labels::LABEL_CLUSTER_RING.to_string(),
-                ring.to_string(),
+                ring.kind.lease_label().to_string(),
+                ring.name.clone(),
             )])),
             ..Default::default()
         },
@@ -148,23 +181,53 @@ pub fn secret_review(
     })
 }
 
-/// Waits until the ring is Ready and its status reports `available`/`shards`.
+/// Waits until the ClusterRing is Ready and its status reports `available`/`shards`.
 pub async fn wait_status(
     client: &Client,
     ring: &str,
     available: i32,
     shards: i32,
 ) -> anyhow::Result<ClusterRing> {
-    let api = Api::<ClusterRing>::all(client.clone());
+    wait_status_for::<ClusterRing>(client, ring, available, shards).await
+}
+
+/// Waits until `ring` (either kind) is Ready and its status reports `available`/`shards`.
+pub async fn wait_status_of(
+    client: &Client,
+    ring: &RingRef,
+    available: i32,
+    shards: i32,
+) -> anyhow::Result<()> {
+    match ring.kind {
+        RingKind::ClusterRing => {
+            wait_status_for::<ClusterRing>(client, &ring.name, available, shards).await?;
+        }
+        RingKind::ControllerRing => {
+            wait_status_for::<ControllerRing>(client, &ring.name, available, shards).await?;
+        }
+    }
+    Ok(())
+}
+
+async fn wait_status_for<R: RingObject>(
+    client: &Client,
+    ring: &str,
+    available: i32,
+    shards: i32,
+) -> anyhow::Result<R> {
+    let api = Api::<R>::all(client.clone());
     poll_until(
-        &format!("ring {ring} status {available}/{shards}"),
+        &format!("{} {ring} status {available}/{shards}", R::KIND),
         WAIT,
         || {
             let api = api.clone();
             async move {
                 let r = api.get(ring).await?;
-                let s = r.status.clone().unwrap_or_default();
-                let ready = r.ready_condition().is_some_and(|c| c.status == "True");
+                let s = r.ring_status().cloned().unwrap_or_default();
+                let ready = s
+                    .conditions
+                    .iter()
+                    .any(|c| c.type_ == "Ready" && c.status == "True");
                 Ok((ready && s.available_shards == available && s.shards == shards).then_some(r))
             }
         },
@@ -172,16 +235,27 @@ pub async fn wait_status(
     .await
 }
 
-/// Waits until the webhook assigns a dry-run Secret as the ring of `shards` predicts, i.e. the
-/// webhook configuration is in place and the sharder's view of the ring is current.
+/// Waits until the webhook assigns a dry-run Secret as the ClusterRing of `shards` predicts,
+/// i.e. the webhook configuration is in place and the sharder's view of the ring is current.
 pub async fn wait_webhook(
     client: &Client,
     namespace: &str,
     ring: &str,
     shards: &[&str],
 ) -> anyhow::Result<()> {
+    let ring = RingRef::new(RingKind::ClusterRing, ring);
+    wait_webhook_of(client, namespace, &ring, shards).await
+}
+
+/// [`wait_webhook`] for a ring of either kind (object keys, not namespace keys).
+pub async fn wait_webhook_of(
+    client: &Client,
+    namespace: &str,
+    ring: &RingRef,
+    shards: &[&str],
+) -> anyhow::Result<()> {
     let api = Api::<Secret>::namespaced(client.clone(), namespace);
-    let key = labels::shard_label(ring);
+    let key = ring.shard_label();
     let expected = expected_shard(&Ring::new(shards), namespace, "probe").map(str::to_string);
     poll_until(
         &format!("webhook of ring {ring} to assign like {shards:?}"),
@@ -214,10 +288,22 @@ impl ShardTiming {
     pub const DEFAULT: Self = Self("15", "10", "2");
 }
 
-/// Starts a `checksum-controller` shard of `ring` that watches and leases in `namespace`, with
-/// JSON logs (its records can be read with [`crate::process::Process::records`]).
+/// Starts a `checksum-controller` shard of ClusterRing `ring` that watches and leases in
+/// `namespace`, with JSON logs (its records can be read with
+/// [`crate::process::Process::records`]).
 pub fn start_checksum_shard(
     ring: &str,
+    namespace: &str,
+    shard: &str,
+    timing: ShardTiming,
+) -> anyhow::Result<crate::process::Process> {
+    let ring = RingRef::new(RingKind::ClusterRing, ring);
+    start_checksum_shard_of(&ring, namespace, shard, timing)
+}
+
+/// [`start_checksum_shard`] for a ring of either kind.
+pub fn start_checksum_shard_of(
+    ring: &RingRef,
     namespace: &str,
     shard: &str,
     timing: ShardTiming,
@@ -226,8 +312,10 @@ pub fn start_checksum_shard(
     crate::process::Process::start(
         "checksum-controller",
         [
-            "--clusterring",
-            ring,
+            "--ring-kind",
+            ring.kind.kind(),
+            "--ring",
+            &ring.name,
             "--namespace",
             namespace,
             "--lease-namespace",
@@ -244,4 +332,24 @@ pub fn start_checksum_shard(
             "json",
         ],
     )
+}
+
+/// Warning Events the sharder recorded about the Lease `name` in `namespace`.
+pub async fn lease_warnings(
+    client: &Client,
+    namespace: &str,
+    name: &str,
+) -> anyhow::Result<Vec<Event>> {
+    let events = Api::<Event>::namespaced(client.clone(), namespace);
+    Ok(events
+        .list(&ListParams::default())
+        .await?
+        .items
+        .into_iter()
+        .filter(|e| {
+            e.type_.as_deref() == Some("Warning")
+                && e.involved_object.kind.as_deref() == Some("Lease")
+                && e.involved_object.name.as_deref() == Some(name)
+        })
+        .collect())
 }

@@ -215,7 +215,19 @@ shutdownDelay: 1s
 ///
 /// Labels are matched in the order the sharder writes them: `clusterring`, `group`, `resource`.
 pub fn counter(metrics: &str, metric: &str, ring: &str, resource: &str) -> anyhow::Result<u64> {
-    let prefix = format!(r#"{metric}{{clusterring="{ring}",group="",resource="{resource}"}} "#);
+    let ring = sharding_crds::RingRef::new(sharding_crds::RingKind::ClusterRing, ring);
+    counter_of(metrics, metric, &ring, resource)
+}
+
+/// [`counter`] for a ring of either kind: a ControllerRing's series carry `controllerring`.
+pub fn counter_of(
+    metrics: &str,
+    metric: &str,
+    ring: &sharding_crds::RingRef,
+    resource: &str,
+) -> anyhow::Result<u64> {
+    let (label, name) = (ring.kind.metric_label(), &ring.name);
+    let prefix = format!(r#"{metric}{{{label}="{name}",group="",resource="{resource}"}} "#);
     let value = metrics.lines().find_map(|l| l.strip_prefix(&prefix));
     Ok(value
         .map(|v| v.trim().parse())
@@ -272,6 +284,21 @@ impl SharedSharder {
     /// [`counter`] of a fresh [`SharderFiles::metrics`].
     pub fn counter(&self, metric: &str, ring: &str, resource: &str) -> anyhow::Result<u64> {
         counter(&self.files.metrics()?, metric, ring, resource)
+    }
+
+    /// Its metrics in the Prometheus text format.
+    pub fn metrics(&self) -> anyhow::Result<String> {
+        self.files.metrics()
+    }
+
+    /// [`SharedSharder::counter`] for a ring of either kind.
+    pub fn counter_of(
+        &self,
+        metric: &str,
+        ring: &sharding_crds::RingRef,
+        resource: &str,
+    ) -> anyhow::Result<u64> {
+        counter_of(&self.files.metrics()?, metric, ring, resource)
     }
 
     /// A guard that prints the sharder's log unless the test calls

@@ -6,19 +6,19 @@ use std::time::Duration;
 
 use anyhow::{Context, ensure};
 use e2e::fixtures::{
-    WAIT, create_lease, create_ring, expected_shard, ring_spec, ring_with_shards, secret,
-    secret_review, wait_status, wait_webhook,
+    WAIT, create_lease, create_ring, expected_shard, lease_warnings, ring_spec, ring_with_shards,
+    secret, secret_review, wait_status, wait_webhook,
 };
 use e2e::gate::{Balancer, TcpGate};
 use e2e::process::poll_until;
 use e2e::sharder::{DedicatedCluster, SharderFiles, SharderSettings, shared};
 use e2e::{Cluster, cluster, kubectl, unique_name};
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{Event, Secret};
+use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use k8s_openapi::jiff::Timestamp;
+use kube::ResourceExt;
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
-use kube::{Client, ResourceExt};
 use serde_json::json;
 use sharder::core::ring::Ring;
 use sharding_crds::labels;
@@ -250,26 +250,6 @@ async fn objects_missed_during_a_webhook_outage_are_assigned_once_it_ends() -> a
     );
     sharder.passed();
     Ok(())
-}
-
-/// Warning Events the sharder recorded about the Lease `name` in `namespace`.
-async fn lease_warnings(
-    client: &Client,
-    namespace: &str,
-    name: &str,
-) -> anyhow::Result<Vec<Event>> {
-    let events = Api::<Event>::namespaced(client.clone(), namespace);
-    Ok(events
-        .list(&ListParams::default())
-        .await?
-        .items
-        .into_iter()
-        .filter(|e| {
-            e.type_.as_deref() == Some("Warning")
-                && e.involved_object.kind.as_deref() == Some("Lease")
-                && e.involved_object.name.as_deref() == Some(name)
-        })
-        .collect())
 }
 
 /// A shard whose name cannot be a label value, and two shards of one ring with the same name,

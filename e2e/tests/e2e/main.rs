@@ -8,5 +8,6 @@ mod faults;
 mod leader;
 mod manifests;
 mod rebalance;
+mod ring_kinds;
 mod shard;
 mod sharder;

@@ -697,7 +697,7 @@ fn example_ring_grants_the_sharder_its_resources() -> anyhow::Result<()> {
 fn example_grants(objects: &[Value], ring_kind: &str) -> anyhow::Result<()> {
     let ring = only(objects, ring_kind)?;
     let role_name = format!("sharding:clusterring:{}", name(ring));
-    let granted = grants(find(&objects, "ClusterRole", &role_name)?)?;
+    let granted = grants(find(objects, "ClusterRole", &role_name)?)?;
     ensure!(
         objects.iter().any(|o| kind(o) == "ClusterRoleBinding"
             && binds(o, "ClusterRole", &role_name, SYSTEM_NAMESPACE, SHARDER)),

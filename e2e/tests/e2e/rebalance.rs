@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use anyhow::{Context, ensure};
 use e2e::fixtures::{
-    ShardTiming, create_lease, create_ring, expected_shard, ring_spec, secret,
-    start_checksum_shard, wait_status, wait_webhook,
+    ShardTiming, create_lease, create_ring, create_ring_of, expected_shard, ring_spec, secret,
+    start_checksum_shard_of, wait_status_of, wait_webhook_of,
 };
 use e2e::process::{Process, poll_until};
 use e2e::sharder::{DedicatedCluster, SharderFiles, SharderSettings, shared};
@@ -21,18 +21,23 @@ use kube::api::{Api, ListParams, ObjectMeta, PostParams};
 use kube::{Client, ResourceExt};
 use sharder::core::ring::Ring;
 use sharding_crds::labels;
-use sharding_crds::{ClusterRingSpec, GroupResource, RingResource};
+use sharding_crds::{ClusterRingSpec, GroupResource, RingKind, RingRef, RingResource};
 
 /// Lease duration of the shards in these tests, in seconds (that of [`ShardTiming::FAST`]).
 const LEASE_SECONDS: u32 = 3;
 
-fn start_shard(ring: &str, namespace: &str, shard: &str) -> anyhow::Result<Process> {
-    start_checksum_shard(ring, namespace, shard, ShardTiming::FAST)
+fn start_shard(ring: &RingRef, namespace: &str, shard: &str) -> anyhow::Result<Process> {
+    start_checksum_shard_of(ring, namespace, shard, ShardTiming::FAST)
+}
+
+/// A ClusterRing named `name`.
+fn cluster_ring(name: String) -> RingRef {
+    RingRef::new(RingKind::ClusterRing, name)
 }
 
 /// Starts one shard per name.
 fn start_shards(
-    ring: &str,
+    ring: &RingRef,
     namespace: &str,
     names: &[&'static str],
 ) -> anyhow::Result<HashMap<&'static str, Process>> {
@@ -47,13 +52,13 @@ fn start_shards(
 async fn populate(
     client: &Client,
     namespace: &str,
-    ring: &str,
+    ring: &RingRef,
     names: &[&str],
     count: usize,
 ) -> anyhow::Result<BTreeMap<String, String>> {
     let shards = i32::try_from(names.len())?;
-    wait_status(client, ring, shards, shards).await?;
-    wait_webhook(client, namespace, ring, names).await?;
+    wait_status_of(client, ring, shards, shards).await?;
+    wait_webhook_of(client, namespace, ring, names).await?;
     create_secrets(client, namespace, count).await?;
     wait_converged(
         client,
@@ -91,14 +96,14 @@ async fn create_secrets(client: &Client, namespace: &str, count: usize) -> anyho
 async fn assignments(
     client: &Client,
     namespace: &str,
-    ring: &str,
+    ring: &RingRef,
 ) -> anyhow::Result<(
     BTreeMap<String, Option<String>>,
     BTreeMap<String, Option<String>>,
     usize,
 )> {
-    let key = labels::shard_label(ring);
-    let drain = labels::drain_label(ring);
+    let key = ring.shard_label();
+    let drain = ring.drain_label();
     let secrets = Api::<Secret>::namespaced(client.clone(), namespace)
         .list_metadata(&ListParams::default())
         .await?;
@@ -131,7 +136,7 @@ async fn assignments(
 async fn wait_converged(
     client: &Client,
     namespace: &str,
-    ring: &str,
+    ring: &RingRef,
     shards: &[&str],
     count: usize,
     timeout: Duration,
@@ -169,11 +174,11 @@ async fn wait_converged(
 async fn wait_all_assigned(
     client: &Client,
     namespace: &str,
-    ring: &str,
+    ring: &RingRef,
     shards: &[&str],
     timeout: Duration,
 ) -> anyhow::Result<()> {
-    let key = labels::shard_label(ring);
+    let key = ring.shard_label();
     let predicted = Ring::new(shards);
     let secrets = Api::<Secret>::namespaced(client.clone(), namespace);
     poll_until("all Secrets assigned", timeout, || async {
@@ -196,20 +201,30 @@ fn record_is(record: &serde_json::Value, event: &str, namespace: &str, name: &st
 
 #[tokio::test]
 async fn scale_out_drains_exactly_the_moved_objects() -> anyhow::Result<()> {
+    scale_out(RingKind::ClusterRing).await
+}
+
+#[tokio::test]
+async fn controller_ring_scale_out_drains_exactly_the_moved_objects() -> anyhow::Result<()> {
+    scale_out(RingKind::ControllerRing).await
+}
+
+/// Scales a ring of `kind` out from three shards to four and checks the drain handshake.
+async fn scale_out(kind: RingKind) -> anyhow::Result<()> {
     let sharder = shared();
     let mut logs = sharder.dump_on_failure();
     let cluster = cluster();
     let client = cluster.client().await?;
     let ns = cluster.namespace(&client, "scaleout").await?;
-    let ring = unique_name("scaleout");
-    create_ring(&client, &ring, ring_spec(&ns)).await?;
+    let ring = RingRef::new(kind, unique_name("scaleout"));
+    create_ring_of(&client, &ring, ring_spec(&ns)).await?;
     let names = ["shard-0", "shard-1", "shard-2", "shard-3"];
     let mut shards = start_shards(&ring, &ns, &names[..3])?;
     let before = populate(&client, &ns, &ring, &names[..3], 300).await?;
-    ensure!(sharder.counter("controller_sharding_drains_total", &ring, "secrets")? == 0);
+    ensure!(sharder.counter_of("controller_sharding_drains_total", &ring, "secrets")? == 0);
 
     shards.insert(names[3], start_shard(&ring, &ns, names[3])?);
-    wait_status(&client, &ring, 4, 4).await?;
+    wait_status_of(&client, &ring, 4, 4).await?;
     let after = wait_converged(&client, &ns, &ring, &names, 300, Duration::from_secs(120)).await?;
     let moved: Vec<(&String, &String)> = after
         .iter()
@@ -221,14 +236,14 @@ async fn scale_out_drains_exactly_the_moved_objects() -> anyhow::Result<()> {
         moved.iter().all(|(name, _)| after[*name] == names[3]),
         "only the new shard gains Secrets"
     );
-    let drains = sharder.counter("controller_sharding_drains_total", &ring, "secrets")?;
+    let drains = sharder.counter_of("controller_sharding_drains_total", &ring, "secrets")?;
     ensure!(
         drains == moved.len() as u64,
         "every moved Secret went through exactly one drain: {drains} drains, {} moved",
         moved.len()
     );
     ensure!(
-        sharder.counter("controller_sharding_movements_total", &ring, "secrets")? == 0,
+        sharder.counter_of("controller_sharding_movements_total", &ring, "secrets")? == 0,
         "Secrets of live shards are drained, never moved directly"
     );
     // The old shard acknowledged each drain and reconciled the Secret no more after that.
@@ -246,7 +261,7 @@ async fn scale_out_drains_exactly_the_moved_objects() -> anyhow::Result<()> {
         );
     }
     eprintln!(
-        "scale out 3 -> 4: {} of 300 Secrets moved, {drains} drains",
+        "{kind} scale out 3 -> 4: {} of 300 Secrets moved, {drains} drains",
         moved.len()
     );
     finish(shards.into_values());
@@ -269,8 +284,8 @@ async fn graceful_scale_in_moves_without_drains() -> anyhow::Result<()> {
     let cluster = cluster();
     let client = cluster.client().await?;
     let ns = cluster.namespace(&client, "scalein").await?;
-    let ring = unique_name("scalein");
-    create_ring(&client, &ring, ring_spec(&ns)).await?;
+    let ring = cluster_ring(unique_name("scalein"));
+    create_ring_of(&client, &ring, ring_spec(&ns)).await?;
     let names = ["shard-0", "shard-1", "shard-2"];
     let mut shards = start_shards(&ring, &ns, &names)?;
     populate(&client, &ns, &ring, &names, 60).await?;
@@ -305,11 +320,11 @@ async fn graceful_scale_in_moves_without_drains() -> anyhow::Result<()> {
         started.elapsed()
     );
     ensure!(
-        sharder.counter("controller_sharding_drains_total", &ring, "secrets")? == 0,
+        sharder.counter_of("controller_sharding_drains_total", &ring, "secrets")? == 0,
         "no drains"
     );
     ensure!(
-        sharder.counter("controller_sharding_movements_total", &ring, "secrets")? > 0,
+        sharder.counter_of("controller_sharding_movements_total", &ring, "secrets")? > 0,
         "moves"
     );
     // The released Lease becomes orphaned 60 s after it expired, and is deleted.
@@ -325,13 +340,23 @@ async fn graceful_scale_in_moves_without_drains() -> anyhow::Result<()> {
 
 #[tokio::test]
 async fn crashed_shard_objects_move_after_takeover() -> anyhow::Result<()> {
+    crash(RingKind::ClusterRing).await
+}
+
+#[tokio::test]
+async fn controller_ring_crashed_shard_objects_move_after_takeover() -> anyhow::Result<()> {
+    crash(RingKind::ControllerRing).await
+}
+
+/// Kills one of three shards of a ring of `kind` and checks its objects move after takeover.
+async fn crash(kind: RingKind) -> anyhow::Result<()> {
     let sharder = shared();
     let mut logs = sharder.dump_on_failure();
     let cluster = cluster();
     let client = cluster.client().await?;
     let ns = cluster.namespace(&client, "crash").await?;
-    let ring = unique_name("crash");
-    create_ring(&client, &ring, ring_spec(&ns)).await?;
+    let ring = RingRef::new(kind, unique_name("crash"));
+    create_ring_of(&client, &ring, ring_spec(&ns)).await?;
     let names = ["shard-0", "shard-1", "shard-2"];
     let mut shards = start_shards(&ring, &ns, &names)?;
     populate(&client, &ns, &ring, &names, 60).await?;
@@ -344,7 +369,10 @@ async fn crashed_shard_objects_move_after_takeover() -> anyhow::Result<()> {
     // Uncertain 2×duration after the last renewal, then taken over; a few seconds of slack.
     let limit = Duration::from_secs(2 * u64::from(LEASE_SECONDS) + 8);
     wait_converged(&client, &ns, &ring, &["shard-0", "shard-2"], 60, limit).await?;
-    eprintln!("crash: converged {:?} after SIGKILL", started.elapsed());
+    eprintln!(
+        "{kind} crash: converged {:?} after SIGKILL",
+        started.elapsed()
+    );
     let lease = Api::<Lease>::namespaced(client.clone(), &ns)
         .get("shard-1")
         .await?;
@@ -371,12 +399,12 @@ async fn existing_objects_are_assigned_and_unselected_namespaces_untouched() -> 
     outside
         .create(&PostParams::default(), &secret("outside"))
         .await?;
-    let ring = unique_name("existing");
+    let ring = cluster_ring(unique_name("existing"));
     for shard in ["shard-a", "shard-b"] {
-        create_lease(&client, &ns, &ring, shard, 3600).await?;
+        create_lease(&client, &ns, &ring.name, shard, 3600).await?;
     }
-    create_ring(&client, &ring, ring_spec(&ns)).await?;
-    let key = labels::shard_label(&ring);
+    create_ring_of(&client, &ring, ring_spec(&ns)).await?;
+    let key = ring.shard_label();
     wait_all_assigned(
         &client,
         &ns,
@@ -458,14 +486,14 @@ async fn objects_created_while_no_sharder_runs_are_assigned_quickly() -> anyhow:
     let cluster = dedicated.cluster();
     let client = cluster.client().await?;
     let ns = cluster.namespace(&client, "missed").await?;
-    let ring = unique_name("missed");
+    let ring = cluster_ring(unique_name("missed"));
     let shards = ["shard-a", "shard-b", "shard-c"];
     for shard in shards {
-        create_lease(&client, &ns, &ring, shard, 3600).await?;
+        create_lease(&client, &ns, &ring.name, shard, 3600).await?;
     }
-    create_ring(&client, &ring, ring_spec(&ns)).await?;
+    create_ring_of(&client, &ring, ring_spec(&ns)).await?;
     create_secrets(&client, &ns, 50).await?;
-    let key = labels::shard_label(&ring);
+    let key = ring.shard_label();
     let secrets = Api::<Secret>::namespaced(client.clone(), &ns);
     let unlabelled = secrets.list_metadata(&ListParams::default()).await?;
     ensure!(
