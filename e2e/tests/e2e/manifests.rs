@@ -30,6 +30,7 @@ const KUSTOMIZATIONS: &[&str] = &[
     "config/monitoring",
     "config/default",
     "config/overlays/no-cert-manager",
+    "deploy/base",
     "deploy",
     "deploy/controllerring",
 ];
