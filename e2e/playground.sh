@@ -15,6 +15,9 @@
 # health 8081, metrics 8080, webhook 9443 (override with PLAYGROUND_HEALTH_PORT,
 # PLAYGROUND_METRICS_PORT, PLAYGROUND_WEBHOOK_PORT).
 #
+# PLAYGROUND_RING_KIND=ControllerRing runs the example as a ControllerRing (SPEC §15) instead of a
+# ClusterRing; `up` records the kind in the state directory for the other commands.
+#
 # The processes run with the control plane's admin credentials, so the RBAC of config/ and deploy/
 # plays no part here; the manifests test in the e2e suite checks those against the API server.
 set -euo pipefail
@@ -29,11 +32,24 @@ NAMESPACE=playground
 RING=checksum-controller
 SHARDS=(shard-0 shard-1 shard-2)
 SECRETS=60
-# The ring's label keys (SPEC §2); the ring name is short, so nothing is cut.
-SUFFIX="clusterring-$(printf %s "$RING" | sha256sum | cut -c1-8)-$RING"
+RING_KIND=${PLAYGROUND_RING_KIND:-$(cat "$STATE/ring-kind" 2>/dev/null || echo ClusterRing)}
+case "$RING_KIND" in
+  ClusterRing)
+    # The ring's label keys (SPEC §2); the ring name is short, so nothing is cut.
+    SUFFIX="clusterring-$(printf %s "$RING" | sha256sum | cut -c1-8)-$RING"
+    RING_FILE="$ROOT/deploy/clusterring.yaml"
+    ;;
+  ControllerRing)
+    # SPEC §15: the ring name itself.
+    SUFFIX=$RING
+    RING_FILE="$ROOT/deploy/controllerring/controllerring.yaml"
+    ;;
+  *) echo "playground: PLAYGROUND_RING_KIND must be ClusterRing or ControllerRing" >&2; exit 2 ;;
+esac
+RING_RESOURCE=$(printf %s "$RING_KIND" | tr '[:upper:]' '[:lower:]')
 SHARD_LABEL="shard.alpha.sharding.timebertt.dev/$SUFFIX"
 DRAIN_LABEL="drain.alpha.sharding.timebertt.dev/$SUFFIX"
-RING_LABEL="alpha.sharding.timebertt.dev/clusterring"
+RING_LABEL="alpha.sharding.timebertt.dev/$RING_RESOURCE"
 KUBECONFIG_FILE="$STATE/kubeconfig"
 
 log() { echo "playground: $*" >&2; }
@@ -90,7 +106,7 @@ start_shard() {
   local name=$1 bin
   bin=$(cat "$STATE/bin-dir")/checksum-controller
   KUBECONFIG=$KUBECONFIG_FILE setsid "$bin" \
-    --clusterring "$RING" --namespace "$NAMESPACE" --lease-namespace "$NAMESPACE" \
+    --ring "$RING" --ring-kind "$RING_KIND" --namespace "$NAMESPACE" --lease-namespace "$NAMESPACE" \
     --shard-name "$name" >"$STATE/logs/$name.log" 2>&1 </dev/null &
   echo $! >"$STATE/pids/shard-$name"
 }
@@ -101,7 +117,7 @@ shard_holds_lease() {
 
 ring_available() {
   local available
-  available=$(k get clusterring "$RING" -o 'jsonpath={.status.availableShards}')
+  available=$(k get "$RING_RESOURCE" "$RING" -o 'jsonpath={.status.availableShards}')
   [ "$available" = "$1" ]
 }
 
@@ -135,8 +151,8 @@ distribution() {
 
 status() {
   require_up
-  echo "ClusterRing:"
-  k get clusterring "$RING" | sed 's/^/  /'
+  echo "$RING_KIND:"
+  k get "$RING_RESOURCE" "$RING" | sed 's/^/  /'
   echo
   echo "Shard Leases (namespace $NAMESPACE):"
   k -n "$NAMESPACE" get leases -l "$RING_LABEL=$RING" \
@@ -249,6 +265,7 @@ up() {
 
   mkdir -p "$STATE/pids" "$STATE/logs" "$STATE/sharder"
   echo $$ >"$STATE/up.pid"
+  echo "$RING_KIND" >"$STATE/ring-kind"
   trap cleanup EXIT
   trap 'exit 130' INT
   trap 'exit 143' TERM
@@ -266,9 +283,12 @@ up() {
   setsid -w bash "$ROOT/e2e/control-plane.sh" start "$STATE/control-plane" $$
   cp "$STATE/control-plane/kubeconfig" "$KUBECONFIG_FILE"
 
-  log "installing the ClusterRing CRD"
-  k apply --server-side -f "$ROOT/config/crds/sharding.timebertt.dev_clusterrings.yaml" >/dev/null
-  k wait --for condition=Established --timeout 60s crd/clusterrings.sharding.timebertt.dev >/dev/null
+  log "installing the ClusterRing and ControllerRing CRDs"
+  local plural
+  for plural in clusterrings controllerrings; do
+    k apply --server-side -f "$ROOT/config/crds/sharding.timebertt.dev_$plural.yaml" >/dev/null
+    k wait --for condition=Established --timeout 60s "crd/$plural.sharding.timebertt.dev" >/dev/null
+  done
   k create -f "$ROOT/config/crds/namespace.yaml" >/dev/null
   k create namespace "$NAMESPACE" >/dev/null
   # The example ring covers namespaces that opt in with this label (deploy/clusterring.yaml).
@@ -312,8 +332,8 @@ EOF
   wait_for 60 "the sharder to be ready" curl -sf "http://127.0.0.1:$HEALTH_PORT/readyz" ||
     { tail -n 20 "$STATE/logs/sharder.log" >&2; die "the sharder did not become ready"; }
 
-  log "creating the ring and starting ${#SHARDS[@]} shards"
-  k create -f "$ROOT/deploy/clusterring.yaml" >/dev/null
+  log "creating the $RING_KIND and starting ${#SHARDS[@]} shards"
+  k create -f "$RING_FILE" >/dev/null
   local shard
   for shard in "${SHARDS[@]}"; do start_shard "$shard"; done
   wait_for 60 "${#SHARDS[@]} available shards" ring_available "${#SHARDS[@]}" ||

@@ -108,6 +108,7 @@ pub struct LeaseLockConfig {
     name: String,
     identity: String,
     labels: BTreeMap<String, String>,
+    removed_labels: Vec<String>,
     annotations: BTreeMap<String, String>,
     timing: LeaseTiming,
 }
@@ -128,6 +129,7 @@ impl LeaseLockConfig {
             name: name.into(),
             identity: identity.into(),
             labels: BTreeMap::new(),
+            removed_labels: Vec::new(),
             annotations: BTreeMap::new(),
             timing: LeaseTiming::default(),
         }
@@ -190,6 +192,13 @@ impl LeaseLockConfig {
     /// Labels the lock keeps on the Lease.
     pub fn labels(&self) -> &BTreeMap<String, String> {
         &self.labels
+    }
+
+    /// Makes the lock remove the label `key` from the Lease whenever it writes it (a shard moving
+    /// to the other ring kind drops its old ring label, so the Lease never carries both).
+    pub fn without_label(mut self, key: impl Into<String>) -> Self {
+        self.removed_labels.push(key.into());
+        self
     }
 
     /// Adds an annotation the lock puts on the Lease when creating, taking and renewing it (a
@@ -425,6 +434,11 @@ impl Inner {
             spec: None,
         });
         lease.metadata.labels = merge_labels(lease.metadata.labels.take(), &self.config.labels);
+        if let Some(labels) = lease.metadata.labels.as_mut() {
+            for key in &self.config.removed_labels {
+                labels.remove(key);
+            }
+        }
         lease.metadata.annotations =
             merge_labels(lease.metadata.annotations.take(), &self.config.annotations);
         // Server-populated fields must not be echoed back in an update.
@@ -774,6 +788,7 @@ mod tests {
     fn lock(fake: &FakeStore, identity: &str) -> LeaseLock {
         let config = LeaseLockConfig::new("ns", "shard-a", identity)
             .with_label("ring", "r")
+            .without_label("old-ring")
             .with_annotation("weight", "2")
             .with_lease_duration(DURATION)
             .with_renew_deadline(DEADLINE)
@@ -942,6 +957,11 @@ mod tests {
                 .insert("state".into(), "ready".into());
             lease
                 .metadata
+                .labels
+                .get_or_insert_default()
+                .insert("old-ring".into(), "r".into());
+            lease
+                .metadata
                 .annotations
                 .get_or_insert_default()
                 .insert("note".into(), "kept".into());
@@ -955,6 +975,7 @@ mod tests {
             .expect("labels");
         assert_eq!(labels.get("state").map(String::as_str), Some("ready"));
         assert_eq!(labels.get("ring").map(String::as_str), Some("r"));
+        assert!(!labels.contains_key("old-ring"), "removed at the next write");
         let annotations = fake
             .lease()
             .and_then(|l| l.metadata.annotations)

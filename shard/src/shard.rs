@@ -133,8 +133,11 @@ impl Shard {
     /// name, labelled with the ring (the label key depends on the ring kind), annotated with the
     /// weight if one was set. Default timing; adjust it with the `with_*` methods.
     pub fn lease_config(&self) -> LeaseLockConfig {
+        // Dropping the other kind's ring label lets a shard move between kinds on the same Lease:
+        // a Lease carrying both is used by neither ring.
         let config = LeaseLockConfig::new(&self.lease_namespace, &self.name, &self.name)
-            .with_label(self.kind.lease_label(), &self.ring);
+            .with_label(self.kind.lease_label(), &self.ring)
+            .without_label(self.kind.other().lease_label());
         match self.weight {
             Some(weight) => config.with_annotation(labels::ANNOTATION_WEIGHT, weight.to_string()),
             None => config,
