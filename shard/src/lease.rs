@@ -975,7 +975,10 @@ mod tests {
             .expect("labels");
         assert_eq!(labels.get("state").map(String::as_str), Some("ready"));
         assert_eq!(labels.get("ring").map(String::as_str), Some("r"));
-        assert!(!labels.contains_key("old-ring"), "removed at the next write");
+        assert!(
+            !labels.contains_key("old-ring"),
+            "removed at the next write"
+        );
         let annotations = fake
             .lease()
             .and_then(|l| l.metadata.annotations)
