@@ -74,7 +74,9 @@ pub enum HashKey {
 }
 
 /// A group and resource (plural name), as in `metav1.GroupResource`.
-#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, Eq, Hash, JsonSchema)]
+#[derive(
+    Deserialize, Serialize, Clone, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, JsonSchema,
+)]
 pub struct GroupResource {
     /// API group of the resource; empty for the core group.
     pub group: String,

@@ -232,6 +232,9 @@ pub struct SharderController {
     pub sync_period: Duration,
     /// Most move or drain patches in flight per ring.
     pub concurrent_moves: u32,
+    /// How long an object may carry the drain label before the sharder warns that its shard may
+    /// be stuck (a Warning Event on the ring, and the drain age metric).
+    pub drain_timeout: Duration,
 }
 
 impl Default for SharderController {
@@ -239,6 +242,7 @@ impl Default for SharderController {
         Self {
             sync_period: Duration::from_secs(300),
             concurrent_moves: 100,
+            drain_timeout: Duration::from_secs(300),
         }
     }
 }
@@ -449,6 +453,12 @@ impl SharderConfig {
                 "must be at least 1",
             ));
         }
+        if sharder.drain_timeout.0.is_zero() {
+            return Err(invalid(
+                "controller.sharder.drainTimeout",
+                "must be positive",
+            ));
+        }
 
         let server = &self.webhook.server;
         match parse_bind_address(&server.bind_address) {
@@ -607,6 +617,10 @@ mod tests {
             Duration::from_secs(300)
         );
         assert_eq!(config.controller.sharder.concurrent_moves, 100);
+        assert_eq!(
+            config.controller.sharder.drain_timeout,
+            Duration::from_secs(300)
+        );
         assert_eq!(config.webhook.server.bind_address, ":9443");
         assert_eq!(config.webhook.server.cert_name, "tls.crt");
         assert_eq!(config.webhook.server.key_name, "tls.key");
@@ -710,6 +724,10 @@ shutdownDelay: 2s
             (
                 "controller: {sharder: {syncPeriod: 0s}}",
                 "controller.sharder.syncPeriod",
+            ),
+            (
+                "controller: {sharder: {drainTimeout: 0s}}",
+                "controller.sharder.drainTimeout",
             ),
             (
                 "webhook: {server: {bindAddress: \"0\"}}",

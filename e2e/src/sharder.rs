@@ -65,6 +65,8 @@ pub struct SharderSettings {
     pub sync_period: String,
     /// Base URL the API server calls the webhook at; `None`: the sharder's own webhook port.
     pub webhook_url: Option<String>,
+    /// How long drains may wait before the sharder warns (short, so a test can see it).
+    pub drain_timeout: String,
 }
 
 impl Default for SharderSettings {
@@ -73,6 +75,7 @@ impl Default for SharderSettings {
             leader_election: (4, 3, 1),
             sync_period: "5m".into(),
             webhook_url: None,
+            drain_timeout: "15s".into(),
         }
     }
 }
@@ -113,6 +116,7 @@ metrics:
 controller:
   sharder:
     syncPeriod: {sync}
+    drainTimeout: {drain_timeout}
 webhook:
   server:
     bindAddress: 127.0.0.1:{webhook_port}
@@ -127,6 +131,7 @@ shutdownDelay: 1s
             kubeconfig = kubeconfig.display(),
             dir = dir.display(),
             sync = settings.sync_period,
+            drain_timeout = settings.drain_timeout,
             webhook_url = settings
                 .webhook_url
                 .clone()

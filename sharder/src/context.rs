@@ -5,7 +5,6 @@ use std::sync::Arc;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Namespace;
 use kube::Client;
-use kube::runtime::events::Recorder;
 use kube::runtime::reflector::{ObjectRef, Store};
 use sharding_crds::config::SharderConfig;
 use sharding_crds::{
@@ -13,7 +12,9 @@ use sharding_crds::{
 };
 
 use crate::core::validation::validate_ring;
+use crate::events::Events;
 use crate::metrics::Metrics;
+use crate::observed::Observed;
 use crate::ring_views::{Discovery, RingViews};
 
 /// Shared state of one sharder process.
@@ -39,8 +40,10 @@ pub(crate) struct Context {
     pub(crate) discovery: Arc<Discovery>,
     /// Counters.
     pub(crate) metrics: Metrics,
-    /// Publishes Events on rings and Leases.
-    pub(crate) recorder: Recorder,
+    /// Publishes Events on rings and Leases, rate-limited.
+    pub(crate) events: Arc<Events>,
+    /// What the leader learned about the rings' objects.
+    pub(crate) observed: Arc<Observed>,
 }
 
 impl Context {

@@ -6,7 +6,9 @@
 //! | `shard_lease` | the shard-lease controller (one per ring kind): keeps shard states current, takes over and deletes Leases |
 //! | [`sharder`] | the sharder controller: syncs every ring, draining and moving objects |
 //! | `missed_assignments` | the sharder controller's fast path for objects the webhook missed |
+//! | `announce` | the sharder controller's Events about membership changes and stuck drains |
 
+pub(crate) mod announce;
 pub(crate) mod missed_assignments;
 pub(crate) mod ring;
 pub(crate) mod shard_lease;

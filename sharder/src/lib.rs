@@ -12,6 +12,7 @@
 //! | [`metrics`] | counters and the state metrics read from the caches |
 //! | `leader_election` | runs the controllers on the elected leader only |
 //! | `client`, `context` | the throttled API client; what the tasks share |
+//! | `events`, `observed` | rate-limited Events; what the leader learned about each ring's objects |
 //!
 //! [`run`] lists the tasks of the process and stops them all on one shutdown signal. The Lease
 //! rules (shard states, expiry, takeover, timing) are shared with the shard library in
@@ -21,8 +22,10 @@ mod client;
 mod context;
 pub mod controller;
 pub mod core;
+mod events;
 mod leader_election;
 pub mod metrics;
+mod observed;
 pub mod ring_views;
 pub mod server;
 pub mod webhook;
@@ -34,7 +37,6 @@ use anyhow::Context as _;
 use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Namespace;
-use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Resource};
@@ -47,6 +49,7 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use crate::context::Context;
+use crate::events::Events;
 use crate::metrics::{CacheState, Metrics, StateCollector};
 use crate::ring_views::{Discovery, RingViews};
 use crate::server::Readiness;
@@ -104,6 +107,7 @@ pub async fn run(
         None,
         &shutdown,
     );
+    let metrics = Metrics::default();
     let ctx = Context {
         client: client.clone(),
         config: config.clone(),
@@ -114,14 +118,13 @@ pub async fn run(
         namespaces,
         ring_views: Arc::new(RingViews::default()),
         discovery: Arc::new(Discovery::new(client.clone())),
-        metrics: Metrics::default(),
-        recorder: Recorder::new(
+        events: Arc::new(Events::new(
             client.clone(),
-            Reporter {
-                controller: "sharder".into(),
-                instance: Some(identity.clone()),
-            },
-        ),
+            identity.clone(),
+            metrics.events_suppressed.clone(),
+        )),
+        observed: Arc::default(),
+        metrics,
     };
     // Refused leader-election settings stop the process here, before it serves anything.
     let election = leader_election::Election::new(&ctx, clients.leader_election, identity.clone())?;

@@ -4,8 +4,9 @@
 //! the caches through a `StateSource` (`CacheState`), so every replica reports them, leader or
 //! not.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
 
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
@@ -14,6 +15,7 @@ use sharding_crds::{RingKind, RingRef};
 
 use crate::context::Context;
 use crate::core::membership::{Exclusion, ring_members};
+use crate::observed::{PendingDrains, RingObjects};
 
 use prometheus_client::encoding::{
     DescriptorEncoder, EncodeLabelSet, EncodeMetric, LabelSetEncoder,
@@ -22,6 +24,7 @@ use prometheus_client::metrics::MetricType;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
 /// Name of the counter of move patches; exposed as `controller_sharding_movements_total`.
@@ -53,9 +56,56 @@ pub(crate) struct ResourceLabels {
     pub(crate) resource: String,
 }
 
-/// Counters the sharder increments.
-#[derive(Clone, Debug, Default)]
+/// Labels of a ring with the outcome of something done for it (a webhook request, a sync).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(crate) struct OutcomeLabels {
+    /// The ring.
+    #[prometheus(flatten)]
+    pub(crate) ring: RingLabel,
+    /// What came of it.
+    pub(crate) outcome: &'static str,
+}
+
+impl OutcomeLabels {
+    /// Labels for `ring` and `outcome`.
+    pub(crate) fn new(ring: &RingRef, outcome: &'static str) -> Self {
+        Self {
+            ring: RingLabel(ring.clone()),
+            outcome,
+        }
+    }
+}
+
+/// A histogram family whose histograms all have the same buckets.
+pub(crate) type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
+
+/// Webhook request durations: 100 µs to 10 s, with the API server's timeout (5 s) as a bound.
+fn webhook_histogram() -> Histogram {
+    Histogram::new([
+        0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+        5.0, 10.0,
+    ])
+}
+
+/// Sync durations: 10 ms to 30 minutes.
+fn sync_histogram() -> Histogram {
+    Histogram::new([
+        0.01, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0,
+    ])
+}
+
+/// Counters, histograms and gauges the sharder sets.
+#[derive(Clone, Debug)]
 pub struct Metrics {
+    /// Webhook request durations by ring and outcome (`assigned`, `already_assigned`, `denied`,
+    /// `skipped`, `invalid`).
+    pub(crate) webhook_duration: HistogramFamily<OutcomeLabels>,
+    /// Durations of complete syncs by ring.
+    pub(crate) sync_duration: HistogramFamily<RingLabel>,
+    /// Syncs by ring and outcome (`success`, `failure`).
+    pub(crate) syncs: Family<OutcomeLabels, Counter>,
+    /// Events not published because of the rate limit.
+    pub(crate) events_suppressed: Counter,
     /// Objects assigned by the webhook (dry-run requests excluded).
     pub(crate) assignments: Family<ResourceLabels, Counter>,
     /// Move patches sent by the sharder controller.
@@ -66,6 +116,22 @@ pub struct Metrics {
     pub(crate) ring_calculations: Family<RingLabel, Counter>,
     /// Unassigned objects the missed-assignment path is moving or waiting to retry, per resource.
     pub(crate) missed_assignment_backlog: Family<ResourceLabels, Gauge>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self {
+            webhook_duration: Family::new_with_constructor(webhook_histogram),
+            sync_duration: Family::new_with_constructor(sync_histogram),
+            syncs: Family::default(),
+            events_suppressed: Counter::default(),
+            assignments: Family::default(),
+            movements: Family::default(),
+            drains: Family::default(),
+            ring_calculations: Family::default(),
+            missed_assignment_backlog: Family::default(),
+        }
+    }
 }
 
 impl Metrics {
@@ -90,6 +156,26 @@ impl Metrics {
             "controller_sharding_ring_calculations",
             "Rebuilds of a ring's hash ring",
             self.ring_calculations.clone(),
+        );
+        registry.register(
+            "controller_sharding_webhook_request_duration_seconds",
+            "Time the sharder webhook took to answer an admission request, by ring and outcome",
+            self.webhook_duration.clone(),
+        );
+        registry.register(
+            "controller_sharding_sync_duration_seconds",
+            "Time a full sync of a ring took, on the leader",
+            self.sync_duration.clone(),
+        );
+        registry.register(
+            "controller_sharding_syncs",
+            "Full syncs of a ring by outcome, on the leader",
+            self.syncs.clone(),
+        );
+        registry.register(
+            "controller_sharding_events_suppressed",
+            "Events the sharder did not publish because of its rate limit",
+            self.events_suppressed.clone(),
         );
         registry.register(
             "controller_sharding_missed_assignment_backlog",
@@ -160,6 +246,17 @@ pub(crate) trait StateSource: std::fmt::Debug + Send + Sync + 'static {
     fn rings(&self) -> Vec<RingSnapshot>;
     /// The shard Leases known to this replica, with their state as of now.
     fn shards(&self) -> Vec<ShardSnapshot>;
+    /// What the leader observed about the rings' objects.
+    fn objects(&self) -> ObjectsSnapshot;
+}
+
+/// What the state metrics report about the rings' objects (leader only).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub(crate) struct ObjectsSnapshot {
+    /// Counts of each ring's latest complete sync.
+    pub(crate) rings: Vec<(RingRef, RingObjects)>,
+    /// Drains not acknowledged yet, by ring and shard.
+    pub(crate) pending_drains: BTreeMap<(RingRef, String), PendingDrains>,
 }
 
 /// Collector computing the state metrics from a [`StateSource`] on every scrape.
@@ -201,6 +298,22 @@ struct ShardExcludedLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ShardObjectLabels {
+    #[prometheus(flatten)]
+    ring: RingLabel,
+    shard: String,
+    group: String,
+    resource: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RingShardLabels {
+    #[prometheus(flatten)]
+    ring: RingLabel,
+    shard: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ShardWeightLabels {
     namespace: String,
     shard: String,
@@ -218,6 +331,22 @@ where
     L: EncodeLabelSet + Clone + std::hash::Hash + Eq + std::fmt::Debug + Send + Sync + 'static,
 {
     let family = Family::<L, Gauge>::default();
+    for (labels, value) in values {
+        family.get_or_create(&labels).set(value);
+    }
+    family.encode(encoder.encode_descriptor(name, help, None, MetricType::Gauge)?)
+}
+
+fn encode_float_gauges<L>(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    values: impl IntoIterator<Item = (L, f64)>,
+) -> Result<(), std::fmt::Error>
+where
+    L: EncodeLabelSet + Clone + std::hash::Hash + Eq + std::fmt::Debug + Send + Sync + 'static,
+{
+    let family = Family::<L, Gauge<f64, AtomicU64>>::default();
     for (labels, value) in values {
         family.get_or_create(&labels).set(value);
     }
@@ -327,6 +456,63 @@ impl<S: StateSource> prometheus_client::collector::Collector for StateCollector<
                 };
                 (labels, i64::from(s.weight))
             }),
+        )?;
+
+        let objects = self.0.objects();
+        encode_gauges(
+            &mut encoder,
+            "controller_sharding_shard_objects",
+            "Objects carrying a shard's label, per resource, as of the ring's latest sync (leader only)",
+            objects.rings.iter().flat_map(|(ring, o)| {
+                o.per_shard.iter().map(move |((shard, gr), count)| {
+                    let labels = ShardObjectLabels {
+                        ring: RingLabel(ring.clone()),
+                        shard: shard.clone(),
+                        group: gr.group.clone(),
+                        resource: gr.resource.clone(),
+                    };
+                    (labels, i64::try_from(*count).unwrap_or(i64::MAX))
+                })
+            }),
+        )?;
+        encode_gauges(
+            &mut encoder,
+            "controller_sharding_unassigned_objects",
+            "Objects of a ring that carry no shard label although the ring assigns them, as of its latest sync (leader only)",
+            objects.rings.iter().flat_map(|(ring, o)| {
+                o.unassigned.iter().map(move |(gr, count)| {
+                    let labels = ResourceLabels {
+                        ring: RingLabel(ring.clone()),
+                        group: gr.group.clone(),
+                        resource: gr.resource.clone(),
+                    };
+                    (labels, i64::try_from(*count).unwrap_or(i64::MAX))
+                })
+            }),
+        )?;
+        encode_gauges(
+            &mut encoder,
+            "controller_sharding_drains_pending",
+            "Objects carrying the drain label, waiting for their shard to acknowledge (leader only)",
+            objects.pending_drains.iter().map(|((ring, shard), p)| {
+                let labels = RingShardLabels {
+                    ring: RingLabel(ring.clone()),
+                    shard: shard.clone(),
+                };
+                (labels, i64::try_from(p.objects).unwrap_or(i64::MAX))
+            }),
+        )?;
+        encode_float_gauges(
+            &mut encoder,
+            "controller_sharding_drain_oldest_age_seconds",
+            "How long the oldest drain of a shard has waited for its acknowledgement (leader only)",
+            objects.pending_drains.iter().map(|((ring, shard), p)| {
+                let labels = RingShardLabels {
+                    ring: RingLabel(ring.clone()),
+                    shard: shard.clone(),
+                };
+                (labels, p.oldest.as_secs_f64())
+            }),
         )
     }
 }
@@ -384,6 +570,13 @@ impl StateSource for CacheState {
             }
         }
         snapshots
+    }
+
+    fn objects(&self) -> ObjectsSnapshot {
+        ObjectsSnapshot {
+            rings: self.0.observed.objects(),
+            pending_drains: self.0.observed.pending_drains(std::time::Instant::now()),
+        }
     }
 }
 
@@ -447,6 +640,27 @@ mod tests {
                 },
             ]
         }
+
+        fn objects(&self) -> ObjectsSnapshot {
+            let ring = RingRef::new(RingKind::ControllerRing, "example");
+            let secrets = sharding_crds::GroupResource::new("", "secrets");
+            ObjectsSnapshot {
+                rings: vec![(
+                    ring.clone(),
+                    RingObjects {
+                        per_shard: BTreeMap::from([(("shard-c".to_string(), secrets.clone()), 7)]),
+                        unassigned: BTreeMap::from([(secrets, 2)]),
+                    },
+                )],
+                pending_drains: BTreeMap::from([(
+                    (ring, "shard-c".to_string()),
+                    PendingDrains {
+                        objects: 3,
+                        oldest: std::time::Duration::from_millis(1500),
+                    },
+                )]),
+            }
+        }
     }
 
     #[test]
@@ -469,6 +683,14 @@ mod tests {
             .ring_calculations
             .get_or_create(&RingLabel(cluster))
             .inc_by(2);
+        metrics
+            .webhook_duration
+            .get_or_create(&OutcomeLabels::new(&controller, "assigned"))
+            .observe(0.0002);
+        metrics
+            .syncs
+            .get_or_create(&OutcomeLabels::new(&controller, "failure"))
+            .inc();
         let text = render(&registry).expect("renders");
         for line in [
             r#"controller_sharding_assignments_total{clusterring="example",group="",resource="secrets"} 1"#,
@@ -478,6 +700,13 @@ mod tests {
             r#"controller_sharding_shard_state{namespace="default",shard="shard-c",controllerring="example",state="ready"} 1"#,
             r#"controller_sharding_shard_weight{namespace="default",shard="shard-c",controllerring="example"} 3"#,
             r#"controller_sharding_shard_weight{namespace="default",shard="shard-a",clusterring="example"} 1"#,
+            r#"controller_sharding_shard_objects{controllerring="example",shard="shard-c",group="",resource="secrets"} 7"#,
+            r#"controller_sharding_unassigned_objects{controllerring="example",group="",resource="secrets"} 2"#,
+            r#"controller_sharding_drains_pending{controllerring="example",shard="shard-c"} 3"#,
+            r#"controller_sharding_drain_oldest_age_seconds{controllerring="example",shard="shard-c"} 1.5"#,
+            r#"controller_sharding_webhook_request_duration_seconds_count{controllerring="example",outcome="assigned"} 1"#,
+            r#"controller_sharding_webhook_request_duration_seconds_bucket{le="0.00025",controllerring="example",outcome="assigned"} 1"#,
+            r#"controller_sharding_syncs_total{controllerring="example",outcome="failure"} 1"#,
             r#"controller_sharding_ring_calculations_total{clusterring="example"} 2"#,
             r#"controller_sharding_clusterring_metadata_generation{clusterring="example",uid="u1"} 3"#,
             r#"controller_sharding_clusterring_observed_generation{clusterring="example",uid="u1"} 2"#,

@@ -21,7 +21,7 @@ use serde_json::{Value, json};
 use sharding_crds::{GroupResource, RingKind, RingRef};
 
 use crate::core::key::{KeyOutcome, ObjectInfo};
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, OutcomeLabels};
 use crate::ring_views::RingViews;
 
 /// Largest request body accepted; the API server caps objects at 3 MiB, so a larger review is not
@@ -118,6 +118,9 @@ impl IntoResponse for BadRequest {
     }
 }
 
+/// Reason of allowing an object that already carries the ring's shard label.
+const ALREADY_ASSIGNED: &str = "object is already assigned";
+
 /// The answer to one admission request.
 #[derive(Debug, PartialEq)]
 enum AdmissionDecision {
@@ -139,6 +142,18 @@ enum AdmissionDecision {
     Deny(String),
 }
 
+impl AdmissionDecision {
+    /// The `outcome` label of the webhook duration metric.
+    fn outcome(&self) -> &'static str {
+        match self {
+            Self::Allow(reason) if *reason == ALREADY_ASSIGNED => "already_assigned",
+            Self::Allow(_) => "skipped",
+            Self::Assign { .. } => "assigned",
+            Self::Deny(_) => "denied",
+        }
+    }
+}
+
 async fn handle(
     State(state): State<WebhookState>,
     Path((kind, ring)): Path<(String, String)>,
@@ -148,11 +163,25 @@ async fn handle(
         return Err((StatusCode::NOT_FOUND, NOT_FOUND).into_response());
     };
     let ring = RingRef::new(kind, ring);
-    review(&state, &ring, &body).map_err(IntoResponse::into_response)
+    let started = std::time::Instant::now();
+    let (outcome, result) = match review(&state, &ring, &body) {
+        Ok((decision, response)) => (decision.outcome(), Ok(response)),
+        Err(bad) => ("invalid", Err(bad.into_response())),
+    };
+    state
+        .metrics
+        .webhook_duration
+        .get_or_create(&OutcomeLabels::new(&ring, outcome))
+        .observe(started.elapsed().as_secs_f64());
+    result
 }
 
-/// Answers one AdmissionReview for `ring`.
-fn review(state: &WebhookState, ring: &RingRef, body: &[u8]) -> Result<Response, BadRequest> {
+/// Answers one AdmissionReview for `ring`, with the decision taken.
+fn review(
+    state: &WebhookState,
+    ring: &RingRef,
+    body: &[u8],
+) -> Result<(AdmissionDecision, Response), BadRequest> {
     let review: Review = serde_json::from_slice(body)
         .map_err(|e| BadRequest(format!("failed to decode AdmissionReview: {e}")))?;
     if review.api_version != "admission.k8s.io/v1" || review.kind != "AdmissionReview" {
@@ -211,7 +240,7 @@ fn review(state: &WebhookState, ring: &RingRef, body: &[u8]) -> Result<Response,
         "kind": "AdmissionReview",
         "response": response,
     });
-    Ok(axum::Json(body).into_response())
+    Ok((decision, axum::Json(body).into_response()))
 }
 
 fn decide(state: &WebhookState, ring: &RingRef, request: &Request) -> AdmissionDecision {
@@ -236,7 +265,7 @@ fn decide(state: &WebhookState, ring: &RingRef, request: &Request) -> AdmissionD
         .and_then(|l| l.get(&view.shard_label))
         .is_some_and(|v| !v.is_empty())
     {
-        return AdmissionDecision::Allow("object is already assigned");
+        return AdmissionDecision::Allow(ALREADY_ASSIGNED);
     }
     let group_resource = GroupResource::new(&request.resource.group, &request.resource.resource);
     let Some(resource) = view.resources.get(&group_resource) else {

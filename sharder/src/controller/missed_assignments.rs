@@ -128,6 +128,9 @@ async fn watch_unassigned(ctx: Context, ring: RingRef, gr: GroupResource) {
                 continue;
             }
         };
+        // Without a shard label, a drain it may have had was acknowledged.
+        ctx.observed
+            .unassigned_seen(&ring, obj.metadata.uid.as_deref().unwrap_or_default());
         let key = ObjectKey {
             namespace: obj.metadata.namespace.clone(),
             name: obj.name_any(),

@@ -13,7 +13,6 @@ use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::controller::{Action, Controller};
-use kube::runtime::events::{Event, EventType};
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use serde_json::Value;
@@ -171,16 +170,14 @@ async fn reconcile<R: RingObject>(ring: Arc<R>, state: Arc<State>) -> Result<Act
         let flipped = ready_condition(ring.as_ref())
             .is_none_or(|c| c.status != "False" || &c.message != message);
         if flipped {
-            let event = Event {
-                type_: EventType::Warning,
-                reason: REASON_RECONCILIATION_FAILED.into(),
-                note: Some(message.clone()),
-                action: "Reconcile".into(),
-                secondary: None,
-            };
-            if let Err(error) = ctx.recorder.publish(&event, &ring.object_ref(&())).await {
-                tracing::warn!(%error, "failed to publish Event");
-            }
+            ctx.events
+                .warning(
+                    &ring.object_ref(&()),
+                    REASON_RECONCILIATION_FAILED,
+                    "",
+                    message.clone(),
+                )
+                .await;
         }
     }
     result.map(|()| Action::await_change())
@@ -235,12 +232,20 @@ async fn apply_webhook_configuration<R: RingObject>(
 }
 
 /// Whether every field set in `desired` has the same value in `actual`. Fields the API server
-/// defaults (or others add) are ignored, so an unchanged object needs no write.
+/// defaults (or others add) are ignored, so an unchanged object needs no write. An empty list or
+/// map in `desired` matches a missing field: the API server omits empty fields (`omitempty`), and
+/// treating them as drift would re-apply the object forever (a ring without resources has no
+/// webhook rules).
 fn is_subset(desired: &Value, actual: &Value) -> bool {
+    let is_empty = |v: &Value| match v {
+        Value::Array(a) => a.is_empty(),
+        Value::Object(o) => o.is_empty(),
+        _ => false,
+    };
     match (desired, actual) {
         (Value::Object(d), Value::Object(a)) => d
             .iter()
-            .all(|(k, v)| v.is_null() || a.get(k).is_some_and(|av| is_subset(v, av))),
+            .all(|(k, v)| v.is_null() || a.get(k).map_or(is_empty(v), |av| is_subset(v, av))),
         (Value::Array(d), Value::Array(a)) => {
             d.len() == a.len() && d.iter().zip(a).all(|(dv, av)| is_subset(dv, av))
         }
@@ -326,6 +331,11 @@ mod tests {
         ));
         assert!(!is_subset(&desired, &json!({"a": 1, "b": {"c": [1]}})));
         assert!(!is_subset(&desired, &json!({"a": 1})));
+        // Empty lists and maps match absent fields (the server omits them), not other values.
+        let empty = json!({"rules": [], "labels": {}, "a": 1});
+        assert!(is_subset(&empty, &json!({"a": 1})));
+        assert!(is_subset(&empty, &json!({"a": 1, "rules": []})));
+        assert!(!is_subset(&empty, &json!({"a": 1, "rules": [1]})));
     }
 
     #[test]

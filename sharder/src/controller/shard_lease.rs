@@ -7,11 +7,9 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::ObjectReference;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions};
 use kube::runtime::controller::{Action, Controller};
-use kube::runtime::events::{Event, EventType};
 use kube::runtime::reflector::ObjectRef;
 use kube::runtime::watcher;
 use kube::{Resource, ResourceExt};
@@ -22,6 +20,9 @@ use tokio_util::sync::CancellationToken;
 
 use crate::context::{AnyRing, Context};
 use crate::core::membership::{Exclusion, ring_members};
+
+/// Reason of the Normal Event on a ring when the sharder declares one of its shards dead.
+pub const REASON_SHARD_DEAD: &str = "ShardDead";
 
 /// Reason of the Warning Event about a weight annotation that is not a valid weight.
 const REASON_INVALID_WEIGHT: &str = "InvalidShardWeight";
@@ -160,6 +161,12 @@ async fn reconcile(lease: Arc<Lease>, state: Arc<State>) -> Result<Action, Error
                 .await
                 .map_err(write_err("take over"))?;
             tracing::info!(ring = %ring, shard = %name, "took over the Lease of an unresponsive shard");
+            let note = format!(
+                "Shard {name} stopped renewing its Lease and was declared dead; its objects move to the available shards"
+            );
+            ctx.events
+                .normal(&ring_object.object_ref(), REASON_SHARD_DEAD, &name, note)
+                .await;
             // The write triggers a new event, which computes the next boundary.
             Ok(Action::await_change())
         }
@@ -234,9 +241,15 @@ async fn report_problems(state: &State, lease: &Lease, ring: &AnyRing) -> Proble
     {
         let message = exclusion.message(kind, &ring_ref.name, &shard);
         tracing::warn!(ring = %ring_ref, %shard, %namespace, reason = exclusion.reason(), "{message}");
-        let event = warning(exclusion.reason(), "KeepOutOfRing", message);
         for reference in [lease.object_ref(&()), ring.object_ref()] {
-            publish(ctx, &event, &reference).await;
+            ctx.events
+                .warning(
+                    &reference,
+                    exclusion.reason(),
+                    &uid_of(lease),
+                    message.clone(),
+                )
+                .await;
         }
     }
     if let Some(error) = problems
@@ -246,26 +259,16 @@ async fn report_problems(state: &State, lease: &Lease, ring: &AnyRing) -> Proble
     {
         let message = format!("Shard {shard:?} of {ring_ref}: {error}");
         tracing::warn!(ring = %ring_ref, %shard, %namespace, reason = REASON_INVALID_WEIGHT, "{message}");
-        let event = warning(REASON_INVALID_WEIGHT, "ReadWeight", message);
-        publish(ctx, &event, &lease.object_ref(&())).await;
+        ctx.events
+            .warning(&lease.object_ref(&()), REASON_INVALID_WEIGHT, "", message)
+            .await;
     }
     problems
 }
 
-fn warning(reason: &str, action: &str, note: String) -> Event {
-    Event {
-        type_: EventType::Warning,
-        reason: reason.into(),
-        note: Some(note),
-        action: action.into(),
-        secondary: None,
-    }
-}
-
-async fn publish(ctx: &Context, event: &Event, reference: &ObjectReference) {
-    if let Err(error) = ctx.recorder.publish(event, reference).await {
-        tracing::warn!(%error, "failed to publish an Event about a shard Lease");
-    }
+/// The UID of a Lease, naming it in Event subjects on its ring.
+fn uid_of(lease: &Lease) -> String {
+    lease.uid().unwrap_or_default()
 }
 
 /// Requeue exactly at `boundary` (plus a millisecond so the new state has begun).

@@ -6,7 +6,7 @@
 //! `resourceVersion`. Besides, the missed-assignment path (`missed_assignments`) assigns
 //! objects the webhook missed within seconds.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use futures::StreamExt;
@@ -21,13 +21,28 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use super::announce::{Announcer, DRAIN_CHECK_PERIOD};
 use super::missed_assignments::MissedAssignments;
 use crate::context::Context;
 use crate::core::key::{KeyOutcome, ObjectInfo};
 use crate::core::rebalance::{ObjectState, RebalanceDecision, decide};
 use crate::core::sync_schedule::SyncSchedule;
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, OutcomeLabels, RingLabel};
+use crate::observed::RingObjects;
 use crate::ring_views::{ResolvedResource, ResourceInfo, RingView};
+
+/// Reason of the Normal Event when a sync starts draining or moving objects of a ring.
+pub const REASON_REBALANCE_STARTED: &str = "RebalanceStarted";
+/// Reason of the Normal Event when a sync that drained or moved objects finished.
+pub const REASON_REBALANCE_FINISHED: &str = "RebalanceFinished";
+/// Reason of the Warning Event when a sync failed.
+pub const REASON_SYNC_FAILED: &str = "SyncFailed";
+/// Reason of the Normal Event when a shard joins a ring (becomes available).
+pub const REASON_SHARD_JOINED: &str = "ShardJoined";
+/// Reason of the Normal Event when a shard leaves a ring (is no longer available).
+pub const REASON_SHARD_LEFT: &str = "ShardLeft";
+/// Reason of the Warning Event when a shard has not acknowledged drains for `drainTimeout`.
+pub const REASON_DRAIN_NOT_ACKNOWLEDGED: &str = "DrainNotAcknowledged";
 
 /// Page size of sync lists.
 pub const PAGE_SIZE: u32 = 500;
@@ -78,6 +93,8 @@ pub(crate) async fn run(ctx: Context, shutdown: CancellationToken) {
     let mut schedule = SyncSchedule::new(ctx.config.controller.sharder.sync_period.0);
     let mut running: JoinSet<(String, Result<SyncStats, Error>)> = JoinSet::new();
     let mut missed = MissedAssignments::default();
+    let mut announcer = Announcer::default();
+    let mut drain_check = tokio::time::interval(DRAIN_CHECK_PERIOD);
     loop {
         let now = Instant::now();
         let views = ctx.ring_views.all();
@@ -103,10 +120,12 @@ pub(crate) async fn run(ctx: Context, shutdown: CancellationToken) {
             running.spawn(async move { (key, sync_ring(&ctx, &view).await) });
         }
         missed.reconcile(&ctx, &views);
+        announcer.membership(&ctx, &views).await;
 
         tokio::select! {
             () = shutdown.cancelled() => break,
             _ = changes.changed() => {}
+            _ = drain_check.tick() => announcer.stuck_drains(&ctx).await,
             () = tokio::time::sleep_until(schedule.next_wake(now)) => {}
             Some(joined) = running.join_next(), if !running.is_empty() => {
                 let Ok((name, result)) = joined else { continue };
@@ -170,6 +189,51 @@ pub(super) fn decide_object(
         main: resource.is_main(),
     };
     decide(state, view.ring.shard_for(&key), |s| view.ring.contains(s))
+}
+
+/// What became of one patch of a sync: the object's UID, its shard before, the decision and
+/// the result.
+type PatchOutcome = (
+    String,
+    Option<String>,
+    RebalanceDecision,
+    Result<(), PatchError>,
+);
+
+/// Counts one listed object of `view` into `tally` and returns its decision.
+fn tally_object(
+    view: &RingView,
+    gr: &GroupResource,
+    resource: &ResolvedResource,
+    meta: &kube::api::ObjectMeta,
+    tally: &mut Tally,
+) -> RebalanceDecision {
+    let labels = meta.labels.as_ref();
+    let current = labels
+        .and_then(|l| l.get(&view.shard_label))
+        .filter(|s| !s.is_empty());
+    match current {
+        Some(shard) => {
+            *tally
+                .objects
+                .per_shard
+                .entry((shard.clone(), gr.clone()))
+                .or_default() += 1;
+        }
+        None => {
+            let info = ObjectInfo::from_meta(&gr.group, &resource.info.kind, meta);
+            if matches!(view.key(&info, &resource.role), Ok(KeyOutcome::Key(_))) {
+                *tally.objects.unassigned.entry(gr.clone()).or_default() += 1;
+            }
+        }
+    }
+    if labels.is_some_and(|l| l.contains_key(&view.drain_label)) {
+        tally.draining.insert(
+            meta.uid.clone().unwrap_or_default(),
+            current.cloned().unwrap_or_default(),
+        );
+    }
+    decide_object(view, gr, resource, meta)
 }
 
 /// A patch that did not have the intended effect.
@@ -247,37 +311,94 @@ fn sync_order(view: &RingView) -> Vec<(&GroupResource, &ResolvedResource)> {
     resources
 }
 
-/// Syncs every resource of one ring.
+/// What one sync learned besides its counts: objects per shard, unassigned and draining
+/// objects, drains sent, and whether a rebalance began.
+#[derive(Debug, Default)]
+struct Tally {
+    objects: RingObjects,
+    /// UID → shard of every listed object carrying the drain label.
+    draining: HashMap<String, String>,
+    /// UIDs of the objects this sync drained.
+    drained_now: HashSet<String>,
+    /// Whether the "rebalance started" Event went out.
+    announced: bool,
+}
+
+/// Syncs every resource of one ring, records what it saw for the metrics and publishes the
+/// rebalance Events.
 #[tracing::instrument(skip_all, fields(ring = %view.ring_ref()))]
 async fn sync_ring(ctx: &Context, view: &RingView) -> Result<SyncStats, Error> {
+    let ring = view.ring_ref();
     let started = Instant::now();
-    tracing::info!(ring = %view.ring_ref(), shards = view.ring.len(), "starting sync of ring");
+    tracing::info!(%ring, shards = view.ring.len(), "starting sync of ring");
     let mut stats = SyncStats::default();
+    let mut tally = Tally::default();
     let mut first_error = None;
     for (gr, resource) in sync_order(view) {
-        if let Err(error) = sync_resource(ctx, view, gr, resource, &mut stats).await {
+        if let Err(error) = sync_resource(ctx, view, gr, resource, &mut stats, &mut tally).await {
             first_error.get_or_insert(error);
         }
     }
+    let duration = started.elapsed();
     tracing::info!(
-        ring = %view.ring_ref(),
-        duration = ?started.elapsed(),
+        %ring,
+        ?duration,
         listed = stats.listed,
         drained = stats.drained,
         moved = stats.moved,
         failed = stats.failed,
         "{SYNC_FINISHED}"
     );
-    if let Some(error) = first_error {
-        return Err(error);
+    let reference = ctx.ring(&ring).map(|r| r.object_ref());
+    if first_error.is_none() {
+        // Every resource was listed to the end: the counts are complete.
+        ctx.observed.sync_finished(
+            &ring,
+            std::mem::take(&mut tally.objects),
+            std::mem::take(&mut tally.draining),
+            &tally.drained_now,
+            std::time::Instant::now(),
+        );
+        ctx.metrics
+            .sync_duration
+            .get_or_create(&RingLabel(ring.clone()))
+            .observe(duration.as_secs_f64());
     }
-    if stats.failed > 0 {
-        return Err(Error::Patches {
+    if let Some(reference) = &reference
+        && stats.drained + stats.moved > 0
+    {
+        let note = format!(
+            "Drained {} and moved {} of {} objects in {:.1}s ({} failed)",
+            stats.drained,
+            stats.moved,
+            stats.listed,
+            duration.as_secs_f64(),
+            stats.failed
+        );
+        ctx.events
+            .normal(reference, REASON_REBALANCE_FINISHED, "", note)
+            .await;
+    }
+    let result = match first_error {
+        Some(error) => Err(error),
+        None if stats.failed > 0 => Err(Error::Patches {
             failed: stats.failed,
             attempted: stats.drained + stats.moved + stats.failed,
-        });
+        }),
+        None => Ok(stats),
+    };
+    let outcome = if result.is_ok() { "success" } else { "failure" };
+    ctx.metrics
+        .syncs
+        .get_or_create(&OutcomeLabels::new(&ring, outcome))
+        .inc();
+    if let (Err(error), Some(reference)) = (&result, &reference) {
+        let note = format!("Sync failed, retrying with backoff: {error}");
+        ctx.events
+            .warning(reference, REASON_SYNC_FAILED, "", note)
+            .await;
     }
-    Ok(stats)
+    result
 }
 
 async fn sync_resource(
@@ -286,6 +407,7 @@ async fn sync_resource(
     gr: &GroupResource,
     resource: &ResolvedResource,
     stats: &mut SyncStats,
+    tally: &mut Tally,
 ) -> Result<(), Error> {
     let info = &resource.info;
     let ar = api_resource(gr, info);
@@ -320,33 +442,55 @@ async fn sync_resource(
                         .is_some_and(|ns| namespace_selected(ctx, view, ns))
             })
             .map(|obj| {
-                let decision = decide_object(view, gr, resource, &obj.metadata);
+                let decision = tally_object(view, gr, resource, &obj.metadata, tally);
                 (obj, decision)
             })
             .filter(|(_, d)| *d != RebalanceDecision::Keep)
             .collect();
-        let results: Vec<(RebalanceDecision, Result<(), PatchError>)> = futures::stream::iter(
-            actions,
-        )
-        .map(|(obj, decision)| {
-            let ar = &ar;
-            async move {
-                let result = patch(ctx, view, ar, obj.meta(), decision).await;
-                if let Err(error) = &result {
-                    tracing::debug!(%error, object = %obj.name_any(), ?decision, "patch failed");
-                }
-                (decision, result)
+        if !actions.is_empty() && !tally.announced {
+            tally.announced = true;
+            if let Some(ring) = ctx.ring(&view.ring_ref()) {
+                let note = format!(
+                    "Rebalancing onto {} available shards: objects whose shard changed are drained or moved",
+                    view.ring.len()
+                );
+                ctx.events
+                    .normal(&ring.object_ref(), REASON_REBALANCE_STARTED, "", note)
+                    .await;
             }
-        })
-        .buffer_unordered(concurrency)
-        .collect()
-        .await;
-        for (decision, result) in results {
+        }
+        let results: Vec<PatchOutcome> =
+            futures::stream::iter(actions)
+                .map(|(obj, decision)| {
+                    let ar = &ar;
+                    async move {
+                        let result = patch(ctx, view, ar, obj.meta(), decision).await;
+                        if let Err(error) = &result {
+                            tracing::debug!(%error, object = %obj.name_any(), ?decision, "patch failed");
+                        }
+                        let current = obj.labels().get(&view.shard_label).cloned();
+                        (obj.uid().unwrap_or_default(), current, decision, result)
+                    }
+                })
+                .buffer_unordered(concurrency)
+                .collect()
+                .await;
+        for (uid, current, decision, result) in results {
             match result {
                 Ok(()) => {
                     count(ctx, view, gr, decision);
                     match decision {
-                        RebalanceDecision::Drain => stats.drained += 1,
+                        RebalanceDecision::Drain => {
+                            stats.drained += 1;
+                            let shard = current.unwrap_or_default();
+                            ctx.observed.drain_sent(
+                                &view.ring_ref(),
+                                &uid,
+                                &shard,
+                                std::time::Instant::now(),
+                            );
+                            tally.drained_now.insert(uid);
+                        }
                         RebalanceDecision::Move => stats.moved += 1,
                         RebalanceDecision::Keep => {}
                     }
