@@ -67,6 +67,8 @@ pub struct SharderSettings {
     pub webhook_url: Option<String>,
     /// How long drains may wait before the sharder warns (short, so a test can see it).
     pub drain_timeout: String,
+    /// Most patches in flight per ring.
+    pub concurrent_moves: u32,
 }
 
 impl Default for SharderSettings {
@@ -76,6 +78,7 @@ impl Default for SharderSettings {
             sync_period: "5m".into(),
             webhook_url: None,
             drain_timeout: "15s".into(),
+            concurrent_moves: 100,
         }
     }
 }
@@ -117,6 +120,7 @@ controller:
   sharder:
     syncPeriod: {sync}
     drainTimeout: {drain_timeout}
+    concurrentMoves: {concurrent_moves}
 webhook:
   server:
     bindAddress: 127.0.0.1:{webhook_port}
@@ -132,6 +136,7 @@ shutdownDelay: 1s
             dir = dir.display(),
             sync = settings.sync_period,
             drain_timeout = settings.drain_timeout,
+            concurrent_moves = settings.concurrent_moves,
             webhook_url = settings
                 .webhook_url
                 .clone()

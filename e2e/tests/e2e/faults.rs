@@ -505,3 +505,106 @@ async fn a_ready_replica_assigns_at_once() -> anyhow::Result<()> {
     logs.passed();
     Ok(())
 }
+
+/// A sync stops when the ring's view changes under it and starts over with the current one: a
+/// shard that leaves and comes back while its objects are being moved away keeps the objects
+/// the outdated sync had not reached yet, and no more move patches go out for them. (A sync that
+/// went on would patch every one of them for nothing: the webhook puts each back on the shard.)
+#[tokio::test]
+async fn a_sync_stops_when_a_shard_joins_mid_sync() -> anyhow::Result<()> {
+    let dedicated = DedicatedCluster::start().await?;
+    let cluster = dedicated.cluster();
+    let client = cluster.client().await?;
+    let ns = cluster.namespace(&client, "midsync").await?;
+    let ring = unique_name("midsync");
+    let shards = ["shard-a", "shard-b", "shard-c", "shard-d"];
+    for shard in shards {
+        create_lease(&client, &ns, &ring, shard, 3600).await?;
+    }
+    create_ring(&client, &ring, ring_spec(&ns)).await?;
+    // One patch at a time, so moving a shard's objects takes seconds.
+    let settings = SharderSettings {
+        concurrent_moves: 1,
+        ..Default::default()
+    };
+    let files = SharderFiles::create(cluster.kubeconfig(), &settings)?;
+    let mut sharder = files.start_process()?;
+    wait_status(&client, &ring, 4, 4).await?;
+    wait_webhook(&client, &ns, &ring, &shards).await?;
+    let secrets = Api::<Secret>::namespaced(client.clone(), &ns);
+    let names: Vec<String> = (0..400).map(|i| format!("s-{i}")).collect();
+    for name in &names {
+        secrets
+            .create(&PostParams::default(), &secret(name))
+            .await?;
+    }
+    let key = labels::shard_label(&ring);
+    let on_d = |list: &kube::core::ObjectList<kube::core::PartialObjectMeta<Secret>>| {
+        list.items
+            .iter()
+            .filter(|s| s.labels().get(&key).map(String::as_str) == Some("shard-d"))
+            .count()
+    };
+    let initially = on_d(&secrets.list_metadata(&ListParams::default()).await?);
+    ensure!(initially > 20, "only {initially} Secrets on shard-d");
+
+    // shard-d leaves: its objects are moved one by one. As soon as the first has moved, it is back.
+    let leases = Api::<Lease>::namespaced(client.clone(), &ns);
+    leases.delete("shard-d", &Default::default()).await?;
+    poll_until("the first Secret moved off shard-d", WAIT, || async {
+        let left = on_d(&secrets.list_metadata(&ListParams::default()).await?);
+        Ok((left < initially).then_some(()))
+    })
+    .await?;
+    create_lease(&client, &ns, &ring, "shard-d", 3600).await?;
+
+    // Converged: every Secret is where the four shards want it, or draining towards it from a
+    // live shard (the test plays the shards and never acknowledges).
+    let predicted = Ring::new(shards);
+    let drain = labels::drain_label(&ring);
+    let list = poll_until("Secrets settled on the four-shard ring", WAIT, || async {
+        let list = secrets.list_metadata(&ListParams::default()).await?;
+        let settled = list.items.iter().all(|s| {
+            let want = expected_shard(&predicted, &ns, &s.name_any());
+            let have = s.labels().get(&key).map(String::as_str);
+            have == want || (have.is_some() && s.labels().contains_key(&drain))
+        });
+        Ok(settled.then_some(list))
+    })
+    .await?;
+    let kept = on_d(&list);
+    let drained = list
+        .items
+        .iter()
+        .filter(|s| s.labels().contains_key(&drain))
+        .count();
+    eprintln!(
+        "mid-sync join: {kept} of {initially} Secrets never left shard-d, {drained} moved and drained back"
+    );
+    ensure!(
+        kept > 0 && kept + drained == initially,
+        "the outdated sync went on: {kept} kept, {drained} draining, {initially} were on shard-d"
+    );
+    let metrics = files.metrics()?;
+    let moves = e2e::sharder::counter(
+        &metrics,
+        "controller_sharding_movements_total",
+        &ring,
+        "secrets",
+    )?;
+    // The moves that happened before the sync stopped, and at most one in flight.
+    ensure!(
+        moves <= drained as u64 + 1,
+        "{moves} move patches for {drained} Secrets that moved: the outdated sync went on"
+    );
+    ensure!(
+        metrics.lines().any(|l| l.starts_with(&format!(
+            r#"controller_sharding_syncs_total{{clusterring="{ring}",outcome="superseded"}} "#
+        ))),
+        "no superseded sync counted"
+    );
+    sharder.terminate()?;
+    sharder.wait(Duration::from_secs(15)).await?;
+    sharder.passed();
+    Ok(())
+}

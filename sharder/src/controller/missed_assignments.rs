@@ -196,7 +196,7 @@ async fn assign(
             let Ok(_permit) = limit.acquire().await else {
                 return;
             };
-            patch(ctx, &view, ar, &meta, decision).await
+            patch(ctx, &view, gr, ar, &meta, decision).await
         };
         match result {
             Ok(()) => {

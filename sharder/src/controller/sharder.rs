@@ -31,6 +31,11 @@ use crate::metrics::{Metrics, OutcomeLabels, RingLabel};
 use crate::observed::RingObjects;
 use crate::ring_views::{ResolvedResource, ResourceInfo, RingView};
 
+/// Message of the log record when a running sync is stopped because its ring's view changed (or
+/// the ring is gone), with the field `ring`; a sync with the current view starts right after.
+pub const SYNC_SUPERSEDED: &str =
+    "view changed during the sync; starting over with the current view";
+
 /// Reason of the Normal Event when a sync starts draining or moving objects of a ring.
 pub const REASON_REBALANCE_STARTED: &str = "RebalanceStarted";
 /// Reason of the Normal Event when a sync that drained or moved objects finished.
@@ -91,7 +96,11 @@ pub(crate) struct SyncStats {
 pub(crate) async fn run(ctx: Context, shutdown: CancellationToken) {
     let mut changes = ctx.ring_views.subscribe();
     let mut schedule = SyncSchedule::new(ctx.config.controller.sharder.sync_period.0);
-    let mut running: JoinSet<(String, Result<SyncStats, Error>)> = JoinSet::new();
+    let mut running: JoinSet<(String, u64, Result<SyncStats, Error>)> = JoinSet::new();
+    // The sync each ring runs now, by a number unique per started sync: a sync stopped just as
+    // it finished must not be taken for its successor.
+    let mut started_syncs = 0u64;
+    let mut handles: HashMap<String, (u64, tokio::task::AbortHandle)> = HashMap::new();
     let mut missed = MissedAssignments::default();
     let mut announcer = Announcer::default();
     let mut drain_check = tokio::time::interval(DRAIN_CHECK_PERIOD);
@@ -103,6 +112,21 @@ pub(crate) async fn run(ctx: Context, shutdown: CancellationToken) {
             .iter()
             .map(|v| (v.ring_ref().to_string(), v))
             .collect();
+        // A sync must not go on with an outdated view (shards came or went, the spec or ring
+        // changed): stop it and start over below with the current one.
+        for key in schedule.superseded(keyed.iter().map(|(key, v)| (key.as_str(), v.revision))) {
+            if let Some((_, handle)) = handles.remove(&key) {
+                handle.abort();
+            }
+            schedule.abandoned(&key, now);
+            if let Some(view) = keyed.get(&key) {
+                ctx.metrics
+                    .syncs
+                    .get_or_create(&OutcomeLabels::new(&view.ring_ref(), "superseded"))
+                    .inc();
+            }
+            tracing::info!(ring = %key, "{SYNC_SUPERSEDED}");
+        }
         let start = schedule.start_due(
             now,
             keyed.iter().map(|(key, v)| (key.as_str(), v.revision)),
@@ -117,7 +141,11 @@ pub(crate) async fn run(ctx: Context, shutdown: CancellationToken) {
                 continue;
             };
             let (ctx, view) = (ctx.clone(), Arc::clone(view));
-            running.spawn(async move { (key, sync_ring(&ctx, &view).await) });
+            let task_key = key.clone();
+            started_syncs += 1;
+            let id = started_syncs;
+            let handle = running.spawn(async move { (task_key, id, sync_ring(&ctx, &view).await) });
+            handles.insert(key, (id, handle));
         }
         missed.reconcile(&ctx, &views);
         announcer.membership(&ctx, &views).await;
@@ -128,7 +156,12 @@ pub(crate) async fn run(ctx: Context, shutdown: CancellationToken) {
             _ = drain_check.tick() => announcer.stuck_drains(&ctx).await,
             () = tokio::time::sleep_until(schedule.next_wake(now)) => {}
             Some(joined) = running.join_next(), if !running.is_empty() => {
-                let Ok((name, result)) = joined else { continue };
+                // A stopped (superseded) sync ends as cancelled; it was accounted for already.
+                let Ok((name, id, result)) = joined else { continue };
+                if handles.get(&name).is_none_or(|(current, _)| *current != id) {
+                    continue;
+                }
+                handles.remove(&name);
                 let error = result.as_ref().err().map(ToString::to_string);
                 if let Some(backoff) = schedule.finished(&name, result.is_ok(), Instant::now()) {
                     let error = error.unwrap_or_default();
@@ -241,16 +274,20 @@ fn tally_object(
 pub(super) enum PatchError {
     #[error(transparent)]
     Api(#[from] kube::Error),
-    /// The move went through but no webhook assigned the object (its configuration not yet seen
-    /// by the API server, or no sharder replica reachable): retry later.
-    #[error("object was moved but not assigned by the webhook")]
+    /// The move went through but the object did not land on the shard the ring's current view
+    /// wants: no webhook assigned it (its configuration not yet seen by the API server, or no
+    /// sharder replica reachable), or the replica that answered had another view: retry later.
+    #[error("object was moved but not assigned to the shard the ring wants now")]
     NotAssigned,
 }
 
-/// Sends the patch for `decision`, guarded by the object's resourceVersion.
+/// Sends the patch for `decision` about an object of resource `gr`, guarded by the object's
+/// resourceVersion. A move counts as done only when the object landed where the ring's view
+/// wants it now, which may be newer than `view`.
 pub(super) async fn patch(
     ctx: &Context,
     view: &RingView,
+    gr: &GroupResource,
     ar: &ApiResource,
     meta: &kube::api::ObjectMeta,
     decision: RebalanceDecision,
@@ -271,10 +308,17 @@ pub(super) async fn patch(
         .await
     {
         Ok(updated) => {
-            // A move is only done once the webhook assigned the object in the same request.
-            let assigned = updated.labels().contains_key(&view.shard_label);
-            if decision == RebalanceDecision::Move && !assigned && !view.ring.is_empty() {
-                return Err(PatchError::NotAssigned);
+            if decision == RebalanceDecision::Move {
+                // The webhook assigned the object in the same request, as the current view wants.
+                let current = ctx.ring_views.get(&view.ring_ref());
+                let current = current.as_deref().unwrap_or(view);
+                let landed = current.resources.get(gr).is_none_or(|resource| {
+                    decide_object(current, gr, resource, &updated.metadata)
+                        == RebalanceDecision::Keep
+                });
+                if !landed {
+                    return Err(PatchError::NotAssigned);
+                }
             }
             Ok(())
         }
@@ -464,7 +508,7 @@ async fn sync_resource(
                 .map(|(obj, decision)| {
                     let ar = &ar;
                     async move {
-                        let result = patch(ctx, view, ar, obj.meta(), decision).await;
+                        let result = patch(ctx, view, gr, ar, obj.meta(), decision).await;
                         if let Err(error) = &result {
                             tracing::debug!(%error, object = %obj.name_any(), ?decision, "patch failed");
                         }

@@ -93,6 +93,36 @@ impl<I: Copy + Ord + Add<Duration, Output = I>> SyncSchedule<I> {
         start
     }
 
+    /// The rings whose running sync works on an outdated view: their view's revision changed
+    /// since the sync started, or the ring is gone. The caller stops those syncs and reports
+    /// each with [`abandoned`](Self::abandoned).
+    pub(crate) fn superseded<'a>(
+        &self,
+        views: impl IntoIterator<Item = (&'a str, u64)>,
+    ) -> Vec<String> {
+        let views: HashMap<&str, u64> = views.into_iter().collect();
+        let mut stale: Vec<String> = self
+            .running
+            .iter()
+            .filter(|name| {
+                let started_with = self.rings.get(name.as_str()).and_then(|s| s.revision);
+                views.get(name.as_str()).copied() != started_with
+            })
+            .cloned()
+            .collect();
+        stale.sort();
+        stale
+    }
+
+    /// Records that the sync of `ring` was stopped because its view changed: it is due again at
+    /// once (with the new view), and it does not count as a failure.
+    pub(crate) fn abandoned(&mut self, ring: &str, now: I) {
+        self.running.remove(ring);
+        if let Some(schedule) = self.rings.get_mut(ring) {
+            schedule.due = now;
+        }
+    }
+
     /// Records the end of a ring's sync at `now`. Returns the backoff before the next attempt
     /// after a failure, for logs.
     pub(crate) fn finished(&mut self, ring: &str, succeeded: bool, now: I) -> Option<Duration> {
@@ -254,5 +284,25 @@ mod tests {
         schedule.start_due(at(400), [("a", 1)], ready);
         assert_eq!(schedule.finished("b", false, at(401)), None);
         assert_eq!(schedule.finished("unknown", true, at(401)), None);
+    }
+
+    #[test]
+    fn a_sync_on_an_outdated_view_is_superseded_and_restarts_at_once() {
+        let mut schedule = SyncSchedule::new(PERIOD);
+        assert_eq!(
+            schedule.start_due(at(0), [("r", 1), ("s", 1)], ready),
+            ["r", "s"]
+        );
+        // Nothing changed: nothing to stop.
+        assert!(schedule.superseded([("r", 1), ("s", 1)]).is_empty());
+        // r's view changed and s is gone while both sync.
+        assert_eq!(schedule.superseded([("r", 2)]), ["r", "s"]);
+        schedule.abandoned("r", at(3));
+        schedule.abandoned("s", at(3));
+        // r starts over right away with the new revision, and without a failure's backoff.
+        assert_eq!(schedule.start_due(at(3), [("r", 2)], ready), ["r"]);
+        assert!(schedule.superseded([("r", 2)]).is_empty());
+        assert_eq!(schedule.finished("r", true, at(4)), None);
+        assert_eq!(schedule.next_wake(at(4)), at(4) + PERIOD);
     }
 }
