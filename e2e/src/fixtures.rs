@@ -77,11 +77,24 @@ pub async fn ring_with_shards(
     prefix: &str,
     shards: &[&str],
 ) -> anyhow::Result<(String, String)> {
+    let (namespace, ring) =
+        ring_of_kind_with_shards(cluster, client, RingKind::ClusterRing, prefix, shards).await?;
+    Ok((namespace, ring.name))
+}
+
+/// [`ring_with_shards`] for a ring of either kind; returns the namespace and the ring.
+pub async fn ring_of_kind_with_shards(
+    cluster: &crate::Cluster,
+    client: &Client,
+    kind: RingKind,
+    prefix: &str,
+    shards: &[&str],
+) -> anyhow::Result<(String, RingRef)> {
     let namespace = cluster.namespace(client, prefix).await?;
-    let ring = crate::unique_name(prefix);
-    create_ring(client, &ring, ring_spec(&namespace)).await?;
+    let ring = RingRef::new(kind, crate::unique_name(prefix));
+    create_ring_of(client, &ring, ring_spec(&namespace)).await?;
     for shard in shards {
-        create_lease(client, &namespace, &ring, shard, 3600).await?;
+        create_lease_of(client, &namespace, &ring, shard, 3600).await?;
     }
     Ok((namespace, ring))
 }
@@ -139,6 +152,19 @@ pub fn secret(name: &str) -> Secret {
         },
         ..Default::default()
     }
+}
+
+/// Creates an empty Secret for each of `names` in `namespace`, one after the other.
+pub async fn create_secrets(
+    client: &Client,
+    namespace: &str,
+    names: &[String],
+) -> anyhow::Result<()> {
+    let api = Api::<Secret>::namespaced(client.clone(), namespace);
+    for name in names {
+        api.create(&PostParams::default(), &secret(name)).await?;
+    }
+    Ok(())
 }
 
 /// The shard a ring assigns Secret `name` in `namespace` to, predicted from the pure hash ring

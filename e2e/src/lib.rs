@@ -22,9 +22,11 @@
 //! | [`fixtures::secret_review`] | an `admission.k8s.io/v1` AdmissionReview of a Secret CREATE |
 //! | [`sharder::counter`] | a per-resource counter from the sharder's `/metrics` text |
 //! | [`fixtures`] | rings, shard Leases and Secrets; waits on a ring's status and webhook; checksum-controller shards |
+//! | [`IndependentRing`] | a hash ring written from the protocol's description, to check the sharder's answers against |
 
 pub mod fixtures;
 pub mod gate;
+mod independent_ring;
 pub mod logs;
 pub mod process;
 pub mod sharder;
@@ -42,6 +44,8 @@ use kube::api::{Api, Patch, PatchParams, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::runtime::wait::{await_condition, conditions};
 use kube::{Client, Config};
+
+pub use self::independent_ring::IndependentRing;
 
 /// Field manager of every write the harness makes.
 pub const FIELD_MANAGER: &str = "controller-sharding-e2e";

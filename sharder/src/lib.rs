@@ -18,6 +18,7 @@
 //! rules (shard states, expiry, takeover, timing) are shared with the shard library in
 //! [`sharding_crds::lease`].
 
+pub mod cli;
 mod client;
 mod context;
 pub mod controller;

@@ -21,6 +21,7 @@ pub(crate) use self::discovery::Discovery;
 use crate::context::{AnyRing, Context};
 use crate::core::key::{self, ControllerKind, KeyError, KeyOutcome, ObjectInfo, ResourceRole};
 use crate::core::membership::available_shards;
+use crate::core::rebalance::{ObjectState, RebalanceDecision, decide};
 use crate::core::ring::Ring;
 use crate::metrics::RingLabel;
 
@@ -109,6 +110,53 @@ impl RingView {
             _ => key::hash_key(object, role),
         }
     }
+
+    /// Where an object of `resource` (group `group`) with metadata `meta` stands in this ring:
+    /// its key, the shard the ring wants, the labels it carries and what the sharder does next
+    /// (SPEC §6, §9). Namespace selection is the caller's business.
+    pub(crate) fn placement<'a>(
+        &'a self,
+        group: &str,
+        resource: &ResolvedResource,
+        meta: &'a kube::api::ObjectMeta,
+    ) -> Placement<'a> {
+        let key = self.key(
+            &ObjectInfo::from_meta(group, &resource.info.kind, meta),
+            &resource.role,
+        );
+        let desired = match &key {
+            Ok(KeyOutcome::Key(key)) => self.ring.shard_for(key),
+            _ => None,
+        };
+        let labels = meta.labels.as_ref();
+        let object = ObjectState {
+            current: labels
+                .and_then(|labels| labels.get(&self.shard_label))
+                .map(String::as_str)
+                .filter(|shard| !shard.is_empty()),
+            draining: labels.is_some_and(|labels| labels.contains_key(&self.drain_label)),
+            main: resource.is_main(),
+        };
+        Placement {
+            decision: decide(object, desired, |shard| self.ring.contains(shard)),
+            key,
+            desired,
+            object,
+        }
+    }
+}
+
+/// One object's standing in a ring, from [`RingView::placement`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Placement<'a> {
+    /// Its hash key, or why it has none.
+    pub(crate) key: Result<KeyOutcome, KeyError>,
+    /// The shard the ring wants it on now: `None` without a key or without available shards.
+    pub(crate) desired: Option<&'a str>,
+    /// Its shard label (non-empty values only), drain label and role.
+    pub(crate) object: ObjectState<'a>,
+    /// What the sharder's sync does with it.
+    pub(crate) decision: RebalanceDecision,
 }
 
 /// Builds a view from a ring, its available shards with their weights, discovery results and the

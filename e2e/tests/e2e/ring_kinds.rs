@@ -1,16 +1,18 @@
 //! Beyond ClusterRing (SPEC §15–§17): ControllerRings beside ClusterRings, hashing by namespace,
 //! weighted shards, and the ControllerRing protocol driven from outside the project's code.
 //!
-//! Assignments are checked against [`IndependentRing`], a hash ring written here from the
-//! protocol's description (XXH64 tokens, 100 per unit of weight), not the sharder's ring code.
+//! Assignments are checked against [`IndependentRing`], a hash ring written in the harness from
+//! the protocol's description (XXH64 tokens, 100 per unit of weight), not the sharder's ring code.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 
 use anyhow::{Context, ensure};
+use e2e::IndependentRing;
 use e2e::cluster;
 use e2e::fixtures::{
-    WAIT, create_lease_of, create_ring_of, lease_warnings, ring_spec, secret, wait_status_of,
+    WAIT, create_lease_of, create_ring_of, create_secrets, lease_warnings, ring_spec, secret,
+    wait_status_of,
 };
 use e2e::process::poll_until;
 use e2e::sharder::shared;
@@ -22,46 +24,12 @@ use kube::api::{Api, ListParams, ObjectMeta, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::json;
 use sharding_crds::{ControllerRing, HashKey, RingKind, RingRef};
-use xxhash_rust::xxh64::xxh64;
 
 /// The ControllerRing label keys and Lease label, spelled out from SPEC §15.
 const CONTROLLER_RING_LEASE_LABEL: &str = "alpha.sharding.timebertt.dev/controllerring";
 const SHARD_PREFIX: &str = "shard.alpha.sharding.timebertt.dev/";
 const DRAIN_PREFIX: &str = "drain.alpha.sharding.timebertt.dev/";
 const WEIGHT_ANNOTATION: &str = "alpha.sharding.timebertt.dev/weight";
-
-/// A consistent-hash ring computed from the protocol's description only.
-struct IndependentRing {
-    tokens: Vec<(u64, String)>,
-}
-
-impl IndependentRing {
-    fn new<'a>(shards: impl IntoIterator<Item = (&'a str, u32)>) -> Self {
-        let mut tokens = Vec::new();
-        for (name, weight) in shards {
-            for i in 0..100 * weight {
-                tokens.push((xxh64(format!("{name}{i}").as_bytes(), 0), name.to_string()));
-            }
-        }
-        tokens.sort();
-        Self { tokens }
-    }
-
-    fn unweighted<'a>(shards: impl IntoIterator<Item = &'a str>) -> Self {
-        Self::new(shards.into_iter().map(|s| (s, 1)))
-    }
-
-    fn shard_for(&self, key: &str) -> &str {
-        let hash = xxh64(key.as_bytes(), 0);
-        let token = self
-            .tokens
-            .iter()
-            .find(|(t, _)| *t >= hash)
-            .or(self.tokens.first())
-            .expect("a ring with shards");
-        &token.1
-    }
-}
 
 /// Shard label value of every Secret in `namespace`, by name, for the label key `key`.
 async fn secret_labels(
@@ -76,14 +44,6 @@ async fn secret_labels(
         .iter()
         .map(|s| (s.name_any(), s.labels().get(key).cloned()))
         .collect())
-}
-
-async fn create_secrets(client: &Client, namespace: &str, names: &[String]) -> anyhow::Result<()> {
-    let api = Api::<Secret>::namespaced(client.clone(), namespace);
-    for name in names {
-        api.create(&PostParams::default(), &secret(name)).await?;
-    }
-    Ok(())
 }
 
 /// A ClusterRing and a ControllerRing of the same name over the same Secrets: each assigns with

@@ -1,0 +1,397 @@
+//! Reading the cluster: the client from kubectl's flags, and every read the commands make, each
+//! with the permission it needs named in its error.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::Namespace;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
+use kube::api::{Api, DynamicObject, ListParams, ObjectMeta};
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::core::{ApiResource, GroupVersionKind};
+use kube::{Client, Config};
+use serde::Serialize;
+use sharding_crds::labels::GROUP;
+use sharding_crds::selector::selector_matches;
+use sharding_crds::{ClusterRing, ControllerRing, GroupResource, RingKind, RingObject, RingRef};
+
+use super::{ConnectionArgs, Error};
+use crate::context::AnyRing;
+use crate::controller::sharder::PAGE_SIZE;
+use crate::core::membership::available_shards;
+use crate::ring_views::{ResourceInfo, RingView, build_view};
+
+/// A client and the namespace of the kubeconfig context.
+pub(crate) struct Connection {
+    /// The API client.
+    pub(crate) client: Client,
+    /// The context's namespace, `default` without one.
+    pub(crate) default_namespace: String,
+}
+
+/// Builds the client as kubectl would: `--kubeconfig`, else `KUBECONFIG` or `~/.kube/config`,
+/// else (without `--context`) the in-cluster service account; `--as`/`--as-group` impersonate.
+pub(crate) async fn connect(args: &ConnectionArgs) -> Result<Connection, Error> {
+    let options = KubeConfigOptions {
+        context: args.context.clone(),
+        ..KubeConfigOptions::default()
+    };
+    let failed = |e: &dyn std::fmt::Display| Error::Kubeconfig(e.to_string());
+    let mut config = match &args.kubeconfig {
+        Some(path) => {
+            let kubeconfig = Kubeconfig::read_from(path)
+                .map_err(|e| Error::Kubeconfig(format!("{}: {e}", path.display())))?;
+            Config::from_custom_kubeconfig(kubeconfig, &options)
+                .await
+                .map_err(|e| failed(&e))?
+        }
+        None if args.context.is_some() => Config::from_kubeconfig(&options)
+            .await
+            .map_err(|e| failed(&e))?,
+        None => Config::infer().await.map_err(|e| failed(&e))?,
+    };
+    if let Some(user) = &args.impersonate {
+        config.auth_info.impersonate = Some(user.clone());
+    }
+    if !args.impersonate_groups.is_empty() {
+        config.auth_info.impersonate_groups = Some(args.impersonate_groups.clone());
+    }
+    let default_namespace = config.default_namespace.clone();
+    let client = Client::try_from(config).map_err(|e| failed(&e))?;
+    Ok(Connection {
+        client,
+        default_namespace,
+    })
+}
+
+/// Turns an API error of the request doing `action` (`list secrets in all namespaces`) into the
+/// CLI's error; a 403 names the missing permission.
+pub(crate) fn api_error(action: impl Into<String>) -> impl FnOnce(kube::Error) -> Error {
+    let action = action.into();
+    move |source| match source {
+        kube::Error::Api(status) if status.code == 403 => Error::Forbidden {
+            action,
+            message: status.message,
+        },
+        source => Error::Api { action, source },
+    }
+}
+
+/// Whether `error` is the API server's 404.
+fn is_not_found(error: &Error) -> bool {
+    matches!(error, Error::Api { source: kube::Error::Api(status), .. } if status.code == 404)
+}
+
+/// `in all namespaces` or `in namespace <ns>`, for error messages.
+fn scope_words(namespace: Option<&str>) -> String {
+    namespace.map_or_else(
+        || "in all namespaces".to_string(),
+        |ns| format!("in namespace {ns}"),
+    )
+}
+
+/// The rings of `kinds`, only those named `name` if given, sorted by kind and name. A kind
+/// whose CRD is not installed has no rings.
+pub(crate) async fn rings(
+    client: &Client,
+    kinds: &[RingKind],
+    name: Option<&str>,
+) -> Result<Vec<AnyRing>, Error> {
+    let mut rings = Vec::new();
+    for kind in kinds {
+        match kind {
+            RingKind::ClusterRing => rings.extend(
+                rings_of::<ClusterRing>(client, name)
+                    .await?
+                    .into_iter()
+                    .map(|r| AnyRing::Cluster(Arc::new(r))),
+            ),
+            RingKind::ControllerRing => rings.extend(
+                rings_of::<ControllerRing>(client, name)
+                    .await?
+                    .into_iter()
+                    .map(|r| AnyRing::Controller(Arc::new(r))),
+            ),
+        }
+    }
+    rings.sort_by_key(AnyRing::ring_ref);
+    Ok(rings)
+}
+
+async fn rings_of<R: RingObject>(client: &Client, name: Option<&str>) -> Result<Vec<R>, Error> {
+    let api = Api::<R>::all(client.clone());
+    let plural = format!("{}.{GROUP}", R::KIND.plural());
+    let found = match name {
+        Some(name) => api
+            .get_opt(name)
+            .await
+            .map(|ring| ring.into_iter().collect())
+            .map_err(api_error(format!("get {plural}"))),
+        None => api
+            .list(&ListParams::default())
+            .await
+            .map(|list| list.items)
+            .map_err(api_error(format!("list {plural}"))),
+    };
+    match found {
+        Err(error) if is_not_found(&error) => Ok(Vec::new()),
+        found => found,
+    }
+}
+
+/// The Leases carrying the ring label of `kind` (for ring `ring` only, if given), in every
+/// namespace.
+pub(crate) async fn leases(
+    client: &Client,
+    kind: RingKind,
+    ring: Option<&str>,
+) -> Result<Vec<Lease>, Error> {
+    let selector = match ring {
+        Some(ring) => format!("{}={ring}", kind.lease_label()),
+        None => kind.lease_label().to_string(),
+    };
+    Api::<Lease>::all(client.clone())
+        .list(&ListParams::default().labels(&selector))
+        .await
+        .map(|list| list.items)
+        .map_err(api_error(
+            "list leases.coordination.k8s.io in all namespaces",
+        ))
+}
+
+/// Labels of namespaces by name: of every namespace, or of `only`.
+pub(crate) type NamespaceLabels = BTreeMap<String, BTreeMap<String, String>>;
+
+/// The labels of every namespace, or only of namespace `only` (absent when it does not exist).
+pub(crate) async fn namespaces(
+    client: &Client,
+    only: Option<&str>,
+) -> Result<NamespaceLabels, Error> {
+    let api = Api::<Namespace>::all(client.clone());
+    let items = match only {
+        Some(name) => api
+            .get_metadata_opt(name)
+            .await
+            .map_err(api_error("get namespaces"))?
+            .into_iter()
+            .collect(),
+        None => {
+            api.list_metadata(&ListParams::default())
+                .await
+                .map_err(api_error("list namespaces"))?
+                .items
+        }
+    };
+    Ok(items
+        .into_iter()
+        .filter_map(|ns| Some((ns.metadata.name?, ns.metadata.labels.unwrap_or_default())))
+        .collect())
+}
+
+/// Where the namespace selector a ring's objects are filtered by comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub(crate) enum SelectorSource {
+    /// The ring's own `spec.namespaceSelector`.
+    Ring,
+    /// The sharder's configured default, as it wrote it into the ring's webhook configuration.
+    WebhookConfiguration,
+    /// The sharder's built-in default: the ring's webhook configuration could not be read.
+    SharderDefault,
+}
+
+impl SelectorSource {
+    /// Words for tables.
+    pub(crate) fn describe(self) -> &'static str {
+        match self {
+            Self::Ring => "the ring's namespaceSelector",
+            Self::WebhookConfiguration => "the sharder's default namespace selector",
+            Self::SharderDefault => {
+                "the sharder's built-in default namespace selector (the ring's webhook configuration could not be read)"
+            }
+        }
+    }
+}
+
+/// The namespace selector the sharder applies to `ring`: the ring's own; else the configured
+/// default, which the sharder wrote into the ring's webhook configuration; else, when that cannot
+/// be read, the sharder's built-in default.
+pub(crate) async fn namespace_selector(
+    client: &Client,
+    ring: &AnyRing,
+) -> (LabelSelector, SelectorSource) {
+    if let Some(selector) = &ring.spec().namespace_selector {
+        return (selector.clone(), SelectorSource::Ring);
+    }
+    let RingRef { kind, name } = ring.ring_ref();
+    let written = Api::<MutatingWebhookConfiguration>::all(client.clone())
+        .get_opt(&kind.webhook_configuration_name(&name))
+        .await
+        .ok()
+        .flatten()
+        .and_then(|config| config.webhooks?.into_iter().next()?.namespace_selector);
+    match written {
+        Some(selector) => (selector, SelectorSource::WebhookConfiguration),
+        None => (
+            sharding_crds::config::default_namespace_selector(),
+            SelectorSource::SharderDefault,
+        ),
+    }
+}
+
+/// The dynamic API resource of `gr`, resolved to `info`.
+pub(crate) fn api_resource(gr: &GroupResource, info: &ResourceInfo) -> ApiResource {
+    ApiResource::from_gvk_with_plural(
+        &GroupVersionKind::gvk(&gr.group, &info.version, &info.kind),
+        &gr.resource,
+    )
+}
+
+/// Lists the objects of `gr` metadata-only, in pages of the sharder's size, and hands each to
+/// `observe`. With `namespace`, only that namespace's objects (a cluster-scoped resource has
+/// none there).
+pub(crate) async fn for_each_object(
+    client: &Client,
+    gr: &GroupResource,
+    info: &ResourceInfo,
+    namespace: Option<&str>,
+    mut observe: impl FnMut(&ObjectMeta),
+) -> Result<(), Error> {
+    let ar = api_resource(gr, info);
+    let api: Api<DynamicObject> = match namespace {
+        Some(_) if !info.namespaced => return Ok(()),
+        Some(ns) => Api::namespaced_with(client.clone(), ns, &ar),
+        None => Api::all_with(client.clone(), &ar),
+    };
+    let mut params = ListParams::default().limit(PAGE_SIZE);
+    loop {
+        let page = api
+            .list_metadata(&params)
+            .await
+            .map_err(api_error(format!("list {gr} {}", scope_words(namespace))))?;
+        for object in &page.items {
+            observe(&object.metadata);
+        }
+        match page.metadata.continue_.filter(|token| !token.is_empty()) {
+            Some(token) => params.continue_token = Some(token),
+            None => return Ok(()),
+        }
+    }
+}
+
+/// The metadata of object `name` of `gr` (in `namespace` when namespaced), `None` when absent.
+pub(crate) async fn object(
+    client: &Client,
+    gr: &GroupResource,
+    info: &ResourceInfo,
+    namespace: &str,
+    name: &str,
+) -> Result<Option<ObjectMeta>, Error> {
+    let ar = api_resource(gr, info);
+    let (api, scope): (Api<DynamicObject>, _) = if info.namespaced {
+        (
+            Api::namespaced_with(client.clone(), namespace, &ar),
+            format!(" in namespace {namespace}"),
+        )
+    } else {
+        (Api::all_with(client.clone(), &ar), String::new())
+    };
+    Ok(api
+        .get_metadata_opt(name)
+        .await
+        .map_err(api_error(format!("get {gr}{scope}")))?
+        .map(|object| object.metadata))
+}
+
+/// A ring with what the commands need beside it: its Leases, its view as the sharder builds it,
+/// and where its namespace selector comes from.
+pub(crate) struct LoadedRing {
+    /// The ring.
+    pub(crate) ring: AnyRing,
+    /// The Leases carrying its ring label.
+    pub(crate) leases: Vec<Lease>,
+    /// Its view: resources, hash ring of the available shards, label keys, namespace selector.
+    pub(crate) view: RingView,
+    /// Where the view's namespace selector comes from.
+    pub(crate) selector_source: SelectorSource,
+    /// Why the sharder does not act on the ring, if it does not.
+    pub(crate) invalid: Option<String>,
+}
+
+/// Loads the Leases of every ring and builds its view from them and the served resources
+/// `infos`, exactly as the sharder does.
+pub(crate) async fn load_rings(
+    client: &Client,
+    rings: Vec<AnyRing>,
+    infos: &HashMap<GroupResource, ResourceInfo>,
+) -> Result<Vec<LoadedRing>, Error> {
+    let mut loaded = Vec::with_capacity(rings.len());
+    for ring in rings {
+        let RingRef { kind, name } = ring.ring_ref();
+        let leases = leases(client, kind, Some(&name)).await?;
+        let shards = available_shards(kind, &name, &leases);
+        let (selector, selector_source) = namespace_selector(client, &ring).await;
+        let view = match &ring {
+            AnyRing::Cluster(r) => build_view(r.as_ref(), &shards, infos, &selector),
+            AnyRing::Controller(r) => build_view(r.as_ref(), &shards, infos, &selector),
+        };
+        loaded.push(LoadedRing {
+            invalid: ring.validate().err(),
+            ring,
+            leases,
+            view,
+            selector_source,
+        });
+    }
+    Ok(loaded)
+}
+
+/// Whether an object in `namespace` (`None` for cluster-scoped objects) belongs to the ring of
+/// `view`, by the sharder's rule: cluster-scoped objects always, namespaced ones when their
+/// namespace exists and the ring's selector matches its labels.
+pub(crate) fn covers(
+    view: &RingView,
+    namespace: Option<&str>,
+    namespaces: &NamespaceLabels,
+) -> bool {
+    match namespace.filter(|ns| !ns.is_empty()) {
+        None => true,
+        Some(ns) => namespaces
+            .get(ns)
+            .is_some_and(|labels| selector_matches(&view.namespace_selector, labels)),
+    }
+}
+
+/// Lists the objects of every resource of the rings once (only in `namespace`, if given) and hands
+/// each object to `observe` for every ring covering it, with the ring's index and the resource.
+pub(crate) async fn walk_objects(
+    client: &Client,
+    rings: &[LoadedRing],
+    namespace: Option<&str>,
+    namespaces: &NamespaceLabels,
+    mut observe: impl FnMut(usize, &GroupResource, &ObjectMeta),
+) -> Result<(), Error> {
+    let mut resources: BTreeMap<(String, String), (GroupResource, ResourceInfo)> = BTreeMap::new();
+    for ring in rings {
+        for (gr, resource) in &ring.view.resources {
+            resources
+                .entry((gr.group.clone(), gr.resource.clone()))
+                .or_insert_with(|| (gr.clone(), resource.info.clone()));
+        }
+    }
+    for (gr, info) in resources.values() {
+        for_each_object(client, gr, info, namespace, |meta| {
+            for (index, ring) in rings.iter().enumerate() {
+                if ring.view.resources.contains_key(gr)
+                    && covers(&ring.view, meta.namespace.as_deref(), namespaces)
+                {
+                    observe(index, gr, meta);
+                }
+            }
+        })
+        .await?;
+    }
+    Ok(())
+}

@@ -1,0 +1,666 @@
+//! `kubectl sharding explain RESOURCE NAME`: one object in every ring covering its resource: its
+//! hash key, the shard the ring wants now, the labels it carries, and in plain words why it is
+//! (not) where the ring wants it.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::jiff::Timestamp;
+use kube::ResourceExt;
+use kube::api::ObjectMeta;
+use serde::Serialize;
+use sharding_crds::lease::{ShardLease, ShardState};
+use sharding_crds::{GroupResource, HashKey, RingKind, RingRef};
+
+use super::Error;
+use super::cluster::{self, Connection, LoadedRing, covers};
+use super::output::{Table, or_dash};
+use super::resources::Catalog;
+use super::status::hash_key_name;
+use crate::core::key::{ControllerKind, KeyError, KeyOutcome, ResourceRole, Unassigned};
+use crate::core::membership::ring_members;
+use crate::ring_views::{Placement, ResolvedResource};
+
+/// What `explain` prints.
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub(crate) struct ExplainReport {
+    /// The object's resource, e.g. `secrets` or `deployments.apps`.
+    pub(crate) resource: String,
+    /// The object's kind.
+    pub(crate) kind: String,
+    /// The object's name.
+    pub(crate) name: String,
+    /// The object's namespace; `None` for cluster-scoped objects.
+    pub(crate) namespace: Option<String>,
+    /// Every ring covering the resource, by kind and name.
+    pub(crate) rings: Vec<RingExplanation>,
+}
+
+/// The object in one ring.
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub(crate) struct RingExplanation {
+    /// `ClusterRing` or `ControllerRing`.
+    pub(crate) ring_kind: &'static str,
+    /// The ring's name.
+    pub(crate) ring: String,
+    /// `main` or `controlled`: the resource's role in the ring.
+    pub(crate) role: &'static str,
+    /// The ring's `hashKey`.
+    pub(crate) hash_key: &'static str,
+    /// The object's hash key, when it has one.
+    pub(crate) key: Option<String>,
+    /// The shard the ring wants the object on now.
+    pub(crate) desired_shard: Option<String>,
+    /// The ring's shard label key and the object's value of it.
+    pub(crate) shard_label: Label,
+    /// The ring's drain label key and the object's value of it.
+    pub(crate) drain_label: Label,
+    /// The situation, for scripts.
+    pub(crate) verdict: Verdict,
+    /// The situation in plain words.
+    pub(crate) reason: String,
+    /// What else helps to understand it.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub(crate) notes: Vec<String>,
+}
+
+/// A label key and its value on the object.
+#[derive(Debug, Serialize)]
+pub(crate) struct Label {
+    /// The key.
+    pub(crate) key: String,
+    /// The value; `None` when the object lacks the label.
+    pub(crate) value: Option<String>,
+}
+
+/// Where an object stands in one ring.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub(crate) enum Verdict {
+    /// On the shard the ring wants.
+    InPlace,
+    /// The sharder does not act on the ring (it is invalid).
+    RingInvalid,
+    /// The object's namespace is not selected by the ring.
+    NamespaceNotSelected,
+    /// A main object without a name cannot be hashed.
+    NoName,
+    /// A controlled object without a controller reference.
+    NoController,
+    /// A controlled object whose controller the ring does not list for its resource.
+    ForeignController,
+    /// The drain label asks the current shard to let go; the shard has to acknowledge.
+    Draining,
+    /// Not on the shard the ring wants; the sharder (or its webhook) moves it next.
+    WaitingForSharder,
+    /// The ring has no available shard.
+    NoAvailableShard,
+}
+
+/// The object `meta` of resource `gr` in `ring` at `now`; `selected` tells whether the ring
+/// covers the object's namespace.
+pub(crate) fn explain_ring(
+    ring: &LoadedRing,
+    gr: &GroupResource,
+    meta: &ObjectMeta,
+    selected: bool,
+    now: Timestamp,
+) -> Option<RingExplanation> {
+    let view = &ring.view;
+    let resource = view.resources.get(gr)?;
+    let placement = view.placement(&gr.group, resource, meta);
+    let RingRef { kind, name } = ring.ring.ring_ref();
+    let states: BTreeMap<String, (ShardState, bool)> = ring_members(kind, &name, &ring.leases)
+        .iter()
+        .map(|m| {
+            let state = ShardLease::from_lease(m.lease).state(now);
+            (m.lease.name_any(), (state, m.is_available()))
+        })
+        .collect();
+    let (verdict, reason) = if let Some(invalid) = &ring.invalid {
+        (
+            Verdict::RingInvalid,
+            format!("the sharder does not act on this ring: {invalid}"),
+        )
+    } else if !selected {
+        not_selected(ring, meta, &placement)
+    } else {
+        judge(&placement, resource, &states)
+    };
+    // A ring the sharder does not act on here wants the object nowhere.
+    let acted_on = !matches!(
+        verdict,
+        Verdict::RingInvalid | Verdict::NamespaceNotSelected
+    );
+    let labels = meta.labels.clone().unwrap_or_default();
+    Some(RingExplanation {
+        ring_kind: kind.kind(),
+        ring: name,
+        role: if resource.is_main() {
+            "main"
+        } else {
+            "controlled"
+        },
+        hash_key: hash_key_name(view.hash_key),
+        key: match &placement.key {
+            Ok(KeyOutcome::Key(key)) if acted_on => Some(key.clone()),
+            _ => None,
+        },
+        desired_shard: placement.desired.filter(|_| acted_on).map(str::to_string),
+        shard_label: Label {
+            value: labels.get(&view.shard_label).cloned(),
+            key: view.shard_label.clone(),
+        },
+        drain_label: Label {
+            value: labels.get(&view.drain_label).cloned(),
+            key: view.drain_label.clone(),
+        },
+        notes: if acted_on {
+            notes(view.hash_key, resource, meta, &placement)
+        } else {
+            Vec::new()
+        },
+        verdict,
+        reason,
+    })
+}
+
+fn not_selected(
+    ring: &LoadedRing,
+    meta: &ObjectMeta,
+    placement: &Placement<'_>,
+) -> (Verdict, String) {
+    let namespace = meta.namespace.as_deref().unwrap_or_default();
+    let mut reason = format!(
+        "namespace {namespace} is not selected by {}, so neither the sharder nor its webhook touches the object",
+        ring.selector_source.describe()
+    );
+    if let Some(current) = placement.object.current {
+        reason.push_str(&format!(
+            "; its shard label ({current}) stays as it is (the sharder never removes labels when a selector changes)"
+        ));
+    }
+    (Verdict::NamespaceNotSelected, reason)
+}
+
+/// The verdict for an object the ring covers.
+fn judge(
+    placement: &Placement<'_>,
+    resource: &ResolvedResource,
+    states: &BTreeMap<String, (ShardState, bool)>,
+) -> (Verdict, String) {
+    match &placement.key {
+        Err(KeyError::GenerateNameNotSupported) => {
+            return (
+                Verdict::NoName,
+                "it has no name yet (only generateName): a main object is hashed by its name, so the webhook denies creating it; give it a name, or hash the ring by namespace (spec.hashKey: Namespace)".into(),
+            );
+        }
+        Ok(KeyOutcome::Unassigned(why)) => return unassigned(why, resource),
+        Ok(KeyOutcome::Key(_)) => {}
+    }
+    let current = placement.object.current;
+    let draining = placement.object.draining;
+    let Some(desired) = placement.desired else {
+        let mut reason = "the ring has no available shard, so nothing is assigned or moved until one becomes available".to_string();
+        if let Some(current) = current {
+            reason.push_str(&format!("; it stays labelled for {current}"));
+        }
+        return (Verdict::NoAvailableShard, reason);
+    };
+    let Some(current) = current else {
+        return (
+            Verdict::WaitingForSharder,
+            format!(
+                "it is not assigned yet; the ring wants it on {desired}. The webhook assigns objects when they are created or updated, and the sharder assigns those the webhook missed within seconds and on every sync; if it stays unassigned, check that the sharder runs and its webhook is reachable"
+            ),
+        );
+    };
+    let (state, available) = match states.get(current) {
+        Some((state, available)) => (Some(*state), *available),
+        None => (None, false),
+    };
+    if current == desired {
+        if draining {
+            return (
+                Verdict::Draining,
+                format!(
+                    "it is on {desired}, where the ring wants it, but carries the drain label: once {desired} acknowledges by removing both labels, the webhook assigns it to {desired} again"
+                ),
+            );
+        }
+        return (
+            Verdict::InPlace,
+            format!("it is on {desired}, the shard the ring wants"),
+        );
+    }
+    if !available {
+        let why = match state {
+            Some(state) => format!("is {state} and not available"),
+            None => "has no Lease".into(),
+        };
+        return (
+            Verdict::WaitingForSharder,
+            format!(
+                "its shard {current} {why}; the ring wants it on {desired}: the sharder moves it there on its next sync (it removes the labels and the webhook assigns {desired})"
+            ),
+        );
+    }
+    if !resource.is_main() {
+        return (
+            Verdict::WaitingForSharder,
+            format!(
+                "it follows its controller, which the ring wants on {desired}, but it is still on {current}: the sharder moves it on its next sync (controlled objects are moved, never drained)"
+            ),
+        );
+    }
+    if draining {
+        return (
+            Verdict::Draining,
+            format!(
+                "it is being drained: the ring wants it on {desired}, so the sharder asked {current} to let go; once {current} acknowledges by removing both labels, the webhook assigns it to {desired}. If the drain label stays, {current} does not acknowledge drains (stuck, or not running a shard library)"
+            ),
+        );
+    }
+    (
+        Verdict::WaitingForSharder,
+        format!(
+            "it is on {current}, but the ring wants it on {desired}: the sharder's next sync adds the drain label, so that {current} lets go before {desired} takes over"
+        ),
+    )
+}
+
+/// The verdict for a controlled object that belongs to no shard.
+fn unassigned(why: &Unassigned, resource: &ResolvedResource) -> (Verdict, String) {
+    let allowed = match &resource.role {
+        ResourceRole::Controlled { controllers } => controllers
+            .iter()
+            .map(controller_name)
+            .collect::<Vec<_>>()
+            .join(" or "),
+        ResourceRole::Main => String::new(),
+    };
+    match why {
+        Unassigned::NoController => (
+            Verdict::NoController,
+            format!(
+                "it has no owner reference with controller: true, so it belongs to no shard (in this ring it would follow a controlling {allowed}); the sharder leaves it alone"
+            ),
+        ),
+        Unassigned::IneligibleController { group, kind } => (
+            Verdict::ForeignController,
+            format!(
+                "its controller is a {}, which this ring does not list as controlling this resource (only {allowed}), so it belongs to no shard; the sharder leaves it alone",
+                controller_name(&ControllerKind::new(group, kind, true))
+            ),
+        ),
+        Unassigned::InvalidApiVersion { api_version } => (
+            Verdict::ForeignController,
+            format!(
+                "its controller reference has apiVersion {api_version:?}, which names no API group and version, so it belongs to no shard; the sharder leaves it alone"
+            ),
+        ),
+    }
+}
+
+/// `Kind` for the core group, `Kind.group` otherwise.
+fn controller_name(controller: &ControllerKind) -> String {
+    if controller.group.is_empty() {
+        controller.kind.clone()
+    } else {
+        format!("{}.{}", controller.kind, controller.group)
+    }
+}
+
+/// Facts that help reading the verdict: how the key came about, generateName, stale labels.
+fn notes(
+    hash_key: HashKey,
+    resource: &ResolvedResource,
+    meta: &ObjectMeta,
+    placement: &Placement<'_>,
+) -> Vec<String> {
+    let mut notes = Vec::new();
+    let namespace = meta.namespace.as_deref().filter(|ns| !ns.is_empty());
+    let by_namespace = hash_key == HashKey::Namespace && namespace.is_some();
+    if by_namespace {
+        notes.push(format!(
+            "the ring hashes by namespace: all of its objects in namespace {} land on one shard",
+            namespace.unwrap_or_default()
+        ));
+    } else if !resource.is_main() && matches!(placement.key, Ok(KeyOutcome::Key(_))) {
+        // A key for a controlled object means it has an eligible controller.
+        if let Some(owner) = meta
+            .owner_references
+            .iter()
+            .flatten()
+            .find(|o| o.controller == Some(true))
+        {
+            notes.push(format!(
+                "a controlled object is hashed by its controller, {} {}",
+                owner.kind, owner.name
+            ));
+        }
+    }
+    if let Some(prefix) = meta.generate_name.as_deref().filter(|p| !p.is_empty()) {
+        notes.push(if by_namespace {
+            format!("created with generateName {prefix:?}, which works here because the ring hashes by namespace")
+        } else if !resource.is_main() {
+            format!("created with generateName {prefix:?}, which works for controlled objects: they are hashed by their controller")
+        } else {
+            format!(
+                "created with generateName {prefix:?}: the webhook denies such creates for main objects of this ring, so this one got its name while the ring did not cover it (or its webhook was unreachable); it is hashed by that name"
+            )
+        });
+    }
+    if placement.object.draining && placement.object.current.is_none() {
+        notes.push(
+            "it carries a drain label without a shard label; the next assignment removes it".into(),
+        );
+    }
+    notes
+}
+
+/// Finds the object and explains it in every ring covering its resource.
+pub(crate) async fn run(
+    connection: &Connection,
+    resource: &str,
+    name: &str,
+    namespace: &str,
+) -> Result<ExplainReport, Error> {
+    let client = &connection.client;
+    let catalog = Catalog::discover(client).await?;
+    let entry = catalog.resolve(resource)?;
+    let gr = &entry.resource;
+    let meta = cluster::object(client, gr, &entry.info, namespace, name)
+        .await?
+        .ok_or_else(|| Error::ObjectNotFound {
+            resource: gr.to_string(),
+            name: name.to_string(),
+            namespace: entry.info.namespaced.then(|| namespace.to_string()),
+        })?;
+    let rings = cluster::rings(client, &RingKind::ALL, None)
+        .await?
+        .into_iter()
+        .filter(|ring| {
+            ring.spec().resources.iter().any(|entry| {
+                &entry.group_resource() == gr || entry.controlled_resources.contains(gr)
+            })
+        })
+        .collect();
+    let loaded = cluster::load_rings(client, rings, &catalog.infos()).await?;
+    let namespaces = match meta.namespace.as_deref() {
+        Some(ns) if !loaded.is_empty() => cluster::namespaces(client, Some(ns)).await?,
+        _ => cluster::NamespaceLabels::new(),
+    };
+    let now = Timestamp::now();
+    let rings = loaded
+        .iter()
+        .filter_map(|ring| {
+            let selected = covers(&ring.view, meta.namespace.as_deref(), &namespaces);
+            explain_ring(ring, gr, &meta, selected, now)
+        })
+        .collect();
+    Ok(ExplainReport {
+        resource: gr.to_string(),
+        kind: entry.info.kind.clone(),
+        name: name.to_string(),
+        namespace: meta.namespace.clone(),
+        rings,
+    })
+}
+
+/// The report as text: a headline, then one block per ring.
+pub(crate) fn table(report: &ExplainReport) -> String {
+    let mut text = format!("{} {}", report.kind, report.name);
+    if let Some(ns) = &report.namespace {
+        text.push_str(&format!(" in namespace {ns}"));
+    }
+    text.push_str(&format!(" ({})\n", report.resource));
+    if report.rings.is_empty() {
+        text.push_str(&format!(
+            "No ClusterRing or ControllerRing covers {}.\n",
+            report.resource
+        ));
+        return text;
+    }
+    for ring in &report.rings {
+        text.push_str(&format!(
+            "\n{} {} ({} resource, hashKey {})\n",
+            ring.ring_kind, ring.ring, ring.role, ring.hash_key
+        ));
+        if matches!(
+            ring.verdict,
+            Verdict::NamespaceNotSelected | Verdict::RingInvalid
+        ) {
+            // Keys and shards mean nothing where the sharder does not act.
+            let mut table = Table::new(["verdict:", &format!("{:?}", ring.verdict)]);
+            table.row(vec!["why:".into(), ring.reason.clone()]);
+            text.push_str(&table.render("  "));
+            continue;
+        }
+        let mut table = Table::new(["hash key:", &or_dash(ring.key.as_ref())]);
+        table.row(vec![
+            "ring wants:".into(),
+            or_dash(ring.desired_shard.as_ref()),
+        ]);
+        table.row(vec!["shard label:".into(), label(&ring.shard_label)]);
+        table.row(vec!["drain label:".into(), label(&ring.drain_label)]);
+        table.row(vec!["verdict:".into(), format!("{:?}", ring.verdict)]);
+        table.row(vec!["why:".into(), ring.reason.clone()]);
+        for note in &ring.notes {
+            table.row(vec!["note:".into(), note.clone()]);
+        }
+        text.push_str(&table.render("  "));
+    }
+    text
+}
+
+fn label(label: &Label) -> String {
+    match &label.value {
+        Some(value) => format!("{}={value}", label.key),
+        None => format!("{} (not set)", label.key),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::fixtures::{lease, loaded, names_on, now, object};
+    use super::*;
+
+    fn secrets() -> GroupResource {
+        GroupResource::new("", "secrets")
+    }
+
+    fn configmaps() -> GroupResource {
+        GroupResource::new("", "configmaps")
+    }
+
+    fn explain(ring: &LoadedRing, gr: &GroupResource, meta: &ObjectMeta) -> RingExplanation {
+        explain_ring(ring, gr, meta, true, now()).expect("a resource of the ring")
+    }
+
+    #[test]
+    fn in_place_draining_and_waiting_main_objects() {
+        let ring = loaded(vec![lease("a", "a", 1, None), lease("b", "b", 1, None)]);
+        let (shard, drain) = (ring.view.shard_label.clone(), ring.view.drain_label.clone());
+        let on_a = &names_on(&ring.view, "a", 1)[0];
+
+        let placed = explain(&ring, &secrets(), &object(on_a, &[(&shard, "a")], None));
+        assert_eq!(placed.verdict, Verdict::InPlace);
+        assert_eq!(
+            placed.key.as_deref(),
+            Some(format!("/Secret/ns/{on_a}").as_str())
+        );
+        assert_eq!(placed.desired_shard.as_deref(), Some("a"));
+        assert_eq!(placed.shard_label.value.as_deref(), Some("a"));
+        assert_eq!(placed.drain_label.value, None);
+        assert_eq!(placed.reason, "it is on a, the shard the ring wants");
+
+        let drained = explain(
+            &ring,
+            &secrets(),
+            &object(on_a, &[(&shard, "b"), (&drain, "true")], None),
+        );
+        assert_eq!(drained.verdict, Verdict::Draining);
+        assert!(
+            drained.reason.contains("asked b to let go"),
+            "{}",
+            drained.reason
+        );
+
+        let not_yet = explain(&ring, &secrets(), &object(on_a, &[(&shard, "b")], None));
+        assert_eq!(not_yet.verdict, Verdict::WaitingForSharder);
+        assert!(
+            not_yet.reason.contains("adds the drain label"),
+            "{}",
+            not_yet.reason
+        );
+
+        let unassigned = explain(&ring, &secrets(), &object(on_a, &[], None));
+        assert_eq!(unassigned.verdict, Verdict::WaitingForSharder);
+        assert!(unassigned.reason.contains("not assigned yet"));
+    }
+
+    #[test]
+    fn objects_on_unavailable_shards_are_moved() {
+        let ring = loaded(vec![lease("a", "a", 1, None), lease("dead", "", 1, None)]);
+        let shard = ring.view.shard_label.clone();
+        let on_dead = explain(&ring, &secrets(), &object("s", &[(&shard, "dead")], None));
+        assert_eq!(on_dead.verdict, Verdict::WaitingForSharder);
+        assert!(
+            on_dead
+                .reason
+                .contains("its shard dead is dead and not available"),
+            "{}",
+            on_dead.reason
+        );
+        let on_gone = explain(&ring, &secrets(), &object("s", &[(&shard, "gone")], None));
+        assert!(
+            on_gone.reason.contains("its shard gone has no Lease"),
+            "{}",
+            on_gone.reason
+        );
+    }
+
+    #[test]
+    fn controlled_objects_follow_their_controller() {
+        let ring = loaded(vec![lease("a", "a", 1, None), lease("b", "b", 1, None)]);
+        let shard = ring.view.shard_label.clone();
+        let on_a = &names_on(&ring.view, "a", 1)[0];
+        let child = explain(
+            &ring,
+            &configmaps(),
+            &object("child", &[(&shard, "b")], Some(on_a)),
+        );
+        assert_eq!(child.role, "controlled");
+        assert_eq!(
+            child.key.as_deref(),
+            Some(format!("/Secret/ns/{on_a}").as_str())
+        );
+        assert_eq!(child.verdict, Verdict::WaitingForSharder);
+        assert!(child.reason.contains("never drained"), "{}", child.reason);
+        assert_eq!(
+            child.notes,
+            [format!(
+                "a controlled object is hashed by its controller, Secret {on_a}"
+            )]
+        );
+
+        let orphan = explain(&ring, &configmaps(), &object("orphan", &[], None));
+        assert_eq!(orphan.verdict, Verdict::NoController);
+        assert!(
+            orphan.reason.contains("follow a controlling Secret"),
+            "{}",
+            orphan.reason
+        );
+
+        let mut foreign = object("foreign", &[], Some("d"));
+        if let Some(owner) = foreign
+            .owner_references
+            .as_mut()
+            .and_then(|o| o.first_mut())
+        {
+            owner.api_version = "apps/v1".into();
+            owner.kind = "Deployment".into();
+        }
+        let foreign = explain(&ring, &configmaps(), &foreign);
+        assert_eq!(foreign.verdict, Verdict::ForeignController);
+        assert!(
+            foreign.reason.contains("Deployment.apps"),
+            "{}",
+            foreign.reason
+        );
+    }
+
+    #[test]
+    fn no_name_no_shard_and_unselected_namespaces() {
+        let ring = loaded(vec![lease("a", "a", 1, None)]);
+        let mut unnamed = object("x", &[], None);
+        unnamed.name = None;
+        unnamed.generate_name = Some("gen-".into());
+        let unnamed = explain(&ring, &secrets(), &unnamed);
+        assert_eq!(unnamed.verdict, Verdict::NoName);
+        assert!(
+            unnamed.notes[0].contains("webhook denies such creates"),
+            "{:?}",
+            unnamed.notes
+        );
+
+        let empty = loaded(vec![lease("dead", "", 1, None)]);
+        let none = explain(&empty, &secrets(), &object("s", &[], None));
+        assert_eq!(none.verdict, Verdict::NoAvailableShard);
+
+        let outside = explain_ring(&ring, &secrets(), &object("s", &[], None), false, now())
+            .expect("a resource of the ring");
+        assert_eq!(outside.verdict, Verdict::NamespaceNotSelected);
+        assert_eq!((outside.key, outside.desired_shard), (None, None));
+        assert!(
+            outside.reason.contains("namespace ns is not selected"),
+            "{}",
+            outside.reason
+        );
+
+        let mut invalid = loaded(vec![lease("a", "a", 1, None)]);
+        invalid.invalid = Some("resource listed twice".into());
+        let invalid = explain(&invalid, &secrets(), &object("s", &[], None));
+        assert_eq!(invalid.verdict, Verdict::RingInvalid);
+
+        // A resource outside the ring has no explanation in it.
+        assert!(
+            explain_ring(
+                &ring,
+                &GroupResource::new("apps", "deployments"),
+                &object("d", &[], None),
+                true,
+                now()
+            )
+            .is_none()
+        );
+    }
+
+    #[test]
+    fn table_shows_labels_and_reason() {
+        let ring = loaded(vec![lease("a", "a", 1, None)]);
+        let shard = ring.view.shard_label.clone();
+        let explanation = explain(&ring, &secrets(), &object("s", &[(&shard, "a")], None));
+        let report = ExplainReport {
+            resource: "secrets".into(),
+            kind: "Secret".into(),
+            name: "s".into(),
+            namespace: Some("ns".into()),
+            rings: vec![explanation],
+        };
+        let expected = "\
+Secret s in namespace ns (secrets)
+
+ClusterRing r (main resource, hashKey Object)
+  hash key:      /Secret/ns/s
+  ring wants:    a
+  shard label:   shard.alpha.sharding.timebertt.dev/clusterring-454349e4-r=a
+  drain label:   drain.alpha.sharding.timebertt.dev/clusterring-454349e4-r (not set)
+  verdict:       InPlace
+  why:           it is on a, the shard the ring wants
+";
+        assert_eq!(table(&report), expected);
+    }
+}

@@ -1,0 +1,121 @@
+//! Rings, Leases and objects the CLI's unit tests share.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, MicroTime, OwnerReference};
+use k8s_openapi::jiff::Timestamp;
+use kube::api::ObjectMeta;
+use sharding_crds::labels::ANNOTATION_WEIGHT;
+use sharding_crds::{ClusterRing, ClusterRingSpec, GroupResource, RingKind, RingResource};
+
+use super::cluster::{LoadedRing, SelectorSource};
+use crate::context::AnyRing;
+use crate::core::membership::available_shards;
+use crate::ring_views::{ResourceInfo, RingView, build_view};
+
+/// The tests' "now".
+pub(crate) fn now() -> Timestamp {
+    "2025-01-10T12:00:00Z".parse().expect("timestamp")
+}
+
+/// A Lease of ClusterRing `r` named `name`, held by `holder`, renewed `renewed_ago` seconds
+/// before [`now`], optionally with a weight annotation.
+pub(crate) fn lease(name: &str, holder: &str, renewed_ago: i64, weight: Option<&str>) -> Lease {
+    let renewed = MicroTime(now() - k8s_openapi::jiff::SignedDuration::from_secs(renewed_ago));
+    Lease {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            namespace: Some("shards".into()),
+            labels: Some(
+                [(
+                    RingKind::ClusterRing.lease_label().to_string(),
+                    "r".to_string(),
+                )]
+                .into(),
+            ),
+            annotations: weight.map(|w| [(ANNOTATION_WEIGHT.to_string(), w.to_string())].into()),
+            ..ObjectMeta::default()
+        },
+        spec: Some(LeaseSpec {
+            holder_identity: Some(holder.into()),
+            lease_duration_seconds: Some(15),
+            acquire_time: Some(renewed.clone()),
+            renew_time: Some(renewed),
+            ..LeaseSpec::default()
+        }),
+    }
+}
+
+/// Ring `r` over Secrets controlling ConfigMaps, with these Leases.
+pub(crate) fn loaded(leases: Vec<Lease>) -> LoadedRing {
+    let ring = ClusterRing::new(
+        "r",
+        ClusterRingSpec {
+            resources: vec![RingResource {
+                group: String::new(),
+                resource: "secrets".into(),
+                controlled_resources: vec![GroupResource::new("", "configmaps")],
+            }],
+            ..ClusterRingSpec::default()
+        },
+    );
+    let infos = HashMap::from([
+        (GroupResource::new("", "secrets"), info("Secret")),
+        (GroupResource::new("", "configmaps"), info("ConfigMap")),
+    ]);
+    let shards = available_shards(RingKind::ClusterRing, "r", &leases);
+    let view = build_view(&ring, &shards, &infos, &LabelSelector::default());
+    LoadedRing {
+        ring: AnyRing::Cluster(Arc::new(ring)),
+        leases,
+        view,
+        selector_source: SelectorSource::Ring,
+        invalid: None,
+    }
+}
+
+/// A namespaced resource of kind `kind` at `v1`.
+fn info(kind: &str) -> ResourceInfo {
+    ResourceInfo {
+        kind: kind.into(),
+        version: "v1".into(),
+        namespaced: true,
+    }
+}
+
+/// The first `n` names `s-<i>` of Secrets in namespace `ns` the ring of `view` wants on
+/// `shard`, so expectations do not depend on particular hashes.
+pub(crate) fn names_on(view: &RingView, shard: &str, n: usize) -> Vec<String> {
+    (0..10_000)
+        .map(|i| format!("s-{i}"))
+        .filter(|name| view.ring.shard_for(&format!("/Secret/ns/{name}")) == Some(shard))
+        .take(n)
+        .collect()
+}
+
+/// Metadata of an object `name` in namespace `ns` with `labels`, controlled by Secret `owner`.
+pub(crate) fn object(name: &str, labels: &[(&str, &str)], owner: Option<&str>) -> ObjectMeta {
+    ObjectMeta {
+        name: Some(name.into()),
+        namespace: Some("ns".into()),
+        labels: Some(
+            labels
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        ),
+        owner_references: owner.map(|owner| {
+            vec![OwnerReference {
+                api_version: "v1".into(),
+                kind: "Secret".into(),
+                name: owner.into(),
+                uid: "uid".into(),
+                controller: Some(true),
+                block_owner_deletion: None,
+            }]
+        }),
+        ..ObjectMeta::default()
+    }
+}

@@ -1,0 +1,610 @@
+//! `kubectl sharding status [RING]`: every ring (or one) with its readiness, its shards with their
+//! Lease states and weights, where its objects are per shard and resource, which are being
+//! drained or wait for an assignment, and how evenly the available shards are loaded.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
+use k8s_openapi::jiff::Timestamp;
+use kube::ResourceExt;
+use kube::api::ObjectMeta;
+use serde::Serialize;
+use sharding_crds::lease::ShardLease;
+use sharding_crds::{GroupResource, HashKey, RingKind, RingRef};
+
+use super::cluster::{self, Connection, LoadedRing, SelectorSource};
+use super::output::{Table, age, imbalance, or_dash, ratio};
+use super::resources::Catalog;
+use super::{Error, ring_not_found};
+use crate::core::key::KeyOutcome;
+use crate::core::membership::ring_members;
+use crate::ring_views::RingView;
+
+/// What `status` prints.
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub(crate) struct StatusReport {
+    /// The namespace objects were counted in, when restricted with `-n`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) namespace: Option<String>,
+    /// Every ring asked for, by kind and name.
+    pub(crate) rings: Vec<RingStatus>,
+}
+
+/// One ring.
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub(crate) struct RingStatus {
+    /// `ClusterRing` or `ControllerRing`.
+    pub(crate) kind: &'static str,
+    /// The ring's name.
+    pub(crate) name: String,
+    /// Status of its `Ready` condition: `True`, `False` or `Unknown`.
+    pub(crate) ready: String,
+    /// Message of a `Ready` condition that is not `True`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) ready_message: Option<String>,
+    /// `status.shards`: Leases of the ring in any state.
+    pub(crate) shards: i32,
+    /// `status.availableShards`.
+    pub(crate) available_shards: i32,
+    /// What objects are hashed by.
+    pub(crate) hash_key: &'static str,
+    /// The namespaces the ring covers.
+    pub(crate) namespace_selector: LabelSelector,
+    /// Where that selector comes from.
+    pub(crate) namespace_selector_source: SelectorSource,
+    /// The ring's resources the API server serves, e.g. `secrets`, `deployments.apps`.
+    pub(crate) resources: Vec<String>,
+    /// The ring's resources the API server does not serve (yet).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub(crate) unresolved_resources: Vec<String>,
+    /// Why the sharder does not act on the ring, if it does not.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) invalid: Option<String>,
+    /// Every shard: each Lease of the ring, then shard names objects carry without a Lease.
+    pub(crate) members: Vec<ShardStatus>,
+    /// The ring's objects without a shard label.
+    pub(crate) unassigned: Unassigned,
+    /// Sums over the ring's objects.
+    pub(crate) totals: Totals,
+    /// `max / mean` of the objects per available shard.
+    pub(crate) imbalance: Option<f64>,
+}
+
+/// One shard of a ring.
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub(crate) struct ShardStatus {
+    /// Shard name.
+    pub(crate) name: String,
+    /// Namespace of its Lease; `None` when objects name a shard that has no Lease.
+    pub(crate) namespace: Option<String>,
+    /// Its state (SPEC §4) now; `None` without a Lease.
+    pub(crate) state: Option<&'static str>,
+    /// The Lease's holder.
+    pub(crate) holder: Option<String>,
+    /// The Lease's last renewal.
+    pub(crate) renew_time: Option<Timestamp>,
+    /// The weight it takes part with.
+    pub(crate) weight: u32,
+    /// What is wrong with its weight annotation, if anything.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) weight_error: Option<String>,
+    /// Whether it receives objects.
+    pub(crate) available: bool,
+    /// Why its Lease is kept out of the ring whatever its holder, if it is.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) excluded: Option<&'static str>,
+    /// Objects carrying its name in the shard label, per resource.
+    pub(crate) objects: BTreeMap<String, usize>,
+    /// Sum of `objects`.
+    pub(crate) total: usize,
+    /// Of those, objects carrying the drain label.
+    pub(crate) draining: usize,
+    /// Objects the ring wants on this shard now.
+    pub(crate) wanted: usize,
+}
+
+/// The ring's objects without a shard label.
+#[derive(Debug, Default, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub(crate) struct Unassigned {
+    /// Per resource.
+    pub(crate) objects: BTreeMap<String, usize>,
+    /// All of them.
+    pub(crate) total: usize,
+    /// Those the ring would assign: the webhook or the sharder has yet to.
+    pub(crate) waiting_for_sharder: usize,
+    /// Those the ring never assigns: controlled objects without an eligible controller.
+    pub(crate) not_sharded: usize,
+    /// Those with a key while the ring has no available shard.
+    pub(crate) no_available_shard: usize,
+}
+
+/// Sums over a ring's objects.
+#[derive(Debug, Default, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub(crate) struct Totals {
+    /// Objects of the ring's resources in the namespaces it covers.
+    pub(crate) objects: usize,
+    /// Objects with a shard label.
+    pub(crate) assigned: usize,
+    /// Objects with the drain label.
+    pub(crate) draining: usize,
+    /// Objects without a shard label.
+    pub(crate) unassigned: usize,
+    /// Assigned objects not on the shard the ring wants now (drains and moves to come).
+    pub(crate) misplaced: usize,
+}
+
+/// Counts of one ring's objects, fed one object at a time.
+#[derive(Debug, Default)]
+pub(crate) struct Tally {
+    /// Per shard label value, objects per resource.
+    assigned: BTreeMap<String, BTreeMap<String, usize>>,
+    /// Per shard label value, objects with the drain label.
+    draining: BTreeMap<String, usize>,
+    /// Per shard, objects the ring wants there.
+    wanted: BTreeMap<String, usize>,
+    unassigned: Unassigned,
+    misplaced: usize,
+    objects: usize,
+}
+
+impl Tally {
+    /// Counts one object of resource `gr` of the ring of `view`; the caller has checked that the
+    /// ring covers the object's namespace.
+    pub(crate) fn observe(&mut self, view: &RingView, gr: &GroupResource, meta: &ObjectMeta) {
+        let Some(resource) = view.resources.get(gr) else {
+            return;
+        };
+        let placement = view.placement(&gr.group, resource, meta);
+        self.objects += 1;
+        if let Some(desired) = placement.desired {
+            *self.wanted.entry(desired.to_string()).or_default() += 1;
+        }
+        let Some(current) = placement.object.current else {
+            let unassigned = &mut self.unassigned;
+            *unassigned.objects.entry(gr.to_string()).or_default() += 1;
+            unassigned.total += 1;
+            match (&placement.key, placement.desired) {
+                (Ok(KeyOutcome::Key(_)), Some(_)) => unassigned.waiting_for_sharder += 1,
+                (Ok(KeyOutcome::Key(_)), None) => unassigned.no_available_shard += 1,
+                _ => unassigned.not_sharded += 1,
+            }
+            return;
+        };
+        *self
+            .assigned
+            .entry(current.to_string())
+            .or_default()
+            .entry(gr.to_string())
+            .or_default() += 1;
+        if placement.object.draining {
+            *self.draining.entry(current.to_string()).or_default() += 1;
+        }
+        if placement.desired.is_some_and(|desired| desired != current) {
+            self.misplaced += 1;
+        }
+    }
+
+    /// The counts of objects labelled for `shard`: per resource, total, draining, wanted.
+    fn shard(&self, shard: &str) -> (BTreeMap<String, usize>, usize, usize, usize) {
+        let objects = self.assigned.get(shard).cloned().unwrap_or_default();
+        let total = objects.values().sum();
+        let draining = self.draining.get(shard).copied().unwrap_or(0);
+        let wanted = self.wanted.get(shard).copied().unwrap_or(0);
+        (objects, total, draining, wanted)
+    }
+}
+
+/// The status of `ring` at `now` from its Leases and the tally of its objects.
+pub(crate) fn ring_status(ring: &LoadedRing, tally: Tally, now: Timestamp) -> RingStatus {
+    let RingRef { kind, name } = ring.ring.ring_ref();
+    let view = &ring.view;
+    let mut members: Vec<ShardStatus> = ring_members(kind, &name, &ring.leases)
+        .into_iter()
+        .map(|member| {
+            let lease = ShardLease::from_lease(member.lease);
+            let shard = member.lease.name_any();
+            let (objects, total, draining, wanted) = tally.shard(&shard);
+            ShardStatus {
+                namespace: member.lease.namespace(),
+                state: Some(lease.state(now).as_str()),
+                holder: lease.holder_identity.map(str::to_string),
+                renew_time: lease.renew_time,
+                weight: member.weight,
+                weight_error: member.weight_error.clone(),
+                available: member.is_available(),
+                excluded: member.exclusion.as_ref().map(|e| e.reason()),
+                objects,
+                total,
+                draining,
+                wanted,
+                name: shard,
+            }
+        })
+        .collect();
+    // Objects may name shards whose Lease is gone; they are moved on the next sync.
+    for shard in tally.assigned.keys() {
+        if members.iter().any(|m| &m.name == shard) {
+            continue;
+        }
+        let (objects, total, draining, wanted) = tally.shard(shard);
+        members.push(ShardStatus {
+            name: shard.clone(),
+            namespace: None,
+            state: None,
+            holder: None,
+            renew_time: None,
+            weight: 0,
+            weight_error: None,
+            available: false,
+            excluded: None,
+            objects,
+            total,
+            draining,
+            wanted,
+        });
+    }
+    members.sort_by(|a, b| (&a.name, &a.namespace).cmp(&(&b.name, &b.namespace)));
+
+    let available: Vec<usize> = view
+        .ring
+        .members()
+        .map(|(shard, _)| tally.shard(shard).1)
+        .collect();
+    let status = ring.ring.status();
+    let condition = status.and_then(|s| {
+        s.conditions
+            .iter()
+            .find(|c| c.type_ == sharding_crds::cluster_ring::CONDITION_READY)
+    });
+    let ready = condition.map_or_else(|| "Unknown".to_string(), |c| c.status.clone());
+    let mut resources: Vec<(bool, String)> = view
+        .resources
+        .iter()
+        .map(|(gr, r)| (!r.is_main(), gr.to_string()))
+        .collect();
+    resources.sort();
+    RingStatus {
+        kind: kind.kind(),
+        name,
+        ready_message: condition
+            .filter(|c| c.status != "True")
+            .map(|c| c.message.clone()),
+        ready,
+        shards: status.map_or(0, |s| s.shards),
+        available_shards: status.map_or(0, |s| s.available_shards),
+        hash_key: hash_key_name(view.hash_key),
+        namespace_selector: view.namespace_selector.clone(),
+        namespace_selector_source: ring.selector_source,
+        resources: resources.into_iter().map(|(_, gr)| gr).collect(),
+        unresolved_resources: view.unresolved.iter().map(ToString::to_string).collect(),
+        invalid: ring.invalid.clone(),
+        members,
+        imbalance: imbalance(available),
+        totals: Totals {
+            objects: tally.objects,
+            assigned: tally.objects - tally.unassigned.total,
+            draining: tally.draining.values().sum(),
+            unassigned: tally.unassigned.total,
+            misplaced: tally.misplaced,
+        },
+        unassigned: tally.unassigned,
+    }
+}
+
+/// The name of a hash key setting, as written in the spec.
+pub(crate) fn hash_key_name(hash_key: HashKey) -> &'static str {
+    match hash_key {
+        HashKey::Object => "Object",
+        HashKey::Namespace => "Namespace",
+    }
+}
+
+/// Reads the rings and their objects and reports them.
+pub(crate) async fn run(
+    connection: &Connection,
+    name: Option<&str>,
+    kind: Option<RingKind>,
+    namespace: Option<&str>,
+) -> Result<StatusReport, Error> {
+    let client = &connection.client;
+    let kinds = kind.map_or_else(|| RingKind::ALL.to_vec(), |k| vec![k]);
+    let rings = cluster::rings(client, &kinds, name).await?;
+    if let (Some(name), true) = (name, rings.is_empty()) {
+        return Err(ring_not_found(name, kind));
+    }
+    let mut report = StatusReport {
+        namespace: namespace.map(str::to_string),
+        rings: Vec::new(),
+    };
+    if rings.is_empty() {
+        return Ok(report);
+    }
+    let catalog = Catalog::discover(client).await?;
+    let loaded = cluster::load_rings(client, rings, &catalog.infos()).await?;
+    let namespaces = cluster::namespaces(client, namespace).await?;
+    let mut tallies: Vec<Tally> = loaded.iter().map(|_| Tally::default()).collect();
+    cluster::walk_objects(
+        client,
+        &loaded,
+        namespace,
+        &namespaces,
+        |index, gr, meta| {
+            tallies[index].observe(&loaded[index].view, gr, meta);
+        },
+    )
+    .await?;
+    let now = Timestamp::now();
+    report.rings = loaded
+        .iter()
+        .zip(tallies)
+        .map(|(ring, tally)| ring_status(ring, tally, now))
+        .collect();
+    Ok(report)
+}
+
+/// The report as text: per ring a headline, a table of shards and a summary.
+pub(crate) fn table(report: &StatusReport) -> String {
+    table_at(report, Timestamp::now())
+}
+
+fn table_at(report: &StatusReport, now: Timestamp) -> String {
+    if report.rings.is_empty() {
+        return "No ClusterRings or ControllerRings found.\n".into();
+    }
+    let mut text = String::new();
+    if let Some(ns) = &report.namespace {
+        text.push_str(&format!("Counting objects in namespace {ns} only.\n\n"));
+    }
+    for (i, ring) in report.rings.iter().enumerate() {
+        if i > 0 {
+            text.push('\n');
+        }
+        text.push_str(&ring_table(ring, now));
+    }
+    text
+}
+
+fn ring_table(ring: &RingStatus, now: Timestamp) -> String {
+    let mut text = format!(
+        "{} {}: Ready={}, {} shards, {} available, hashKey {}\n",
+        ring.kind, ring.name, ring.ready, ring.shards, ring.available_shards, ring.hash_key
+    );
+    if let Some(message) = &ring.ready_message {
+        text.push_str(&format!("  not ready: {message}\n"));
+    }
+    if let Some(invalid) = &ring.invalid {
+        text.push_str(&format!(
+            "  the sharder does not act on this ring: {invalid}\n"
+        ));
+    }
+    if !ring.unresolved_resources.is_empty() {
+        text.push_str(&format!(
+            "  not served by the API server: {}\n",
+            ring.unresolved_resources.join(", ")
+        ));
+    }
+    let mut header: Vec<String> = ["SHARD", "NAMESPACE", "STATE", "HOLDER", "RENEWED", "WEIGHT"]
+        .map(String::from)
+        .into();
+    header.extend(ring.resources.iter().map(|r| r.to_uppercase()));
+    header.extend(["TOTAL", "DRAINING", "WANTED", "NOTE"].map(String::from));
+    let mut table = Table::new(header);
+    for shard in &ring.members {
+        let mut row = vec![
+            shard.name.clone(),
+            or_dash(shard.namespace.as_ref()),
+            shard.state.unwrap_or("no Lease").to_string(),
+            or_dash(shard.holder.as_ref().filter(|h| !h.is_empty())),
+            or_dash(shard.renew_time.map(|t| age(t, now))),
+            if shard.namespace.is_some() {
+                shard.weight.to_string()
+            } else {
+                "-".into()
+            },
+        ];
+        row.extend(
+            ring.resources
+                .iter()
+                .map(|r| shard.objects.get(r).copied().unwrap_or(0).to_string()),
+        );
+        row.extend([
+            shard.total.to_string(),
+            shard.draining.to_string(),
+            shard.wanted.to_string(),
+            shard_note(shard),
+        ]);
+        table.row(row);
+    }
+    let mut unassigned = vec![
+        "(unassigned)".to_string(),
+        String::new(),
+        String::new(),
+        String::new(),
+        String::new(),
+        String::new(),
+    ];
+    unassigned.extend(ring.resources.iter().map(|r| {
+        ring.unassigned
+            .objects
+            .get(r)
+            .copied()
+            .unwrap_or(0)
+            .to_string()
+    }));
+    unassigned.push(ring.unassigned.total.to_string());
+    table.row(unassigned);
+    text.push_str(&table.render("  "));
+    let t = &ring.totals;
+    let u = &ring.unassigned;
+    text.push_str(&format!(
+        "  {} objects: {} assigned ({} not where the ring wants them, {} draining), {} unassigned ({} waiting for the sharder, {} not sharded, {} for lack of an available shard)\n",
+        t.objects,
+        t.assigned,
+        t.misplaced,
+        t.draining,
+        t.unassigned,
+        u.waiting_for_sharder,
+        u.not_sharded,
+        u.no_available_shard,
+    ));
+    text.push_str(&format!(
+        "  imbalance (max/mean objects per available shard): {}\n",
+        ratio(ring.imbalance)
+    ));
+    text
+}
+
+/// Why a shard row needs a second look: exclusion, a bad weight, unavailability.
+fn shard_note(shard: &ShardStatus) -> String {
+    let mut notes = Vec::new();
+    if let Some(reason) = shard.excluded {
+        notes.push(format!("excluded: {reason}"));
+    }
+    if shard.weight_error.is_some() {
+        notes.push("invalid weight, counts as 1".to_string());
+    }
+    if shard.namespace.is_none() {
+        notes.push("objects name a shard without a Lease".to_string());
+    } else if !shard.available && shard.excluded.is_none() {
+        notes.push("not available".to_string());
+    }
+    notes.join("; ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::fixtures::{lease, loaded, names_on, now, object};
+    use super::*;
+
+    #[test]
+    fn counts_objects_per_shard_resource_and_situation() {
+        let ring = loaded(vec![
+            lease("a", "a", 1, None),
+            lease("b", "b", 20, Some("3")),
+            lease("dead", "", 5, None),
+        ]);
+        let view = &ring.view;
+        let (shard, drain) = (view.shard_label.clone(), view.drain_label.clone());
+        let secrets = GroupResource::new("", "secrets");
+        let configmaps = GroupResource::new("", "configmaps");
+        let (for_a, for_b) = (names_on(view, "a", 1), names_on(view, "b", 2));
+        let mut tally = Tally::default();
+        let observe = |tally: &mut Tally, gr: &GroupResource, meta: ObjectMeta| {
+            tally.observe(view, gr, &meta);
+        };
+        // In place on a; in place on b but asked to drain (a stale drain label);
+        // on a but wanted on b and draining; on the dead shard; on a shard without a Lease.
+        observe(
+            &mut tally,
+            &secrets,
+            object(&for_a[0], &[(&shard, "a")], None),
+        );
+        observe(
+            &mut tally,
+            &secrets,
+            object(&for_b[0], &[(&shard, "b"), (&drain, "true")], None),
+        );
+        observe(
+            &mut tally,
+            &secrets,
+            object(&for_b[1], &[(&shard, "a"), (&drain, "true")], None),
+        );
+        observe(&mut tally, &secrets, object("x", &[(&shard, "dead")], None));
+        observe(&mut tally, &secrets, object("y", &[(&shard, "gone")], None));
+        // Unassigned: a Secret (waiting), a ConfigMap without a controller (not sharded), and a
+        // ConfigMap of a Secret (waiting).
+        observe(&mut tally, &secrets, object("z", &[], None));
+        observe(&mut tally, &configmaps, object("orphan", &[], None));
+        observe(
+            &mut tally,
+            &configmaps,
+            object("child", &[], Some(&for_a[0])),
+        );
+
+        let status = ring_status(&ring, tally, now());
+        let names: Vec<(&str, Option<&str>)> = status
+            .members
+            .iter()
+            .map(|m| (m.name.as_str(), m.state))
+            .collect();
+        assert_eq!(
+            names,
+            [
+                ("a", Some("ready")),
+                ("b", Some("expired")),
+                ("dead", Some("dead")),
+                ("gone", None)
+            ]
+        );
+        let a = &status.members[0];
+        assert_eq!(a.objects.get("secrets"), Some(&2));
+        assert_eq!((a.total, a.draining), (2, 1));
+        assert!(a.available);
+        let b = &status.members[1];
+        assert_eq!((b.weight, b.total, b.draining), (3, 1, 1));
+        assert!(!status.members[2].available);
+        assert_eq!(status.totals.objects, 8);
+        assert_eq!(status.totals.assigned, 5);
+        assert_eq!(status.totals.draining, 2);
+        // Wanted elsewhere: the draining Secret on a, the ones on "dead" and "gone".
+        assert_eq!(status.totals.misplaced, 3);
+        assert_eq!(status.unassigned.total, 3);
+        assert_eq!(status.unassigned.waiting_for_sharder, 2);
+        assert_eq!(status.unassigned.not_sharded, 1);
+        assert_eq!(status.unassigned.objects.get("configmaps"), Some(&2));
+        // Available shards a (2 objects) and b (1): max 2 over mean 1.5.
+        let imbalance = status.imbalance.expect("imbalance");
+        assert!((imbalance - 4.0 / 3.0).abs() < 1e-9, "{imbalance}");
+        assert_eq!(status.resources, ["secrets", "configmaps"]);
+    }
+
+    #[test]
+    fn without_available_shards_keyed_objects_wait_for_one() {
+        let ring = loaded(vec![lease("dead", "", 5, None)]);
+        let mut tally = Tally::default();
+        tally.observe(
+            &ring.view,
+            &GroupResource::new("", "secrets"),
+            &object("s", &[], None),
+        );
+        let status = ring_status(&ring, tally, now());
+        assert_eq!(status.unassigned.no_available_shard, 1);
+        assert_eq!(status.imbalance, None);
+    }
+
+    #[test]
+    fn table_lists_shards_and_sums() {
+        let ring = loaded(vec![
+            lease("a", "a", 3, None),
+            lease("b", "b", 3, Some("eleven")),
+        ]);
+        let shard = ring.view.shard_label.clone();
+        let name = &names_on(&ring.view, "a", 1)[0];
+        let mut tally = Tally::default();
+        tally.observe(
+            &ring.view,
+            &GroupResource::new("", "secrets"),
+            &object(name, &[(&shard, "a")], None),
+        );
+        let report = StatusReport {
+            namespace: None,
+            rings: vec![ring_status(&ring, tally, now())],
+        };
+        let text = table_at(&report, now());
+        let expected = "\
+ClusterRing r: Ready=Unknown, 0 shards, 0 available, hashKey Object
+  SHARD          NAMESPACE   STATE   HOLDER   RENEWED   WEIGHT   SECRETS   CONFIGMAPS   TOTAL   DRAINING   WANTED   NOTE
+  a              shards      ready   a        3s        1        1         0            1       0          1
+  b              shards      ready   b        3s        1        0         0            0       0          0        invalid weight, counts as 1
+  (unassigned)                                                   0         0            0
+  1 objects: 1 assigned (0 not where the ring wants them, 0 draining), 0 unassigned (0 waiting for the sharder, 0 not sharded, 0 for lack of an available shard)
+  imbalance (max/mean objects per available shard): 2.00
+";
+        assert_eq!(text, expected);
+    }
+}
