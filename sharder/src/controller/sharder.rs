@@ -24,8 +24,8 @@ use tokio_util::sync::CancellationToken;
 use super::announce::{Announcer, DRAIN_CHECK_PERIOD};
 use super::missed_assignments::MissedAssignments;
 use crate::context::Context;
-use crate::core::key::{KeyOutcome, ObjectInfo};
-use crate::core::rebalance::{ObjectState, RebalanceDecision, decide};
+use crate::core::key::KeyOutcome;
+use crate::core::rebalance::RebalanceDecision;
 use crate::core::sync_schedule::SyncSchedule;
 use crate::metrics::{Metrics, OutcomeLabels, RingLabel};
 use crate::observed::RingObjects;
@@ -208,20 +208,7 @@ pub(super) fn decide_object(
     resource: &ResolvedResource,
     meta: &kube::api::ObjectMeta,
 ) -> RebalanceDecision {
-    let info = ObjectInfo::from_meta(&gr.group, &resource.info.kind, meta);
-    let Ok(KeyOutcome::Key(key)) = view.key(&info, &resource.role) else {
-        return RebalanceDecision::Keep;
-    };
-    let labels = meta.labels.as_ref();
-    let state = ObjectState {
-        current: labels
-            .and_then(|l| l.get(&view.shard_label))
-            .map(String::as_str)
-            .filter(|s| !s.is_empty()),
-        draining: labels.is_some_and(|l| l.contains_key(&view.drain_label)),
-        main: resource.is_main(),
-    };
-    decide(state, view.ring.shard_for(&key), |s| view.ring.contains(s))
+    view.placement(&gr.group, resource, meta).decision
 }
 
 /// What became of one patch of a sync: the object's UID, its shard before, the decision and
@@ -241,32 +228,28 @@ fn tally_object(
     meta: &kube::api::ObjectMeta,
     tally: &mut Tally,
 ) -> RebalanceDecision {
-    let labels = meta.labels.as_ref();
-    let current = labels
-        .and_then(|l| l.get(&view.shard_label))
-        .filter(|s| !s.is_empty());
+    let placement = view.placement(&gr.group, resource, meta);
+    let current = placement.object.current;
     match current {
         Some(shard) => {
             *tally
                 .objects
                 .per_shard
-                .entry((shard.clone(), gr.clone()))
+                .entry((shard.to_string(), gr.clone()))
                 .or_default() += 1;
         }
-        None => {
-            let info = ObjectInfo::from_meta(&gr.group, &resource.info.kind, meta);
-            if matches!(view.key(&info, &resource.role), Ok(KeyOutcome::Key(_))) {
-                *tally.objects.unassigned.entry(gr.clone()).or_default() += 1;
-            }
+        None if matches!(placement.key, Ok(KeyOutcome::Key(_))) => {
+            *tally.objects.unassigned.entry(gr.clone()).or_default() += 1;
         }
+        None => {}
     }
-    if labels.is_some_and(|l| l.contains_key(&view.drain_label)) {
+    if placement.object.draining {
         tally.draining.insert(
             meta.uid.clone().unwrap_or_default(),
-            current.cloned().unwrap_or_default(),
+            current.unwrap_or_default().to_string(),
         );
     }
-    decide_object(view, gr, resource, meta)
+    placement.decision
 }
 
 /// A patch that did not have the intended effect.
