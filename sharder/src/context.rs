@@ -15,6 +15,7 @@ use crate::core::validation::validate_ring;
 use crate::events::Events;
 use crate::metrics::Metrics;
 use crate::observed::Observed;
+use crate::reachability::{REASON_WEBHOOK_UNREACHABLE, Reachability};
 use crate::ring_views::{Discovery, RingViews};
 
 /// Shared state of one sharder process.
@@ -44,6 +45,8 @@ pub(crate) struct Context {
     pub(crate) events: Arc<Events>,
     /// What the leader learned about the rings' objects.
     pub(crate) observed: Arc<Observed>,
+    /// Whether the API server reaches each ring's webhook, as the leader's moves show it.
+    pub(crate) reachability: Arc<Reachability>,
 }
 
 impl Context {
@@ -152,13 +155,15 @@ impl AnyRing {
     }
 
     /// Whether the ring's webhook configuration has been applied for its current spec: the ring
-    /// controller sets `Ready=True` with the ring's generation only after applying it.
+    /// controller sets `Ready=True` with the ring's generation only after applying it, or
+    /// `Ready=False` for a webhook the API server does not reach (applied, but not answering:
+    /// the sync still runs, for drains and for probing it).
     pub(crate) fn webhook_in_place(&self) -> bool {
         let generation = self.meta().generation;
         self.status().is_some_and(|s| {
             s.conditions.iter().any(|c| {
                 c.type_ == sharding_crds::cluster_ring::CONDITION_READY
-                    && c.status == "True"
+                    && (c.status == "True" || c.reason == REASON_WEBHOOK_UNREACHABLE)
                     && c.observed_generation == generation
             })
         })

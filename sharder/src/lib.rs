@@ -13,6 +13,7 @@
 //! | `leader_election` | runs the controllers on the elected leader only |
 //! | `client`, `context` | the throttled API client; what the tasks share |
 //! | `events`, `observed` | rate-limited Events; what the leader learned about each ring's objects |
+//! | [`reachability`] | whether the API server reaches each ring's webhook; moves stop while it does not |
 //!
 //! [`run`] lists the tasks of the process and stops them all on one shutdown signal. The Lease
 //! rules (shard states, expiry, takeover, timing) are shared with the shard library in
@@ -27,6 +28,7 @@ mod events;
 mod leader_election;
 pub mod metrics;
 mod observed;
+pub mod reachability;
 pub mod ring_views;
 pub mod server;
 pub mod webhook;
@@ -125,6 +127,7 @@ pub async fn run(
             metrics.events_suppressed.clone(),
         )),
         observed: Arc::default(),
+        reachability: Arc::default(),
         metrics,
     };
     // Refused leader-election settings stop the process here, before it serves anything.

@@ -257,6 +257,8 @@ pub(crate) struct ObjectsSnapshot {
     pub(crate) rings: Vec<(RingRef, RingObjects)>,
     /// Drains not acknowledged yet, by ring and shard.
     pub(crate) pending_drains: BTreeMap<(RingRef, String), PendingDrains>,
+    /// Rings whose webhook the API server does not reach.
+    pub(crate) unreachable: Vec<RingRef>,
 }
 
 /// Collector computing the state metrics from a [`StateSource`] on every scrape.
@@ -502,6 +504,15 @@ impl<S: StateSource> prometheus_client::collector::Collector for StateCollector<
                 (labels, i64::try_from(p.objects).unwrap_or(i64::MAX))
             }),
         )?;
+        encode_gauges(
+            &mut encoder,
+            "controller_sharding_webhook_unreachable",
+            "1 for a ring whose webhook the API server does not reach, as moves show it: its moves stop until a probe lands (leader only)",
+            objects
+                .unreachable
+                .iter()
+                .map(|ring| (RingLabel(ring.clone()), 1)),
+        )?;
         encode_float_gauges(
             &mut encoder,
             "controller_sharding_drain_oldest_age_seconds",
@@ -576,6 +587,7 @@ impl StateSource for CacheState {
         ObjectsSnapshot {
             rings: self.0.observed.objects(),
             pending_drains: self.0.observed.pending_drains(std::time::Instant::now()),
+            unreachable: self.0.reachability.unreachable(),
         }
     }
 }
@@ -653,12 +665,13 @@ mod tests {
                     },
                 )],
                 pending_drains: BTreeMap::from([(
-                    (ring, "shard-c".to_string()),
+                    (ring.clone(), "shard-c".to_string()),
                     PendingDrains {
                         objects: 3,
                         oldest: std::time::Duration::from_millis(1500),
                     },
                 )]),
+                unreachable: vec![ring],
             }
         }
     }
@@ -703,6 +716,7 @@ mod tests {
             r#"controller_sharding_shard_objects{controllerring="example",shard="shard-c",group="",resource="secrets"} 7"#,
             r#"controller_sharding_unassigned_objects{controllerring="example",group="",resource="secrets"} 2"#,
             r#"controller_sharding_drains_pending{controllerring="example",shard="shard-c"} 3"#,
+            r#"controller_sharding_webhook_unreachable{controllerring="example"} 1"#,
             r#"controller_sharding_drain_oldest_age_seconds{controllerring="example",shard="shard-c"} 1.5"#,
             r#"controller_sharding_webhook_request_duration_seconds_count{controllerring="example",outcome="assigned"} 1"#,
             r#"controller_sharding_webhook_request_duration_seconds_bucket{le="0.00025",controllerring="example",outcome="assigned"} 1"#,

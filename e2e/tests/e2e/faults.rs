@@ -608,3 +608,143 @@ async fn a_sync_stops_when_a_shard_joins_mid_sync() -> anyhow::Result<()> {
     sharder.passed();
     Ok(())
 }
+
+/// Ready condition of ClusterRing `ring` as (status, reason).
+async fn ready_of(client: &kube::Client, ring: &str) -> anyhow::Result<(String, String)> {
+    let object = Api::<sharding_crds::ClusterRing>::all(client.clone())
+        .get(ring)
+        .await?;
+    Ok(object
+        .ready_condition()
+        .map(|c| (c.status.clone(), c.reason.clone()))
+        .unwrap_or_default())
+}
+
+/// A ring whose webhook the API server cannot call (here: every call refused) sends no move per
+/// object over and over: its moves stop after the first miss, a dry-run probe checks every few
+/// seconds, the ring reports `Ready=False` (`WebhookUnreachable`), an Event and a metric, and a
+/// healthy ring next to it stays Ready. Once the webhook answers, the objects it missed are
+/// assigned within seconds and the ring is Ready again.
+#[tokio::test]
+async fn a_ring_whose_webhook_is_unreachable_sends_no_moves() -> anyhow::Result<()> {
+    let dedicated = DedicatedCluster::start().await?;
+    let cluster = dedicated.cluster();
+    let client = cluster.client().await?;
+    let healthy_ns = cluster.namespace(&client, "healthy").await?;
+    let broken_ns = cluster.namespace(&client, "broken").await?;
+    let (healthy, broken) = (unique_name("healthy"), unique_name("broken"));
+    let shards = ["shard-a", "shard-b"];
+    let webhook_port = e2e::sharder::free_port()?;
+    let gate = TcpGate::start(([127, 0, 0, 1], webhook_port).into()).await?;
+    let settings = SharderSettings {
+        webhook_url: Some(format!("https://{}", gate.addr())),
+        ..Default::default()
+    };
+    let files =
+        SharderFiles::create_with_webhook_port(cluster.kubeconfig(), &settings, webhook_port)?;
+    let mut sharder = files.start_process()?;
+    for (ring, ns) in [(&healthy, &healthy_ns), (&broken, &broken_ns)] {
+        create_ring(&client, ring, ring_spec(ns)).await?;
+        for shard in shards {
+            create_lease(&client, ns, ring, shard, 3600).await?;
+        }
+    }
+    files.wait_ready(STARTUP).await?;
+    for (ring, ns) in [(&healthy, &healthy_ns), (&broken, &broken_ns)] {
+        wait_status(&client, ring, 2, 2).await?;
+        wait_webhook(&client, ns, ring, &shards).await?;
+    }
+    let create = |ns: &str, count: usize| {
+        let api = Api::<Secret>::namespaced(client.clone(), ns);
+        async move {
+            for i in 0..count {
+                api.create(&PostParams::default(), &secret(&format!("s-{i}")))
+                    .await?;
+            }
+            anyhow::Ok(())
+        }
+    };
+    create(&healthy_ns, 100).await?;
+
+    // From here the API server cannot call the webhook: 300 objects are created unassigned.
+    gate.close();
+    create(&broken_ns, 300).await?;
+    let patches_before = apiserver_metric(
+        cluster,
+        "apiserver_request_total",
+        &[("verb", "PATCH"), ("resource", "secrets")],
+    )?;
+    poll_until("the broken ring reported as unreachable", WAIT, || async {
+        let ready = ready_of(&client, &broken).await?;
+        Ok((ready == ("False".into(), "WebhookUnreachable".into())).then_some(()))
+    })
+    .await?;
+    // Let the sharder retry for a while: it must not send a move per object again and again.
+    tokio::time::sleep(Duration::from_secs(15)).await;
+    let patches = apiserver_metric(
+        cluster,
+        "apiserver_request_total",
+        &[("verb", "PATCH"), ("resource", "secrets")],
+    )? - patches_before;
+    eprintln!(
+        "webhook unreachable: {patches} PATCHes of Secrets in about 15 s for 300 missed objects"
+    );
+    ensure!(
+        patches < 60,
+        "{patches} PATCHes of Secrets while the webhook was unreachable"
+    );
+    let metrics = files.metrics()?;
+    ensure!(
+        metrics.lines().any(|l| l
+            == format!(r#"controller_sharding_webhook_unreachable{{clusterring="{broken}"}} 1"#)),
+        "no unreachable metric for {broken}"
+    );
+    let events = Api::<k8s_openapi::api::core::v1::Event>::all(client.clone())
+        .list(&ListParams::default())
+        .await?;
+    ensure!(
+        events
+            .items
+            .iter()
+            .any(|e| e.reason.as_deref() == Some("WebhookUnreachable")
+                && e.involved_object.name.as_deref() == Some(broken.as_str())),
+        "no WebhookUnreachable Event on {broken}"
+    );
+    ensure!(
+        ready_of(&client, &healthy).await?.0 == "True",
+        "the healthy ring stays Ready"
+    );
+
+    // The webhook answers again: every missed object lands within seconds, the ring is Ready.
+    gate.open();
+    let reopened = std::time::Instant::now();
+    let secrets = Api::<Secret>::namespaced(client.clone(), &broken_ns);
+    let key = labels::shard_label(&broken);
+    let predicted = Ring::new(shards);
+    poll_until(
+        "every missed object assigned",
+        Duration::from_secs(15),
+        || async {
+            let list = secrets.list_metadata(&ListParams::default()).await?;
+            Ok(list
+                .items
+                .iter()
+                .all(|s| {
+                    s.labels().get(&key).map(String::as_str)
+                        == expected_shard(&predicted, &broken_ns, &s.name_any())
+                })
+                .then_some(()))
+        },
+    )
+    .await?;
+    let assigned_after = reopened.elapsed();
+    poll_until("the broken ring Ready again", WAIT, || async {
+        Ok((ready_of(&client, &broken).await?.0 == "True").then_some(()))
+    })
+    .await?;
+    eprintln!("webhook answering again: 300 objects assigned {assigned_after:?} after");
+    sharder.terminate()?;
+    sharder.wait(Duration::from_secs(15)).await?;
+    sharder.passed();
+    Ok(())
+}

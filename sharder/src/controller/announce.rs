@@ -82,6 +82,8 @@ impl Announcer {
         }
         self.members = current;
         ctx.observed.retain(|ring| self.members.contains_key(ring));
+        ctx.reachability
+            .retain(|ring| self.members.contains_key(ring));
     }
 
     /// Warns once per shard whose oldest pending drain is older than `drainTimeout`.

@@ -19,7 +19,7 @@ use sharding_crds::{GroupResource, RingRef};
 use tokio::sync::Semaphore;
 use tokio::task::{AbortHandle, JoinSet};
 
-use super::sharder::{api_resource, count, decide_object, namespace_selected, patch};
+use super::sharder::{PatchError, api_resource, count, decide_object, namespace_selected, patch};
 use crate::context::Context;
 use crate::core::rebalance::RebalanceDecision;
 use crate::ring_views::RingView;
@@ -31,6 +31,9 @@ const RETRY_INITIAL: Duration = Duration::from_millis(500);
 /// Longest delay between two tries: short enough that an object missed during a webhook outage
 /// is assigned within a few seconds of its end.
 const RETRY_MAX: Duration = Duration::from_secs(4);
+/// How often an object whose move is held back (the ring's webhook unreachable) asks again; one
+/// of them becomes the probe when it is due.
+const HELD_WAIT: Duration = Duration::from_millis(500);
 
 /// The running watches, one per ring resource. They are tasks of a `JoinSet` this value owns, so
 /// dropping it (the sharder controller stopped, or dropped on lost leadership) stops them all.
@@ -202,6 +205,12 @@ async fn assign(
             Ok(()) => {
                 count(ctx, &view, gr, decision);
                 return;
+            }
+            Err(PatchError::Held) => {
+                // Nothing was sent and the object is as read: wait for the webhook, without
+                // reading it again (thousands of objects may be waiting).
+                tokio::time::sleep(HELD_WAIT).await;
+                continue;
             }
             Err(error) => {
                 tracing::debug!(%error, object = %meta.name.as_deref().unwrap_or_default(), retry_in = ?delay, "missed-assignment move failed, retrying");

@@ -27,6 +27,7 @@ use crate::context::Context;
 use crate::core::membership::ring_members;
 use crate::core::validation::validate_ring;
 use crate::core::webhook_config::{FIELD_MANAGER, desired_webhook_configuration};
+use crate::reachability::REASON_WEBHOOK_UNREACHABLE;
 
 /// Errors of one reconciliation.
 #[derive(Debug, thiserror::Error)]
@@ -100,6 +101,9 @@ pub(crate) async fn run<R: RingObject>(ctx: Context, shutdown: CancellationToken
                     .map(|ring| ObjectRef::<R>::new(ring))
             },
         )
+        // When a ring's webhook becomes unreachable or reachable again, the rings of its kind are
+        // reconciled (flips are rare, and unchanged rings cost no request), updating its status.
+        .reconcile_all_on(reachability_flips::<R>(&state.ctx))
         .graceful_shutdown_on(shutdown.cancelled_owned())
         .run(reconcile::<R>, error_policy::<R>, state)
         .for_each(|result| async move {
@@ -119,6 +123,25 @@ pub(crate) async fn run<R: RingObject>(ctx: Context, shutdown: CancellationToken
         () = config_cache => {}
     }
 }
+
+/// Fires when the webhook reachability of a ring of type `R` flipped.
+fn reachability_flips<R: RingObject>(
+    ctx: &Context,
+) -> impl futures::Stream<Item = ()> + Send + 'static {
+    let receiver = ctx.reachability.subscribe();
+    futures::stream::unfold(receiver, |mut receiver| async move {
+        loop {
+            match receiver.recv().await {
+                Ok(ring) if ring.kind == R::KIND => return Some(((), receiver)),
+                Ok(_) | Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
+                Err(tokio::sync::broadcast::error::RecvError::Closed) => return None,
+            }
+        }
+    })
+}
+
+/// Message of the `Ready=False` condition of a ring whose webhook the API server does not reach.
+const WEBHOOK_UNREACHABLE_MESSAGE: &str = "The API server does not reach the ring's webhook: objects moved to be assigned came back unassigned. The sharder sends no moves for this ring until a probe lands (every few seconds); check the webhook configuration's CA bundle and the Service or URL";
 
 /// The controller's context: the shared one and the cache of webhook configurations.
 struct State {
@@ -148,12 +171,25 @@ async fn reconcile<R: RingObject>(ring: Arc<R>, state: Arc<State>) -> Result<Act
     // Leases kept out of the ring (invalid or duplicate names) count as shards, not as available.
     let available = members.iter().filter(|m| m.is_available()).count();
     let available = i32::try_from(available).unwrap_or(i32::MAX);
-    let failure = result.as_ref().err().map(capitalised);
+    let failure = result
+        .as_ref()
+        .err()
+        .map(|e| (REASON_RECONCILIATION_FAILED, capitalised(e)))
+        .or_else(|| {
+            ctx.reachability.is_unreachable(&ring.ring_ref()).then(|| {
+                (
+                    REASON_WEBHOOK_UNREACHABLE,
+                    WEBHOOK_UNREACHABLE_MESSAGE.to_string(),
+                )
+            })
+        });
     let status = desired_status(
         ring.as_ref(),
         shards,
         available,
-        failure.as_deref(),
+        failure
+            .as_ref()
+            .map(|(reason, message)| (*reason, message.as_str())),
         Timestamp::now(),
     );
     if ring.ring_status() != Some(&status) {
@@ -166,7 +202,8 @@ async fn reconcile<R: RingObject>(ring: Arc<R>, state: Arc<State>) -> Result<Act
                 source,
             })?;
     }
-    if let Some(message) = &failure {
+    // The sharder controller publishes the Events about an unreachable webhook itself.
+    if let Some((REASON_RECONCILIATION_FAILED, message)) = &failure {
         let flipped = ready_condition(ring.as_ref())
             .is_none_or(|c| c.status != "False" || &c.message != message);
         if flipped {
@@ -275,7 +312,7 @@ fn desired_status<R: RingObject>(
     ring: &R,
     shards: i32,
     available_shards: i32,
-    failure: Option<&str>,
+    failure: Option<(&str, &str)>,
     now: Timestamp,
 ) -> ClusterRingStatus {
     let generation = ring.meta().generation;
@@ -285,7 +322,7 @@ fn desired_status<R: RingObject>(
             REASON_RECONCILIATION_SUCCEEDED,
             format!("{} was successfully reconciled", R::KIND),
         ),
-        Some(message) => ("False", REASON_RECONCILIATION_FAILED, message.to_string()),
+        Some((reason, message)) => ("False", reason, message.to_string()),
     };
     let previous = ready_condition(ring);
     let last_transition_time = previous
@@ -358,7 +395,13 @@ mod tests {
         ring.status = Some(first.clone());
         let again = desired_status(&ring, 3, 3, None, t2);
         assert_eq!(again.conditions[0].last_transition_time, Time(t1));
-        let failed = desired_status(&ring, 3, 3, Some("Broken"), t2);
+        let failed = desired_status(
+            &ring,
+            3,
+            3,
+            Some((REASON_RECONCILIATION_FAILED, "Broken")),
+            t2,
+        );
         assert_eq!(failed.conditions.len(), 1);
         assert_eq!(failed.conditions[0].status, "False");
         assert_eq!(failed.conditions[0].reason, "ReconciliationFailed");

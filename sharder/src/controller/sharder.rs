@@ -29,6 +29,7 @@ use crate::core::rebalance::RebalanceDecision;
 use crate::core::sync_schedule::SyncSchedule;
 use crate::metrics::{Metrics, OutcomeLabels, RingLabel};
 use crate::observed::RingObjects;
+use crate::reachability::{MoveGate, REASON_WEBHOOK_REACHABLE, REASON_WEBHOOK_UNREACHABLE};
 use crate::ring_views::{ResolvedResource, ResourceInfo, RingView};
 
 /// Message of the log record when a running sync is stopped because its ring's view changed (or
@@ -53,7 +54,7 @@ pub const REASON_DRAIN_NOT_ACKNOWLEDGED: &str = "DrainNotAcknowledged";
 pub const PAGE_SIZE: u32 = 500;
 
 /// Message of the log record at the end of every sync of a ring, with the fields `ring`,
-/// `duration`, `listed`, `drained`, `moved` and `failed`.
+/// `duration`, `listed`, `drained`, `moved`, `failed` and `held`.
 pub const SYNC_FINISHED: &str = "finished sync of ring";
 
 /// A failed sync; the ring is synced again after a backoff.
@@ -67,6 +68,12 @@ pub(crate) enum Error {
         /// Underlying error.
         #[source]
         source: kube::Error,
+    },
+    /// Moves were held back because the ring's webhook is unreachable.
+    #[error("held back {held} moves: the API server does not reach the ring's webhook")]
+    WebhookUnreachable {
+        /// Moves not sent.
+        held: usize,
     },
     /// Some patches failed (conflicts included); the others went through.
     #[error("failed to patch {failed} of {attempted} objects")]
@@ -89,6 +96,8 @@ pub(crate) struct SyncStats {
     pub(crate) moved: usize,
     /// Patches that failed.
     pub(crate) failed: usize,
+    /// Moves not sent because the ring's webhook is unreachable.
+    pub(crate) held: usize,
 }
 
 /// Runs the sharder controller until `shutdown` fires. Dropping it (on lost leadership) stops the
@@ -262,6 +271,9 @@ pub(super) enum PatchError {
     /// sharder replica reachable), or the replica that answered had another view: retry later.
     #[error("object was moved but not assigned to the shard the ring wants now")]
     NotAssigned,
+    /// The ring's webhook is unreachable and no probe is due: the move was not sent.
+    #[error("the ring's webhook is unreachable; move held back")]
+    Held,
 }
 
 /// Sends the patch for `decision` about an object of resource `gr`, guarded by the object's
@@ -286,14 +298,46 @@ pub(super) async fn patch(
         None => Api::all_with(ctx.client.clone(), ar),
     };
     let name = meta.name.as_deref().unwrap_or_default();
+    let ring = view.ring_ref();
+    if decision == RebalanceDecision::Move {
+        match ctx.reachability.gate(&ring, std::time::Instant::now()) {
+            MoveGate::Open => {}
+            MoveGate::Closed => return Err(PatchError::Held),
+            MoveGate::Probe => {
+                // A dry run goes through admission like the real write, without changing the
+                // object: if the webhook assigns it, moves may go again.
+                let params = PatchParams {
+                    dry_run: true,
+                    ..Default::default()
+                };
+                match api
+                    .patch_metadata(name, &params, &Patch::Merge(&body))
+                    .await
+                {
+                    Ok(probed) if !webhook_ran(ctx, view, &probed.metadata) => {
+                        webhook_missed(ctx, &ring).await;
+                        return Err(PatchError::NotAssigned);
+                    }
+                    Ok(_) => webhook_answered(ctx, &ring).await,
+                    Err(kube::Error::Api(status)) if status.code == 404 => return Ok(()),
+                    Err(e) => return Err(e.into()),
+                }
+            }
+        }
+    }
     match api
         .patch_metadata(name, &PatchParams::default(), &Patch::Merge(&body))
         .await
     {
         Ok(updated) => {
             if decision == RebalanceDecision::Move {
+                if !webhook_ran(ctx, view, &updated.metadata) {
+                    webhook_missed(ctx, &ring).await;
+                    return Err(PatchError::NotAssigned);
+                }
+                webhook_answered(ctx, &ring).await;
                 // The webhook assigned the object in the same request, as the current view wants.
-                let current = ctx.ring_views.get(&view.ring_ref());
+                let current = ctx.ring_views.get(&ring);
                 let current = current.as_deref().unwrap_or(view);
                 let landed = current.resources.get(gr).is_none_or(|resource| {
                     decide_object(current, gr, resource, &updated.metadata)
@@ -308,6 +352,45 @@ pub(super) async fn patch(
         // Deleted meanwhile: nothing left to move.
         Err(kube::Error::Api(status)) if status.code == 404 => Ok(()),
         Err(e) => Err(e.into()),
+    }
+}
+
+/// Whether the ring's webhook ran on a moved object: it carries a shard label again. Without
+/// available shards the webhook assigns nothing, which says nothing about reaching it.
+fn webhook_ran(ctx: &Context, view: &RingView, meta: &kube::api::ObjectMeta) -> bool {
+    let current = ctx.ring_views.get(&view.ring_ref());
+    let shards = current.as_deref().unwrap_or(view).ring.len();
+    shards == 0
+        || meta
+            .labels
+            .as_ref()
+            .is_some_and(|l| l.get(&view.shard_label).is_some_and(|s| !s.is_empty()))
+}
+
+/// Records a move that came back unassigned; the first one after a good run stops the ring's
+/// moves and is reported.
+async fn webhook_missed(ctx: &Context, ring: &RingRef) {
+    if ctx.reachability.failed(ring, std::time::Instant::now()) {
+        tracing::warn!(%ring, reason = REASON_WEBHOOK_UNREACHABLE, "a moved object came back unassigned: the API server does not reach the ring's webhook; moves stop until a probe lands");
+        if let Some(object) = ctx.ring(ring) {
+            let note = "A moved object came back unassigned: the API server does not reach this ring's webhook. Moves stop until a dry-run probe lands (every few seconds)".to_string();
+            ctx.events
+                .warning(&object.object_ref(), REASON_WEBHOOK_UNREACHABLE, "", note)
+                .await;
+        }
+    }
+}
+
+/// Records a move (or probe) the webhook assigned; reports a webhook that answers again.
+async fn webhook_answered(ctx: &Context, ring: &RingRef) {
+    if ctx.reachability.landed(ring) {
+        tracing::info!(%ring, "the ring's webhook answers again; moves resume");
+        if let Some(object) = ctx.ring(ring) {
+            let note = "The API server reaches this ring's webhook again; moves resume".to_string();
+            ctx.events
+                .normal(&object.object_ref(), REASON_WEBHOOK_REACHABLE, "", note)
+                .await;
+        }
     }
 }
 
@@ -374,6 +457,7 @@ async fn sync_ring(ctx: &Context, view: &RingView) -> Result<SyncStats, Error> {
         drained = stats.drained,
         moved = stats.moved,
         failed = stats.failed,
+        held = stats.held,
         "{SYNC_FINISHED}"
     );
     let reference = ctx.ring(&ring).map(|r| r.object_ref());
@@ -412,6 +496,7 @@ async fn sync_ring(ctx: &Context, view: &RingView) -> Result<SyncStats, Error> {
             failed: stats.failed,
             attempted: stats.drained + stats.moved + stats.failed,
         }),
+        None if stats.held > 0 => Err(Error::WebhookUnreachable { held: stats.held }),
         None => Ok(stats),
     };
     let outcome = if result.is_ok() { "success" } else { "failure" };
@@ -522,6 +607,7 @@ async fn sync_resource(
                         RebalanceDecision::Keep => {}
                     }
                 }
+                Err(PatchError::Held) => stats.held += 1,
                 Err(_) => stats.failed += 1,
             }
         }
