@@ -177,7 +177,7 @@ mod tests {
         assert_eq!(reach.gate(&ring, t3), MoveGate::Probe);
         reach.failed(&ring, t3);
         assert_eq!(reach.gate(&ring, t3 + PROBE_MAX), MoveGate::Probe);
-        assert_eq!(reach.unreachable(), [ring.clone()]);
+        assert_eq!(reach.unreachable(), std::slice::from_ref(&ring));
         // A probe lands: moves go again.
         assert!(reach.landed(&ring));
         assert_eq!(flips.try_recv().ok(), Some(ring.clone()));
