@@ -47,6 +47,8 @@ pub(crate) struct Context {
     pub(crate) observed: Arc<Observed>,
     /// Whether the API server reaches each ring's webhook, as the leader's moves show it.
     pub(crate) reachability: Arc<Reachability>,
+    /// Bumped when a shard Lease changes in a way membership depends on (not on renewals).
+    pub(crate) lease_changes: tokio::sync::watch::Sender<u64>,
 }
 
 impl Context {

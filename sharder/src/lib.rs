@@ -83,23 +83,29 @@ pub async fn run(
         &mut tasks,
         Api::<ClusterRing>::all(client.clone()),
         watcher::Config::default(),
-        Some(changed.clone()),
+        Some(OnChange::every(&changed)),
         &shutdown,
     );
     let controller_rings = spawn_reflector(
         &mut tasks,
         Api::<ControllerRing>::all(client.clone()),
         watcher::Config::default(),
-        Some(changed.clone()),
+        Some(OnChange::every(&changed)),
         &shutdown,
     );
+    // Lease changes that matter for membership (not renewals) rebuild views and ring statuses.
+    let lease_changes = tokio::sync::watch::Sender::new(0u64);
     // A label selector cannot say "either label", so each kind's Leases have a cache of their own.
     let [cluster_ring_leases, controller_ring_leases] = RingKind::ALL.map(|kind| {
         spawn_reflector(
             &mut tasks,
             Api::<Lease>::all(client.clone()),
             watcher::Config::default().labels(kind.lease_label()),
-            Some(changed.clone()),
+            Some(OnChange {
+                notify: changed.clone(),
+                fingerprint: Some(lease_fingerprint),
+                counter: Some(lease_changes.clone()),
+            }),
             &shutdown,
         )
     });
@@ -128,6 +134,7 @@ pub async fn run(
         )),
         observed: Arc::default(),
         reachability: Arc::default(),
+        lease_changes,
         metrics,
     };
     // Refused leader-election settings stop the process here, before it serves anything.
@@ -226,13 +233,50 @@ pub async fn run(
     Ok(())
 }
 
+/// Whom a cache tells about changes of its objects.
+struct OnChange<K> {
+    /// Notified after a change.
+    notify: Arc<Notify>,
+    /// When set, only changes of this value (and objects appearing or going) count: a Lease
+    /// renewal, which moves `renewTime` only, changes nothing that membership depends on.
+    fingerprint: Option<fn(&K) -> u64>,
+    /// Bumped after a change, for watchers that need a stream.
+    counter: Option<tokio::sync::watch::Sender<u64>>,
+}
+
+impl<K> OnChange<K> {
+    /// Notify `notify` after every change.
+    fn every(notify: &Arc<Notify>) -> Self {
+        Self {
+            notify: notify.clone(),
+            fingerprint: None,
+            counter: None,
+        }
+    }
+}
+
+/// What a shard Lease's membership depends on: its holder, labels (ring, state) and annotations
+/// (weight); not `renewTime`, so renewals change nothing.
+fn lease_fingerprint(lease: &Lease) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    lease.metadata.labels.hash(&mut hasher);
+    lease.metadata.annotations.hash(&mut hasher);
+    lease
+        .spec
+        .as_ref()
+        .and_then(|s| s.holder_identity.as_ref())
+        .hash(&mut hasher);
+    hasher.finish()
+}
+
 /// Starts a task in `tasks` that keeps a cache of the objects `api` and `config` select until
-/// shutdown, notifying `changed` after every event; returns the cache.
+/// shutdown, telling `on_change` after every (relevant) change; returns the cache.
 fn spawn_reflector<K>(
     tasks: &mut JoinSet<()>,
     api: Api<K>,
     config: watcher::Config,
-    changed: Option<Arc<Notify>>,
+    on_change: Option<OnChange<K>>,
     shutdown: &CancellationToken,
 ) -> Store<K>
 where
@@ -244,18 +288,52 @@ where
     tasks.spawn(async move {
         let stream = reflector::reflector(writer, watcher(api, config)).default_backoff();
         futures::pin_mut!(stream);
+        // Object (namespace/name) → fingerprint, when changes are filtered.
+        let mut seen: std::collections::HashMap<(Option<String>, String), u64> =
+            std::collections::HashMap::new();
         loop {
-            tokio::select! {
+            let event = tokio::select! {
                 () = shutdown.cancelled() => return,
                 item = stream.next() => match item {
                     None => return,
-                    Some(Ok(_)) => {
-                        if let Some(changed) = &changed {
-                            changed.notify_one();
-                        }
+                    Some(Ok(event)) => event,
+                    Some(Err(error)) => {
+                        tracing::warn!(%error, "watch failed, retrying with backoff");
+                        continue;
                     }
-                    Some(Err(error)) => tracing::warn!(%error, "watch failed, retrying with backoff"),
                 },
+            };
+            let Some(on_change) = &on_change else {
+                continue;
+            };
+            let relevant = match (on_change.fingerprint, &event) {
+                (None, _) => true,
+                (
+                    Some(fingerprint),
+                    watcher::Event::Apply(obj) | watcher::Event::InitApply(obj),
+                ) => {
+                    let key = (
+                        obj.meta().namespace.clone(),
+                        obj.meta().name.clone().unwrap_or_default(),
+                    );
+                    seen.insert(key, fingerprint(obj)) != Some(fingerprint(obj))
+                }
+                (Some(_), watcher::Event::Delete(obj)) => {
+                    let key = (
+                        obj.meta().namespace.clone(),
+                        obj.meta().name.clone().unwrap_or_default(),
+                    );
+                    seen.remove(&key);
+                    true
+                }
+                (Some(_), watcher::Event::Init) => false,
+                (Some(_), watcher::Event::InitDone) => true,
+            };
+            if relevant {
+                on_change.notify.notify_one();
+                if let Some(counter) = &on_change.counter {
+                    counter.send_modify(|c| *c += 1);
+                }
             }
         }
     });

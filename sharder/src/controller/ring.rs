@@ -7,7 +7,6 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
-use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
@@ -71,7 +70,6 @@ pub(crate) async fn run<R: RingObject>(ctx: Context, shutdown: CancellationToken
     let kind = R::KIND;
     let rings: Api<R> = Api::all(ctx.client.clone());
     let configs: Api<MutatingWebhookConfiguration> = Api::all(ctx.client.clone());
-    let leases: Api<Lease> = Api::all(ctx.client.clone());
     // The configurations of this kind's rings carry its ring label.
     let ours = watcher::Config::default().labels(&format!(
         "{LABEL_APP_NAME}={APP_NAME},{}",
@@ -91,16 +89,9 @@ pub(crate) async fn run<R: RingObject>(ctx: Context, shutdown: CancellationToken
     let controller = Controller::new(rings, watcher::Config::default())
         // Deleting or editing the webhook configuration triggers its ring, which restores it.
         .owns(configs, ours)
-        .watches(
-            leases,
-            watcher::Config::default().labels(kind.lease_label()),
-            move |lease: Lease| {
-                lease
-                    .labels()
-                    .get(kind.lease_label())
-                    .map(|ring| ObjectRef::<R>::new(ring))
-            },
-        )
+        // Shard Lease changes that matter for membership reconcile the rings (for their status);
+        // renewals, which change only `renewTime`, do not: they would cost work per renewal.
+        .reconcile_all_on(lease_changes(&state.ctx))
         // When a ring's webhook becomes unreachable or reachable again, the rings of its kind are
         // reconciled (flips are rare, and unchanged rings cost no request), updating its status.
         .reconcile_all_on(reachability_flips::<R>(&state.ctx))
@@ -122,6 +113,15 @@ pub(crate) async fn run<R: RingObject>(ctx: Context, shutdown: CancellationToken
         () = controller => {}
         () = config_cache => {}
     }
+}
+
+/// Fires when a shard Lease changed in a way membership depends on.
+fn lease_changes(ctx: &Context) -> impl futures::Stream<Item = ()> + Send + 'static {
+    let receiver = ctx.lease_changes.subscribe();
+    futures::stream::unfold(receiver, |mut receiver| async move {
+        receiver.changed().await.ok()?;
+        Some(((), receiver))
+    })
 }
 
 /// Fires when the webhook reachability of a ring of type `R` flipped.
