@@ -48,6 +48,12 @@ const FOREIGN_KINDS: &[(&str, &str, &str, &str)] = &[
         "ServiceMonitor",
         "servicemonitors",
     ),
+    (
+        "monitoring.coreos.com",
+        "v1",
+        "PrometheusRule",
+        "prometheusrules",
+    ),
 ];
 
 const SYSTEM_NAMESPACE: &str = "sharding-system";
