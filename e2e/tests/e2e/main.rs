@@ -7,6 +7,7 @@ mod crd;
 mod faults;
 mod leader;
 mod manifests;
+mod monitoring;
 mod observability;
 mod rebalance;
 mod ring_kinds;
