@@ -8,5 +8,12 @@ cd "$(dirname "$0")/.."
 if [ -z "${KUBECONFIG:-}" ]; then
   bash e2e/control-plane.sh provision
 fi
+# The monitoring tests run promtool and a Prometheus server of their own (Debian's package).
+if ! command -v "${PROMTOOL:-promtool}" >/dev/null 2>&1 ||
+  ! command -v "${PROMETHEUS:-prometheus}" >/dev/null 2>&1; then
+  echo "promtool or prometheus not found: install Debian's prometheus package" \
+    "(sudo apt-get install prometheus), or set PROMTOOL and PROMETHEUS" >&2
+  exit 1
+fi
 cargo build --workspace --bins
 cargo test --workspace "$@"

@@ -21,6 +21,7 @@
 //! | [`fixtures::expected_shard`] | the shard a ring assigns a Secret to |
 //! | [`fixtures::secret_review`] | an `admission.k8s.io/v1` AdmissionReview of a Secret CREATE |
 //! | [`sharder::counter`] | a per-resource counter from the sharder's `/metrics` text |
+//! | [`sharder::curl`] | an HTTP request through curl (metrics, health, a Prometheus server's API) |
 //! | [`fixtures`] | rings, shard Leases and Secrets; waits on a ring's status and webhook; checksum-controller shards |
 //! | [`IndependentRing`] | a hash ring written from the protocol's description, to check the sharder's answers against |
 

@@ -246,7 +246,9 @@ pub fn counter_of(
         .unwrap_or(0))
 }
 
-fn curl(args: &[&str]) -> anyhow::Result<String> {
+/// Runs curl with `args` and returns what it printed; fails when curl exits non-zero (with `-f`,
+/// also on an HTTP error status).
+pub fn curl(args: &[&str]) -> anyhow::Result<String> {
     let out = Command::new("curl")
         .args(args)
         .output()
@@ -299,6 +301,11 @@ impl SharedSharder {
     /// Its metrics in the Prometheus text format.
     pub fn metrics(&self) -> anyhow::Result<String> {
         self.files.metrics()
+    }
+
+    /// `host:port` of its metrics server, for a scraper the test runs (always loopback).
+    pub fn metrics_address(&self) -> String {
+        format!("127.0.0.1:{}", self.files.metrics_port)
     }
 
     /// [`SharedSharder::counter`] for a ring of either kind.

@@ -8,6 +8,7 @@ mod crd;
 mod faults;
 mod leader;
 mod manifests;
+mod monitoring;
 mod observability;
 mod rebalance;
 mod ring_kinds;

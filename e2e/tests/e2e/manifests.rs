@@ -48,13 +48,19 @@ const FOREIGN_KINDS: &[(&str, &str, &str, &str)] = &[
         "ServiceMonitor",
         "servicemonitors",
     ),
+    (
+        "monitoring.coreos.com",
+        "v1",
+        "PrometheusRule",
+        "prometheusrules",
+    ),
 ];
 
 const SYSTEM_NAMESPACE: &str = "sharding-system";
 const SHARDER: &str = "sharder";
 const SHARDER_CONFIG_MAP: &str = "sharder-config";
 
-fn workspace_root() -> PathBuf {
+pub(crate) fn workspace_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
         .expect("e2e/ has a parent")
@@ -62,7 +68,7 @@ fn workspace_root() -> PathBuf {
 }
 
 /// Renders a kustomization into its objects.
-fn render(dir: &str) -> anyhow::Result<Vec<Value>> {
+pub(crate) fn render(dir: &str) -> anyhow::Result<Vec<Value>> {
     let out = Command::new(kubectl())
         .arg("kustomize")
         .arg(workspace_root().join(dir))
