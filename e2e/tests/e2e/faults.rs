@@ -748,3 +748,125 @@ async fn a_ring_whose_webhook_is_unreachable_sends_no_moves() -> anyhow::Result<
     sharder.passed();
     Ok(())
 }
+
+/// A controlled object moves only after its controller has left its shard: while a Secret waits
+/// for its old shard to acknowledge the drain, its ConfigMap stays with it (that shard still
+/// reconciles the Secret and would write the ConfigMap back); once the drain is acknowledged,
+/// the ConfigMap follows within seconds. The test plays the shards.
+#[tokio::test]
+async fn controlled_objects_follow_their_controller_only_after_it_left() -> anyhow::Result<()> {
+    let sharder = shared();
+    let mut logs = sharder.dump_on_failure();
+    let cluster = cluster();
+    let client = cluster.client().await?;
+    let (ns, ring) = ring_with_shards(
+        cluster,
+        &client,
+        "follow",
+        &["shard-a", "shard-b", "shard-c"],
+    )
+    .await?;
+    wait_status(&client, &ring, 3, 3).await?;
+    wait_webhook(&client, &ns, &ring, &["shard-a", "shard-b", "shard-c"]).await?;
+    let secrets = Api::<Secret>::namespaced(client.clone(), &ns);
+    let configmaps = Api::<k8s_openapi::api::core::v1::ConfigMap>::namespaced(client.clone(), &ns);
+    for i in 0..40 {
+        let created = secrets
+            .create(&PostParams::default(), &secret(&format!("s-{i}")))
+            .await?;
+        let owner = k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference {
+            api_version: "v1".into(),
+            kind: "Secret".into(),
+            name: created.name_any(),
+            uid: created.uid().unwrap_or_default(),
+            controller: Some(true),
+            block_owner_deletion: None,
+        };
+        let cm = k8s_openapi::api::core::v1::ConfigMap {
+            metadata: kube::api::ObjectMeta {
+                name: Some(format!("cm-{i}")),
+                owner_references: Some(vec![owner]),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        configmaps.create(&PostParams::default(), &cm).await?;
+    }
+    let key = labels::shard_label(&ring);
+    let drain = labels::drain_label(&ring);
+    let shard_of_secret = |i: usize, list: &kube::core::ObjectList<Secret>| {
+        list.items
+            .iter()
+            .find(|s| s.name_any() == format!("s-{i}"))
+            .and_then(|s| s.labels().get(&key).cloned())
+    };
+    let before = secrets.list(&ListParams::default()).await?;
+
+    // shard-d joins: the Secrets that go to it are drained, and nobody acknowledges yet.
+    create_lease(&client, &ns, &ring, "shard-d", 3600).await?;
+    let four = Ring::new(["shard-a", "shard-b", "shard-c", "shard-d"]);
+    let moving: Vec<usize> = (0..40)
+        .filter(|i| expected_shard(&four, &ns, &format!("s-{i}")) == Some("shard-d"))
+        .collect();
+    ensure!(!moving.is_empty(), "some Secrets move to shard-d");
+    poll_until("the moving Secrets drained", WAIT, || async {
+        let list = secrets.list_metadata(&ListParams::default()).await?;
+        let drained = list
+            .items
+            .iter()
+            .filter(|s| s.labels().contains_key(&drain))
+            .count();
+        Ok((drained == moving.len()).then_some(()))
+    })
+    .await?;
+    // Their ConfigMaps stay put while the drains wait (give the sharder time to get it wrong).
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    let cms = configmaps.list_metadata(&ListParams::default()).await?;
+    for i in &moving {
+        let cm = cms
+            .items
+            .iter()
+            .find(|c| c.name_any() == format!("cm-{i}"))
+            .context("ConfigMap listed")?;
+        ensure!(
+            cm.labels().get(&key) == shard_of_secret(*i, &before).as_ref(),
+            "cm-{i} moved to {:?} while s-{i} still waited on its old shard",
+            cm.labels().get(&key)
+        );
+    }
+
+    // The old shards acknowledge: the Secrets land on shard-d, and their ConfigMaps follow.
+    let list = secrets.list_metadata(&ListParams::default()).await?;
+    for s in list
+        .items
+        .iter()
+        .filter(|s| s.labels().contains_key(&drain))
+    {
+        let ack = json!({"metadata": {
+            "resourceVersion": s.resource_version(),
+            "labels": {&key: null, &drain: null},
+        }});
+        secrets
+            .patch(&s.name_any(), &PatchParams::default(), &Patch::Merge(&ack))
+            .await?;
+    }
+    poll_until(
+        "ConfigMaps on their Secrets' new shard",
+        Duration::from_secs(30),
+        || async {
+            let cms = configmaps.list_metadata(&ListParams::default()).await?;
+            Ok(cms
+                .items
+                .iter()
+                .filter_map(|c| Some((c.name_any().strip_prefix("cm-")?.to_string(), c)))
+                .all(|(i, c)| {
+                    c.labels().get(&key).map(String::as_str)
+                        == expected_shard(&four, &ns, &format!("s-{i}"))
+                })
+                .then_some(()))
+        },
+    )
+    .await?;
+    logs.passed();
+    Ok(())
+}

@@ -16,7 +16,7 @@ use kube::runtime::reflector::ObjectRef;
 use kube::{Resource, ResourceExt};
 use serde_json::json;
 use sharding_crds::selector::selector_matches;
-use sharding_crds::{GroupResource, RingRef};
+use sharding_crds::{GroupResource, HashKey, RingRef};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -25,7 +25,7 @@ use super::announce::{Announcer, DRAIN_CHECK_PERIOD};
 use super::missed_assignments::MissedAssignments;
 use crate::context::Context;
 use crate::core::key::KeyOutcome;
-use crate::core::rebalance::RebalanceDecision;
+use crate::core::rebalance::{RebalanceDecision, waits_for_owner};
 use crate::core::sync_schedule::SyncSchedule;
 use crate::metrics::{Metrics, OutcomeLabels, RingLabel};
 use crate::observed::RingObjects;
@@ -68,6 +68,13 @@ pub(crate) enum Error {
         /// Underlying error.
         #[source]
         source: kube::Error,
+    },
+    /// Controlled objects wait for their controllers to leave their shard (drain acknowledged);
+    /// the sync runs again soon, with backoff.
+    #[error("{waiting} controlled objects wait for their controllers to leave their shard")]
+    WaitingForOwners {
+        /// Controlled objects held back.
+        waiting: usize,
     },
     /// Moves were held back because the ring's webhook is unreachable.
     #[error("held back {held} moves: the API server does not reach the ring's webhook")]
@@ -171,10 +178,15 @@ pub(crate) async fn run(ctx: Context, shutdown: CancellationToken) {
                     continue;
                 }
                 handles.remove(&name);
+                let waiting = matches!(result, Err(Error::WaitingForOwners { .. }));
                 let error = result.as_ref().err().map(ToString::to_string);
                 if let Some(backoff) = schedule.finished(&name, result.is_ok(), Instant::now()) {
                     let error = error.unwrap_or_default();
-                    tracing::warn!(%error, ring = %name, retry_in = ?backoff, "sync failed");
+                    if waiting {
+                        tracing::info!(%error, ring = %name, retry_in = ?backoff, "sync again soon");
+                    } else {
+                        tracing::warn!(%error, ring = %name, retry_in = ?backoff, "sync failed");
+                    }
                 }
             }
         }
@@ -257,6 +269,28 @@ fn tally_object(
             meta.uid.clone().unwrap_or_default(),
             current.unwrap_or_default().to_string(),
         );
+    }
+    // With object keys, a controlled object's key is its controller's key: main resources are
+    // synced first, so the controller was seen already if it is listed.
+    if view.hash_key == HashKey::Object
+        && let Ok(KeyOutcome::Key(key)) = &placement.key
+    {
+        let key_hash = crate::core::ring::hash(key);
+        if resource.is_main() {
+            tally
+                .owner_shards
+                .insert(key_hash, current.map(str::to_string));
+        } else if placement.decision == RebalanceDecision::Move
+            && waits_for_owner(
+                current,
+                tally.owner_shards.get(&key_hash).map(Option::as_deref),
+                placement.desired,
+                |shard| view.ring.contains(shard),
+            )
+        {
+            tally.waiting_for_owner += 1;
+            return RebalanceDecision::Keep;
+        }
     }
     placement.decision
 }
@@ -432,6 +466,11 @@ struct Tally {
     drained_now: HashSet<String>,
     /// Whether the "rebalance started" Event went out.
     announced: bool,
+    /// Hash of each listed main object's key → its shard label, for controlled objects that must
+    /// wait for their controller (hashes keep this small on big rings).
+    owner_shards: HashMap<u64, Option<String>>,
+    /// Controlled objects held back because their controller has not left their shard yet.
+    waiting_for_owner: usize,
 }
 
 /// Syncs every resource of one ring, records what it saw for the metrics and publishes the
@@ -497,14 +536,23 @@ async fn sync_ring(ctx: &Context, view: &RingView) -> Result<SyncStats, Error> {
             attempted: stats.drained + stats.moved + stats.failed,
         }),
         None if stats.held > 0 => Err(Error::WebhookUnreachable { held: stats.held }),
+        None if tally.waiting_for_owner > 0 => Err(Error::WaitingForOwners {
+            waiting: tally.waiting_for_owner,
+        }),
         None => Ok(stats),
     };
-    let outcome = if result.is_ok() { "success" } else { "failure" };
+    let outcome = match &result {
+        Ok(_) => "success",
+        Err(Error::WaitingForOwners { .. }) => "waiting",
+        Err(_) => "failure",
+    };
     ctx.metrics
         .syncs
         .get_or_create(&OutcomeLabels::new(&ring, outcome))
         .inc();
-    if let (Err(error), Some(reference)) = (&result, &reference) {
+    if let (Err(error), Some(reference)) = (&result, &reference)
+        && !matches!(error, Error::WaitingForOwners { .. })
+    {
         let note = format!("Sync failed, retrying with backoff: {error}");
         ctx.events
             .warning(reference, REASON_SYNC_FAILED, "", note)
