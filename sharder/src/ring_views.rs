@@ -79,6 +79,9 @@ pub struct RingView {
     pub(crate) unresolved: Vec<GroupResource>,
     /// `metadata.generation` of the ring this view was built from.
     pub(crate) generation: Option<i64>,
+    /// [`Discovery::generation`] when this view was built: a newer one means a resource's
+    /// version may have changed, and the view is rebuilt.
+    pub(crate) discovery_generation: u64,
     /// Increases with every rebuild of any view; set by [`RingViews::insert`]. The sharder
     /// controller syncs a ring again when its view's revision changed.
     pub(crate) revision: u64,
@@ -227,6 +230,7 @@ pub fn build_view<R: RingObject>(
         resources,
         unresolved,
         generation: ring.meta().generation,
+        discovery_generation: 0,
         revision: 0,
     }
 }
@@ -340,7 +344,11 @@ pub(crate) async fn refresh(ctx: &Context, retry_unresolved: bool) {
         let spec_changed = current
             .as_ref()
             .is_none_or(|v| v.generation != ring.meta().generation);
-        let retry = retry_unresolved && current.as_ref().is_some_and(|v| !v.unresolved.is_empty());
+        let discovery_generation = ctx.discovery.generation();
+        let retry = retry_unresolved
+            && current.as_ref().is_some_and(|v| {
+                !v.unresolved.is_empty() || v.discovery_generation != discovery_generation
+            });
         if !(shards_changed || spec_changed || retry) {
             continue;
         }
@@ -354,12 +362,13 @@ pub(crate) async fn refresh(ctx: &Context, retry_unresolved: bool) {
             .collect();
         let discovered = ctx.discovery.resolve(&resources).await;
         let default_selector = &ctx.config.webhook.config.namespace_selector;
-        let view = match &ring {
+        let mut view = match &ring {
             AnyRing::Cluster(r) => build_view(r.as_ref(), &shards, &discovered, default_selector),
             AnyRing::Controller(r) => {
                 build_view(r.as_ref(), &shards, &discovered, default_selector)
             }
         };
+        view.discovery_generation = discovery_generation;
         if !(shards_changed || spec_changed)
             && current
                 .as_ref()

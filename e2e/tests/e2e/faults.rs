@@ -870,3 +870,131 @@ async fn controlled_objects_follow_their_controller_only_after_it_left() -> anyh
     logs.passed();
     Ok(())
 }
+
+/// A CRD that stops serving the version the sharder discovered is looked up again: the sync
+/// that got 404 for the old version forgets it, the ring's view is rebuilt with the new one, and
+/// rebalancing goes on without a restart.
+#[tokio::test]
+async fn a_crd_changing_its_served_version_is_discovered_again() -> anyhow::Result<()> {
+    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+    use kube::api::{ApiResource, DynamicObject};
+    use kube::runtime::wait::{await_condition, conditions};
+
+    let sharder = shared();
+    let mut logs = sharder.dump_on_failure();
+    let cluster = cluster();
+    let client = cluster.client().await?;
+    let group = format!("{}.example.com", unique_name("versions"));
+    let crd_name = format!("gadgets.{group}");
+    let version = |name: &str, served: bool, storage: bool| {
+        json!({"name": name, "served": served, "storage": storage, "schema": {"openAPIV3Schema": {
+            "type": "object", "x-kubernetes-preserve-unknown-fields": true}}})
+    };
+    let crd = |versions: Vec<serde_json::Value>| -> anyhow::Result<CustomResourceDefinition> {
+        Ok(serde_json::from_value(json!({
+            "apiVersion": "apiextensions.k8s.io/v1",
+            "kind": "CustomResourceDefinition",
+            "metadata": {"name": crd_name},
+            "spec": {"group": group, "scope": "Namespaced",
+                "names": {"plural": "gadgets", "singular": "gadget", "kind": "Gadget", "listKind": "GadgetList"},
+                "versions": versions},
+        }))?)
+    };
+    let crds = Api::<CustomResourceDefinition>::all(client.clone());
+    let apply = PatchParams::apply("e2e-versions").force();
+    crds.patch(
+        &crd_name,
+        &apply,
+        &Patch::Apply(&crd(vec![version("v1", true, true)])?),
+    )
+    .await?;
+    tokio::time::timeout(
+        Duration::from_secs(30),
+        await_condition(crds.clone(), &crd_name, conditions::is_crd_established()),
+    )
+    .await??;
+
+    let ns = cluster.namespace(&client, "versions").await?;
+    let ring = unique_name("versions");
+    for shard in ["shard-a", "shard-b"] {
+        create_lease(&client, &ns, &ring, shard, 3600).await?;
+    }
+    let mut spec = ring_spec(&ns);
+    spec.resources = vec![sharding_crds::RingResource {
+        group: group.clone(),
+        resource: "gadgets".into(),
+        controlled_resources: vec![],
+    }];
+    create_ring(&client, &ring, spec).await?;
+    wait_status(&client, &ring, 2, 2).await?;
+    let resource = |v: &str| {
+        ApiResource::from_gvk_with_plural(
+            &kube::core::GroupVersionKind::gvk(&group, v, "Gadget"),
+            "gadgets",
+        )
+    };
+    let v1 = Api::<DynamicObject>::namespaced_with(client.clone(), &ns, &resource("v1"));
+    let key = labels::shard_label(&ring);
+    // The webhook does not care about versions; wait until it assigns, then create the objects.
+    poll_until("gadgets assigned on create", WAIT, || async {
+        let params = PostParams {
+            dry_run: true,
+            ..Default::default()
+        };
+        let probe = DynamicObject::new("probe", &resource("v1"));
+        let created = v1.create(&params, &probe).await?;
+        Ok(created.labels().contains_key(&key).then_some(()))
+    })
+    .await?;
+    for i in 0..20 {
+        v1.create(
+            &PostParams::default(),
+            &DynamicObject::new(&format!("g-{i}"), &resource("v1")),
+        )
+        .await?;
+    }
+
+    // v2 replaces v1, which is no longer served.
+    crds.patch(
+        &crd_name,
+        &apply,
+        &Patch::Apply(&crd(vec![
+            version("v1", false, false),
+            version("v2", true, true),
+        ])?),
+    )
+    .await?;
+    let v2 = Api::<DynamicObject>::namespaced_with(client.clone(), &ns, &resource("v2"));
+    poll_until("v2 served", WAIT, || async {
+        Ok(v2
+            .list_metadata(&ListParams::default())
+            .await
+            .ok()
+            .map(|_| ()))
+    })
+    .await?;
+    // A shard joins: the sync must list the gadgets with v2 and drain those moving to it.
+    create_lease(&client, &ns, &ring, "shard-c", 3600).await?;
+    let three = Ring::new(["shard-a", "shard-b", "shard-c"]);
+    let drain = labels::drain_label(&ring);
+    poll_until(
+        "gadgets moving to shard-c drained",
+        Duration::from_secs(60),
+        || async {
+            let list = v2.list_metadata(&ListParams::default()).await?;
+            Ok(list
+                .items
+                .iter()
+                .all(|g| {
+                    let want = three.shard_for(&format!("{group}/Gadget/{ns}/{}", g.name_any()));
+                    let have = g.labels().get(&key).map(String::as_str);
+                    (have == want) != g.labels().contains_key(&drain)
+                })
+                .then_some(()))
+        },
+    )
+    .await?;
+    crds.delete(&crd_name, &Default::default()).await?;
+    logs.passed();
+    Ok(())
+}

@@ -40,7 +40,8 @@ const HELD_WAIT: Duration = Duration::from_millis(500);
 #[derive(Debug, Default)]
 pub(crate) struct MissedAssignments {
     tasks: JoinSet<()>,
-    running: HashMap<(RingRef, GroupResource), AbortHandle>,
+    /// By ring, resource and the version watched: a new version means a new watch.
+    running: HashMap<(RingRef, GroupResource, String), AbortHandle>,
 }
 
 impl MissedAssignments {
@@ -48,9 +49,13 @@ impl MissedAssignments {
     pub(crate) fn reconcile(&mut self, ctx: &Context, views: &[Arc<RingView>]) {
         // A watch ends on its own only when its ring or resource went away; reap it.
         while self.tasks.try_join_next().is_some() {}
-        let wanted: HashSet<(RingRef, GroupResource)> = views
+        let wanted: HashSet<(RingRef, GroupResource, String)> = views
             .iter()
-            .flat_map(|v| v.resources.keys().map(|gr| (v.ring_ref(), gr.clone())))
+            .flat_map(|v| {
+                v.resources
+                    .iter()
+                    .map(|(gr, r)| (v.ring_ref(), gr.clone(), r.info.version.clone()))
+            })
             .collect();
         self.running.retain(|key, task| {
             let keep = wanted.contains(key) && !task.is_finished();
@@ -128,6 +133,14 @@ async fn watch_unassigned(ctx: Context, ring: RingRef, gr: GroupResource) {
             Some(Ok(_)) => continue,
             Some(Err(error)) => {
                 tracing::warn!(%error, %ring, resource = %gr, "missed-assignment watch failed, retrying with backoff");
+                if let watcher::Error::InitialListFailed(kube::Error::Api(status))
+                | watcher::Error::WatchStartFailed(kube::Error::Api(status)) = &error
+                    && status.code == 404
+                {
+                    // The version is not served any more: the view is rebuilt with the one
+                    // discovered now, and a watch of that version replaces this one.
+                    ctx.discovery.forget(&gr);
+                }
                 continue;
             }
         };

@@ -582,13 +582,17 @@ async fn sync_resource(
     // the same reason. Later pages pass only the continue token, as the API requires.
     let mut params = ListParams::default().limit(PAGE_SIZE);
     loop {
-        let page = api
-            .list_metadata(&params)
-            .await
-            .map_err(|source| Error::List {
+        let page = api.list_metadata(&params).await.map_err(|source| {
+            if matches!(&source, kube::Error::Api(status) if status.code == 404) {
+                // The version we know is not served any more (a CRD changed its versions): look
+                // it up again; the view is rebuilt with the new one and the sync starts over.
+                ctx.discovery.forget(gr);
+            }
+            Error::List {
                 resource: gr.clone(),
                 source,
-            })?;
+            }
+        })?;
         stats.listed += page.items.len();
         let actions: Vec<(PartialObjectMeta<DynamicObject>, RebalanceDecision)> = page
             .items

@@ -2,17 +2,21 @@
 
 use std::collections::HashMap;
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use kube::Client;
 use sharding_crds::GroupResource;
 
 use crate::ring_views::ResourceInfo;
 
-/// Discovery of resources, cached for the life of the process (kinds and scopes do not change for
-/// a served resource; a resource that is not served yet is looked up again next time).
+/// Discovery of resources, cached (a resource that is not served yet is looked up again next
+/// time). An entry is forgotten when a request with its version answers 404: a CRD that stopped
+/// serving that version, say. The generation counts those, so ring views built with a forgotten
+/// entry are rebuilt.
 pub(crate) struct Discovery {
     client: Client,
     cache: Mutex<HashMap<GroupResource, ResourceInfo>>,
+    generation: AtomicU64,
 }
 
 impl std::fmt::Debug for Discovery {
@@ -27,7 +31,28 @@ impl Discovery {
         Self {
             client,
             cache: Mutex::new(HashMap::new()),
+            generation: AtomicU64::new(0),
         }
+    }
+
+    /// Forgets what is known about `gr` (its version is no longer served); the next resolution
+    /// asks the API server again.
+    pub(crate) fn forget(&self, gr: &GroupResource) {
+        let removed = self
+            .cache
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(gr)
+            .is_some();
+        if removed {
+            self.generation.fetch_add(1, Ordering::SeqCst);
+            tracing::info!(resource = %gr, "forgot a resource's discovered version; it is looked up again");
+        }
+    }
+
+    /// Increases whenever an entry is forgotten.
+    pub(crate) fn generation(&self) -> u64 {
+        self.generation.load(Ordering::SeqCst)
     }
 
     /// Resolves every given resource it can. Resources the server does not serve (yet) are left
