@@ -209,6 +209,8 @@ pub(crate) struct RingSnapshot {
     pub(crate) shards: i64,
     /// `status.availableShards`.
     pub(crate) available_shards: i64,
+    /// 1 when the `Ready` condition is `True`, else 0.
+    pub(crate) ready: i64,
 }
 
 /// What the state metrics report about one shard Lease.
@@ -399,6 +401,12 @@ impl<S: StateSource> prometheus_client::collector::Collector for StateCollector<
                 &format!("status.availableShards of the {kind}"),
                 ring_gauge(|r| r.available_shards),
             )?;
+            encode_gauges(
+                &mut encoder,
+                &format!("controller_sharding_{prefix}_ready"),
+                &format!("1 when the {kind}'s Ready condition is True, else 0"),
+                ring_gauge(|r| r.ready),
+            )?;
         }
 
         let shards = self.0.shards();
@@ -553,6 +561,10 @@ impl StateSource for CacheState {
                     observed_generation: status.observed_generation.unwrap_or_default(),
                     shards: status.shards.into(),
                     available_shards: status.available_shards.into(),
+                    ready: i64::from(status.conditions.iter().any(|c| {
+                        c.type_ == sharding_crds::cluster_ring::CONDITION_READY
+                            && c.status == "True"
+                    })),
                 }
             })
             .collect()
@@ -609,6 +621,7 @@ mod tests {
                     observed_generation: 2,
                     shards: 3,
                     available_shards: 2,
+                    ready: 0,
                 },
                 RingSnapshot {
                     ring: RingRef::new(RingKind::ControllerRing, "example"),
@@ -617,6 +630,7 @@ mod tests {
                     observed_generation: 5,
                     shards: 1,
                     available_shards: 1,
+                    ready: 1,
                 },
             ]
         }
@@ -710,6 +724,8 @@ mod tests {
             r#"controller_sharding_assignments_total{controllerring="example",group="",resource="secrets"} 4"#,
             r#"controller_sharding_controllerring_metadata_generation{controllerring="example",uid="u2"} 5"#,
             r#"controller_sharding_controllerring_status_available_shards{controllerring="example",uid="u2"} 1"#,
+            r#"controller_sharding_controllerring_ready{controllerring="example",uid="u2"} 1"#,
+            r#"controller_sharding_clusterring_ready{clusterring="example",uid="u1"} 0"#,
             r#"controller_sharding_shard_state{namespace="default",shard="shard-c",controllerring="example",state="ready"} 1"#,
             r#"controller_sharding_shard_weight{namespace="default",shard="shard-c",controllerring="example"} 3"#,
             r#"controller_sharding_shard_weight{namespace="default",shard="shard-a",clusterring="example"} 1"#,
