@@ -379,3 +379,28 @@ pub async fn lease_warnings(
         })
         .collect())
 }
+
+/// Waits until a dry-run create of Secret `name` in `namespace` comes back with `label` set to
+/// `expected`: the ring's webhook is in place and answers from the view the test expects.
+pub async fn wait_dry_run_label(
+    client: &Client,
+    namespace: &str,
+    name: &str,
+    label: &str,
+    expected: &str,
+) -> anyhow::Result<()> {
+    let api = Api::<Secret>::namespaced(client.clone(), namespace);
+    poll_until(
+        &format!("the webhook to label {name} {label}={expected}"),
+        WAIT,
+        || async {
+            let params = PostParams {
+                dry_run: true,
+                ..Default::default()
+            };
+            let created = api.create(&params, &secret(name)).await?;
+            Ok((created.labels().get(label).map(String::as_str) == Some(expected)).then_some(()))
+        },
+    )
+    .await
+}

@@ -9,7 +9,7 @@ use anyhow::{Context, ensure};
 use e2e::IndependentRing;
 use e2e::fixtures::{
     WAIT, create_lease_of, create_ring_of, create_secrets, ring_of_kind_with_shards, ring_spec,
-    secret, wait_status_of,
+    wait_dry_run_label, wait_status_of,
 };
 use e2e::process::{binary, poll_until};
 use e2e::sharder::shared;
@@ -92,20 +92,8 @@ async fn wait_assigns(
     ring: &RingRef,
     predicted: &IndependentRing,
 ) -> anyhow::Result<()> {
-    let api = Api::<Secret>::namespaced(client.clone(), namespace);
-    let key = ring.shard_label();
-    let expected = predicted
-        .shard_for(&format!("/Secret/{namespace}/probe"))
-        .to_string();
-    poll_until(&format!("webhook of {ring} assigns"), WAIT, || async {
-        let params = PostParams {
-            dry_run: true,
-            ..Default::default()
-        };
-        let created = api.create(&params, &secret("probe")).await?;
-        Ok((created.labels().get(&key) == Some(&expected)).then_some(()))
-    })
-    .await
+    let expected = predicted.shard_for(&format!("/Secret/{namespace}/probe"));
+    wait_dry_run_label(client, namespace, "probe", &ring.shard_label(), expected).await
 }
 
 /// A ring of `kind` over Secrets in a fresh namespace with self-held Leases of `shards`, Ready

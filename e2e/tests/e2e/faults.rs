@@ -49,6 +49,23 @@ fn apiserver_metric(cluster: &Cluster, name: &str, labels: &[(&str, &str)]) -> a
     Ok(total as u64)
 }
 
+/// A sharder process on `cluster` whose webhook the API server calls through a gate the test can
+/// close (a network blip, or a webhook it cannot reach at all).
+async fn gated_sharder(
+    cluster: &Cluster,
+) -> anyhow::Result<(TcpGate, SharderFiles, e2e::process::Process)> {
+    let webhook_port = e2e::sharder::free_port()?;
+    let gate = TcpGate::start(([127, 0, 0, 1], webhook_port).into()).await?;
+    let settings = SharderSettings {
+        webhook_url: Some(format!("https://{}", gate.addr())),
+        ..Default::default()
+    };
+    let files =
+        SharderFiles::create_with_webhook_port(cluster.kubeconfig(), &settings, webhook_port)?;
+    let sharder = files.start_process()?;
+    Ok((gate, files, sharder))
+}
+
 /// Watches the API server holds open on `resource` (core group), from its own metrics.
 fn watches_on(cluster: &Cluster, resource: &str) -> anyhow::Result<u64> {
     apiserver_metric(
@@ -182,16 +199,7 @@ async fn objects_missed_during_a_webhook_outage_are_assigned_once_it_ends() -> a
     let ring = unique_name("outage");
     let shards = ["shard-a", "shard-b"];
 
-    // The API server calls the webhook through a gate the test can close.
-    let webhook_port = e2e::sharder::free_port()?;
-    let gate = TcpGate::start(([127, 0, 0, 1], webhook_port).into()).await?;
-    let settings = SharderSettings {
-        webhook_url: Some(format!("https://{}", gate.addr())),
-        ..Default::default()
-    };
-    let files =
-        SharderFiles::create_with_webhook_port(cluster.kubeconfig(), &settings, webhook_port)?;
-    let mut sharder = files.start_process()?;
+    let (gate, files, mut sharder) = gated_sharder(cluster).await?;
     create_ring(&client, &ring, ring_spec(&ns)).await?;
     for shard in shards {
         create_lease(&client, &ns, &ring, shard, 3600).await?;
@@ -634,15 +642,7 @@ async fn a_ring_whose_webhook_is_unreachable_sends_no_moves() -> anyhow::Result<
     let broken_ns = cluster.namespace(&client, "broken").await?;
     let (healthy, broken) = (unique_name("healthy"), unique_name("broken"));
     let shards = ["shard-a", "shard-b"];
-    let webhook_port = e2e::sharder::free_port()?;
-    let gate = TcpGate::start(([127, 0, 0, 1], webhook_port).into()).await?;
-    let settings = SharderSettings {
-        webhook_url: Some(format!("https://{}", gate.addr())),
-        ..Default::default()
-    };
-    let files =
-        SharderFiles::create_with_webhook_port(cluster.kubeconfig(), &settings, webhook_port)?;
-    let mut sharder = files.start_process()?;
+    let (gate, files, mut sharder) = gated_sharder(cluster).await?;
     for (ring, ns) in [(&healthy, &healthy_ns), (&broken, &broken_ns)] {
         create_ring(&client, ring, ring_spec(ns)).await?;
         for shard in shards {

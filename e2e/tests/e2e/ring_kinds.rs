@@ -11,8 +11,8 @@ use anyhow::{Context, ensure};
 use e2e::IndependentRing;
 use e2e::cluster;
 use e2e::fixtures::{
-    WAIT, create_lease_of, create_ring_of, create_secrets, lease_warnings, ring_spec, secret,
-    wait_status_of,
+    WAIT, create_lease_of, create_ring_of, create_secrets, lease_warnings, ring_spec,
+    wait_dry_run_label, wait_status_of,
 };
 use e2e::process::poll_until;
 use e2e::sharder::shared;
@@ -101,25 +101,11 @@ async fn same_name_rings_of_both_kinds_coexist() -> anyhow::Result<()> {
         IndependentRing::unweighted(["controller-a", "controller-b", "controller-c"]);
     let names: Vec<String> = (0..40).map(|i| format!("s-{i}")).collect();
     // Both webhooks must be in place with their current views before the writes count.
-    let probe = |key: String, predicted: &IndependentRing| {
-        let expected = predicted
-            .shard_for(&format!("/Secret/{ns}/probe"))
-            .to_string();
-        let api = Api::<Secret>::namespaced(client.clone(), &ns);
-        async move {
-            poll_until("webhook assigns as predicted", WAIT, || async {
-                let params = PostParams {
-                    dry_run: true,
-                    ..Default::default()
-                };
-                let created = api.create(&params, &secret("probe")).await?;
-                Ok((created.labels().get(&key) == Some(&expected)).then_some(()))
-            })
-            .await
-        }
-    };
-    probe(cluster_key.clone(), &cluster_predicted).await?;
-    probe(controller_key.clone(), &controller_predicted).await?;
+    let probe_key = format!("/Secret/{ns}/probe");
+    let expected = cluster_predicted.shard_for(&probe_key);
+    wait_dry_run_label(&client, &ns, "probe", &cluster_key, expected).await?;
+    let expected = controller_predicted.shard_for(&probe_key);
+    wait_dry_run_label(&client, &ns, "probe", &controller_key, expected).await?;
     create_secrets(&client, &ns, &names).await?;
 
     let by_cluster = secret_labels(&client, &ns, &cluster_key).await?;
@@ -189,15 +175,7 @@ async fn namespace_hashing_keeps_a_namespace_on_one_shard() -> anyhow::Result<()
     let key = ring.shard_label();
 
     let secrets = Api::<Secret>::namespaced(client.clone(), &ns);
-    poll_until("the webhook assigns by namespace", WAIT, || async {
-        let params = PostParams {
-            dry_run: true,
-            ..Default::default()
-        };
-        let created = secrets.create(&params, &secret("probe")).await?;
-        Ok((created.labels().get(&key) == Some(&namespace_shard)).then_some(()))
-    })
-    .await?;
+    wait_dry_run_label(&client, &ns, "probe", &key, &namespace_shard).await?;
     let names: Vec<String> = (0..20).map(|i| format!("s-{i}")).collect();
     create_secrets(&client, &ns, &names).await?;
     // A main object with only generateName is assigned too (with object keys it is denied).
@@ -282,7 +260,6 @@ async fn weighted_shards_follow_the_weighted_ring() -> anyhow::Result<()> {
     wait_status_of(&client, &ring, 3, 3).await?;
     let predicted = IndependentRing::new([("light", 1), ("heavy", 3), ("odd", 1)]);
     let key = ring.shard_label();
-    let secrets = Api::<Secret>::namespaced(client.clone(), &ns);
     // Wait for the weighted view: a probe whose shard differs between weighted and plain rings.
     let plain = IndependentRing::unweighted(["light", "heavy", "odd"]);
     let probe = (0..1000)
@@ -295,15 +272,7 @@ async fn weighted_shards_follow_the_weighted_ring() -> anyhow::Result<()> {
     let expected = predicted
         .shard_for(&format!("/Secret/{ns}/{probe}"))
         .to_string();
-    poll_until("the webhook assigns by weight", WAIT, || async {
-        let params = PostParams {
-            dry_run: true,
-            ..Default::default()
-        };
-        let created = secrets.create(&params, &secret(&probe)).await?;
-        Ok((created.labels().get(&key) == Some(&expected)).then_some(()))
-    })
-    .await?;
+    wait_dry_run_label(&client, &ns, &probe, &key, &expected).await?;
     let names: Vec<String> = (0..200).map(|i| format!("s-{i}")).collect();
     create_secrets(&client, &ns, &names).await?;
     let labels = secret_labels(&client, &ns, &key).await?;
@@ -392,15 +361,7 @@ async fn controller_ring_protocol_from_outside() -> anyhow::Result<()> {
     let two = IndependentRing::unweighted(["p-0", "p-1"]);
     let secrets = Api::<Secret>::namespaced(client.clone(), &ns);
     let probe_shard = two.shard_for(&format!("/Secret/{ns}/probe")).to_string();
-    poll_until("the ControllerRing webhook assigns", WAIT, || async {
-        let params = PostParams {
-            dry_run: true,
-            ..Default::default()
-        };
-        let created = secrets.create(&params, &secret("probe")).await?;
-        Ok((created.labels().get(&shard_key) == Some(&probe_shard)).then_some(()))
-    })
-    .await?;
+    wait_dry_run_label(&client, &ns, "probe", &shard_key, &probe_shard).await?;
     let names: Vec<String> = (0..40).map(|i| format!("s-{i}")).collect();
     create_secrets(&client, &ns, &names).await?;
     let labels = secret_labels(&client, &ns, &shard_key).await?;
