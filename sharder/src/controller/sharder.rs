@@ -276,14 +276,13 @@ fn tally_object(
         && let Ok(KeyOutcome::Key(key)) = &placement.key
     {
         let key_hash = crate::core::ring::hash(key);
+        let shard_hash = current.map_or(0, crate::core::ring::hash);
         if resource.is_main() {
-            tally
-                .owner_shards
-                .insert(key_hash, current.map(str::to_string));
+            tally.owner_shards.insert(key_hash, shard_hash);
         } else if placement.decision == RebalanceDecision::Move
             && waits_for_owner(
                 current,
-                tally.owner_shards.get(&key_hash).map(Option::as_deref),
+                current.is_some() && tally.owner_shards.get(&key_hash) == Some(&shard_hash),
                 placement.desired,
                 |shard| view.ring.contains(shard),
             )
@@ -466,9 +465,10 @@ struct Tally {
     drained_now: HashSet<String>,
     /// Whether the "rebalance started" Event went out.
     announced: bool,
-    /// Hash of each listed main object's key → its shard label, for controlled objects that must
-    /// wait for their controller (hashes keep this small on big rings).
-    owner_shards: HashMap<u64, Option<String>>,
+    /// Hash of each listed main object's key → hash of its shard label (0 without one), for
+    /// controlled objects that must wait for their controller; hashes keep this at 16 bytes an
+    /// object on big rings.
+    owner_shards: HashMap<u64, u64>,
     /// Controlled objects held back because their controller has not left their shard yet.
     waiting_for_owner: usize,
 }

@@ -51,21 +51,18 @@ pub(crate) fn decide(
 }
 
 /// Whether a controlled object whose decision is [`RebalanceDecision::Move`] must wait for its
-/// controller: the controller still sits on the object's current shard, which is available, so
-/// that shard is still reconciling the controller (until it acknowledges its drain) and would
-/// write the object back. `owner_current` is the controller's shard label, `None` when the
-/// controller was not seen.
+/// controller: the controller still sits on the object's `current` shard (`owner_on_current`),
+/// which is available, so that shard is still reconciling the controller (until it acknowledges
+/// its drain) and would write the object back.
 pub(crate) fn waits_for_owner(
     current: Option<&str>,
-    owner_current: Option<Option<&str>>,
+    owner_on_current: bool,
     desired: Option<&str>,
     is_available: impl Fn(&str) -> bool,
 ) -> bool {
-    match (current, owner_current) {
-        (Some(current), Some(Some(owner))) => {
-            owner == current && desired != Some(current) && is_available(current)
-        }
-        _ => false,
+    match current {
+        Some(current) => owner_on_current && desired != Some(current) && is_available(current),
+        None => false,
     }
 }
 
@@ -118,40 +115,14 @@ mod tests {
     #[test]
     fn controlled_objects_wait_while_their_owner_stays_on_a_live_shard() {
         // Owner still on live shard a: wait.
-        assert!(waits_for_owner(
-            Some("a"),
-            Some(Some("a")),
-            Some("b"),
-            available
-        ));
-        // Owner gone over to b already, or unassigned meanwhile: move.
-        assert!(!waits_for_owner(
-            Some("a"),
-            Some(Some("b")),
-            Some("b"),
-            available
-        ));
-        assert!(!waits_for_owner(
-            Some("a"),
-            Some(None),
-            Some("b"),
-            available
-        ));
-        // Owner not seen (deleted, or not listed): move.
-        assert!(!waits_for_owner(Some("a"), None, Some("b"), available));
+        assert!(waits_for_owner(Some("a"), true, Some("b"), available));
+        // Owner gone over to b already, unassigned meanwhile, or not seen at all: move.
+        assert!(!waits_for_owner(Some("a"), false, Some("b"), available));
+        // Already where the ring wants it: nothing to wait for.
+        assert!(!waits_for_owner(Some("a"), true, Some("a"), available));
         // Old shard dead: nobody reconciles there, move at once.
-        assert!(!waits_for_owner(
-            Some("gone"),
-            Some(Some("gone")),
-            Some("b"),
-            available
-        ));
+        assert!(!waits_for_owner(Some("gone"), true, Some("b"), available));
         // Unassigned controlled object: assign at once.
-        assert!(!waits_for_owner(
-            None,
-            Some(Some("a")),
-            Some("b"),
-            available
-        ));
+        assert!(!waits_for_owner(None, true, Some("b"), available));
     }
 }
