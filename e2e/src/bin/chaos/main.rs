@@ -153,6 +153,21 @@ pub(crate) fn progress(message: &str) {
     eprintln!("[{:>7.1}s] {message}", started.elapsed().as_secs_f64());
 }
 
+/// Resolves on SIGTERM or SIGINT (never, if the handlers cannot be installed), naming it.
+async fn interrupted() -> &'static str {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = term.recv() => "SIGTERM",
+        _ = int.recv() => "SIGINT",
+    }
+}
+
 /// A seed from the clock and the process id, for runs without `--seed`.
 fn random_seed() -> u64 {
     let nanos = std::time::SystemTime::now()
@@ -181,7 +196,16 @@ fn main() -> anyhow::Result<()> {
     // Blocks on a runtime of its own: set the cluster up before entering ours.
     let cluster = cluster();
     let runtime = tokio::runtime::Runtime::new().context("failed to start a runtime")?;
-    let report = runtime.block_on(run(&args, seed, cluster))?;
+    let report = runtime.block_on(async {
+        tokio::select! {
+            report = run(&args, seed, cluster) => report,
+            signal = interrupted() => Err(anyhow::anyhow!("interrupted by {signal}")),
+        }
+    });
+    // Dropping the runtime drops every task and with them the processes, which kill their
+    // children; the control plane's watchdog stops it once this process is gone.
+    drop(runtime);
+    let report = report?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {

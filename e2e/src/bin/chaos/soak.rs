@@ -39,6 +39,9 @@ const LEADER_ELECTION: (u32, u32, u32) = (8, 6, 2);
 /// How long processes may take to start and become ready.
 const STARTUP: Duration = Duration::from_secs(90);
 
+/// Faults of the plan listed in the progress output.
+const PLAN_SHOWN: usize = 22;
+
 /// Most shards above `--shards` that scale-outs may add.
 const EXTRA_SHARDS: usize = 2;
 
@@ -310,12 +313,20 @@ async fn inject(scene: &Scene<'_>, fleet: &Arc<Fleet>) -> anyhow::Result<Chaos> 
         plan.len(),
         args.rate
     ));
+    let shown: Vec<String> = plan
+        .iter()
+        .take(PLAN_SHOWN)
+        .map(|f| format!("{:.1}s {}", f.at_seconds, f.kind.name()))
+        .collect();
+    let more = plan.len().saturating_sub(PLAN_SHOWN);
     progress(&format!(
-        "plan: {}",
-        plan.iter()
-            .map(|f| format!("{:.1}s {}", f.at_seconds, f.kind.name()))
-            .collect::<Vec<_>>()
-            .join(", ")
+        "plan: {}{}",
+        shown.join(", "),
+        if more > 0 {
+            format!(", ... and {more} more (--plan-only prints them all)")
+        } else {
+            String::new()
+        }
     ));
     let mut injector = Injector::new(
         fleet.clone(),
