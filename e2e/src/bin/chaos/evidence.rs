@@ -7,7 +7,7 @@
 //! | record | fields |
 //! |---|---|
 //! | a reconcile starts | `event: "reconcile"`, `namespace`, `name`, `shard` |
-//! | a drain was acknowledged (logged after the patch succeeded) | `event: "drain"`, `namespace`, `name`, `shard` |
+//! | a drain was acknowledged (logged after the patch succeeded) | `event: "drain"`, `namespace`, `name`, `shard`, `resource_version` (the version the patch was conditioned on) |
 //! | the shard library acquired the Lease | message `acquired Lease`, `transitions` |
 //! | the Lease was lost (renew deadline missed, or taken over) | a message containing `it is lost`; then `lost the shard Lease, stopped at once` |
 //! | the Lease was released on graceful shutdown | message `released Lease` |
@@ -32,8 +32,8 @@ pub(crate) enum LeaseEnd {
 pub(crate) struct RunLog {
     /// Reconcile starts: time and `namespace/name`.
     pub(crate) reconciles: Vec<(Timestamp, String)>,
-    /// Drain acknowledgements: time and `namespace/name`.
-    pub(crate) drains: Vec<(Timestamp, String)>,
+    /// Drain acknowledgements: time, `namespace/name`, and the `resourceVersion` acknowledged.
+    pub(crate) drains: Vec<(Timestamp, String, Option<u64>)>,
     /// When it acquired its Lease, and the Lease's `leaseTransitions` then.
     pub(crate) acquired: Option<(Timestamp, i64)>,
     /// The first record saying the Lease was lost or released.
@@ -74,7 +74,12 @@ impl RunLog {
             let message = record["message"].as_str().unwrap_or_default();
             match record["event"].as_str() {
                 Some("reconcile") => log.reconciles.push((at, object())),
-                Some("drain") => log.drains.push((at, object())),
+                Some("drain") => {
+                    let version = record["resource_version"]
+                        .as_str()
+                        .and_then(|v| v.parse().ok());
+                    log.drains.push((at, object(), version));
+                }
                 _ if message == "acquired Lease" && log.acquired.is_none() => {
                     log.acquired = Some((at, record["transitions"].as_i64().unwrap_or(0)));
                 }
@@ -121,7 +126,7 @@ thread 'main' panicked at somewhere
         );
         assert_eq!(
             log.drains,
-            [(at("2026-01-01T00:00:03Z"), "ns/s-1".to_string())]
+            [(at("2026-01-01T00:00:03Z"), "ns/s-1".to_string(), Some(12))]
         );
         assert_eq!(log.acquired, Some((at("2026-01-01T00:00:01Z"), 3)));
         // The first loss record counts.

@@ -44,7 +44,7 @@
 //! | `apiserver` | restarting kube-apiserver of the local control plane |
 //! | `faults` | carrying out the plan |
 //! | `churn` | creating, updating and deleting Secrets |
-//! | `leases` | the tool's record of shard Lease holders |
+//! | `leases`, `versions`, `stalls` | the tool's own records: shard Lease holders, Secret versions, API server stalls |
 //! | `evidence` | reading a shard's JSON log |
 //! | `ownership` | invariant 1 |
 //! | `ring` | the independent hash ring, label keys and shard availability |
@@ -66,6 +66,8 @@ mod probes;
 mod report;
 mod ring;
 mod soak;
+mod stalls;
+mod versions;
 
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};

@@ -7,9 +7,10 @@
 //!    let go in between: acknowledged a drain of that object, released or lost its Lease (by its
 //!    own log, or as the tool saw the Lease change holder), or stopped (killed by the tool, or
 //!    exited). "In between" means after A's last reconcile of the object and no later than B's
-//!    reconcile plus [`LOG_SLACK`].
-//! 2. **Nothing after the end.** A process logs no reconcile or drain after it said its Lease
-//!    was lost or released.
+//!    reconcile plus [`LOG_SLACK`]. A drain acknowledgement counts from its record or from when
+//!    the tool's watch saw the version it wrote, whichever is earlier (see `versions`).
+//! 2. **Nothing after the end.** A process logs no reconcile after it said its Lease was lost or
+//!    released.
 //! 3. **Nothing after a takeover.** A process logs no reconcile more than [`LOG_SLACK`] after the
 //!    tool saw its Lease taken over by someone else (a later `leaseTransitions` than the process
 //!    acquired, another holder): the sharder declares a shard dead only when it cannot have
@@ -20,6 +21,11 @@
 //! after it was written, while the next shard may start within milliseconds of the write. The
 //! slack only forgives that ordering of log lines; it never lets a process's own reconcile come
 //! after its own end, which rule 2 compares within one log, free of clocks.
+//!
+//! Drain acknowledgements logged after the process's own end are counted, not reported as
+//! violations: an acknowledgement only gives the object up, conditioned on the version it read,
+//! so it cannot make two shards own one object, and its record trails the write (a shard paused
+//! between the two logs it only after it resumed and found its Lease gone).
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -62,23 +68,42 @@ pub(crate) struct ShardCounts {
     pub(crate) drains: usize,
 }
 
-/// Applies the three rules; returns the violations and the per-shard counts.
+/// What the check found.
+#[derive(Debug, Default)]
+pub(crate) struct Ownership {
+    pub(crate) violations: Vec<Violation>,
+    pub(crate) counts: BTreeMap<String, ShardCounts>,
+    /// Drain acknowledgements logged after the process said its Lease was lost or released.
+    pub(crate) drains_logged_after_end: usize,
+    /// Drain acknowledgements the tool saw take effect more than [`LOG_SLACK`] before their
+    /// record (the shard was paused in between, say).
+    pub(crate) drains_dated_by_watch: usize,
+}
+
+/// Applies the three rules. `took_effect(object, version)` tells when the tool saw the first
+/// version of `object` after `version`.
 pub(crate) fn check(
     runs: &[ShardRun],
     changes: &[HolderChange],
-) -> (Vec<Violation>, BTreeMap<String, ShardCounts>) {
-    let mut violations = Vec::new();
-    let mut counts: BTreeMap<String, ShardCounts> = BTreeMap::new();
+    took_effect: &dyn Fn(&str, u64) -> Option<Timestamp>,
+) -> Ownership {
+    let mut found = Ownership::default();
     for run in runs {
-        let c = counts.entry(run.shard.clone()).or_default();
+        let c = found.counts.entry(run.shard.clone()).or_default();
         c.processes += 1;
         c.reconciles += run.log.reconciles.len();
         c.drains += run.log.drains.len();
-        violations.extend(after_end(run));
-        violations.extend(after_takeover(run, changes));
+        found.violations.extend(after_end(run));
+        found.violations.extend(after_takeover(run, changes));
+        if let Some((end, _)) = run.log.lease_end {
+            found.drains_logged_after_end +=
+                run.log.drains.iter().filter(|(at, ..)| *at > end).count();
+        }
     }
-    violations.extend(handovers(runs, changes));
-    (violations, counts)
+    let (violations, dated_by_watch) = handovers(runs, changes, took_effect);
+    found.violations.extend(violations);
+    found.drains_dated_by_watch = dated_by_watch;
+    found
 }
 
 /// Rule 2.
@@ -90,19 +115,14 @@ fn after_end(run: &ShardRun) -> Vec<Violation> {
         LeaseEnd::Lost => "lost",
         LeaseEnd::Released => "released",
     };
-    let reconciles = run.log.reconciles.iter().map(|r| ("reconciled", r));
-    let drains = run
-        .log
-        .drains
+    run.log
+        .reconciles
         .iter()
-        .map(|d| ("acknowledged a drain of", d));
-    reconciles
-        .chain(drains)
-        .filter(|(_, (at, _))| *at > end)
-        .map(|(what, (at, object))| Violation {
+        .filter(|(at, _)| *at > end)
+        .map(|(at, object)| Violation {
             invariant: "exclusive-ownership",
             detail: format!(
-                "{} {what} {object} at {at} after its Lease was {how} at {end}",
+                "{} reconciled {object} at {at} after its Lease was {how} at {end}",
                 run.describe()
             ),
         })
@@ -142,8 +162,14 @@ fn after_takeover(run: &ShardRun, changes: &[HolderChange]) -> Vec<Violation> {
         .collect()
 }
 
-/// Rule 1.
-fn handovers(runs: &[ShardRun], changes: &[HolderChange]) -> Vec<Violation> {
+/// Rule 1; also returns how many drain acknowledgements the watch dated well before their
+/// record.
+fn handovers(
+    runs: &[ShardRun],
+    changes: &[HolderChange],
+    took_effect: &dyn Fn(&str, u64) -> Option<Timestamp>,
+) -> (Vec<Violation>, usize) {
+    let mut dated_by_watch = 0;
     // Moments each shard name let go of everything: its processes' Lease ends, exits and kills,
     // and Lease holder changes away from it.
     let mut let_go: HashMap<&str, Vec<Timestamp>> = HashMap::new();
@@ -162,8 +188,18 @@ fn handovers(runs: &[ShardRun], changes: &[HolderChange]) -> Vec<Violation> {
                 .filter(|(_, s)| *s == "KILL")
                 .map(|(at, _)| *at),
         );
-        for (at, object) in &run.log.drains {
-            drained.entry((shard, object)).or_default().push(*at);
+        for (logged, object, version) in &run.log.drains {
+            let seen = version.and_then(|v| took_effect(object, v));
+            let at = match seen {
+                Some(seen) if seen < *logged => {
+                    if seen + LOG_SLACK < *logged {
+                        dated_by_watch += 1;
+                    }
+                    seen
+                }
+                _ => *logged,
+            };
+            drained.entry((shard, object)).or_default().push(at);
         }
         for (at, object) in &run.log.reconciles {
             reconciles.entry(object).or_default().push((*at, shard));
@@ -206,12 +242,21 @@ fn handovers(runs: &[ShardRun], changes: &[HolderChange]) -> Vec<Violation> {
             owner = Some((shard, at));
         }
     }
-    violations
+    (violations, dated_by_watch)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A watch that saw nothing.
+    fn no_watch(_: &str, _: u64) -> Option<Timestamp> {
+        None
+    }
+
+    fn check_without_watch(runs: &[ShardRun], changes: &[HolderChange]) -> Vec<Violation> {
+        check(runs, changes, &no_watch).violations
+    }
 
     fn t(seconds: i64) -> Timestamp {
         Timestamp::UNIX_EPOCH + SignedDuration::from_secs(1_000_000 + seconds)
@@ -237,9 +282,10 @@ mod tests {
     #[test]
     fn a_drain_acknowledgement_hands_the_object_over() {
         let mut a = run("a", &[(10, "ns/x")]);
-        a.log.drains.push((t(20), "ns/x".into()));
+        a.log.drains.push((t(20), "ns/x".into(), Some(7)));
         let b = run("b", &[(21, "ns/x")]);
-        let (violations, counts) = check(&[a, b], &[]);
+        let found = check(&[a, b], &[], &no_watch);
+        let (violations, counts) = (found.violations, found.counts);
         assert!(violations.is_empty(), "{violations:?}");
         assert_eq!(counts["a"].drains, 1);
         assert_eq!(counts["b"].reconciles, 1);
@@ -248,9 +294,9 @@ mod tests {
     #[test]
     fn a_drain_of_another_object_does_not() {
         let mut a = run("a", &[(10, "ns/x")]);
-        a.log.drains.push((t(20), "ns/y".into()));
+        a.log.drains.push((t(20), "ns/y".into(), Some(7)));
         let b = run("b", &[(21, "ns/x")]);
-        let (violations, _) = check(&[a, b], &[]);
+        let violations = check(&[a, b], &[], &no_watch).violations;
         assert_eq!(violations.len(), 1);
         assert!(
             violations[0].detail.contains("ns/x: b reconciled"),
@@ -262,7 +308,7 @@ mod tests {
     fn two_shards_reconciling_back_and_forth_are_both_reported() {
         let a = run("a", &[(10, "ns/x"), (30, "ns/x")]);
         let b = run("b", &[(20, "ns/x")]);
-        let (violations, _) = check(&[a, b], &[]);
+        let violations = check(&[a, b], &[], &no_watch).violations;
         assert_eq!(violations.len(), 2, "{violations:?}");
     }
 
@@ -270,12 +316,12 @@ mod tests {
     fn a_kill_exit_or_lease_change_lets_go_of_everything() {
         let mut killed = run("a", &[(10, "ns/x")]);
         killed.signals.push((t(15), "KILL"));
-        let (v, _) = check(&[killed, run("b", &[(40, "ns/x")])], &[]);
+        let v = check_without_watch(&[killed, run("b", &[(40, "ns/x")])], &[]);
         assert!(v.is_empty(), "{v:?}");
 
         let mut exited = run("a", &[(10, "ns/x")]);
         exited.exited = Some(t(12));
-        let (v, _) = check(&[exited, run("b", &[(40, "ns/x")])], &[]);
+        let v = check_without_watch(&[exited, run("b", &[(40, "ns/x")])], &[]);
         assert!(v.is_empty(), "{v:?}");
 
         let taken = HolderChange {
@@ -284,7 +330,7 @@ mod tests {
             holder: Some("shardlease-controller".into()),
             transitions: 2,
         };
-        let (v, _) = check(
+        let v = check_without_watch(
             &[run("a", &[(10, "ns/x")]), run("b", &[(40, "ns/x")])],
             &[taken],
         );
@@ -300,11 +346,11 @@ mod tests {
             a.log.lease_end = Some((t(at), LeaseEnd::Released));
             a
         };
-        let (v, _) = check(&[released(41), run("b", &[(40, "ns/x")])], &[]);
+        let v = check_without_watch(&[released(41), run("b", &[(40, "ns/x")])], &[]);
         assert!(v.is_empty(), "{v:?}");
-        let (v, _) = check(&[released(45), run("b", &[(40, "ns/x")])], &[]);
+        let v = check_without_watch(&[released(45), run("b", &[(40, "ns/x")])], &[]);
         assert_eq!(v.len(), 1, "{v:?}");
-        let (v, _) = check(&[released(5), run("b", &[(40, "ns/x")])], &[]);
+        let v = check_without_watch(&[released(5), run("b", &[(40, "ns/x")])], &[]);
         // Released before its reconcile at 10: rule 2 and rule 1 both fire.
         assert_eq!(v.len(), 2, "{v:?}");
     }
@@ -318,7 +364,7 @@ mod tests {
             holder: Some("shardlease-controller".into()),
             transitions: 2,
         };
-        let (v, _) = check(&[a], std::slice::from_ref(&taken));
+        let v = check_without_watch(&[a], std::slice::from_ref(&taken));
         assert_eq!(v.len(), 1, "{v:?}");
         assert!(v[0].detail.contains("ns/y"), "{v:?}");
 
@@ -326,13 +372,36 @@ mod tests {
         // acquired) is history, not a loss.
         let mut later = run("a", &[(50, "ns/y")]);
         later.log.acquired = Some((t(0), 2));
-        let (v, _) = check(&[later], &[taken]);
+        let v = check_without_watch(&[later], &[taken]);
         assert!(v.is_empty(), "{v:?}");
+    }
+
+    /// A shard paused between its acknowledgement taking effect (t=19, as the watch saw) and
+    /// logging it (t=40, after it resumed and logged the loss of its Lease at t=39): the next
+    /// shard's reconcile at t=21 is a proper handover, and the late record is only counted.
+    #[test]
+    fn a_late_drain_record_is_dated_by_the_watch() {
+        let mut a = run("a", &[(10, "ns/x")]);
+        a.log.drains.push((t(40), "ns/x".into(), Some(7)));
+        a.log.lease_end = Some((t(39), LeaseEnd::Lost));
+        let watch = |object: &str, version: u64| (object == "ns/x" && version == 7).then(|| t(19));
+        let found = check(&[a, run("b", &[(21, "ns/x")])], &[], &watch);
+        assert!(found.violations.is_empty(), "{:?}", found.violations);
+        assert_eq!(found.drains_dated_by_watch, 1);
+        assert_eq!(found.drains_logged_after_end, 1);
+
+        // Without the watch's evidence the late record does not cover the handover.
+        let mut a = run("a", &[(10, "ns/x")]);
+        a.log.drains.push((t(40), "ns/x".into(), Some(7)));
+        assert_eq!(
+            check_without_watch(&[a, run("b", &[(21, "ns/x")])], &[]).len(),
+            1
+        );
     }
 
     #[test]
     fn the_same_shard_reconciling_again_needs_no_handover() {
-        let (v, _) = check(&[run("a", &[(10, "ns/x"), (20, "ns/x")])], &[]);
+        let v = check_without_watch(&[run("a", &[(10, "ns/x"), (20, "ns/x")])], &[]);
         assert!(v.is_empty(), "{v:?}");
     }
 }

@@ -69,6 +69,16 @@ pub(crate) struct Report {
     pub(crate) convergence_bound_seconds: f64,
     pub(crate) convergence: Outcome,
     pub(crate) shards: BTreeMap<String, ShardCounts>,
+    /// Drain acknowledgements a shard logged after it said its Lease was lost or released (not
+    /// violations: see `ownership`).
+    pub(crate) drains_logged_after_lease_end: usize,
+    /// Drain acknowledgements dated by the tool's watch of the object rather than by their late
+    /// record.
+    pub(crate) drains_dated_by_watch: usize,
+    /// Times the tool's heartbeat writes stalled (slower than a second or failing), and the
+    /// longest, in seconds.
+    pub(crate) api_stalls: usize,
+    pub(crate) longest_api_stall_seconds: f64,
     pub(crate) exits: ExitCounts,
     pub(crate) leaks: Leaks,
     pub(crate) violations: Vec<Violation>,
@@ -141,14 +151,25 @@ impl Report {
                 n.processes, n.reconciles, n.drains
             );
         }
+        let _ = writeln!(
+            out,
+            "drain acknowledgements logged after the Lease ended: {}; dated by the tool's watch: {}",
+            self.drains_logged_after_lease_end, self.drains_dated_by_watch
+        );
+        let _ = writeln!(
+            out,
+            "API server stalls seen by the tool's heartbeat: {} (longest {:.1} s)",
+            self.api_stalls, self.longest_api_stall_seconds
+        );
         let e = &self.exits;
         let _ = writeln!(
             out,
-            "exits: {} signalled by the tool ({} unclean after SIGTERM), {} Lease lost after a pause, {} in an API server restart, {} unexpected",
+            "exits: {} signalled by the tool ({} unclean after SIGTERM); Lease lost: {} after a pause, {} in an API server restart, {} in an API server stall; {} unexpected",
             e.signalled,
             e.unclean_after_term,
             e.lease_lost_after_pause,
             e.lease_lost_in_apiserver_restart,
+            e.lease_lost_in_api_stall,
             e.unexpected
         );
         let rss = |v: &[Rss]| {

@@ -20,7 +20,7 @@ use tokio_util::sync::{CancellationToken, DropGuard};
 use crate::churn::{self, ChurnStats};
 use crate::convergence::{self, Outcome, Target};
 use crate::evidence::RunLog;
-use crate::exits::{self, ExitCounts};
+use crate::exits::{self, ExitCounts, Outages};
 use crate::faults::Injector;
 use crate::fleet::{self, Fleet, ShardTiming};
 use crate::leases::LeaseLog;
@@ -29,6 +29,8 @@ use crate::plan::{self, FaultKind, round_ms};
 use crate::probes::{self, Rss};
 use crate::report::{Leaks, Report, Settings, Violation};
 use crate::ring::{HashRing, LabelKeys, secret_key};
+use crate::stalls::StallLog;
+use crate::versions::VersionLog;
 use crate::{Args, plan_timing, progress};
 
 /// Leader election of the sharder replicas (duration, renew deadline, retry period, seconds):
@@ -75,6 +77,8 @@ pub(crate) struct Scene<'a> {
 struct Started {
     fleet: Arc<Fleet>,
     lease_log: LeaseLog,
+    versions: VersionLog,
+    stalls: StallLog,
     /// Stops the supervisor and the Lease watch.
     stop: CancellationToken,
     /// Stops them however the run ends.
@@ -138,13 +142,20 @@ pub(crate) async fn soak(scene: &Scene<'_>) -> anyhow::Result<Report> {
     leaks.watches_after = probes::difference(&with_watches, &idle_watches);
     violations.extend(leak_violations(&leaks));
 
-    let (evidence_violations, shards, exits) = judge(
+    let stalls = started.stalls.stalls();
+    let renew_deadline = SignedDuration::try_from_secs_f64(timing.renew_deadline)
+        .unwrap_or(SignedDuration::from_secs(10));
+    let judged = judge(
         fleet,
         &started.lease_log,
-        &chaos.injector.disruptions,
-        timing,
+        &started.versions,
+        &Outages {
+            restarts: &chaos.injector.disruptions,
+            stalls: &stalls,
+            renew_deadline,
+        },
     );
-    violations.extend(evidence_violations);
+    violations.extend(judged.violations);
 
     let records = &chaos.injector.records;
     let mut faults_by_kind: BTreeMap<&'static str, usize> = BTreeMap::new();
@@ -179,8 +190,15 @@ pub(crate) async fn soak(scene: &Scene<'_>) -> anyhow::Result<Report> {
         converged_after_last_fault_seconds: converged.after_last_change,
         convergence_bound_seconds: round_ms(converged.bound),
         convergence: converged.outcome,
-        shards,
-        exits,
+        shards: judged.shards,
+        drains_logged_after_lease_end: judged.drains_logged_after_end,
+        drains_dated_by_watch: judged.drains_dated_by_watch,
+        api_stalls: stalls.len(),
+        longest_api_stall_seconds: stalls
+            .iter()
+            .map(|(from, to)| to.duration_since(*from).as_secs_f64())
+            .fold(0.0, f64::max),
+        exits: judged.exits,
         leaks,
         violations,
         seconds_total: 0.0,
@@ -211,8 +229,22 @@ async fn start(scene: &Scene<'_>, timing: ShardTiming) -> anyhow::Result<Started
         scene.ring.clone(),
         stop.clone(),
     ));
-    poll_until("the tool's Lease watch", STARTUP, || {
-        let listed = lease_log.is_listed();
+    let versions = VersionLog::default();
+    for namespace in &scene.namespaces {
+        tokio::spawn(
+            versions
+                .clone()
+                .follow(client.clone(), namespace.clone(), stop.clone()),
+        );
+    }
+    let stalls = StallLog::default();
+    tokio::spawn(stalls.clone().follow(
+        client.clone(),
+        scene.lease_namespace.clone(),
+        stop.clone(),
+    ));
+    poll_until("the tool's watches", STARTUP, || {
+        let listed = lease_log.is_listed() && versions.listed() == scene.namespaces.len();
         async move { Ok(listed.then_some(())) }
     })
     .await?;
@@ -242,6 +274,8 @@ async fn start(scene: &Scene<'_>, timing: ShardTiming) -> anyhow::Result<Started
     Ok(Started {
         fleet,
         lease_log,
+        versions,
+        stalls,
         _stop_guard: stop.clone().drop_guard(),
         stop,
         idle_watches,
@@ -571,13 +605,22 @@ fn grown(before: &BTreeMap<String, u64>, after: &BTreeMap<String, u64>) -> Vec<(
         .collect()
 }
 
+/// What the evidence says.
+struct Judged {
+    violations: Vec<Violation>,
+    shards: BTreeMap<String, ShardCounts>,
+    exits: ExitCounts,
+    drains_logged_after_end: usize,
+    drains_dated_by_watch: usize,
+}
+
 /// Invariant 1 and the crash half of invariant 4, from every process's log and record.
 fn judge(
     fleet: &Fleet,
     lease_log: &LeaseLog,
-    disruptions: &[(k8s_openapi::jiff::Timestamp, k8s_openapi::jiff::Timestamp)],
-    timing: ShardTiming,
-) -> (Vec<Violation>, BTreeMap<String, ShardCounts>, ExitCounts) {
+    versions: &VersionLog,
+    outages: &Outages<'_>,
+) -> Judged {
     let state = fleet.lock();
     let mut runs = Vec::new();
     let mut ended = Vec::new();
@@ -607,12 +650,19 @@ fn judge(
             });
         }
     }
-    let (mut violations, shards) = ownership::check(&runs, &lease_log.changes());
-    let renew_deadline = SignedDuration::try_from_secs_f64(timing.renew_deadline)
-        .unwrap_or(SignedDuration::from_secs(10));
-    let (exits, exit_violations) = exits::classify(&ended, disruptions, renew_deadline);
+    let found = ownership::check(&runs, &lease_log.changes(), &|object, version| {
+        versions.first_after(object, version)
+    });
+    let mut violations = found.violations;
+    let (exits, exit_violations) = exits::classify(&ended, outages);
     violations.extend(exit_violations);
-    (violations, shards, exits)
+    Judged {
+        violations,
+        shards: found.counts,
+        exits,
+        drains_logged_after_end: found.drains_logged_after_end,
+        drains_dated_by_watch: found.drains_dated_by_watch,
+    }
 }
 
 #[cfg(test)]
