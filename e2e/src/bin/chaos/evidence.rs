@@ -96,9 +96,11 @@ impl RunLog {
         log
     }
 
-    /// Whether the process said it lost its Lease.
-    pub(crate) fn lost(&self) -> bool {
-        matches!(self.lease_end, Some((_, LeaseEnd::Lost)))
+    /// When the process said it lost its Lease, if it did.
+    pub(crate) fn lost_at(&self) -> Option<Timestamp> {
+        self.lease_end
+            .filter(|(_, end)| *end == LeaseEnd::Lost)
+            .map(|(at, _)| at)
     }
 }
 
@@ -134,7 +136,7 @@ thread 'main' panicked at somewhere
             log.lease_end,
             Some((at("2026-01-01T00:00:04Z"), LeaseEnd::Lost))
         );
-        assert!(log.lost());
+        assert_eq!(log.lost_at(), Some(at("2026-01-01T00:00:04Z")));
         assert_eq!(log.other_lines, 1);
     }
 
@@ -144,6 +146,6 @@ thread 'main' panicked at somewhere
             r#"{"timestamp":"2026-01-01T00:00:05Z","level":"INFO","message":"released Lease","lease":"shard-0"}"#,
         );
         assert_eq!(log.lease_end.map(|(_, end)| end), Some(LeaseEnd::Released));
-        assert!(!log.lost());
+        assert_eq!(log.lost_at(), None);
     }
 }

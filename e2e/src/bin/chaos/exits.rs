@@ -1,14 +1,16 @@
 //! The crash half of invariant 4: every process that ended must have been ended by the tool, or
 //! be a shard that stopped because it lost its Lease through something that takes Leases away:
-//! it was paused, the API server was restarting, or the API server took no writes for a while
-//! (the tool's own heartbeat stalled too). Stopping at once on losing the Lease is the shard
-//! contract (SPEC §3), not a crash; anything else is.
+//! it was paused, the API server was restarting, or the API server took no write promptly during
+//! the whole renew deadline before the loss (every heartbeat of the tool's was slow or failed
+//! then). Stopping at once on losing the Lease is the shard contract (SPEC §3), not a crash;
+//! anything else is.
 
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use serde::Serialize;
 
 use crate::fleet::Incarnation;
 use crate::report::Violation;
+use crate::stalls::StallLog;
 
 /// How the processes that ended, ended.
 #[derive(Clone, Debug, Default, Serialize)]
@@ -19,8 +21,8 @@ pub(crate) struct ExitCounts {
     pub(crate) lease_lost_after_pause: usize,
     /// Shards that exited on losing their Lease while the API server was restarting.
     pub(crate) lease_lost_in_apiserver_restart: usize,
-    /// Shards that exited on losing their Lease while the tool's own heartbeat stalled too (the
-    /// API server did not take writes for a while: an overloaded machine, say).
+    /// Shards that exited on losing their Lease while the API server took no write promptly (an
+    /// overloaded machine, say), as the tool's heartbeat saw.
     pub(crate) lease_lost_in_api_stall: usize,
     /// Ended for no reason the tool gave (each is also a violation).
     pub(crate) unexpected: usize,
@@ -35,8 +37,8 @@ pub(crate) struct Ended<'a> {
     /// `shard-3`, `sharder-0`.
     pub(crate) who: String,
     pub(crate) incarnation: &'a Incarnation,
-    /// For shards: whether its log says it lost the Lease.
-    pub(crate) lost_lease: bool,
+    /// For shards: when its log says it lost the Lease, if it does.
+    pub(crate) lost_lease: Option<Timestamp>,
 }
 
 /// What explains a shard losing its Lease.
@@ -44,8 +46,8 @@ pub(crate) struct Ended<'a> {
 pub(crate) struct Outages<'a> {
     /// The API server's restarts, from the stop until it was ready again.
     pub(crate) restarts: &'a [(Timestamp, Timestamp)],
-    /// Stalls of the tool's heartbeat writes.
-    pub(crate) stalls: &'a [(Timestamp, Timestamp)],
+    /// The tool's heartbeats.
+    pub(crate) heartbeat: &'a StallLog,
     /// The shards' renew deadline: a shard loses its Lease that long after its last renewal.
     pub(crate) renew_deadline: SignedDuration,
 }
@@ -60,13 +62,13 @@ impl Outages<'_> {
             .any(|(from, to)| at >= *from && at <= *to + grace)
     }
 
-    /// Whether a heartbeat stall of at least half the renew deadline overlaps the renew deadline
-    /// before an exit at `at` (and the 10 s it may take to notice and exit).
-    fn stall_explains(&self, at: Timestamp) -> bool {
-        let window = at - self.renew_deadline - SignedDuration::from_secs(10);
-        self.stalls.iter().any(|(from, to)| {
-            to.duration_since(*from) >= self.renew_deadline / 2 && *to >= window && *from <= at
-        })
+    /// Whether the API server took no write promptly during the renew deadline before a loss
+    /// at `lost` (leaving out its last second, in which the shard's last attempt may still have
+    /// been on its way).
+    fn stall_explains(&self, lost: Timestamp) -> bool {
+        let to = lost - SignedDuration::from_secs(1);
+        self.heartbeat
+            .impaired_throughout(lost - self.renew_deadline, to)
     }
 }
 
@@ -87,15 +89,18 @@ pub(crate) fn classify(
         }
         if incarnation.got("KILL") || incarnation.got("TERM") {
             counts.signalled += 1;
-        } else if process.lost_lease && incarnation.got("STOP") {
+        } else if process.lost_lease.is_some() && incarnation.got("STOP") {
             counts.lease_lost_after_pause += 1;
-        } else if process.lost_lease && outages.restart_explains(exit.at) {
+        } else if process.lost_lease.is_some() && outages.restart_explains(exit.at) {
             counts.lease_lost_in_apiserver_restart += 1;
-        } else if process.lost_lease && outages.stall_explains(exit.at) {
+        } else if process
+            .lost_lease
+            .is_some_and(|lost| outages.stall_explains(lost))
+        {
             counts.lease_lost_in_api_stall += 1;
         } else {
             counts.unexpected += 1;
-            let why = if process.lost_lease {
+            let why = if process.lost_lease.is_some() {
                 "lost its Lease without a fault that explains it"
             } else {
                 "exited on its own"
@@ -124,37 +129,20 @@ mod tests {
         Timestamp::UNIX_EPOCH + SignedDuration::from_secs(1_000_000 + seconds)
     }
 
-    fn outages<'a>(
-        restarts: &'a [(Timestamp, Timestamp)],
-        stalls: &'a [(Timestamp, Timestamp)],
-    ) -> Outages<'a> {
-        Outages {
-            restarts,
-            stalls,
-            renew_deadline: SignedDuration::from_secs(6),
-        }
-    }
-
     #[test]
     fn a_restart_explains_losses_during_it_and_shortly_after() {
         let restarts = [(t(100), t(110))];
-        let o = outages(&restarts, &[]);
+        let heartbeat = StallLog::default();
+        let o = Outages {
+            restarts: &restarts,
+            heartbeat: &heartbeat,
+            renew_deadline: SignedDuration::from_secs(6),
+        };
         assert!(o.restart_explains(t(105)));
         assert!(o.restart_explains(t(125)));
         assert!(!o.restart_explains(t(127)));
         assert!(!o.restart_explains(t(99)));
-    }
-
-    /// A stall explains a loss only when it is long enough to cost a renewal and lies in the
-    /// renew deadline before the exit.
-    #[test]
-    fn only_a_long_stall_before_the_exit_explains_a_loss() {
-        let long = [(t(100), t(104))];
-        assert!(outages(&[], &long).stall_explains(t(105)));
-        assert!(outages(&[], &long).stall_explains(t(119)));
-        assert!(!outages(&[], &long).stall_explains(t(121)));
-        assert!(!outages(&[], &long).stall_explains(t(99)));
-        let short = [(t(100), t(102))];
-        assert!(!outages(&[], &short).stall_explains(t(105)));
+        // No heartbeat recorded: no stall to explain anything.
+        assert!(!o.stall_explains(t(105)));
     }
 }

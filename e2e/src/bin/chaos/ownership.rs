@@ -8,7 +8,11 @@
 //!    own log, or as the tool saw the Lease change holder), or stopped (killed by the tool, or
 //!    exited). "In between" means after A's last reconcile of the object and no later than B's
 //!    reconcile plus [`LOG_SLACK`]. A drain acknowledgement counts from its record or from when
-//!    the tool's watch saw the version it wrote, whichever is earlier (see `versions`).
+//!    the tool's watch saw the version it wrote, whichever is earlier (see `versions`). A drain
+//!    the API server's history shows completed (the object, carrying A's label and the drain
+//!    label, next seen without A's label) counts without a record only if the tool stopped A
+//!    (SIGSTOP or SIGKILL) within [`LOG_SLACK`] of it: the one way an acknowledgement is written
+//!    but never logged.
 //! 2. **Nothing after the end.** A process logs no reconcile after it said its Lease was lost or
 //!    released.
 //! 3. **Nothing after a takeover.** A process logs no reconcile more than [`LOG_SLACK`] after the
@@ -68,6 +72,15 @@ pub(crate) struct ShardCounts {
     pub(crate) drains: usize,
 }
 
+/// The API server's history of the objects, as the tool saw it.
+pub(crate) trait History {
+    /// When the first version of `object` after `version` was seen.
+    fn first_after(&self, object: &str, version: u64) -> Option<Timestamp>;
+    /// When `object` was seen leaving `shard` right after a version carrying `shard`'s label and
+    /// the drain label (a completed drain).
+    fn drained_away(&self, object: &str, shard: &str) -> Vec<Timestamp>;
+}
+
 /// What the check found.
 #[derive(Debug, Default)]
 pub(crate) struct Ownership {
@@ -78,14 +91,16 @@ pub(crate) struct Ownership {
     /// Drain acknowledgements the tool saw take effect more than [`LOG_SLACK`] before their
     /// record (the shard was paused in between, say).
     pub(crate) drains_dated_by_watch: usize,
+    /// Handovers evidenced only by a drain the API server's history shows completed just as the
+    /// tool stopped the shard, which never logged it.
+    pub(crate) drains_never_logged: usize,
 }
 
-/// Applies the three rules. `took_effect(object, version)` tells when the tool saw the first
-/// version of `object` after `version`.
+/// Applies the three rules.
 pub(crate) fn check(
     runs: &[ShardRun],
     changes: &[HolderChange],
-    took_effect: &dyn Fn(&str, u64) -> Option<Timestamp>,
+    history: &dyn History,
 ) -> Ownership {
     let mut found = Ownership::default();
     for run in runs {
@@ -100,9 +115,7 @@ pub(crate) fn check(
                 run.log.drains.iter().filter(|(at, ..)| *at > end).count();
         }
     }
-    let (violations, dated_by_watch) = handovers(runs, changes, took_effect);
-    found.violations.extend(violations);
-    found.drains_dated_by_watch = dated_by_watch;
+    handovers(runs, changes, history, &mut found);
     found
 }
 
@@ -162,14 +175,15 @@ fn after_takeover(run: &ShardRun, changes: &[HolderChange]) -> Vec<Violation> {
         .collect()
 }
 
-/// Rule 1; also returns how many drain acknowledgements the watch dated well before their
-/// record.
+/// Rule 1.
 fn handovers(
     runs: &[ShardRun],
     changes: &[HolderChange],
-    took_effect: &dyn Fn(&str, u64) -> Option<Timestamp>,
-) -> (Vec<Violation>, usize) {
-    let mut dated_by_watch = 0;
+    history: &dyn History,
+    found: &mut Ownership,
+) {
+    // When the tool stopped each shard name's processes (SIGSTOP, SIGKILL).
+    let mut stopped: HashMap<&str, Vec<Timestamp>> = HashMap::new();
     // Moments each shard name let go of everything: its processes' Lease ends, exits and kills,
     // and Lease holder changes away from it.
     let mut let_go: HashMap<&str, Vec<Timestamp>> = HashMap::new();
@@ -188,12 +202,18 @@ fn handovers(
                 .filter(|(_, s)| *s == "KILL")
                 .map(|(at, _)| *at),
         );
+        stopped.entry(shard).or_default().extend(
+            run.signals
+                .iter()
+                .filter(|(_, s)| matches!(*s, "STOP" | "KILL"))
+                .map(|(at, _)| *at),
+        );
         for (logged, object, version) in &run.log.drains {
-            let seen = version.and_then(|v| took_effect(object, v));
+            let seen = version.and_then(|v| history.first_after(object, v));
             let at = match seen {
                 Some(seen) if seen < *logged => {
                     if seen + LOG_SLACK < *logged {
-                        dated_by_watch += 1;
+                        found.drains_dated_by_watch += 1;
                     }
                     seen
                 }
@@ -214,7 +234,6 @@ fn handovers(
         }
     }
 
-    let mut violations = Vec::new();
     for (object, mut events) in reconciles {
         events.sort();
         let mut owner: Option<(&str, Timestamp)> = None;
@@ -228,8 +247,21 @@ fn handovers(
                         .flatten()
                         .any(|p| *p > last && *p <= at + LOG_SLACK)
                 };
-                if !covers(let_go.get(previous)) && !covers(drained.get(&(previous, object))) {
-                    violations.push(Violation {
+                let never_logged = || {
+                    let completed = history.drained_away(object, previous);
+                    completed.iter().any(|done| {
+                        *done > last
+                            && *done <= at + LOG_SLACK
+                            && stopped.get(previous).into_iter().flatten().any(|stop| {
+                                *stop >= *done - LOG_SLACK && *stop <= *done + LOG_SLACK
+                            })
+                    })
+                };
+                if covers(let_go.get(previous)) || covers(drained.get(&(previous, object))) {
+                } else if never_logged() {
+                    found.drains_never_logged += 1;
+                } else {
+                    found.violations.push(Violation {
                         invariant: "exclusive-ownership",
                         detail: format!(
                             "{object}: {shard} reconciled it at {at} while {previous}, which \
@@ -242,20 +274,45 @@ fn handovers(
             owner = Some((shard, at));
         }
     }
-    (violations, dated_by_watch)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// A watch that saw nothing.
-    fn no_watch(_: &str, _: u64) -> Option<Timestamp> {
-        None
+    /// A history of made-up sightings.
+    #[derive(Default)]
+    struct Seen {
+        /// `(object, version)` → when the next version was seen.
+        next: Vec<((&'static str, u64), Timestamp)>,
+        /// `(object, shard)` → when a completed drain away from `shard` was seen.
+        drained: Vec<((&'static str, &'static str), Timestamp)>,
     }
 
+    impl History for Seen {
+        fn first_after(&self, object: &str, version: u64) -> Option<Timestamp> {
+            self.next
+                .iter()
+                .find(|((o, v), _)| *o == object && *v == version)
+                .map(|(_, at)| *at)
+        }
+        fn drained_away(&self, object: &str, shard: &str) -> Vec<Timestamp> {
+            self.drained
+                .iter()
+                .filter(|((o, s), _)| *o == object && *s == shard)
+                .map(|(_, at)| *at)
+                .collect()
+        }
+    }
+
+    /// A watch that saw nothing.
+    const NO_WATCH: Seen = Seen {
+        next: Vec::new(),
+        drained: Vec::new(),
+    };
+
     fn check_without_watch(runs: &[ShardRun], changes: &[HolderChange]) -> Vec<Violation> {
-        check(runs, changes, &no_watch).violations
+        check(runs, changes, &NO_WATCH).violations
     }
 
     fn t(seconds: i64) -> Timestamp {
@@ -284,7 +341,7 @@ mod tests {
         let mut a = run("a", &[(10, "ns/x")]);
         a.log.drains.push((t(20), "ns/x".into(), Some(7)));
         let b = run("b", &[(21, "ns/x")]);
-        let found = check(&[a, b], &[], &no_watch);
+        let found = check(&[a, b], &[], &NO_WATCH);
         let (violations, counts) = (found.violations, found.counts);
         assert!(violations.is_empty(), "{violations:?}");
         assert_eq!(counts["a"].drains, 1);
@@ -296,7 +353,7 @@ mod tests {
         let mut a = run("a", &[(10, "ns/x")]);
         a.log.drains.push((t(20), "ns/y".into(), Some(7)));
         let b = run("b", &[(21, "ns/x")]);
-        let violations = check(&[a, b], &[], &no_watch).violations;
+        let violations = check(&[a, b], &[], &NO_WATCH).violations;
         assert_eq!(violations.len(), 1);
         assert!(
             violations[0].detail.contains("ns/x: b reconciled"),
@@ -308,7 +365,7 @@ mod tests {
     fn two_shards_reconciling_back_and_forth_are_both_reported() {
         let a = run("a", &[(10, "ns/x"), (30, "ns/x")]);
         let b = run("b", &[(20, "ns/x")]);
-        let violations = check(&[a, b], &[], &no_watch).violations;
+        let violations = check(&[a, b], &[], &NO_WATCH).violations;
         assert_eq!(violations.len(), 2, "{violations:?}");
     }
 
@@ -384,7 +441,10 @@ mod tests {
         let mut a = run("a", &[(10, "ns/x")]);
         a.log.drains.push((t(40), "ns/x".into(), Some(7)));
         a.log.lease_end = Some((t(39), LeaseEnd::Lost));
-        let watch = |object: &str, version: u64| (object == "ns/x" && version == 7).then(|| t(19));
+        let watch = Seen {
+            next: vec![(("ns/x", 7), t(19))],
+            ..Seen::default()
+        };
         let found = check(&[a, run("b", &[(21, "ns/x")])], &[], &watch);
         assert!(found.violations.is_empty(), "{:?}", found.violations);
         assert_eq!(found.drains_dated_by_watch, 1);
@@ -397,6 +457,36 @@ mod tests {
             check_without_watch(&[a, run("b", &[(21, "ns/x")])], &[]).len(),
             1
         );
+    }
+
+    /// A shard stopped just as its acknowledgement was written, which never logged it: the API
+    /// server's history shows the drain completed at t=19 and the tool paused the shard at t=19.5.
+    /// Without the pause, the same history is no excuse.
+    #[test]
+    fn a_drain_never_logged_counts_only_when_the_shard_was_stopped_then() {
+        let history = Seen {
+            drained: vec![(("ns/x", "a"), t(19))],
+            ..Seen::default()
+        };
+        let mut paused = run("a", &[(10, "ns/x")]);
+        paused
+            .signals
+            .push((t(19) + SignedDuration::from_millis(500), "STOP"));
+        let found = check(&[paused, run("b", &[(21, "ns/x")])], &[], &history);
+        assert!(found.violations.is_empty(), "{:?}", found.violations);
+        assert_eq!(found.drains_never_logged, 1);
+
+        let found = check(
+            &[run("a", &[(10, "ns/x")]), run("b", &[(21, "ns/x")])],
+            &[],
+            &history,
+        );
+        assert_eq!(found.violations.len(), 1, "{:?}", found.violations);
+
+        let mut paused_later = run("a", &[(10, "ns/x")]);
+        paused_later.signals.push((t(25), "STOP"));
+        let found = check(&[paused_later, run("b", &[(21, "ns/x")])], &[], &history);
+        assert_eq!(found.violations.len(), 1, "{:?}", found.violations);
     }
 
     #[test]

@@ -75,10 +75,15 @@ pub(crate) struct Report {
     /// Drain acknowledgements dated by the tool's watch of the object rather than by their late
     /// record.
     pub(crate) drains_dated_by_watch: usize,
+    /// Handovers evidenced by a drain the API server's history shows completed just as the tool
+    /// stopped the shard, which therefore never logged it.
+    pub(crate) drains_never_logged: usize,
     /// Times the tool's heartbeat writes stalled (slower than a second or failing), and the
     /// longest, in seconds.
     pub(crate) api_stalls: usize,
     pub(crate) longest_api_stall_seconds: f64,
+    /// Each stall: when it began, and how long it lasted in seconds.
+    pub(crate) api_stall_list: Vec<(String, f64)>,
     pub(crate) exits: ExitCounts,
     pub(crate) leaks: Leaks,
     pub(crate) violations: Vec<Violation>,
@@ -153,8 +158,10 @@ impl Report {
         }
         let _ = writeln!(
             out,
-            "drain acknowledgements logged after the Lease ended: {}; dated by the tool's watch: {}",
-            self.drains_logged_after_lease_end, self.drains_dated_by_watch
+            "drain acknowledgements logged after the Lease ended: {}; dated by the tool's watch: {}; never logged (shard stopped as it wrote them): {}",
+            self.drains_logged_after_lease_end,
+            self.drains_dated_by_watch,
+            self.drains_never_logged
         );
         let _ = writeln!(
             out,

@@ -151,7 +151,7 @@ pub(crate) async fn soak(scene: &Scene<'_>) -> anyhow::Result<Report> {
         &started.versions,
         &Outages {
             restarts: &chaos.injector.disruptions,
-            stalls: &stalls,
+            heartbeat: &started.stalls,
             renew_deadline,
         },
     );
@@ -193,11 +193,19 @@ pub(crate) async fn soak(scene: &Scene<'_>) -> anyhow::Result<Report> {
         shards: judged.shards,
         drains_logged_after_lease_end: judged.drains_logged_after_end,
         drains_dated_by_watch: judged.drains_dated_by_watch,
+        drains_never_logged: judged.drains_never_logged,
         api_stalls: stalls.len(),
         longest_api_stall_seconds: stalls
             .iter()
             .map(|(from, to)| to.duration_since(*from).as_secs_f64())
             .fold(0.0, f64::max),
+        api_stall_list: stalls
+            .iter()
+            .map(|(from, to)| {
+                let seconds = to.duration_since(*from).as_secs_f64();
+                (from.to_string(), (seconds * 1000.0).round() / 1000.0)
+            })
+            .collect(),
         exits: judged.exits,
         leaks,
         violations,
@@ -229,7 +237,7 @@ async fn start(scene: &Scene<'_>, timing: ShardTiming) -> anyhow::Result<Started
         scene.ring.clone(),
         stop.clone(),
     ));
-    let versions = VersionLog::default();
+    let versions = VersionLog::new(scene.keys.clone());
     for namespace in &scene.namespaces {
         tokio::spawn(
             versions
@@ -612,6 +620,7 @@ struct Judged {
     exits: ExitCounts,
     drains_logged_after_end: usize,
     drains_dated_by_watch: usize,
+    drains_never_logged: usize,
 }
 
 /// Invariant 1 and the crash half of invariant 4, from every process's log and record.
@@ -630,7 +639,7 @@ fn judge(
             ended.push(exits::Ended {
                 who: name.clone(),
                 incarnation,
-                lost_lease: log.lost(),
+                lost_lease: log.lost_at(),
             });
             runs.push(ownership::ShardRun {
                 shard: name.clone(),
@@ -646,13 +655,11 @@ fn judge(
             ended.push(exits::Ended {
                 who: format!("sharder-{slot}"),
                 incarnation,
-                lost_lease: false,
+                lost_lease: None,
             });
         }
     }
-    let found = ownership::check(&runs, &lease_log.changes(), &|object, version| {
-        versions.first_after(object, version)
-    });
+    let found = ownership::check(&runs, &lease_log.changes(), versions);
     let mut violations = found.violations;
     let (exits, exit_violations) = exits::classify(&ended, outages);
     violations.extend(exit_violations);
@@ -662,6 +669,7 @@ fn judge(
         exits,
         drains_logged_after_end: found.drains_logged_after_end,
         drains_dated_by_watch: found.drains_dated_by_watch,
+        drains_never_logged: found.drains_never_logged,
     }
 }
 

@@ -1,8 +1,8 @@
-//! When the API server did not take writes, as the tool's own heartbeat saw it: a Lease of its
-//! own (without the ring label, so no sharder cares) renewed every second, the way shards renew
-//! theirs. A shard that loses its Lease while the heartbeat also stalled lost it to the API server
-//! (an overloaded machine, say), not to a bug of its own; one that loses it while the heartbeat
-//! went through did not have that excuse.
+//! How the API server took writes, as the tool's own heartbeat saw it: a Lease of its own
+//! (without the ring label, so no sharder cares) renewed every second, the way shards renew
+//! theirs. A shard that loses its Lease while every heartbeat of its renew deadline was slow or
+//! failed lost it to the API server (an overloaded machine, say), not to a bug of its own; one
+//! that loses it while a heartbeat went through quickly has no such excuse.
 
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
@@ -21,68 +21,87 @@ const HEARTBEAT: &str = "chaos-heartbeat";
 /// Interval between heartbeats.
 const EVERY: Duration = Duration::from_secs(1);
 
-/// A heartbeat slower than this counts as a stall.
-const SLOW: Duration = Duration::from_secs(1);
+/// A heartbeat that took longer than this was slow.
+const SLOW: SignedDuration = SignedDuration::from_secs(1);
 
 /// Longest a heartbeat may take before it counts as failed.
 const TIMEOUT: Duration = Duration::from_secs(30);
 
-/// Intervals in which the heartbeat stalled: from the start of the first slow or failed write to
-/// the end of the next successful one.
+/// One heartbeat.
+#[derive(Clone, Copy, Debug)]
+struct Beat {
+    started: Timestamp,
+    ended: Timestamp,
+    ok: bool,
+}
+
+impl Beat {
+    fn quick(&self) -> bool {
+        self.ok && self.ended.duration_since(self.started) <= SLOW
+    }
+}
+
+/// Every heartbeat so far.
 #[derive(Clone, Debug, Default)]
 pub(crate) struct StallLog {
-    stalls: Arc<Mutex<Vec<(Timestamp, Timestamp)>>>,
+    beats: Arc<Mutex<Vec<Beat>>>,
 }
 
 impl StallLog {
     /// Beats until `stop`.
     pub(crate) async fn follow(self, client: Client, namespace: String, stop: CancellationToken) {
         let api = Api::<Lease>::namespaced(client, &namespace);
-        let mut failing_since: Option<Timestamp> = None;
         loop {
             let started = Timestamp::now();
-            let beat = tokio::select! {
-                () = stop.cancelled() => break,
-                beat = tokio::time::timeout(TIMEOUT, beat(&api)) => beat,
+            let result = tokio::select! {
+                () = stop.cancelled() => return,
+                result = tokio::time::timeout(TIMEOUT, beat(&api)) => result,
             };
-            let ended = Timestamp::now();
-            match beat {
-                Ok(Ok(())) => {
-                    let slow = ended.duration_since(started)
-                        > SignedDuration::try_from(SLOW).unwrap_or_default();
-                    if let Some(from) = failing_since.take() {
-                        self.push(from, ended);
-                    } else if slow {
-                        self.push(started, ended);
-                    }
-                }
-                Ok(Err(_)) | Err(_) => {
-                    failing_since.get_or_insert(started);
-                }
-            }
+            self.push(Beat {
+                started,
+                ended: Timestamp::now(),
+                ok: matches!(result, Ok(Ok(()))),
+            });
             tokio::select! {
-                () = stop.cancelled() => break,
+                () = stop.cancelled() => return,
                 () = tokio::time::sleep(EVERY) => {}
             }
         }
-        if let Some(from) = failing_since {
-            self.push(from, Timestamp::now());
-        }
     }
 
-    fn push(&self, from: Timestamp, to: Timestamp) {
-        self.stalls
+    fn push(&self, beat: Beat) {
+        self.beats
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .push((from, to));
+            .push(beat);
     }
 
-    /// Every stall so far.
+    /// Whether no heartbeat between `from` and `to` went through quickly, and at least one was
+    /// tried: the API server did not take writes promptly at any moment of that time.
+    pub(crate) fn impaired_throughout(&self, from: Timestamp, to: Timestamp) -> bool {
+        let beats = self.beats.lock().unwrap_or_else(PoisonError::into_inner);
+        let within: Vec<&Beat> = beats
+            .iter()
+            .filter(|b| b.started >= from && b.started <= to)
+            .collect();
+        !within.is_empty() && !within.iter().any(|b| b.quick())
+    }
+
+    /// Stalls: runs of consecutive slow or failed heartbeats, from the first one's start to the
+    /// last one's end.
     pub(crate) fn stalls(&self) -> Vec<(Timestamp, Timestamp)> {
-        self.stalls
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone()
+        let beats = self.beats.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut stalls: Vec<(Timestamp, Timestamp)> = Vec::new();
+        let mut open: Option<(Timestamp, Timestamp)> = None;
+        for beat in beats.iter() {
+            match (beat.quick(), open.as_mut()) {
+                (false, Some(run)) => run.1 = beat.ended,
+                (false, None) => open = Some((beat.started, beat.ended)),
+                (true, _) => stalls.extend(open.take()),
+            }
+        }
+        stalls.extend(open);
+        stalls
     }
 }
 
@@ -104,5 +123,44 @@ async fn beat(api: &Api<Lease>) -> Result<(), kube::Error> {
             api.create(&PostParams::default(), &lease).await.map(|_| ())
         }
         Err(error) => Err(error),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t(ms: i64) -> Timestamp {
+        Timestamp::UNIX_EPOCH + SignedDuration::from_millis(ms)
+    }
+
+    fn log(beats: &[(i64, i64, bool)]) -> StallLog {
+        let log = StallLog::default();
+        for (started, ended, ok) in beats {
+            log.push(Beat {
+                started: t(*started),
+                ended: t(*ended),
+                ok: *ok,
+            });
+        }
+        log
+    }
+
+    #[test]
+    fn impaired_only_when_no_beat_went_through_quickly() {
+        // Quick, slow, failed, slow, quick.
+        let log = log(&[
+            (0, 100, true),
+            (1_100, 3_500, true),
+            (4_500, 5_000, false),
+            (6_000, 8_000, true),
+            (9_000, 9_100, true),
+        ]);
+        assert!(log.impaired_throughout(t(1_000), t(8_500)));
+        assert!(!log.impaired_throughout(t(0), t(8_500)));
+        assert!(!log.impaired_throughout(t(1_000), t(9_500)));
+        // No beat tried at all is no evidence of anything.
+        assert!(!log.impaired_throughout(t(20_000), t(30_000)));
+        assert_eq!(log.stalls(), [(t(1_100), t(8_000))]);
     }
 }

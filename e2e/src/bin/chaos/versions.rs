@@ -1,13 +1,20 @@
-//! When each version of each Secret appeared, as a metadata watch of the tool's own saw it:
-//! evidence of when a shard's drain acknowledgement took effect, independent of when the shard
-//! got around to logging it. A shard stopped (SIGSTOP) between sending the acknowledgement and
-//! logging it writes the record only after it resumes, long after the next shard took over; the
-//! API server's history of the object is not delayed by that.
+//! Every version of every Secret, with its shard and drain labels, as a metadata watch of the
+//! tool's own saw it: the API server's account of each handover, independent of when (or
+//! whether) the shard that let go got around to logging it.
 //!
-//! A drain acknowledgement is a patch conditioned on the version it read (its record carries that
-//! `resourceVersion`), so the version that follows it in the object's history is the
-//! acknowledgement's own result. kube-apiserver's resourceVersions are etcd revisions, which
-//! grow with every write, so "follows" is compared as numbers.
+//! Two uses, both in `ownership`:
+//!
+//! - **Dating a drain acknowledgement.** It is a patch conditioned on the version its record
+//!   names, so the version that follows is its own result; a shard stopped (SIGSTOP) between the
+//!   write and its record writes the record only after it resumes, long after the next shard took
+//!   over, and the API server's history is not delayed by that. kube-apiserver's resourceVersions
+//!   are etcd revisions, which grow with every write, so "follows" is compared as numbers.
+//! - **An acknowledgement that was never logged.** A shard stopped between the write and the
+//!   record, which finds its Lease lost when it resumes, drops its work at once, the responses
+//!   still to be handled included: the write happened, the record never comes. The history then
+//!   shows a version carrying the shard's label and the drain label followed by one without the
+//!   shard's label: a drain completed (the only other writer of that step, the sharder's move of a
+//!   draining object, happens only once the shard is unavailable).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -22,21 +29,42 @@ use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, ResourceExt};
 use tokio_util::sync::CancellationToken;
 
-/// `(resourceVersion, when seen)` of one object, in the order seen.
-type Versions = Vec<(u64, Timestamp)>;
+use crate::ownership::History;
+use crate::ring::LabelKeys;
 
-/// Versions seen per `namespace/name`.
-#[derive(Clone, Debug, Default)]
+/// One version of one object as seen.
+#[derive(Clone, Debug)]
+struct Version {
+    resource_version: u64,
+    seen: Timestamp,
+    /// Value of the shard label.
+    shard: Option<String>,
+    /// Whether the drain label is present.
+    draining: bool,
+}
+
+/// Versions seen per `namespace/name`, in the order seen.
+#[derive(Clone, Debug)]
 pub(crate) struct VersionLog {
-    seen: Arc<Mutex<HashMap<String, Versions>>>,
+    keys: LabelKeys,
+    seen: Arc<Mutex<HashMap<String, Vec<Version>>>>,
     /// How many of the watches have listed their namespace once (and so are open).
     listed: Arc<AtomicUsize>,
 }
 
 impl VersionLog {
+    /// An empty log for the ring with label keys `keys`.
+    pub(crate) fn new(keys: LabelKeys) -> Self {
+        Self {
+            keys,
+            seen: Arc::default(),
+            listed: Arc::default(),
+        }
+    }
+
     /// Watches the Secrets of `namespace` until `stop`, restarting after errors.
     pub(crate) async fn follow(self, client: Client, namespace: String, stop: CancellationToken) {
-        // Metadata only: the versions are all that is needed.
+        // Metadata only: versions and labels are all that is needed.
         let api = Api::<PartialObjectMeta<Secret>>::namespaced(client, &namespace);
         let mut events = watcher(api, watcher::Config::default())
             .default_backoff()
@@ -57,25 +85,34 @@ impl VersionLog {
                 Some(Ok(_) | Err(_)) => continue,
                 None => return,
             };
-            let Some(version) = object
+            let Some(resource_version) = object
                 .resource_version()
                 .and_then(|v| v.parse::<u64>().ok())
             else {
                 continue;
             };
+            let labels = object.labels();
             self.record(
                 &format!("{namespace}/{}", object.name_any()),
-                version,
-                Timestamp::now(),
+                Version {
+                    resource_version,
+                    seen: Timestamp::now(),
+                    shard: labels.get(&self.keys.shard).cloned(),
+                    draining: labels.contains_key(&self.keys.drain),
+                },
             );
         }
     }
 
-    fn record(&self, object: &str, version: u64, at: Timestamp) {
+    fn record(&self, object: &str, version: Version) {
         let mut seen = self.seen.lock().unwrap_or_else(PoisonError::into_inner);
         let versions = seen.entry(object.to_string()).or_default();
-        if versions.last().is_none_or(|(v, _)| *v < version) {
-            versions.push((version, at));
+        // A relist repeats what was seen: only newer versions count.
+        if versions
+            .last()
+            .is_none_or(|v| v.resource_version < version.resource_version)
+        {
+            versions.push(version);
         }
     }
 
@@ -83,14 +120,31 @@ impl VersionLog {
     pub(crate) fn listed(&self) -> usize {
         self.listed.load(Ordering::Relaxed)
     }
+}
 
-    /// When the tool first saw a version of `object` later than `version`, if it did.
-    pub(crate) fn first_after(&self, object: &str, version: u64) -> Option<Timestamp> {
+impl History for VersionLog {
+    fn first_after(&self, object: &str, version: u64) -> Option<Timestamp> {
         let seen = self.seen.lock().unwrap_or_else(PoisonError::into_inner);
         seen.get(object)?
             .iter()
-            .find(|(v, _)| *v > version)
-            .map(|(_, at)| *at)
+            .find(|v| v.resource_version > version)
+            .map(|v| v.seen)
+    }
+
+    fn drained_away(&self, object: &str, shard: &str) -> Vec<Timestamp> {
+        let seen = self.seen.lock().unwrap_or_else(PoisonError::into_inner);
+        let Some(versions) = seen.get(object) else {
+            return Vec::new();
+        };
+        versions
+            .windows(2)
+            .filter(|pair| {
+                pair[0].shard.as_deref() == Some(shard)
+                    && pair[0].draining
+                    && pair[1].shard.as_deref() != Some(shard)
+            })
+            .map(|pair| pair[1].seen)
+            .collect()
     }
 }
 
@@ -99,19 +153,51 @@ mod tests {
     use super::*;
     use k8s_openapi::jiff::SignedDuration;
 
+    fn t(s: i64) -> Timestamp {
+        Timestamp::UNIX_EPOCH + SignedDuration::from_secs(s)
+    }
+
+    fn version(resource_version: u64, seen: i64, shard: Option<&str>, draining: bool) -> Version {
+        Version {
+            resource_version,
+            seen: t(seen),
+            shard: shard.map(str::to_string),
+            draining,
+        }
+    }
+
+    fn log() -> VersionLog {
+        VersionLog::new(LabelKeys::for_ring("chaos").expect("short name"))
+    }
+
     #[test]
     fn finds_the_first_version_after_a_given_one() {
-        let log = VersionLog::default();
-        let t = |s: i64| Timestamp::UNIX_EPOCH + SignedDuration::from_secs(s);
-        log.record("ns/a", 10, t(1));
-        log.record("ns/a", 12, t(2));
+        let log = log();
+        log.record("ns/a", version(10, 1, Some("a"), false));
+        log.record("ns/a", version(12, 2, Some("a"), true));
         // A relist repeats what was seen: it does not move the first sighting.
-        log.record("ns/a", 12, t(3));
-        log.record("ns/a", 15, t(4));
+        log.record("ns/a", version(12, 3, Some("a"), true));
+        log.record("ns/a", version(15, 4, Some("b"), false));
         assert_eq!(log.first_after("ns/a", 10), Some(t(2)));
         assert_eq!(log.first_after("ns/a", 11), Some(t(2)));
         assert_eq!(log.first_after("ns/a", 12), Some(t(4)));
         assert_eq!(log.first_after("ns/a", 15), None);
         assert_eq!(log.first_after("ns/b", 1), None);
+    }
+
+    /// Only a step away from the shard right after it was asked to drain counts; a move while
+    /// not draining (from a dead shard, say) does not.
+    #[test]
+    fn finds_completed_drains() {
+        let log = log();
+        log.record("ns/a", version(10, 1, Some("a"), false));
+        log.record("ns/a", version(11, 2, Some("b"), false));
+        log.record("ns/a", version(12, 3, Some("b"), true));
+        log.record("ns/a", version(13, 4, Some("a"), false));
+        log.record("ns/a", version(14, 5, Some("a"), true));
+        log.record("ns/a", version(15, 6, None, false));
+        assert_eq!(log.drained_away("ns/a", "a"), [t(6)]);
+        assert_eq!(log.drained_away("ns/a", "b"), [t(4)]);
+        assert!(log.drained_away("ns/a", "c").is_empty());
     }
 }
