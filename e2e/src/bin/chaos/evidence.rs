@@ -1,0 +1,151 @@
+//! What one shard process said it did, read back from its JSON log.
+//!
+//! `checksum-controller --log-format=json` prints one object per line with the event's fields at
+//! the top level and a `timestamp` (RFC 3339, microseconds, the machine's clock, which the tool's
+//! own records share). The records used:
+//!
+//! | record | fields |
+//! |---|---|
+//! | a reconcile starts | `event: "reconcile"`, `namespace`, `name`, `shard` |
+//! | a drain was acknowledged (logged after the patch succeeded) | `event: "drain"`, `namespace`, `name`, `shard`, `resource_version` (the version the patch was conditioned on) |
+//! | the shard library acquired the Lease | message `acquired Lease`, `transitions` |
+//! | the Lease was lost (renew deadline missed, or taken over) | a message containing `it is lost`; then `lost the shard Lease, stopped at once` |
+//! | the Lease was released on graceful shutdown | message `released Lease` |
+//!
+//! The Lease messages are the shard library's wording, not a field: if it changes, loss and
+//! release evidence disappears and the ownership check reports violations rather than missing
+//! them, so a rename cannot make the check pass silently.
+
+use std::path::Path;
+
+use k8s_openapi::jiff::Timestamp;
+
+/// How one process's Lease ended, by its own account.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum LeaseEnd {
+    Lost,
+    Released,
+}
+
+/// The records of one shard process that the checks use.
+#[derive(Debug, Default)]
+pub(crate) struct RunLog {
+    /// Reconcile starts: time and `namespace/name`.
+    pub(crate) reconciles: Vec<(Timestamp, String)>,
+    /// Drain acknowledgements: time, `namespace/name`, and the `resourceVersion` acknowledged.
+    pub(crate) drains: Vec<(Timestamp, String, Option<u64>)>,
+    /// When it acquired its Lease, and the Lease's `leaseTransitions` then.
+    pub(crate) acquired: Option<(Timestamp, i64)>,
+    /// The first record saying the Lease was lost or released.
+    pub(crate) lease_end: Option<(Timestamp, LeaseEnd)>,
+    /// Lines that were not JSON records with a timestamp (panics, say).
+    pub(crate) other_lines: usize,
+}
+
+impl RunLog {
+    /// Reads the log at `path`; a missing file reads as empty.
+    pub(crate) fn read(path: &Path) -> Self {
+        let text = std::fs::read_to_string(path).unwrap_or_default();
+        Self::parse(&text)
+    }
+
+    /// Parses log text.
+    pub(crate) fn parse(text: &str) -> Self {
+        let mut log = Self::default();
+        for line in text.lines().filter(|l| !l.trim().is_empty()) {
+            let Ok(record) = serde_json::from_str::<serde_json::Value>(line) else {
+                log.other_lines += 1;
+                continue;
+            };
+            let Some(at) = record["timestamp"]
+                .as_str()
+                .and_then(|t| t.parse::<Timestamp>().ok())
+            else {
+                log.other_lines += 1;
+                continue;
+            };
+            let object = || {
+                format!(
+                    "{}/{}",
+                    record["namespace"].as_str().unwrap_or_default(),
+                    record["name"].as_str().unwrap_or_default()
+                )
+            };
+            let message = record["message"].as_str().unwrap_or_default();
+            match record["event"].as_str() {
+                Some("reconcile") => log.reconciles.push((at, object())),
+                Some("drain") => {
+                    let version = record["resource_version"]
+                        .as_str()
+                        .and_then(|v| v.parse().ok());
+                    log.drains.push((at, object(), version));
+                }
+                _ if message == "acquired Lease" && log.acquired.is_none() => {
+                    log.acquired = Some((at, record["transitions"].as_i64().unwrap_or(0)));
+                }
+                _ if log.lease_end.is_some() => {}
+                _ if message.contains("it is lost")
+                    || message.starts_with("lost the shard Lease") =>
+                {
+                    log.lease_end = Some((at, LeaseEnd::Lost));
+                }
+                _ if message == "released Lease" => log.lease_end = Some((at, LeaseEnd::Released)),
+                _ => {}
+            }
+        }
+        log
+    }
+
+    /// When the process said it lost its Lease, if it did.
+    pub(crate) fn lost_at(&self) -> Option<Timestamp> {
+        self.lease_end
+            .filter(|(_, end)| *end == LeaseEnd::Lost)
+            .map(|(at, _)| at)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Lines as checksum-controller prints them with `--log-format=json`.
+    const LOG: &str = r#"{"timestamp":"2026-01-01T00:00:00.000001Z","level":"INFO","message":"acquiring shard Lease","shard":"shard-0"}
+{"timestamp":"2026-01-01T00:00:01.000000Z","level":"INFO","message":"acquired Lease","lease":"shard-0","namespace":"leases","identity":"shard-0","transitions":3}
+{"timestamp":"2026-01-01T00:00:02.000000Z","level":"INFO","message":"reconciling Secret","event":"reconcile","namespace":"ns","name":"s-1","shard":"shard-0"}
+{"timestamp":"2026-01-01T00:00:03.000000Z","level":"INFO","message":"acknowledged drain","event":"drain","namespace":"ns","name":"s-1","shard":"shard-0","resource_version":"12"}
+{"timestamp":"2026-01-01T00:00:04.000000Z","level":"WARN","message":"Lease was taken over or removed, it is lost","lease":"shard-0","holder":"shardlease-controller"}
+{"timestamp":"2026-01-01T00:00:04.100000Z","level":"ERROR","message":"lost the shard Lease, stopped at once","shard":"shard-0"}
+thread 'main' panicked at somewhere
+"#;
+
+    #[test]
+    fn reads_the_records_the_checks_use() {
+        let log = RunLog::parse(LOG);
+        let at = |s: &str| s.parse::<Timestamp>().expect("timestamp");
+        assert_eq!(
+            log.reconciles,
+            [(at("2026-01-01T00:00:02Z"), "ns/s-1".to_string())]
+        );
+        assert_eq!(
+            log.drains,
+            [(at("2026-01-01T00:00:03Z"), "ns/s-1".to_string(), Some(12))]
+        );
+        assert_eq!(log.acquired, Some((at("2026-01-01T00:00:01Z"), 3)));
+        // The first loss record counts.
+        assert_eq!(
+            log.lease_end,
+            Some((at("2026-01-01T00:00:04Z"), LeaseEnd::Lost))
+        );
+        assert_eq!(log.lost_at(), Some(at("2026-01-01T00:00:04Z")));
+        assert_eq!(log.other_lines, 1);
+    }
+
+    #[test]
+    fn a_release_is_not_a_loss() {
+        let log = RunLog::parse(
+            r#"{"timestamp":"2026-01-01T00:00:05Z","level":"INFO","message":"released Lease","lease":"shard-0"}"#,
+        );
+        assert_eq!(log.lease_end.map(|(_, end)| end), Some(LeaseEnd::Released));
+        assert_eq!(log.lost_at(), None);
+    }
+}

@@ -1,0 +1,148 @@
+//! The crash half of invariant 4: every process that ended must have been ended by the tool, or
+//! be a shard that stopped because it lost its Lease through something that takes Leases away:
+//! it was paused, the API server was restarting, or the API server took no write promptly during
+//! the whole renew deadline before the loss (every heartbeat of the tool's was slow or failed
+//! then). Stopping at once on losing the Lease is the shard contract (SPEC §3), not a crash;
+//! anything else is.
+
+use k8s_openapi::jiff::{SignedDuration, Timestamp};
+use serde::Serialize;
+
+use crate::fleet::Incarnation;
+use crate::report::Violation;
+use crate::stalls::StallLog;
+
+/// How the processes that ended, ended.
+#[derive(Clone, Debug, Default, Serialize)]
+pub(crate) struct ExitCounts {
+    /// Ended after the tool sent SIGKILL or SIGTERM.
+    pub(crate) signalled: usize,
+    /// Shards that exited on losing their Lease after the tool paused them.
+    pub(crate) lease_lost_after_pause: usize,
+    /// Shards that exited on losing their Lease while the API server was restarting.
+    pub(crate) lease_lost_in_apiserver_restart: usize,
+    /// Shards that exited on losing their Lease while the API server took no write promptly (an
+    /// overloaded machine, say), as the tool's heartbeat saw.
+    pub(crate) lease_lost_in_api_stall: usize,
+    /// Ended for no reason the tool gave (each is also a violation).
+    pub(crate) unexpected: usize,
+    /// Processes that ended with a non-zero status after SIGTERM (not a violation: a graceful
+    /// stop may fail to release a Lease while the API server is down, say).
+    pub(crate) unclean_after_term: usize,
+}
+
+/// One process to judge.
+#[derive(Debug)]
+pub(crate) struct Ended<'a> {
+    /// `shard-3`, `sharder-0`.
+    pub(crate) who: String,
+    pub(crate) incarnation: &'a Incarnation,
+    /// For shards: when its log says it lost the Lease, if it does.
+    pub(crate) lost_lease: Option<Timestamp>,
+}
+
+/// What explains a shard losing its Lease.
+#[derive(Debug)]
+pub(crate) struct Outages<'a> {
+    /// The API server's restarts, from the stop until it was ready again.
+    pub(crate) restarts: &'a [(Timestamp, Timestamp)],
+    /// The tool's heartbeats.
+    pub(crate) heartbeat: &'a StallLog,
+    /// The shards' renew deadline: a shard loses its Lease that long after its last renewal.
+    pub(crate) renew_deadline: SignedDuration,
+}
+
+impl Outages<'_> {
+    /// Whether an exit at `at` on losing the Lease falls in a restart (or within the renew
+    /// deadline and 10 s after it).
+    fn restart_explains(&self, at: Timestamp) -> bool {
+        let grace = self.renew_deadline + SignedDuration::from_secs(10);
+        self.restarts
+            .iter()
+            .any(|(from, to)| at >= *from && at <= *to + grace)
+    }
+
+    /// Whether the API server took no write promptly during the renew deadline before a loss
+    /// at `lost` (leaving out its last second, in which the shard's last attempt may still have
+    /// been on its way).
+    fn stall_explains(&self, lost: Timestamp) -> bool {
+        let to = lost - SignedDuration::from_secs(1);
+        self.heartbeat
+            .impaired_throughout(lost - self.renew_deadline, to)
+    }
+}
+
+/// Classifies every ended process.
+pub(crate) fn classify(
+    processes: &[Ended<'_>],
+    outages: &Outages<'_>,
+) -> (ExitCounts, Vec<Violation>) {
+    let mut counts = ExitCounts::default();
+    let mut violations = Vec::new();
+    for process in processes {
+        let incarnation = process.incarnation;
+        let Some(exit) = &incarnation.exit else {
+            continue;
+        };
+        if incarnation.got("TERM") && !exit.success && !incarnation.got("KILL") {
+            counts.unclean_after_term += 1;
+        }
+        if incarnation.got("KILL") || incarnation.got("TERM") {
+            counts.signalled += 1;
+        } else if process.lost_lease.is_some() && incarnation.got("STOP") {
+            counts.lease_lost_after_pause += 1;
+        } else if process.lost_lease.is_some() && outages.restart_explains(exit.at) {
+            counts.lease_lost_in_apiserver_restart += 1;
+        } else if process
+            .lost_lease
+            .is_some_and(|lost| outages.stall_explains(lost))
+        {
+            counts.lease_lost_in_api_stall += 1;
+        } else {
+            counts.unexpected += 1;
+            let why = if process.lost_lease.is_some() {
+                "lost its Lease without a fault that explains it"
+            } else {
+                "exited on its own"
+            };
+            violations.push(Violation {
+                invariant: "no-leaks",
+                detail: format!(
+                    "{} (pid {}) {why}: {} at {}; log {}",
+                    process.who,
+                    incarnation.pid.unwrap_or_default(),
+                    exit.status,
+                    exit.at,
+                    incarnation.log_path().display()
+                ),
+            });
+        }
+    }
+    (counts, violations)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t(seconds: i64) -> Timestamp {
+        Timestamp::UNIX_EPOCH + SignedDuration::from_secs(1_000_000 + seconds)
+    }
+
+    #[test]
+    fn a_restart_explains_losses_during_it_and_shortly_after() {
+        let restarts = [(t(100), t(110))];
+        let heartbeat = StallLog::default();
+        let o = Outages {
+            restarts: &restarts,
+            heartbeat: &heartbeat,
+            renew_deadline: SignedDuration::from_secs(6),
+        };
+        assert!(o.restart_explains(t(105)));
+        assert!(o.restart_explains(t(125)));
+        assert!(!o.restart_explains(t(127)));
+        assert!(!o.restart_explains(t(99)));
+        // No heartbeat recorded: no stall to explain anything.
+        assert!(!o.stall_explains(t(105)));
+    }
+}

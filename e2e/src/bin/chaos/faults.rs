@@ -1,0 +1,307 @@
+//! Carrying out the fault plan against the live system, and ending every fault: a paused shard
+//! gets SIGCONT, a closed gate reopens, stopped processes are started again by the supervisor.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::jiff::Timestamp;
+use kube::Client;
+use serde::Serialize;
+
+use crate::apiserver::ApiServer;
+use crate::fleet::{Fleet, Then};
+use crate::plan::{FaultKind, PlannedFault, round_ms};
+
+/// What became of one planned fault.
+#[derive(Clone, Debug, Serialize)]
+pub(crate) struct FaultRecord {
+    /// Seconds after the chaos phase began that it was carried out.
+    pub(crate) at_seconds: f64,
+    pub(crate) kind: FaultKind,
+    /// The victim (shard name, `sharder-<slot>`, `kube-apiserver`, `webhook`), if any.
+    pub(crate) target: Option<String>,
+    pub(crate) hold_seconds: f64,
+    /// `done`, `skipped: <why>` or `failed: <error>`.
+    pub(crate) outcome: String,
+    /// Seconds after the chaos phase began that the fault was over (the victim resumed, the
+    /// gate reopened, the API server ready again); for kills, when the signal was sent.
+    pub(crate) ended_seconds: Option<f64>,
+}
+
+/// A step that ends a fault later.
+#[derive(Debug)]
+enum FollowUp {
+    /// SIGCONT to the paused shard; index of the fault record.
+    Resume { shard: String, record: usize },
+    /// Reopen the webhook gate.
+    OpenGate { record: usize },
+}
+
+/// Carries out faults and their follow-ups.
+pub(crate) struct Injector {
+    fleet: Arc<Fleet>,
+    client: Client,
+    apiserver: Option<ApiServer>,
+    /// Start of the chaos phase.
+    started: Instant,
+    /// Most shards wanted at once (scale-out stops there); least is two (scale-in stops there).
+    most_shards: usize,
+    /// How long to wait for a leader before a leader or follower fault is skipped.
+    leader_wait: Duration,
+    follow_ups: Vec<(Instant, FollowUp)>,
+    pub(crate) records: Vec<FaultRecord>,
+    /// API server outages: from the stop until it was ready again.
+    pub(crate) disruptions: Vec<(Timestamp, Timestamp)>,
+}
+
+/// Fewest shards a scale-in leaves wanted.
+const FEWEST_SHARDS: usize = 2;
+
+impl Injector {
+    pub(crate) fn new(
+        fleet: Arc<Fleet>,
+        client: Client,
+        apiserver: Option<ApiServer>,
+        most_shards: usize,
+        leader_wait: Duration,
+    ) -> Self {
+        Self {
+            fleet,
+            client,
+            apiserver,
+            started: Instant::now(),
+            most_shards,
+            leader_wait,
+            follow_ups: Vec::new(),
+            records: Vec::new(),
+            disruptions: Vec::new(),
+        }
+    }
+
+    fn offset(&self) -> f64 {
+        round_ms(self.started.elapsed())
+    }
+
+    /// Runs the plan from now: each fault at its offset (or as soon as the previous one is done),
+    /// follow-ups when due; returns once every fault has ended.
+    pub(crate) async fn run(&mut self, plan: &[PlannedFault]) {
+        self.started = Instant::now();
+        let mut next = 0;
+        loop {
+            let now = Instant::now();
+            let due: Vec<usize> = self
+                .follow_ups
+                .iter()
+                .enumerate()
+                .filter(|(_, (at, _))| *at <= now)
+                .map(|(i, _)| i)
+                .collect();
+            for i in due.into_iter().rev() {
+                let (_, follow_up) = self.follow_ups.swap_remove(i);
+                self.end(follow_up);
+            }
+            if let Some(fault) = plan.get(next)
+                && self.started.elapsed().as_secs_f64() >= fault.at_seconds
+            {
+                next += 1;
+                self.inject(fault).await;
+                continue;
+            }
+            if next >= plan.len() && self.follow_ups.is_empty() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    async fn inject(&mut self, fault: &PlannedFault) {
+        let hold = Duration::from_secs_f64(fault.hold_seconds);
+        let index = self.records.len();
+        self.records.push(FaultRecord {
+            at_seconds: self.offset(),
+            kind: fault.kind,
+            target: None,
+            hold_seconds: fault.hold_seconds,
+            outcome: "done".into(),
+            ended_seconds: None,
+        });
+        let result = self.apply(fault, hold, index).await;
+        let offset = self.offset();
+        let record = &mut self.records[index];
+        match result {
+            Ok(Applied::Done(target)) => {
+                record.target = target;
+                if !matches!(fault.kind, FaultKind::ShardPause | FaultKind::WebhookOutage) {
+                    record.ended_seconds = Some(offset);
+                }
+            }
+            Ok(Applied::Skipped(why)) => record.outcome = format!("skipped: {why}"),
+            Err(error) => record.outcome = format!("failed: {error:#}"),
+        }
+        crate::progress(&format!(
+            "fault {} {} ({}){}",
+            fault.kind.name(),
+            record.target.as_deref().unwrap_or("-"),
+            record.outcome,
+            if fault.hold_seconds > 0.0 {
+                format!(", hold {:.1} s", fault.hold_seconds)
+            } else {
+                String::new()
+            }
+        ));
+    }
+
+    async fn apply(
+        &mut self,
+        fault: &PlannedFault,
+        hold: Duration,
+        index: usize,
+    ) -> anyhow::Result<Applied> {
+        let pick = |n: usize| (fault.pick % n.max(1) as u64) as usize;
+        match fault.kind {
+            FaultKind::ShardKill | FaultKind::ShardTerm | FaultKind::ShardPause => {
+                let candidates = self.fleet.active_shards();
+                if candidates.is_empty() {
+                    return Ok(Applied::Skipped("no active shard"));
+                }
+                let shard = candidates[pick(candidates.len())].clone();
+                match fault.kind {
+                    FaultKind::ShardKill => {
+                        self.fleet
+                            .signal_shard(&shard, "KILL", Then::RestartAfter(hold))?
+                    }
+                    FaultKind::ShardTerm => {
+                        self.fleet
+                            .signal_shard(&shard, "TERM", Then::RestartAfter(hold))?
+                    }
+                    _ => {
+                        self.fleet.signal_shard(&shard, "STOP", Then::Keep)?;
+                        self.follow_ups.push((
+                            Instant::now() + hold,
+                            FollowUp::Resume {
+                                shard: shard.clone(),
+                                record: index,
+                            },
+                        ));
+                    }
+                }
+                Ok(Applied::Done(Some(shard)))
+            }
+            FaultKind::ScaleOut => {
+                if self.fleet.wanted_shards().len() >= self.most_shards {
+                    return Ok(Applied::Skipped("at the most shards"));
+                }
+                Ok(Applied::Done(Some(self.fleet.add_shard()?)))
+            }
+            FaultKind::ScaleIn => {
+                if self.fleet.wanted_shards().len() <= FEWEST_SHARDS {
+                    return Ok(Applied::Skipped("at the fewest shards"));
+                }
+                let candidates = self.fleet.active_shards();
+                if candidates.is_empty() {
+                    return Ok(Applied::Skipped("no active shard"));
+                }
+                let shard = candidates[pick(candidates.len())].clone();
+                self.fleet.signal_shard(&shard, "TERM", Then::Retire)?;
+                Ok(Applied::Done(Some(shard)))
+            }
+            FaultKind::LeaderKill
+            | FaultKind::LeaderTerm
+            | FaultKind::FollowerKill
+            | FaultKind::FollowerTerm => {
+                let Some(leader) = self.wait_for_leader().await else {
+                    return Ok(Applied::Skipped("no leader"));
+                };
+                let slot = if matches!(fault.kind, FaultKind::LeaderKill | FaultKind::LeaderTerm) {
+                    leader
+                } else {
+                    let followers: Vec<usize> = self
+                        .fleet
+                        .running_sharders()
+                        .into_iter()
+                        .filter(|s| *s != leader)
+                        .collect();
+                    if followers.is_empty() {
+                        return Ok(Applied::Skipped("no follower running"));
+                    }
+                    followers[pick(followers.len())]
+                };
+                let signal =
+                    if matches!(fault.kind, FaultKind::LeaderKill | FaultKind::FollowerKill) {
+                        "KILL"
+                    } else {
+                        "TERM"
+                    };
+                self.fleet.signal_sharder(slot, signal, hold)?;
+                Ok(Applied::Done(Some(format!("sharder-{slot}"))))
+            }
+            FaultKind::ApiserverRestart => {
+                let Some(apiserver) = self.apiserver.as_mut() else {
+                    return Ok(Applied::Skipped("not our control plane"));
+                };
+                let from = Timestamp::now();
+                let result = apiserver.restart(&self.client, hold).await;
+                self.disruptions.push((from, Timestamp::now()));
+                let restarted = result?;
+                crate::progress(&format!(
+                    "kube-apiserver stopped in {:.1} s, ready {:.1} s after starting again",
+                    restarted.stopping.as_secs_f64(),
+                    restarted.starting.as_secs_f64()
+                ));
+                Ok(Applied::Done(Some("kube-apiserver".into())))
+            }
+            FaultKind::WebhookOutage => {
+                self.fleet.gate.close();
+                self.follow_ups
+                    .push((Instant::now() + hold, FollowUp::OpenGate { record: index }));
+                Ok(Applied::Done(Some("webhook".into())))
+            }
+        }
+    }
+
+    async fn wait_for_leader(&self) -> Option<usize> {
+        let deadline = Instant::now() + self.leader_wait;
+        loop {
+            if let Ok(Some(slot)) = self.fleet.leader(&self.client).await {
+                return Some(slot);
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    }
+
+    fn end(&mut self, follow_up: FollowUp) {
+        let offset = self.offset();
+        match follow_up {
+            FollowUp::Resume { shard, record } => {
+                if let Err(error) = self.fleet.signal_shard(&shard, "CONT", Then::Keep) {
+                    crate::progress(&format!("failed to resume {shard}: {error:#}"));
+                }
+                self.records[record].ended_seconds = Some(offset);
+                crate::progress(&format!("resumed {shard}"));
+            }
+            FollowUp::OpenGate { record } => {
+                self.fleet.gate.open();
+                self.records[record].ended_seconds = Some(offset);
+                crate::progress("webhook reachable again");
+            }
+        }
+    }
+
+    /// Seconds after the chaos phase began that the last fault ended.
+    pub(crate) fn last_ended(&self) -> Option<f64> {
+        self.records
+            .iter()
+            .filter_map(|r| r.ended_seconds)
+            .reduce(f64::max)
+    }
+}
+
+/// What [`Injector::apply`] did.
+#[derive(Debug)]
+enum Applied {
+    Done(Option<String>),
+    Skipped(&'static str),
+}

@@ -1,0 +1,569 @@
+//! The processes under test: two sharder replicas behind one webhook address, and the
+//! checksum-controller shards. Every process the tool ever started is kept, with the signals the
+//! tool sent it and how it ended, as evidence for the checks.
+//!
+//! A supervisor ([`Fleet::supervise`]) keeps the wanted processes running: a member whose
+//! process has exited is started again once its restart time has come (set by the fault that
+//! stopped it, or a second after an exit nobody asked for, such as a shard that lost its Lease).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use e2e::gate::{Balancer, TcpGate};
+use e2e::process::Process;
+use e2e::sharder::{SharderFiles, SharderSettings};
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::jiff::Timestamp;
+use kube::Client;
+use kube::api::Api;
+use serde::Serialize;
+use tokio_util::sync::CancellationToken;
+
+/// Namespace and name of the sharder's leader-election Lease (the SharderConfig defaults, which
+/// the tool's sharder config keeps).
+const LEADER_LEASE: (&str, &str) = ("sharding-system", "sharder");
+
+/// How often the supervisor looks at the processes.
+const SUPERVISE_EVERY: Duration = Duration::from_millis(250);
+
+/// Pause before starting a member again after an exit the tool did not cause.
+const RESTART_AFTER_EXIT: Duration = Duration::from_secs(1);
+
+/// Lease timing of the shards, in seconds.
+#[derive(Clone, Copy, Debug, Serialize)]
+pub(crate) struct ShardTiming {
+    pub(crate) lease_duration: f64,
+    pub(crate) renew_deadline: f64,
+    pub(crate) retry_period: f64,
+}
+
+impl ShardTiming {
+    /// The protocol's proportions (15 s, 10 s, 2 s) scaled to `lease_duration`, with renewals at
+    /// least every second so a Lease survives a short stall of a busy machine.
+    pub(crate) fn scaled(lease_duration: Duration) -> Self {
+        let d = lease_duration.as_secs_f64();
+        Self {
+            lease_duration: d,
+            renew_deadline: d * 2.0 / 3.0,
+            retry_period: (d * 2.0 / 15.0).min(1.0),
+        }
+    }
+}
+
+/// How one process ended.
+#[derive(Clone, Debug, Serialize)]
+pub(crate) struct Exit {
+    /// When the supervisor saw it gone (within [`SUPERVISE_EVERY`] of the actual exit).
+    pub(crate) at: Timestamp,
+    /// The exit status as printed by the OS layer, e.g. `exit status: 1` or `signal: 9 (SIGKILL)`.
+    pub(crate) status: String,
+    pub(crate) success: bool,
+}
+
+/// One process of a member: a run of a shard or sharder replica from start to exit.
+#[derive(Debug)]
+pub(crate) struct Incarnation {
+    pub(crate) process: Process,
+    pub(crate) pid: Option<u32>,
+    /// Signals the tool sent, by name (`KILL`, `TERM`, `STOP`, `CONT`), with when.
+    pub(crate) signals: Vec<(Timestamp, &'static str)>,
+    pub(crate) exit: Option<Exit>,
+}
+
+impl Incarnation {
+    fn start(process: Process) -> Self {
+        Self {
+            pid: process.id(),
+            process,
+            signals: Vec::new(),
+            exit: None,
+        }
+    }
+
+    pub(crate) fn log_path(&self) -> &Path {
+        self.process.log_path()
+    }
+
+    /// Whether the tool sent `signal` to this process.
+    pub(crate) fn got(&self, signal: &str) -> bool {
+        self.signals.iter().any(|(_, s)| *s == signal)
+    }
+
+    pub(crate) fn is_running(&self) -> bool {
+        self.exit.is_none()
+    }
+
+    /// Whether the tool stopped it with SIGSTOP and has not sent SIGCONT since.
+    pub(crate) fn is_paused(&self) -> bool {
+        self.signals
+            .iter()
+            .rev()
+            .find(|(_, s)| matches!(*s, "STOP" | "CONT"))
+            .is_some_and(|(_, s)| *s == "STOP")
+    }
+}
+
+/// A shard name or a sharder replica slot, and every process it has had.
+#[derive(Debug, Default)]
+pub(crate) struct Member {
+    /// Whether the member should be running (false once scaled in).
+    pub(crate) wanted: bool,
+    /// When to start it again if no process runs.
+    pub(crate) restart_at: Option<Instant>,
+    pub(crate) incarnations: Vec<Incarnation>,
+}
+
+impl Member {
+    /// The running process, if any.
+    pub(crate) fn current(&self) -> Option<&Incarnation> {
+        self.incarnations.last().filter(|i| i.is_running())
+    }
+
+    fn current_mut(&mut self) -> Option<&mut Incarnation> {
+        self.incarnations.last_mut().filter(|i| i.is_running())
+    }
+}
+
+/// Everything the tool runs, behind one lock.
+#[derive(Debug)]
+pub(crate) struct Processes {
+    pub(crate) shards: BTreeMap<String, Member>,
+    pub(crate) sharders: Vec<Member>,
+    next_shard: usize,
+}
+
+/// The fleet: processes, and how to start them.
+#[derive(Debug)]
+pub(crate) struct Fleet {
+    state: Mutex<Processes>,
+    ring: String,
+    lease_namespace: String,
+    timing: ShardTiming,
+    sharder_files: Vec<SharderFiles>,
+    /// Between the API server and the balancer: closing it is a webhook outage.
+    pub(crate) gate: TcpGate,
+    /// Kept alive: sends webhook calls to the ready replicas.
+    _balancer: Balancer,
+}
+
+impl Fleet {
+    /// Prepares two sharder replicas (one serving certificate, as replicas of one Deployment
+    /// share) behind a balancer that, like a Service, sends webhook calls only to ready
+    /// replicas, and a gate in front of it that the API server calls.
+    pub(crate) async fn new(
+        kubeconfig: &Path,
+        ring: &str,
+        lease_namespace: &str,
+        timing: ShardTiming,
+        leader_election: (u32, u32, u32),
+    ) -> anyhow::Result<Self> {
+        let balancer = Balancer::start().await?;
+        let gate = TcpGate::start(balancer.addr()).await?;
+        let settings = SharderSettings {
+            leader_election,
+            sync_period: "5m".into(),
+            webhook_url: Some(format!("https://{}", gate.addr())),
+        };
+        let files = vec![
+            SharderFiles::create(kubeconfig, &settings)?,
+            SharderFiles::create(kubeconfig, &settings)?,
+        ];
+        for file in ["ca.crt", "ca.key", "tls.crt", "tls.key"] {
+            std::fs::copy(files[0].dir.join(file), files[1].dir.join(file))
+                .with_context(|| format!("failed to share the sharder's {file}"))?;
+        }
+        for f in &files {
+            balancer.add(
+                ([127, 0, 0, 1], f.webhook_port).into(),
+                ([127, 0, 0, 1], f.health_port).into(),
+            );
+        }
+        Ok(Self {
+            state: Mutex::new(Processes {
+                shards: BTreeMap::new(),
+                sharders: files.iter().map(|_| Member::default()).collect(),
+                next_shard: 0,
+            }),
+            ring: ring.to_string(),
+            lease_namespace: lease_namespace.to_string(),
+            timing,
+            sharder_files: files,
+            gate,
+            _balancer: balancer,
+        })
+    }
+
+    /// The processes, locked. Hold the guard briefly: the supervisor needs it too.
+    pub(crate) fn lock(&self) -> MutexGuard<'_, Processes> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Number of sharder replicas.
+    pub(crate) fn sharder_slots(&self) -> usize {
+        self.sharder_files.len()
+    }
+
+    /// Starts every sharder replica and waits until each is ready.
+    pub(crate) async fn start_sharders(&self, timeout: Duration) -> anyhow::Result<()> {
+        {
+            let mut state = self.lock();
+            for slot in 0..self.sharder_files.len() {
+                let process = self.spawn_sharder(slot)?;
+                let member = &mut state.sharders[slot];
+                member.wanted = true;
+                member.incarnations.push(Incarnation::start(process));
+            }
+        }
+        for files in &self.sharder_files {
+            files.wait_ready(timeout).await?;
+        }
+        Ok(())
+    }
+
+    fn spawn_sharder(&self, slot: usize) -> anyhow::Result<Process> {
+        let mut process = self.sharder_files[slot].start_process()?;
+        // Logs stay on disk (the report names the directory); never printed on drop.
+        process.passed();
+        Ok(process)
+    }
+
+    fn spawn_shard(&self, name: &str) -> anyhow::Result<Process> {
+        let t = self.timing;
+        let mut process = Process::start(
+            "checksum-controller",
+            [
+                "--clusterring",
+                &self.ring,
+                "--lease-namespace",
+                &self.lease_namespace,
+                "--shard-name",
+                name,
+                "--lease-duration",
+                &t.lease_duration.to_string(),
+                "--renew-deadline",
+                &t.renew_deadline.to_string(),
+                "--retry-period",
+                &t.retry_period.to_string(),
+                "--log-format",
+                "json",
+            ],
+        )?;
+        process.passed();
+        Ok(process)
+    }
+
+    /// Starts a shard under a new name (`shard-<n>`); returns the name.
+    pub(crate) fn add_shard(&self) -> anyhow::Result<String> {
+        let mut state = self.lock();
+        let name = format!("shard-{}", state.next_shard);
+        state.next_shard += 1;
+        let process = self.spawn_shard(&name)?;
+        let member = state.shards.entry(name.clone()).or_default();
+        member.wanted = true;
+        member.incarnations.push(Incarnation::start(process));
+        Ok(name)
+    }
+
+    /// Sends `signal` to the running process of shard `name`, then does `then`.
+    pub(crate) fn signal_shard(
+        &self,
+        name: &str,
+        signal: &'static str,
+        then: Then,
+    ) -> anyhow::Result<()> {
+        let mut state = self.lock();
+        let member = state
+            .shards
+            .get_mut(name)
+            .with_context(|| format!("no shard {name}"))?;
+        signal_member(member, signal, then)
+    }
+
+    /// Makes shard `name` unwanted and stops its process, if one runs (SIGTERM, after SIGCONT
+    /// when paused).
+    pub(crate) fn retire_shard(&self, name: &str) -> anyhow::Result<()> {
+        let mut state = self.lock();
+        let member = state
+            .shards
+            .get_mut(name)
+            .with_context(|| format!("no shard {name}"))?;
+        member.wanted = false;
+        member.restart_at = None;
+        if let Some(incarnation) = member.current_mut() {
+            if incarnation.is_paused() {
+                send(incarnation, "CONT")?;
+            }
+            send(incarnation, "TERM")?;
+        }
+        Ok(())
+    }
+
+    /// Like [`Fleet::signal_shard`] for sharder replica `slot`, which is always started again.
+    pub(crate) fn signal_sharder(
+        &self,
+        slot: usize,
+        signal: &'static str,
+        restart_after: Duration,
+    ) -> anyhow::Result<()> {
+        let mut state = self.lock();
+        let member = state
+            .sharders
+            .get_mut(slot)
+            .with_context(|| format!("no sharder replica {slot}"))?;
+        signal_member(member, signal, Then::RestartAfter(restart_after))
+    }
+
+    /// Names of the shards with a running process that is not paused.
+    pub(crate) fn active_shards(&self) -> Vec<String> {
+        self.lock()
+            .shards
+            .iter()
+            .filter(|(_, m)| m.current().is_some_and(|i| !i.is_paused()))
+            .map(|(name, _)| name.clone())
+            .collect()
+    }
+
+    /// Names of the shards that should be running.
+    pub(crate) fn wanted_shards(&self) -> Vec<String> {
+        self.lock()
+            .shards
+            .iter()
+            .filter(|(_, m)| m.wanted)
+            .map(|(name, _)| name.clone())
+            .collect()
+    }
+
+    /// Whether every wanted member (shard or sharder) has a running process that is not paused.
+    pub(crate) fn all_wanted_running(&self) -> bool {
+        let state = self.lock();
+        state
+            .shards
+            .values()
+            .chain(state.sharders.iter())
+            .filter(|m| m.wanted)
+            .all(|m| m.current().is_some_and(|i| !i.is_paused()))
+    }
+
+    /// The sharder slot whose running process holds the leader Lease, if any.
+    pub(crate) async fn leader(&self, client: &Client) -> anyhow::Result<Option<usize>> {
+        let (namespace, name) = LEADER_LEASE;
+        let lease = Api::<Lease>::namespaced(client.clone(), namespace)
+            .get_opt(name)
+            .await?;
+        let Some(pid) = lease
+            .and_then(|l| l.spec)
+            .and_then(|s| s.holder_identity)
+            .as_deref()
+            .and_then(identity_pid)
+        else {
+            return Ok(None);
+        };
+        let state = self.lock();
+        Ok(state
+            .sharders
+            .iter()
+            .position(|m| m.current().is_some_and(|i| i.pid == Some(pid))))
+    }
+
+    /// Sharder slots with a running process.
+    pub(crate) fn running_sharders(&self) -> Vec<usize> {
+        self.lock()
+            .sharders
+            .iter()
+            .enumerate()
+            .filter(|(_, m)| m.current().is_some())
+            .map(|(slot, _)| slot)
+            .collect()
+    }
+
+    /// Process id of the running process of sharder `slot`.
+    pub(crate) fn sharder_pid(&self, slot: usize) -> Option<u32> {
+        self.lock().sharders.get(slot)?.current()?.pid
+    }
+
+    /// Records exits and starts wanted members whose restart time has come, until `stop`.
+    pub(crate) async fn supervise(self: Arc<Self>, stop: CancellationToken) {
+        loop {
+            self.supervise_once();
+            tokio::select! {
+                () = stop.cancelled() => return,
+                () = tokio::time::sleep(SUPERVISE_EVERY) => {}
+            }
+        }
+    }
+
+    fn supervise_once(&self) {
+        let mut state = self.lock();
+        let now = Instant::now();
+        let Processes {
+            shards, sharders, ..
+        } = &mut *state;
+        let members = shards
+            .iter_mut()
+            .map(|(name, m)| (Some(name.clone()), None, m))
+            .chain(
+                sharders
+                    .iter_mut()
+                    .enumerate()
+                    .map(|(slot, m)| (None, Some(slot), m)),
+            );
+        for (shard, slot, member) in members {
+            if let Some(incarnation) = member.current_mut()
+                && let Ok(Some(status)) = incarnation.process.try_status()
+            {
+                incarnation.exit = Some(Exit {
+                    at: Timestamp::now(),
+                    status: status.to_string(),
+                    success: status.success(),
+                });
+                let who = match (&shard, slot) {
+                    (Some(name), _) => name.clone(),
+                    (None, slot) => format!("sharder-{}", slot.unwrap_or_default()),
+                };
+                crate::progress(&format!("{who} exited: {status}"));
+                if member.wanted && member.restart_at.is_none() {
+                    member.restart_at = Some(now + RESTART_AFTER_EXIT);
+                }
+            }
+            let due = member.restart_at.is_some_and(|at| at <= now);
+            if member.wanted && member.current().is_none() && due {
+                let started = match (&shard, slot) {
+                    (Some(name), _) => self.spawn_shard(name),
+                    (None, Some(slot)) => self.spawn_sharder(slot),
+                    (None, None) => continue,
+                };
+                match started {
+                    Ok(process) => {
+                        member.restart_at = None;
+                        member.incarnations.push(Incarnation::start(process));
+                    }
+                    Err(error) => {
+                        crate::progress(&format!("failed to start a process, retrying: {error:#}"));
+                        member.restart_at = Some(now + RESTART_AFTER_EXIT);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Whether any process of any member is running.
+    fn any_running(&self) -> bool {
+        let state = self.lock();
+        state
+            .shards
+            .values()
+            .chain(state.sharders.iter())
+            .any(|m| m.current().is_some())
+    }
+
+    /// Sends SIGTERM to every running process (SIGCONT first to paused ones) and waits up to
+    /// `timeout` for them to exit, then kills what is left.
+    pub(crate) async fn stop_all(&self, timeout: Duration) {
+        {
+            let mut state = self.lock();
+            let Processes {
+                shards, sharders, ..
+            } = &mut *state;
+            for member in shards.values_mut().chain(sharders.iter_mut()) {
+                member.wanted = false;
+                if let Some(incarnation) = member.current_mut() {
+                    if incarnation.is_paused() {
+                        let _ = send(incarnation, "CONT");
+                    }
+                    let _ = send(incarnation, "TERM");
+                }
+            }
+        }
+        let deadline = Instant::now() + timeout;
+        while Instant::now() < deadline {
+            self.supervise_once();
+            if !self.any_running() {
+                return;
+            }
+            tokio::time::sleep(SUPERVISE_EVERY).await;
+        }
+        let mut state = self.lock();
+        let Processes {
+            shards, sharders, ..
+        } = &mut *state;
+        for member in shards.values_mut().chain(sharders.iter_mut()) {
+            if let Some(incarnation) = member.current_mut() {
+                let _ = send(incarnation, "KILL");
+            }
+        }
+    }
+}
+
+/// What happens to a member after a signal.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Then {
+    /// Nothing changes (SIGSTOP, SIGCONT).
+    Keep,
+    /// Once its process has exited, it is started again this long after the signal.
+    RestartAfter(Duration),
+    /// It is not wanted any more (scaled in).
+    Retire,
+}
+
+/// Sends `signal` to the member's running process and records it.
+fn signal_member(member: &mut Member, signal: &'static str, then: Then) -> anyhow::Result<()> {
+    let incarnation = member
+        .current_mut()
+        .context("the member has no running process")?;
+    send(incarnation, signal)?;
+    match then {
+        Then::Keep => {}
+        Then::RestartAfter(after) => member.restart_at = Some(Instant::now() + after),
+        Then::Retire => {
+            member.wanted = false;
+            member.restart_at = None;
+        }
+    }
+    Ok(())
+}
+
+fn send(incarnation: &mut Incarnation, signal: &'static str) -> anyhow::Result<()> {
+    // Recorded before sending: a process cannot log anything after a KILL that follows this.
+    incarnation.signals.push((Timestamp::now(), signal));
+    incarnation.process.signal(signal)
+}
+
+/// The process id inside a sharder identity `<host>_<pid>_<nanos>`.
+fn identity_pid(identity: &str) -> Option<u32> {
+    let mut parts = identity.rsplitn(3, '_');
+    let _nanos = parts.next()?;
+    parts.next()?.parse().ok()
+}
+
+/// Directory the harness writes every process log to.
+pub(crate) fn log_dir() -> PathBuf {
+    std::env::temp_dir().join(format!(
+        "controller-sharding-e2e-logs-{}",
+        std::process::id()
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pid_from_sharder_identity() {
+        assert_eq!(identity_pid("host_1234_0000abcd"), Some(1234));
+        assert_eq!(identity_pid("my_host_name_77_deadbeef"), Some(77));
+        assert_eq!(identity_pid("thief"), None);
+    }
+
+    #[test]
+    fn shard_timing_keeps_the_protocol_proportions() {
+        let t = ShardTiming::scaled(Duration::from_secs(15));
+        assert_eq!(t.lease_duration, 15.0);
+        assert_eq!(t.renew_deadline, 10.0);
+        assert_eq!(t.retry_period, 1.0);
+        let t = ShardTiming::scaled(Duration::from_secs(6));
+        assert!((t.retry_period - 0.8).abs() < 1e-9);
+    }
+}

@@ -1,0 +1,296 @@
+//! `chaos`: a soak under random faults that checks, from evidence, the product's promise: no
+//! object is ever reconciled by two shards at once, and every object ends up on exactly one live
+//! shard with nothing lost.
+//!
+//! It starts the local control plane of the test harness (or uses `KUBECONFIG`'s cluster), two
+//! `sharder` replicas with leader election behind one webhook address, and `--shards`
+//! `checksum-controller` shards, creates a ring over Secrets (controlling ConfigMaps) in
+//! `--namespaces` namespaces, and then, for `--duration`:
+//!
+//! - **churns** Secrets: creates, updates and deletes `--rate` per second, a quarter of the
+//!   creates with a `generateName` ConfigMap the Secret controls;
+//! - **injects faults** from a plan drawn from `--seed` (printed at start; pass it to replay the
+//!   plan): SIGKILL and SIGTERM of shards, scale-out and scale-in, SIGKILL and SIGTERM of the
+//!   leading and of the other sharder replica, a SIGSTOP of a shard long enough for the sharder to
+//!   take its Lease over, a kube-apiserver restart, and a webhook outage.
+//!
+//! Then it ends every fault, brings the shards back to `--shards`, waits for convergence and
+//! checks four invariants:
+//!
+//! 1. exclusive ownership, from the shards' reconcile, drain and Lease log records, the Lease
+//!    holder changes its own watch saw and the signals it sent (`ownership`);
+//! 2. convergence, against a hash ring computed here from the protocol alone (`ring`), within a
+//!    bound derived from the Lease durations (`convergence`);
+//! 3. nothing lost: checksums right, no ConfigMap of a deleted Secret left (`convergence`);
+//! 4. no leaks: sharder RSS and the API server's open watches back to the same order as before,
+//!    no process ended that the tool did not end (`probes`, `exits`).
+//!
+//! The report (text, or `--json`) lists faults by kind, churn, convergence time after the last
+//! fault, per-shard reconcile counts, memory, watches and every violation; the exit status is
+//! non-zero when there is any. Progress goes to stderr, the report to stdout. The binaries it
+//! starts must sit beside it (`cargo build --workspace --bins`).
+//!
+//! ```sh
+//! cargo build --workspace --bins
+//! target/debug/chaos --duration 30m [--seed N] [--json]
+//! ```
+//!
+//! | module | what |
+//! |---|---|
+//! | `main` | flags, setting up and cleaning up a run |
+//! | `soak` | the phases of a run |
+//! | `plan` | the seeded generator and the fault plan |
+//! | `fleet` | sharder replicas and shards as processes, their supervisor, the webhook gate |
+//! | `apiserver` | restarting kube-apiserver of the local control plane |
+//! | `faults` | carrying out the plan |
+//! | `churn` | creating, updating and deleting Secrets |
+//! | `leases`, `versions`, `stalls` | the tool's own records: shard Lease holders, Secret versions, API server stalls |
+//! | `evidence` | reading a shard's JSON log |
+//! | `ownership` | invariant 1 |
+//! | `ring` | the independent hash ring, label keys and shard availability |
+//! | `convergence` | invariants 2 and 3 |
+//! | `probes`, `exits` | invariant 4 |
+//! | `report` | the report |
+
+mod apiserver;
+mod churn;
+mod convergence;
+mod evidence;
+mod exits;
+mod faults;
+mod fleet;
+mod leases;
+mod ownership;
+mod plan;
+mod probes;
+mod report;
+mod ring;
+mod soak;
+mod stalls;
+mod versions;
+
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use clap::Parser;
+use e2e::{Cluster, cluster, unique_name};
+use k8s_openapi::api::core::v1::Namespace;
+use kube::api::{Api, DeleteParams};
+use sharding_crds::ClusterRing;
+
+use crate::plan::{FaultKind, PlanTiming, round_ms};
+use crate::report::Report;
+use crate::ring::LabelKeys;
+use crate::soak::{Scene, soak};
+
+/// Soaks the sharder and its shards under random faults and checks their invariants.
+#[derive(Debug, Parser)]
+#[command(name = "chaos")]
+struct Args {
+    /// How long faults are injected and Secrets churned: `90s`, `30m`, `1h`.
+    #[arg(long, default_value = "60s", value_parser = parse_duration)]
+    duration: Duration,
+    /// Seed of the fault plan and the churn; drawn at random (and printed) when unset.
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Churn operations (create, update or delete a Secret) per second.
+    #[arg(long, default_value_t = 10.0)]
+    rate: f64,
+    /// Shards at the start, and again once the faults are over.
+    #[arg(long, default_value_t = 3)]
+    shards: usize,
+    /// Namespaces of the ring.
+    #[arg(long, default_value_t = 3)]
+    namespaces: usize,
+    /// Live Secrets the churn keeps around (between half and one and a half of it).
+    #[arg(long, default_value_t = 100)]
+    objects: usize,
+    /// Mean time between faults.
+    #[arg(long, default_value = "6s", value_parser = parse_duration)]
+    fault_interval: Duration,
+    /// Lease duration of the shards; their renew deadline and retry period keep the protocol's
+    /// proportions (2/3 and 2/15 of it, renewing at least every second).
+    #[arg(long, default_value = "10s", value_parser = parse_duration)]
+    lease_duration: Duration,
+    /// How long the converged state must hold before it counts.
+    #[arg(long, default_value = "10s", value_parser = parse_duration)]
+    settle: Duration,
+    /// Print the report as JSON instead of text.
+    #[arg(long)]
+    json: bool,
+    /// Only print the fault plan the seed draws (as JSON) and exit, without starting anything.
+    #[arg(long)]
+    plan_only: bool,
+}
+
+/// `90`, `90s`, `30m`, `1h`, `1.5m`.
+fn parse_duration(value: &str) -> Result<Duration, String> {
+    let (number, unit) = match value.find(|c: char| c.is_ascii_alphabetic()) {
+        Some(i) => value.split_at(i),
+        None => (value, "s"),
+    };
+    let number: f64 = number
+        .trim()
+        .parse()
+        .map_err(|e| format!("not a duration {value:?}: {e}"))?;
+    let seconds = match unit {
+        "s" => number,
+        "m" => number * 60.0,
+        "h" => number * 3600.0,
+        _ => return Err(format!("unknown unit {unit:?} in {value:?}; use s, m or h")),
+    };
+    Duration::try_from_secs_f64(seconds)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .ok_or_else(|| format!("{value:?} is not a positive duration"))
+}
+
+/// When the tool started, for progress lines.
+static STARTED: OnceLock<Instant> = OnceLock::new();
+
+/// Prints a progress line to stderr, stamped with seconds since the start.
+pub(crate) fn progress(message: &str) {
+    let started = STARTED.get_or_init(Instant::now);
+    eprintln!("[{:>7.1}s] {message}", started.elapsed().as_secs_f64());
+}
+
+/// Resolves on SIGTERM or SIGINT (never, if the handlers cannot be installed), naming it.
+async fn interrupted() -> &'static str {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = term.recv() => "SIGTERM",
+        _ = int.recv() => "SIGINT",
+    }
+}
+
+/// A seed from the clock and the process id, for runs without `--seed`.
+fn random_seed() -> u64 {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or_default();
+    plan::Rng::new(nanos ^ u64::from(std::process::id()) << 32).next_u64() >> 1
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    STARTED.get_or_init(Instant::now);
+    anyhow::ensure!(args.shards >= 2, "--shards must be at least 2");
+    anyhow::ensure!(args.namespaces >= 1, "--namespaces must be at least 1");
+    anyhow::ensure!(args.rate > 0.0, "--rate must be positive");
+    let seed = args.seed.unwrap_or_else(random_seed);
+    progress(&format!("seed {seed} (replay with --seed {seed})"));
+    if args.plan_only {
+        // Without knowing the cluster, the plan includes API server restarts, as it does for the
+        // local control plane.
+        let plan = plan::draw(seed, &plan_timing(&args), &FaultKind::ALL);
+        println!("{}", serde_json::to_string_pretty(&plan)?);
+        return Ok(());
+    }
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    // Blocks on a runtime of its own: set the cluster up before entering ours.
+    let cluster = cluster();
+    let runtime = tokio::runtime::Runtime::new().context("failed to start a runtime")?;
+    let report = runtime.block_on(async {
+        tokio::select! {
+            report = run(&args, seed, cluster) => report,
+            signal = interrupted() => Err(anyhow::anyhow!("interrupted by {signal}")),
+        }
+    });
+    // Dropping the runtime drops every task and with them the processes, which kill their
+    // children; the control plane's watchdog stops it once this process is gone.
+    drop(runtime);
+    let report = report?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", report.text());
+    }
+    if !report.violations.is_empty() {
+        anyhow::bail!(
+            "{} violation(s); replay with --seed {seed}",
+            report.violations.len()
+        );
+    }
+    Ok(())
+}
+
+async fn run(args: &Args, seed: u64, cluster: &Cluster) -> anyhow::Result<Report> {
+    let started = Instant::now();
+    let client = cluster.client().await?;
+    let server_version = client.apiserver_version().await?.git_version;
+    let mut namespaces = Vec::new();
+    for _ in 0..args.namespaces {
+        namespaces.push(cluster.namespace(&client, "chaos").await?);
+    }
+    let lease_namespace = cluster.namespace(&client, "chaos-leases").await?;
+    let ring = unique_name("chaos");
+    progress(&format!(
+        "ring {ring} over {namespaces:?}, Leases in {lease_namespace}, process logs in {}",
+        fleet::log_dir().display()
+    ));
+    let scene = Scene {
+        args,
+        seed,
+        cluster,
+        client: client.clone(),
+        keys: LabelKeys::for_ring(&ring)?,
+        namespaces,
+        lease_namespace,
+        ring,
+    };
+    let result = soak(&scene).await;
+    // A local control plane goes away with this process; on an external cluster, clean up.
+    if cluster.state_dir().is_none() {
+        let _ = Api::<ClusterRing>::all(client.clone())
+            .delete(&scene.ring, &DeleteParams::default())
+            .await;
+        for ns in scene.namespaces.iter().chain([&scene.lease_namespace]) {
+            let _ = Api::<Namespace>::all(client.clone())
+                .delete(ns, &DeleteParams::default())
+                .await;
+        }
+    }
+    let mut report = result.with_context(|| {
+        format!(
+            "the run failed (seed {seed}); process logs are in {}",
+            fleet::log_dir().display()
+        )
+    })?;
+    report.settings.server_version = server_version;
+    report.seconds_total = round_ms(started.elapsed());
+    Ok(report)
+}
+
+/// What the fault plan's draws depend on besides the seed.
+fn plan_timing(args: &Args) -> PlanTiming {
+    PlanTiming {
+        duration: args.duration,
+        interval: args.fault_interval,
+        shard_lease: args.lease_duration,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("90"), Ok(Duration::from_secs(90)));
+        assert_eq!(parse_duration("45s"), Ok(Duration::from_secs(45)));
+        assert_eq!(parse_duration("30m"), Ok(Duration::from_secs(1800)));
+        assert_eq!(parse_duration("1.5m"), Ok(Duration::from_secs(90)));
+        assert_eq!(parse_duration("1h"), Ok(Duration::from_secs(3600)));
+        assert!(parse_duration("0s").is_err());
+        assert!(parse_duration("5d").is_err());
+        assert!(parse_duration("soon").is_err());
+    }
+}

@@ -1,0 +1,221 @@
+//! The report of one run, as text for people or JSON (`--json`) for machines.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+use serde::Serialize;
+
+use crate::churn::ChurnStats;
+use crate::convergence::Outcome;
+use crate::exits::ExitCounts;
+use crate::faults::FaultRecord;
+use crate::fleet::ShardTiming;
+use crate::ownership::ShardCounts;
+use crate::probes::Rss;
+
+/// A broken invariant, with the evidence in words.
+#[derive(Clone, Debug, Serialize)]
+pub(crate) struct Violation {
+    /// `exclusive-ownership`, `convergence`, `nothing-lost` or `no-leaks`.
+    pub(crate) invariant: &'static str,
+    pub(crate) detail: String,
+}
+
+/// Settings of the run.
+#[derive(Debug, Serialize)]
+pub(crate) struct Settings {
+    pub(crate) seed: u64,
+    pub(crate) duration_seconds: f64,
+    pub(crate) rate: f64,
+    pub(crate) shards: usize,
+    pub(crate) namespaces: usize,
+    pub(crate) objects: usize,
+    pub(crate) fault_interval_seconds: f64,
+    pub(crate) shard_timing: ShardTiming,
+    /// Leader election of the sharder replicas: duration, renew deadline, retry period (s).
+    pub(crate) leader_election: (u32, u32, u32),
+    /// `debug` or `release`: the profile of this tool and the binaries beside it.
+    pub(crate) profile: &'static str,
+    pub(crate) server_version: String,
+    /// Where every process's log is.
+    pub(crate) logs: String,
+}
+
+/// Sharder memory and API server watches, before the chaos and after convergence.
+#[derive(Debug, Default, Serialize)]
+pub(crate) struct Leaks {
+    pub(crate) rss_before: Vec<Rss>,
+    pub(crate) rss_after: Vec<Rss>,
+    /// Watches the sharder replicas and shards hold open, per resource: the API server's count
+    /// with them running minus its count without them.
+    pub(crate) watches_before: BTreeMap<String, u64>,
+    pub(crate) watches_after: BTreeMap<String, u64>,
+}
+
+/// Everything one run found.
+#[derive(Debug, Serialize)]
+pub(crate) struct Report {
+    pub(crate) settings: Settings,
+    pub(crate) faults_by_kind: BTreeMap<&'static str, usize>,
+    pub(crate) faults_skipped: usize,
+    pub(crate) faults: Vec<FaultRecord>,
+    /// What the restore after the chaos phase did (shards added or retired to get back to the
+    /// starting number).
+    pub(crate) restore: Vec<String>,
+    pub(crate) churn: ChurnStats,
+    /// Seconds from the end of the last fault (or the restore, if later) to convergence.
+    pub(crate) converged_after_last_fault_seconds: Option<f64>,
+    /// The bound convergence had to meet, derived from the Lease durations.
+    pub(crate) convergence_bound_seconds: f64,
+    pub(crate) convergence: Outcome,
+    pub(crate) shards: BTreeMap<String, ShardCounts>,
+    /// Drain acknowledgements a shard logged after it said its Lease was lost or released (not
+    /// violations: see `ownership`).
+    pub(crate) drains_logged_after_lease_end: usize,
+    /// Drain acknowledgements dated by the tool's watch of the object rather than by their late
+    /// record.
+    pub(crate) drains_dated_by_watch: usize,
+    /// Handovers evidenced by a drain the API server's history shows completed just as the tool
+    /// stopped the shard, which therefore never logged it.
+    pub(crate) drains_never_logged: usize,
+    /// Times the tool's heartbeat writes stalled (slower than a second or failing), and the
+    /// longest, in seconds.
+    pub(crate) api_stalls: usize,
+    pub(crate) longest_api_stall_seconds: f64,
+    /// Each stall: when it began, and how long it lasted in seconds.
+    pub(crate) api_stall_list: Vec<(String, f64)>,
+    pub(crate) exits: ExitCounts,
+    pub(crate) leaks: Leaks,
+    pub(crate) violations: Vec<Violation>,
+    pub(crate) seconds_total: f64,
+}
+
+impl Report {
+    /// The report as text.
+    pub(crate) fn text(&self) -> String {
+        let mut out = String::new();
+        let s = &self.settings;
+        let _ = writeln!(
+            out,
+            "chaos run: seed {} ({} build, {})",
+            s.seed, s.profile, s.server_version
+        );
+        let _ = writeln!(
+            out,
+            "  {} s of faults every ~{} s and {} churn ops/s over {} namespaces; {} shards (Lease {} s), 2 sharder replicas",
+            s.duration_seconds,
+            s.fault_interval_seconds,
+            s.rate,
+            s.namespaces,
+            s.shards,
+            s.shard_timing.lease_duration
+        );
+        let _ = writeln!(out, "  logs: {}", s.logs);
+        let executed: usize = self.faults_by_kind.values().sum();
+        let _ = writeln!(
+            out,
+            "faults: {executed} injected, {} skipped",
+            self.faults_skipped
+        );
+        for (kind, n) in &self.faults_by_kind {
+            let _ = writeln!(out, "  {kind:<18} {n}");
+        }
+        if !self.restore.is_empty() {
+            let _ = writeln!(out, "restore: {}", self.restore.join(", "));
+        }
+        let c = &self.churn;
+        let _ = writeln!(
+            out,
+            "churn: {} created ({} with a controlled ConfigMap), {} updated, {} deleted, {} failed requests, {} ops/s",
+            c.created,
+            c.controlled_config_maps,
+            c.updated,
+            c.deleted,
+            c.failed.values().sum::<u64>(),
+            c.achieved_rate
+        );
+        let o = &self.convergence;
+        let _ = writeln!(
+            out,
+            "convergence: {} after the last fault (bound {} s); placement {}, content {} into the wait; {} Secrets, {} ConfigMaps",
+            fmt_seconds(self.converged_after_last_fault_seconds),
+            self.convergence_bound_seconds,
+            fmt_seconds(o.placement_seconds),
+            fmt_seconds(o.content_seconds),
+            o.secrets,
+            o.config_maps
+        );
+        let _ = writeln!(
+            out,
+            "per shard (processes, reconciles, drains acknowledged):"
+        );
+        for (shard, n) in &self.shards {
+            let _ = writeln!(
+                out,
+                "  {shard:<10} {:>3} {:>7} {:>6}",
+                n.processes, n.reconciles, n.drains
+            );
+        }
+        let _ = writeln!(
+            out,
+            "drain acknowledgements logged after the Lease ended: {}; dated by the tool's watch: {}; never logged (shard stopped as it wrote them): {}",
+            self.drains_logged_after_lease_end,
+            self.drains_dated_by_watch,
+            self.drains_never_logged
+        );
+        let _ = writeln!(
+            out,
+            "API server stalls seen by the tool's heartbeat: {} (longest {:.1} s)",
+            self.api_stalls, self.longest_api_stall_seconds
+        );
+        let e = &self.exits;
+        let _ = writeln!(
+            out,
+            "exits: {} signalled by the tool ({} unclean after SIGTERM); Lease lost: {} after a pause, {} in an API server restart, {} in an API server stall; {} unexpected",
+            e.signalled,
+            e.unclean_after_term,
+            e.lease_lost_after_pause,
+            e.lease_lost_in_apiserver_restart,
+            e.lease_lost_in_api_stall,
+            e.unexpected
+        );
+        let rss = |v: &[Rss]| {
+            v.iter()
+                .map(|r| format!("replica {} pid {} {} KiB", r.replica, r.pid, r.rss_kib))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        let _ = writeln!(out, "sharder RSS before: {}", rss(&self.leaks.rss_before));
+        let _ = writeln!(out, "sharder RSS after:  {}", rss(&self.leaks.rss_after));
+        let _ = writeln!(
+            out,
+            "watches held by sharders and shards before: {:?}",
+            self.leaks.watches_before
+        );
+        let _ = writeln!(
+            out,
+            "watches held by sharders and shards after:  {:?}",
+            self.leaks.watches_after
+        );
+        let _ = writeln!(out, "violations: {}", self.violations.len());
+        for v in &self.violations {
+            let _ = writeln!(out, "  [{}] {}", v.invariant, v.detail);
+        }
+        let _ = writeln!(
+            out,
+            "{} in {:.0} s (replay with --seed {})",
+            if self.violations.is_empty() {
+                "PASSED"
+            } else {
+                "FAILED"
+            },
+            self.seconds_total,
+            s.seed
+        );
+        out
+    }
+}
+
+fn fmt_seconds(seconds: Option<f64>) -> String {
+    seconds.map_or_else(|| "never".to_string(), |s| format!("{s:.1} s"))
+}

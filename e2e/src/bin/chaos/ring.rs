@@ -1,0 +1,184 @@
+//! The placement the objects must converge to, computed here from the wire protocol alone
+//! (SPEC §2, §4, §5, §6) and never through the sharder's or the shard library's code, so that a
+//! bug shared by both sides of the protocol cannot hide itself.
+
+use std::collections::BTreeSet;
+
+use k8s_openapi::api::coordination::v1::Lease;
+use sha2::{Digest, Sha256};
+use xxhash_rust::xxh64::xxh64;
+
+/// Tokens each available shard puts on the ring.
+const TOKENS_PER_SHARD: usize = 100;
+
+/// Longest ring name whose label suffix is never cut (63 bytes minus the fixed part).
+const LONGEST_UNCUT_RING_NAME: usize = 42;
+
+/// The shard and drain label keys of a ring (SPEC §2), for ring names short enough that the
+/// suffix is never cut; the tool names its rings, so longer names are refused rather than cut.
+#[derive(Clone, Debug)]
+pub(crate) struct LabelKeys {
+    /// `shard.alpha.sharding.timebertt.dev/<suffix>`.
+    pub(crate) shard: String,
+    /// `drain.alpha.sharding.timebertt.dev/<suffix>`.
+    pub(crate) drain: String,
+}
+
+impl LabelKeys {
+    pub(crate) fn for_ring(ring: &str) -> anyhow::Result<Self> {
+        anyhow::ensure!(
+            ring.len() <= LONGEST_UNCUT_RING_NAME,
+            "ring name {ring:?} is longer than {LONGEST_UNCUT_RING_NAME} characters"
+        );
+        let digest = hex::encode(Sha256::digest(ring.as_bytes()));
+        let suffix = format!("clusterring-{}-{ring}", &digest[..8]);
+        Ok(Self {
+            shard: format!("shard.alpha.sharding.timebertt.dev/{suffix}"),
+            drain: format!("drain.alpha.sharding.timebertt.dev/{suffix}"),
+        })
+    }
+}
+
+/// A consistent-hash ring over a set of shard names (SPEC §5).
+#[derive(Clone, Debug)]
+pub(crate) struct HashRing {
+    /// `(token, shard)` sorted by token.
+    tokens: Vec<(u64, String)>,
+}
+
+impl HashRing {
+    pub(crate) fn new<'a>(shards: impl IntoIterator<Item = &'a str>) -> Self {
+        let mut tokens = Vec::new();
+        for shard in shards {
+            for i in 0..TOKENS_PER_SHARD {
+                tokens.push((
+                    xxh64(format!("{shard}{i}").as_bytes(), 0),
+                    shard.to_string(),
+                ));
+            }
+        }
+        // Ties between tokens of different shards are astronomically unlikely; sorting by name
+        // as well only makes the result independent of the input order.
+        tokens.sort();
+        Self { tokens }
+    }
+
+    /// The shard of hash key `key`: the first token at or after the key's hash, wrapping.
+    pub(crate) fn shard_for(&self, key: &str) -> Option<&str> {
+        let hash = xxh64(key.as_bytes(), 0);
+        let index = self.tokens.partition_point(|(token, _)| *token < hash);
+        self.tokens
+            .get(index)
+            .or_else(|| self.tokens.first())
+            .map(|(_, shard)| shard.as_str())
+    }
+}
+
+/// Hash key of a Secret (SPEC §6: core group, kind, namespace, name); the ConfigMaps a Secret
+/// controls share it.
+pub(crate) fn secret_key(namespace: &str, name: &str) -> String {
+    format!("/Secret/{namespace}/{name}")
+}
+
+/// The shards whose Leases make them available (SPEC §4): a shard is ready, expired or
+/// uncertain, all of them available, exactly as long as its Lease's holder is the Lease's own
+/// name; once released or taken over (holder empty or another name) it is dead or orphaned.
+pub(crate) fn available_shards(leases: &[Lease]) -> BTreeSet<String> {
+    leases
+        .iter()
+        .filter_map(|lease| {
+            let name = lease.metadata.name.as_deref()?;
+            let holder = lease.spec.as_ref()?.holder_identity.as_deref()?;
+            (holder == name).then(|| name.to_string())
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::coordination::v1::LeaseSpec;
+    use kube::api::ObjectMeta;
+
+    /// SPEC §5's vectors: the hash itself, and the ring of three shards.
+    #[test]
+    fn matches_the_protocol_vectors() {
+        assert_eq!(format!("{:016x}", xxh64(b"", 0)), "ef46db3751d8e999");
+        assert_eq!(
+            format!("{:016x}", xxh64(b"shard-a0", 0)),
+            "83b529463cc2a1f3"
+        );
+        assert_eq!(
+            format!("{:016x}", xxh64(b"apps/Deployment/bar/foo", 0)),
+            "82cb424099458184"
+        );
+        let ring = HashRing::new(["shard-a", "shard-b", "shard-c"]);
+        assert_eq!(ring.shard_for("apps/Deployment/bar/foo"), Some("shard-b"));
+        assert_eq!(ring.shard_for("/ConfigMap/default/foo"), Some("shard-b"));
+        assert_eq!(ring.shard_for("/Secret/default/foo"), Some("shard-a"));
+        assert_eq!(
+            ring.shard_for("webhosting.timebertt.dev/Website/project-foo/homepage"),
+            Some("shard-a")
+        );
+        let mut counts = std::collections::BTreeMap::new();
+        for i in 0..1000 {
+            let shard = ring.shard_for(&format!("/ConfigMap/default/foo-{i}"));
+            *counts.entry(shard.map(str::to_string)).or_insert(0) += 1;
+        }
+        let expected = [("shard-a", 380), ("shard-b", 307), ("shard-c", 313)]
+            .map(|(shard, n)| (Some(shard.to_string()), n));
+        assert_eq!(counts, std::collections::BTreeMap::from(expected));
+    }
+
+    #[test]
+    fn empty_ring_assigns_nothing() {
+        assert_eq!(HashRing::new([]).shard_for("/Secret/a/b"), None);
+    }
+
+    /// SPEC §2's worked examples.
+    #[test]
+    fn label_keys_match_the_protocol_examples() {
+        let keys = LabelKeys::for_ring("example").expect("short name");
+        assert_eq!(
+            keys.shard,
+            "shard.alpha.sharding.timebertt.dev/clusterring-50d858e0-example"
+        );
+        assert_eq!(
+            keys.drain,
+            "drain.alpha.sharding.timebertt.dev/clusterring-50d858e0-example"
+        );
+        let keys = LabelKeys::for_ring("checksum-controller").expect("short name");
+        assert!(
+            keys.shard
+                .ends_with("/clusterring-f4d63fd2-checksum-controller")
+        );
+        assert!(LabelKeys::for_ring(&"x".repeat(43)).is_err());
+    }
+
+    fn lease(name: &str, holder: Option<&str>) -> Lease {
+        Lease {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                ..Default::default()
+            },
+            spec: Some(LeaseSpec {
+                holder_identity: holder.map(str::to_string),
+                ..Default::default()
+            }),
+        }
+    }
+
+    /// A shard holding its own Lease is available however old its renewal (expired and
+    /// uncertain shards still count); a released, taken-over or holderless Lease is not.
+    #[test]
+    fn availability_follows_the_holder() {
+        let leases = [
+            lease("held", Some("held")),
+            lease("taken", Some("shardlease-controller")),
+            lease("released", Some("")),
+            lease("unheld", None),
+        ];
+        let available: Vec<String> = available_shards(&leases).into_iter().collect();
+        assert_eq!(available, ["held"]);
+    }
+}
