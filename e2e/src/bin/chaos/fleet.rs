@@ -166,6 +166,7 @@ impl Fleet {
             leader_election,
             sync_period: "5m".into(),
             webhook_url: Some(format!("https://{}", gate.addr())),
+            ..Default::default()
         };
         let files = vec![
             SharderFiles::create(kubeconfig, &settings)?,

@@ -306,6 +306,7 @@ fn ring_spec(namespaces: &[String]) -> ClusterRingSpec {
                 values: Some(namespaces.to_vec()),
             }]),
         }),
+        hash_key: None,
     }
 }
 
