@@ -1,12 +1,15 @@
 //! The sharder's API client: from the configured kubeconfig (or the in-cluster config), with
 //! client-side throttling only when `clientConnection.qps` is set (SPEC §11).
 
+pub mod requests;
 mod throttle;
 
 use anyhow::Context as _;
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Client, Config};
 use sharding_crds::config::SharderConfig;
+
+use self::requests::{ApiRequests, CountLayer};
 
 /// The sharder's clients: one for everything, throttled as configured, and one for leader
 /// election only, never throttled, so that a burst of sync patches waiting for their turn can
@@ -18,14 +21,19 @@ pub(crate) struct Clients {
     pub(crate) leader_election: Client,
 }
 
-/// Builds the clients described by `clientConnection`.
-pub(crate) async fn build_clients(config: &SharderConfig) -> anyhow::Result<Clients> {
+/// Builds the clients described by `clientConnection`, counting their requests into `requests`.
+pub(crate) async fn build_clients(
+    config: &SharderConfig,
+    requests: &ApiRequests,
+) -> anyhow::Result<Clients> {
     let kube_config = load(config).await?;
     let leader_election = kube::client::ClientBuilder::try_from(kube_config.clone())
         .context("failed to build API client")?
+        .with_layer(&CountLayer::new(requests.clone(), "leader_election"))
         .build();
-    let builder =
-        kube::client::ClientBuilder::try_from(kube_config).context("failed to build API client")?;
+    let builder = kube::client::ClientBuilder::try_from(kube_config)
+        .context("failed to build API client")?
+        .with_layer(&CountLayer::new(requests.clone(), "main"));
     // No client-side throttling unless configured (SPEC §11).
     let main = match config.client_connection.qps.filter(|qps| *qps > 0.0) {
         Some(qps) => {

@@ -13,6 +13,7 @@ use sharding_crds::{
 
 use crate::core::validation::validate_ring;
 use crate::events::Events;
+use crate::lease_index::LeaseIndex;
 use crate::metrics::Metrics;
 use crate::observed::Observed;
 use crate::reachability::{REASON_WEBHOOK_UNREACHABLE, Reachability};
@@ -29,10 +30,10 @@ pub(crate) struct Context {
     pub(crate) cluster_rings: Store<ClusterRing>,
     /// Cache of every ControllerRing.
     pub(crate) controller_rings: Store<ControllerRing>,
-    /// Cache of every Lease carrying the ClusterRing label.
-    pub(crate) cluster_ring_leases: Store<Lease>,
-    /// Cache of every Lease carrying the ControllerRing label.
-    pub(crate) controller_ring_leases: Store<Lease>,
+    /// Every Lease carrying the ClusterRing label, cached and grouped by ring.
+    pub(crate) cluster_ring_leases: Arc<LeaseIndex>,
+    /// Every Lease carrying the ControllerRing label, cached and grouped by ring.
+    pub(crate) controller_ring_leases: Arc<LeaseIndex>,
     /// Cache of every Namespace (for namespace selectors).
     pub(crate) namespaces: Store<Namespace>,
     /// Current view of each ring.
@@ -49,6 +50,8 @@ pub(crate) struct Context {
     pub(crate) reachability: Arc<Reachability>,
     /// Bumped when a shard Lease changes in a way membership depends on (not on renewals).
     pub(crate) lease_changes: tokio::sync::watch::Sender<u64>,
+    /// Bumped after every change of a cached ring of either kind.
+    pub(crate) ring_changes: tokio::sync::watch::Sender<u64>,
 }
 
 impl Context {
@@ -77,17 +80,17 @@ impl Context {
         }
     }
 
-    /// The cache of Leases carrying the ring label of `kind`.
-    pub(crate) fn lease_store(&self, kind: RingKind) -> &Store<Lease> {
+    /// The Leases carrying the ring label of `kind`, grouped by ring.
+    pub(crate) fn lease_index(&self, kind: RingKind) -> &Arc<LeaseIndex> {
         match kind {
             RingKind::ClusterRing => &self.cluster_ring_leases,
             RingKind::ControllerRing => &self.controller_ring_leases,
         }
     }
 
-    /// Every cached Lease carrying the ring label of `kind`.
-    pub(crate) fn leases(&self, kind: RingKind) -> Vec<Arc<Lease>> {
-        self.lease_store(kind).state()
+    /// Every cached Lease of ring `ring` (by its ring label), whatever its state.
+    pub(crate) fn ring_leases(&self, ring: &RingRef) -> Vec<Arc<Lease>> {
+        self.lease_index(ring.kind).ring_leases(&ring.name)
     }
 }
 

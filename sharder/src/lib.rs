@@ -20,12 +20,13 @@
 //! [`sharding_crds::lease`].
 
 pub mod cli;
-mod client;
+pub mod client;
 mod context;
 pub mod controller;
 pub mod core;
 mod events;
 mod leader_election;
+mod lease_index;
 pub mod metrics;
 mod observed;
 pub mod reachability;
@@ -40,6 +41,7 @@ use anyhow::Context as _;
 use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Namespace;
+use k8s_openapi::jiff::Timestamp;
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Resource};
@@ -53,6 +55,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::context::Context;
 use crate::events::Events;
+use crate::lease_index::LeaseIndex;
 use crate::metrics::{CacheState, Metrics, StateCollector};
 use crate::ring_views::{Discovery, RingViews};
 use crate::server::Readiness;
@@ -71,52 +74,70 @@ pub async fn run(
     // Every task stops on this token, which fires `shutdownDelay` after `signal`.
     let shutdown = CancellationToken::new();
     let _stop_on_return = shutdown.clone().drop_guard();
-    let clients = client::build_clients(&config).await?;
+    let metrics = Metrics::default();
+    let clients = client::build_clients(&config, &metrics.api_requests).await?;
     let client = clients.main;
     let readiness = Arc::new(Readiness::default());
     let changed = Arc::new(Notify::new());
     let mut tasks = JoinSet::new();
 
     // Caches on every replica: the webhook and the metrics need them, not only the leader.
-    // Changes of rings and Leases make the ring views be rebuilt.
+    // Changes of rings rebuild every ring view; membership changes of Leases rebuild the views of
+    // their rings (`ring_views::maintain` follows the Lease indexes).
+    let ring_changes = tokio::sync::watch::Sender::new(0u64);
+    let on_ring_change = {
+        let (changed, ring_changes) = (changed.clone(), ring_changes.clone());
+        move || {
+            changed.notify_one();
+            ring_changes.send_modify(|c| *c = c.wrapping_add(1));
+        }
+    };
     let cluster_rings = spawn_reflector(
         &mut tasks,
         Api::<ClusterRing>::all(client.clone()),
         watcher::Config::default(),
-        Some(OnChange::every(&changed)),
+        {
+            let on_ring_change = on_ring_change.clone();
+            move |_: &watcher::Event<ClusterRing>| on_ring_change()
+        },
         &shutdown,
     );
     let controller_rings = spawn_reflector(
         &mut tasks,
         Api::<ControllerRing>::all(client.clone()),
         watcher::Config::default(),
-        Some(OnChange::every(&changed)),
+        move |_: &watcher::Event<ControllerRing>| on_ring_change(),
         &shutdown,
     );
-    // Lease changes that matter for membership (not renewals) rebuild views and ring statuses.
+    // Lease changes that matter for membership (not renewals) update the ring statuses.
     let lease_changes = tokio::sync::watch::Sender::new(0u64);
     // A label selector cannot say "either label", so each kind's Leases have a cache of their own.
     let [cluster_ring_leases, controller_ring_leases] = RingKind::ALL.map(|kind| {
-        spawn_reflector(
+        let (store, writer) = reflector::store();
+        let index = Arc::new(LeaseIndex::new(kind, store));
+        let observer = index.clone();
+        let lease_changes = lease_changes.clone();
+        spawn_reflector_into(
             &mut tasks,
+            writer,
             Api::<Lease>::all(client.clone()),
             watcher::Config::default().labels(kind.lease_label()),
-            Some(OnChange {
-                notify: changed.clone(),
-                fingerprint: Some(lease_fingerprint),
-                counter: Some(lease_changes.clone()),
-            }),
+            move |event: &watcher::Event<Lease>| {
+                if observer.observe(event, Timestamp::now()) {
+                    lease_changes.send_modify(|c| *c = c.wrapping_add(1));
+                }
+            },
             &shutdown,
-        )
+        );
+        index
     });
     let namespaces = spawn_reflector(
         &mut tasks,
         Api::<Namespace>::all(client.clone()),
         watcher::Config::default(),
-        None,
+        |_: &watcher::Event<Namespace>| {},
         &shutdown,
     );
-    let metrics = Metrics::default();
     let ctx = Context {
         client: client.clone(),
         config: config.clone(),
@@ -135,6 +156,7 @@ pub async fn run(
         observed: Arc::default(),
         reachability: Arc::default(),
         lease_changes,
+        ring_changes,
         metrics,
     };
     // Refused leader-election settings stop the process here, before it serves anything.
@@ -233,50 +255,13 @@ pub async fn run(
     Ok(())
 }
 
-/// Whom a cache tells about changes of its objects.
-struct OnChange<K> {
-    /// Notified after a change.
-    notify: Arc<Notify>,
-    /// When set, only changes of this value (and objects appearing or going) count: a Lease
-    /// renewal, which moves `renewTime` only, changes nothing that membership depends on.
-    fingerprint: Option<fn(&K) -> u64>,
-    /// Bumped after a change, for watchers that need a stream.
-    counter: Option<tokio::sync::watch::Sender<u64>>,
-}
-
-impl<K> OnChange<K> {
-    /// Notify `notify` after every change.
-    fn every(notify: &Arc<Notify>) -> Self {
-        Self {
-            notify: notify.clone(),
-            fingerprint: None,
-            counter: None,
-        }
-    }
-}
-
-/// What a shard Lease's membership depends on: its holder, labels (ring, state) and annotations
-/// (weight); not `renewTime`, so renewals change nothing.
-fn lease_fingerprint(lease: &Lease) -> u64 {
-    use std::hash::{Hash, Hasher};
-    let mut hasher = std::collections::hash_map::DefaultHasher::new();
-    lease.metadata.labels.hash(&mut hasher);
-    lease.metadata.annotations.hash(&mut hasher);
-    lease
-        .spec
-        .as_ref()
-        .and_then(|s| s.holder_identity.as_ref())
-        .hash(&mut hasher);
-    hasher.finish()
-}
-
 /// Starts a task in `tasks` that keeps a cache of the objects `api` and `config` select until
-/// shutdown, telling `on_change` after every (relevant) change; returns the cache.
+/// shutdown, handing every event to `observe` after the cache applied it; returns the cache.
 fn spawn_reflector<K>(
     tasks: &mut JoinSet<()>,
     api: Api<K>,
     config: watcher::Config,
-    on_change: Option<OnChange<K>>,
+    observe: impl FnMut(&watcher::Event<K>) + Send + 'static,
     shutdown: &CancellationToken,
 ) -> Store<K>
 where
@@ -284,60 +269,39 @@ where
     K::DynamicType: Default + Eq + std::hash::Hash + Clone + Send + Sync,
 {
     let (store, writer) = reflector::store();
+    spawn_reflector_into(tasks, writer, api, config, observe, shutdown);
+    store
+}
+
+/// Like [`spawn_reflector`], filling the cache behind `writer`.
+fn spawn_reflector_into<K>(
+    tasks: &mut JoinSet<()>,
+    writer: reflector::store::Writer<K>,
+    api: Api<K>,
+    config: watcher::Config,
+    mut observe: impl FnMut(&watcher::Event<K>) + Send + 'static,
+    shutdown: &CancellationToken,
+) where
+    K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
+    K::DynamicType: Default + Eq + std::hash::Hash + Clone + Send + Sync,
+{
     let shutdown = shutdown.clone();
     tasks.spawn(async move {
         let stream = reflector::reflector(writer, watcher(api, config)).default_backoff();
         futures::pin_mut!(stream);
-        // Object (namespace/name) → fingerprint, when changes are filtered.
-        let mut seen: std::collections::HashMap<(Option<String>, String), u64> =
-            std::collections::HashMap::new();
         loop {
-            let event = tokio::select! {
+            tokio::select! {
                 () = shutdown.cancelled() => return,
                 item = stream.next() => match item {
                     None => return,
-                    Some(Ok(event)) => event,
+                    Some(Ok(event)) => observe(&event),
                     Some(Err(error)) => {
                         tracing::warn!(%error, "watch failed, retrying with backoff");
-                        continue;
                     }
                 },
-            };
-            let Some(on_change) = &on_change else {
-                continue;
-            };
-            let relevant = match (on_change.fingerprint, &event) {
-                (None, _) => true,
-                (
-                    Some(fingerprint),
-                    watcher::Event::Apply(obj) | watcher::Event::InitApply(obj),
-                ) => {
-                    let key = (
-                        obj.meta().namespace.clone(),
-                        obj.meta().name.clone().unwrap_or_default(),
-                    );
-                    seen.insert(key, fingerprint(obj)) != Some(fingerprint(obj))
-                }
-                (Some(_), watcher::Event::Delete(obj)) => {
-                    let key = (
-                        obj.meta().namespace.clone(),
-                        obj.meta().name.clone().unwrap_or_default(),
-                    );
-                    seen.remove(&key);
-                    true
-                }
-                (Some(_), watcher::Event::Init) => false,
-                (Some(_), watcher::Event::InitDone) => true,
-            };
-            if relevant {
-                on_change.notify.notify_one();
-                if let Some(counter) = &on_change.counter {
-                    counter.send_modify(|c| *c += 1);
-                }
             }
         }
     });
-    store
 }
 
 /// Marks the process ready for probes once every cache has synced.
@@ -352,14 +316,20 @@ async fn report_caches_synced(
         result = async {
             ctx.cluster_rings.wait_until_ready().await?;
             ctx.controller_rings.wait_until_ready().await?;
-            ctx.cluster_ring_leases.wait_until_ready().await?;
-            ctx.controller_ring_leases.wait_until_ready().await?;
+            ctx.cluster_ring_leases.store().wait_until_ready().await?;
+            ctx.controller_ring_leases.store().wait_until_ready().await?;
             ctx.namespaces.wait_until_ready().await
         } => match result {
             Ok(()) => {
                 // Ready only once the webhook can answer from complete caches: build the views of
                 // every ring now rather than waiting for the next change to trigger it.
-                ring_views::refresh(&ctx, false).await;
+                ring_views::refresh(
+                    &ctx,
+                    ring_views::Scope::All {
+                        retry_unresolved: false,
+                    },
+                )
+                .await;
                 readiness.set_caches_synced();
                 synced.cancel();
                 tracing::info!("caches synced, ring views built");

@@ -4,7 +4,7 @@
 //! the caches through a `StateSource` (`CacheState`), so every replica reports them, leader or
 //! not.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 
@@ -13,6 +13,7 @@ use kube::ResourceExt;
 use sharding_crds::lease::ShardLease;
 use sharding_crds::{RingKind, RingRef};
 
+use crate::client::requests::ApiRequests;
 use crate::context::Context;
 use crate::core::membership::{Exclusion, ring_members};
 use crate::observed::{PendingDrains, RingObjects};
@@ -116,6 +117,8 @@ pub struct Metrics {
     pub(crate) ring_calculations: Family<RingLabel, Counter>,
     /// Unassigned objects the missed-assignment path is moving or waiting to retry, per resource.
     pub(crate) missed_assignment_backlog: Family<ResourceLabels, Gauge>,
+    /// Requests the sharder's API clients sent.
+    pub(crate) api_requests: ApiRequests,
 }
 
 impl Default for Metrics {
@@ -130,6 +133,7 @@ impl Default for Metrics {
             drains: Family::default(),
             ring_calculations: Family::default(),
             missed_assignment_backlog: Family::default(),
+            api_requests: Family::default(),
         }
     }
 }
@@ -137,6 +141,11 @@ impl Default for Metrics {
 impl Metrics {
     /// Registers the counters (prometheus-client appends `_total`).
     pub(crate) fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "controller_sharding_api_requests",
+            "Requests sent to the API server by the sharder's clients, by client, verb and resource",
+            self.api_requests.clone(),
+        );
         registry.register(
             "controller_sharding_assignments",
             "Objects assigned to a shard by the sharder webhook",
@@ -574,13 +583,10 @@ impl StateSource for CacheState {
         let now = Timestamp::now();
         let mut snapshots = Vec::new();
         for kind in RingKind::ALL {
-            let leases = self.0.leases(kind);
-            let rings: BTreeSet<&String> = leases
-                .iter()
-                .filter_map(|l| l.labels().get(kind.lease_label()))
-                .collect();
-            for ring in rings {
-                let members = ring_members(kind, ring, leases.iter().map(AsRef::as_ref));
+            let index = self.0.lease_index(kind);
+            for ring in index.rings() {
+                let leases = index.ring_leases(&ring);
+                let members = ring_members(kind, &ring, leases.iter().map(AsRef::as_ref));
                 snapshots.extend(members.into_iter().map(|m| ShardSnapshot {
                     namespace: m.lease.namespace().unwrap_or_default(),
                     shard: m.lease.name_any(),

@@ -23,6 +23,7 @@ use crate::core::key::{self, ControllerKind, KeyError, KeyOutcome, ObjectInfo, R
 use crate::core::membership::available_shards;
 use crate::core::rebalance::{ObjectState, RebalanceDecision, decide};
 use crate::core::ring::Ring;
+use crate::lease_index::LeaseChange;
 use crate::metrics::RingLabel;
 
 /// How often rings with unresolved resources (e.g. a CRD installed later) are resolved again.
@@ -296,44 +297,124 @@ impl RingViews {
     }
 }
 
-/// Rebuilds ring views when a ring's spec or its set of available shards changes (`changed` is
-/// notified by the ring and Lease watches), and retries rings with unresolved resources
-/// every few seconds, until `shutdown` fires.
-pub(crate) async fn maintain(ctx: Context, changed: Arc<Notify>, shutdown: CancellationToken) {
-    let mut retry = tokio::time::interval(UNRESOLVED_RETRY);
-    loop {
-        let retry_unresolved = tokio::select! {
-            () = shutdown.cancelled() => return,
-            () = changed.notified() => false,
-            _ = retry.tick() => true,
-        };
-        refresh(&ctx, retry_unresolved).await;
+/// Which rings a [`refresh`] looks at.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Scope {
+    /// Every ring; with `retry_unresolved`, rings with resources not served before are resolved
+    /// again. Views of rings that are gone or invalid are forgotten.
+    All {
+        /// Resolve rings with unresolved resources again.
+        retry_unresolved: bool,
+    },
+    /// These rings only (their Leases changed).
+    Rings(BTreeSet<RingRef>),
+}
+
+impl Scope {
+    /// The scope covering both.
+    fn merge(self, other: Self) -> Self {
+        match (self, other) {
+            (Self::Rings(mut a), Self::Rings(b)) => {
+                a.extend(b);
+                Self::Rings(a)
+            }
+            (
+                Self::All {
+                    retry_unresolved: a,
+                },
+                Self::All {
+                    retry_unresolved: b,
+                },
+            ) => Self::All {
+                retry_unresolved: a || b,
+            },
+            (all @ Self::All { .. }, Self::Rings(_)) | (Self::Rings(_), all @ Self::All { .. }) => {
+                all
+            }
+        }
+    }
+
+    /// The rings a change among the Leases of `kind` concerns.
+    fn of_lease_change(
+        kind: RingKind,
+        change: Result<LeaseChange, tokio::sync::broadcast::error::RecvError>,
+    ) -> Self {
+        match change {
+            Ok(LeaseChange::Membership { rings, .. }) => Self::Rings(
+                rings
+                    .into_iter()
+                    .map(|name| RingRef::new(kind, name))
+                    .collect(),
+            ),
+            // The state label is not part of membership.
+            Ok(LeaseChange::State(_)) => Self::Rings(BTreeSet::new()),
+            // Relisted, or fell behind: anything may have changed.
+            Ok(LeaseChange::All) | Err(_) => Self::All {
+                retry_unresolved: false,
+            },
+        }
     }
 }
 
-/// Rebuilds the views whose ring's spec or set of available shards changed (and, with
-/// `retry_unresolved`, those with resources not served before), and forgets deleted rings.
-pub(crate) async fn refresh(ctx: &Context, retry_unresolved: bool) {
-    let leases = [
-        ctx.leases(RingKind::ClusterRing),
-        ctx.leases(RingKind::ControllerRing),
-    ];
+/// Rebuilds ring views until `shutdown` fires: every view when a ring changes (`changed` is
+/// notified by the ring watches), the views of the rings a Lease membership change concerns
+/// (renewals concern none), and rings with unresolved resources every few seconds.
+pub(crate) async fn maintain(ctx: Context, changed: Arc<Notify>, shutdown: CancellationToken) {
+    let mut retry = tokio::time::interval(UNRESOLVED_RETRY);
+    let [mut cluster_leases, mut controller_leases] =
+        RingKind::ALL.map(|kind| ctx.lease_index(kind).subscribe());
+    loop {
+        let mut scope = tokio::select! {
+            () = shutdown.cancelled() => return,
+            () = changed.notified() => Scope::All { retry_unresolved: false },
+            _ = retry.tick() => Scope::All { retry_unresolved: true },
+            change = cluster_leases.recv() => Scope::of_lease_change(RingKind::ClusterRing, change),
+            change = controller_leases.recv() => Scope::of_lease_change(RingKind::ControllerRing, change),
+        };
+        // Take in what else arrived meanwhile: a burst of joins rebuilds each ring once.
+        for (kind, receiver) in [
+            (RingKind::ClusterRing, &mut cluster_leases),
+            (RingKind::ControllerRing, &mut controller_leases),
+        ] {
+            loop {
+                match receiver.try_recv() {
+                    Ok(change) => scope = scope.merge(Scope::of_lease_change(kind, Ok(change))),
+                    Err(tokio::sync::broadcast::error::TryRecvError::Lagged(_)) => {
+                        scope = scope.merge(Scope::All {
+                            retry_unresolved: false,
+                        });
+                    }
+                    Err(_) => break,
+                }
+            }
+        }
+        if scope != Scope::Rings(BTreeSet::new()) {
+            refresh(&ctx, scope).await;
+        }
+    }
+}
+
+/// Rebuilds the views in `scope` whose ring's spec or set of available shards changed (and, when
+/// asked, those with resources not served before); a refresh of every ring also forgets deleted
+/// and invalid rings.
+pub(crate) async fn refresh(ctx: &Context, scope: Scope) {
+    let (rings, retry_unresolved) = match &scope {
+        Scope::All { retry_unresolved } => (ctx.rings(), *retry_unresolved),
+        Scope::Rings(rings) => (rings.iter().filter_map(|r| ctx.ring(r)).collect(), false),
+    };
     let mut keep = BTreeSet::new();
-    for ring in ctx.rings() {
+    for ring in rings {
         let ring_ref = ring.ring_ref();
         if ring.validate().is_err() {
             // A broken ring is not acted on; the ring controller reports why.
             continue;
         }
         keep.insert(ring_ref.clone());
-        let kind_leases = match ring_ref.kind {
-            RingKind::ClusterRing => &leases[0],
-            RingKind::ControllerRing => &leases[1],
-        };
+        let leases = ctx.ring_leases(&ring_ref);
         let shards = available_shards(
             ring_ref.kind,
             &ring_ref.name,
-            kind_leases.iter().map(AsRef::as_ref),
+            leases.iter().map(AsRef::as_ref),
         );
         let current = ctx.ring_views.get(&ring_ref);
         let shards_changed = current.as_ref().is_none_or(|v| {
@@ -390,7 +471,9 @@ pub(crate) async fn refresh(ctx: &Context, retry_unresolved: bool) {
         }
         ctx.ring_views.insert(view);
     }
-    ctx.ring_views.retain(&keep);
+    if matches!(scope, Scope::All { .. }) {
+        ctx.ring_views.retain(&keep);
+    }
 }
 
 #[cfg(test)]

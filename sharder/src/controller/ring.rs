@@ -164,8 +164,8 @@ fn error_policy<R: RingObject>(ring: Arc<R>, error: &Error, _state: Arc<State>) 
 async fn reconcile<R: RingObject>(ring: Arc<R>, state: Arc<State>) -> Result<Action, Error> {
     let ctx = &state.ctx;
     let result = apply_webhook_configuration(ring.as_ref(), ctx, &state.configs).await;
-    let leases = ctx.leases(R::KIND);
     let name = ring.name_any();
+    let leases = ctx.ring_leases(&ring.ring_ref());
     let members = ring_members(R::KIND, &name, leases.iter().map(AsRef::as_ref));
     let shards = i32::try_from(members.len()).unwrap_or(i32::MAX);
     // Leases kept out of the ring (invalid or duplicate names) count as shards, not as available.

@@ -1,25 +1,27 @@
 //! The shard-lease controller (SPEC §4): keeps each shard Lease's state label current, takes over
 //! `uncertain` Leases, deletes `orphaned` ones, and requeues exactly at the next state boundary.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
+use std::convert::Infallible;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use futures::StreamExt;
+use futures::{Stream, StreamExt};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions};
-use kube::runtime::controller::{Action, Controller};
+use kube::runtime::controller::{self, Action, applier};
 use kube::runtime::reflector::ObjectRef;
-use kube::runtime::watcher;
 use kube::{Resource, ResourceExt};
 use sharding_crds::labels::LABEL_STATE;
 use sharding_crds::lease::{ShardLease, ShardState};
 use sharding_crds::{RingKind, RingObject, RingRef};
+use tokio::sync::broadcast::error::RecvError;
 use tokio_util::sync::CancellationToken;
 
 use crate::context::{AnyRing, Context};
 use crate::core::membership::{Exclusion, ring_members};
+use crate::lease_index::{LeaseChange, LeaseIndex};
 
 /// Reason of the Normal Event on a ring when the sharder declares one of its shards dead.
 pub const REASON_SHARD_DEAD: &str = "ShardDead";
@@ -49,37 +51,28 @@ pub(crate) enum Error {
 }
 
 /// Runs the controller of the shard Leases of rings of type `R` until `shutdown` fires.
+///
+/// It is driven by the Lease index rather than by a watch of its own: a Lease is reconciled when
+/// it appears, when its membership or state changes (never on a plain renewal), when its ring
+/// appears, and at the state boundary its last reconcile computed. So renewals cost it nothing,
+/// and each Lease is looked at about once per Lease duration.
 pub(crate) async fn run<R: RingObject>(ctx: Context, shutdown: CancellationToken) {
     let kind = R::KIND;
-    let leases: Api<Lease> = Api::all(ctx.client.clone());
-    let rings: Api<R> = Api::all(ctx.client.clone());
-    let lease_store = ctx.lease_store(kind).clone();
-    Controller::new(
-        leases,
-        watcher::Config::default().labels(kind.lease_label()),
-    )
-    // A ring that appears makes its (so far ignored) Leases relevant.
-    .watches(rings, watcher::Config::default(), move |ring: R| {
-        let name = ring.name_any();
-        lease_store
-            .state()
-            .into_iter()
-            .filter(|l| l.labels().get(kind.lease_label()) == Some(&name))
-            .filter_map(|l| {
-                let (name, namespace) = (l.metadata.name.as_deref()?, l.namespace()?);
-                Some(ObjectRef::<Lease>::new(name).within(&namespace))
-            })
-            .collect::<Vec<_>>()
-    })
-    .graceful_shutdown_on(shutdown.cancelled_owned())
-    .run(
-        reconcile,
+    let index = ctx.lease_index(kind).clone();
+    let store = index.store().clone();
+    let queue = triggers(ctx.clone(), index).take_until(shutdown.cancelled_owned());
+    let state = Arc::new(State {
+        ctx,
+        kind,
+        reported: Mutex::default(),
+    });
+    applier(
+        |lease, state| Box::pin(reconcile(lease, state)),
         error_policy,
-        Arc::new(State {
-            ctx,
-            kind,
-            reported: Mutex::default(),
-        }),
+        state,
+        store,
+        queue,
+        controller::Config::default(),
     )
     .for_each(|result| async move {
         if let Err(error) = result {
@@ -87,6 +80,67 @@ pub(crate) async fn run<R: RingObject>(ctx: Context, shutdown: CancellationToken
         }
     })
     .await;
+}
+
+/// The Leases to reconcile: every cached one at first and after the cache was listed again,
+/// then those the index reports changed, and those of rings that appear.
+fn triggers(
+    ctx: Context,
+    index: Arc<LeaseIndex>,
+) -> impl Stream<Item = Result<ObjectRef<Lease>, Infallible>> + Send + 'static {
+    let kind = index.kind();
+    let changes = index.subscribe();
+    let rings = ctx.ring_changes.subscribe();
+    let every = |index: &LeaseIndex| {
+        index
+            .store()
+            .state()
+            .iter()
+            .map(|l| ObjectRef::from_obj(l.as_ref()))
+            .collect::<Vec<_>>()
+    };
+    let start = every(&index);
+    let known_rings = ring_names(&ctx, kind);
+    let state = (ctx, index, changes, rings, known_rings);
+    futures::stream::iter(start)
+        .chain(
+            futures::stream::unfold(state, move |mut state| async move {
+                let (ctx, index, changes, rings, known_rings) = &mut state;
+                let batch = tokio::select! {
+                    change = changes.recv() => match change {
+                        Ok(LeaseChange::Membership { lease, .. } | LeaseChange::State(lease)) => {
+                            vec![lease]
+                        }
+                        Ok(LeaseChange::All) | Err(RecvError::Lagged(_)) => every(index),
+                        Err(RecvError::Closed) => return None,
+                    },
+                    changed = rings.changed() => {
+                        changed.ok()?;
+                        // Leases of a ring that did not exist were left alone: look at them now.
+                        let current = ring_names(ctx, kind);
+                        let new: Vec<_> = current
+                            .difference(known_rings)
+                            .flat_map(|ring| index.ring_lease_refs(ring))
+                            .collect();
+                        *known_rings = current;
+                        new
+                    }
+                };
+                Some((futures::stream::iter(batch), state))
+            })
+            .flatten(),
+        )
+        .map(Ok)
+}
+
+/// The names of the cached rings of `kind`.
+fn ring_names(ctx: &Context, kind: RingKind) -> BTreeSet<String> {
+    ctx.rings()
+        .iter()
+        .map(AnyRing::ring_ref)
+        .filter(|r| r.kind == kind)
+        .map(|r| r.name)
+        .collect()
 }
 
 /// The controller's context: the shared one, its ring kind, and the problems already reported.
@@ -210,7 +264,7 @@ async fn report_problems(state: &State, lease: &Lease, ring: &AnyRing) -> Proble
     let kind = state.kind;
     let ring_ref = ring.ring_ref();
     let uid = lease.uid().unwrap_or_default();
-    let leases = ctx.leases(kind);
+    let leases = ctx.ring_leases(&ring_ref);
     let problems = ring_members(kind, &ring_ref.name, leases.iter().map(AsRef::as_ref))
         .into_iter()
         .find(|m| m.lease.uid() == lease.uid())

@@ -1,0 +1,413 @@
+//! The shard Leases of one ring kind, grouped by ring, and the changes that matter.
+//!
+//! Shards renew their Leases every few seconds, so at 1,000 shards the Lease watch delivers
+//! hundreds of events per second. A renewal moves `renewTime` only: it changes no ring's
+//! membership, and the sharder must not pay for it with API requests or with work proportional
+//! to the number of shards or rings. The index therefore sits behind the Lease cache and passes
+//! on only what changes something:
+//! - a **membership change** (a Lease appears or goes, or its holder, labels or annotations
+//!   change) names the rings it concerns, so ring views are rebuilt for those rings alone;
+//! - a **state change** (a renewal that makes the Lease's state label wrong, e.g. an `expired`
+//!   Lease renewed again) names the Lease, so the shard-lease controller relabels it.
+//!
+//! Every other event costs one hash of the Lease's metadata and one state evaluation.
+
+use std::collections::{HashMap, HashSet};
+use std::hash::{Hash, Hasher};
+use std::sync::{Arc, RwLock};
+
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::jiff::Timestamp;
+use kube::ResourceExt;
+use kube::runtime::reflector::{ObjectRef, Store};
+use kube::runtime::watcher;
+use sharding_crds::RingKind;
+use sharding_crds::labels::LABEL_STATE;
+use sharding_crds::lease::ShardLease;
+use tokio::sync::broadcast;
+
+/// How many changes a slow subscriber may fall behind before it is told to start over
+/// ([`LeaseChange::All`] semantics on `Lagged`).
+const CHANGES_CAPACITY: usize = 4096;
+
+/// What changed among the Leases of one kind.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum LeaseChange {
+    /// The membership of `rings` may have changed because of `lease` (the ring it left and the
+    /// ring it joined, when its ring label changed).
+    Membership {
+        /// The Lease.
+        lease: ObjectRef<Lease>,
+        /// The rings (names, of the index's kind) whose members may have changed.
+        rings: Vec<String>,
+    },
+    /// The Lease's state label no longer matches its timing; membership is unchanged.
+    State(ObjectRef<Lease>),
+    /// The cache was listed again: anything may have changed.
+    All,
+}
+
+/// The shard Leases of one ring kind grouped by ring, over the kind's Lease cache.
+#[derive(Debug)]
+pub(crate) struct LeaseIndex {
+    kind: RingKind,
+    store: Store<Lease>,
+    inner: RwLock<Inner>,
+    changes: broadcast::Sender<LeaseChange>,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    /// Ring name → its Leases.
+    by_ring: HashMap<String, HashSet<ObjectRef<Lease>>>,
+    /// Lease → (its ring, the fingerprint of what membership depends on).
+    leases: HashMap<ObjectRef<Lease>, (String, u64)>,
+}
+
+impl LeaseIndex {
+    /// An empty index of the Leases of `kind`, whose cache is `store`.
+    pub(crate) fn new(kind: RingKind, store: Store<Lease>) -> Self {
+        Self {
+            kind,
+            store,
+            inner: RwLock::default(),
+            changes: broadcast::Sender::new(CHANGES_CAPACITY),
+        }
+    }
+
+    /// The ring kind whose Leases this indexes.
+    pub(crate) fn kind(&self) -> RingKind {
+        self.kind
+    }
+
+    /// The cache of the kind's Leases.
+    pub(crate) fn store(&self) -> &Store<Lease> {
+        &self.store
+    }
+
+    /// Every cached Lease of ring `ring` (by its ring label).
+    pub(crate) fn ring_leases(&self, ring: &str) -> Vec<Arc<Lease>> {
+        let Ok(inner) = self.inner.read() else {
+            return Vec::new();
+        };
+        inner
+            .by_ring
+            .get(ring)
+            .into_iter()
+            .flatten()
+            .filter_map(|r| self.store.get(r))
+            .collect()
+    }
+
+    /// The names of the rings that have Leases (whether or not the rings exist).
+    pub(crate) fn rings(&self) -> Vec<String> {
+        self.inner
+            .read()
+            .map(|inner| inner.by_ring.keys().cloned().collect())
+            .unwrap_or_default()
+    }
+
+    /// References to the Leases of ring `ring`.
+    pub(crate) fn ring_lease_refs(&self, ring: &str) -> Vec<ObjectRef<Lease>> {
+        self.inner
+            .read()
+            .map(|inner| {
+                inner
+                    .by_ring
+                    .get(ring)
+                    .map(|set| set.iter().cloned().collect())
+                    .unwrap_or_default()
+            })
+            .unwrap_or_default()
+    }
+
+    /// A receiver of the changes from now on.
+    pub(crate) fn subscribe(&self) -> broadcast::Receiver<LeaseChange> {
+        self.changes.subscribe()
+    }
+
+    /// Takes in one event of the kind's Lease watch, after the cache applied it. Returns whether
+    /// membership may have changed.
+    pub(crate) fn observe(&self, event: &watcher::Event<Lease>, now: Timestamp) -> bool {
+        let change = match event {
+            watcher::Event::Apply(lease) | watcher::Event::InitApply(lease) => {
+                self.apply(lease, now)
+            }
+            watcher::Event::Delete(lease) => self.delete(lease),
+            watcher::Event::Init => None,
+            watcher::Event::InitDone => {
+                self.rebuild();
+                Some(LeaseChange::All)
+            }
+        };
+        let Some(change) = change else {
+            return false;
+        };
+        let membership = !matches!(change, LeaseChange::State(_));
+        // Nobody listening (a replica that does not lead) is fine.
+        let _ = self.changes.send(change);
+        membership
+    }
+
+    fn apply(&self, lease: &Lease, now: Timestamp) -> Option<LeaseChange> {
+        let reference = ObjectRef::from_obj(lease);
+        let ring = lease
+            .labels()
+            .get(self.kind.lease_label())
+            .cloned()
+            .unwrap_or_default();
+        let fingerprint = fingerprint(lease);
+        let mut inner = self.inner.write().ok()?;
+        let previous = inner
+            .leases
+            .insert(reference.clone(), (ring.clone(), fingerprint));
+        match previous {
+            Some((old_ring, old_fingerprint))
+                if old_fingerprint == fingerprint && old_ring == ring =>
+            {
+                // A renewal: membership is unchanged, but the state label may be out of date.
+                drop(inner);
+                state_label_is_stale(lease, now).then_some(LeaseChange::State(reference))
+            }
+            Some((old_ring, _)) => {
+                let mut rings = vec![ring.clone()];
+                if old_ring != ring {
+                    remove_from(&mut inner.by_ring, &old_ring, &reference);
+                    rings.push(old_ring);
+                }
+                inner
+                    .by_ring
+                    .entry(ring)
+                    .or_default()
+                    .insert(reference.clone());
+                Some(LeaseChange::Membership {
+                    lease: reference,
+                    rings,
+                })
+            }
+            None => {
+                inner
+                    .by_ring
+                    .entry(ring.clone())
+                    .or_default()
+                    .insert(reference.clone());
+                Some(LeaseChange::Membership {
+                    lease: reference,
+                    rings: vec![ring],
+                })
+            }
+        }
+    }
+
+    fn delete(&self, lease: &Lease) -> Option<LeaseChange> {
+        let reference = ObjectRef::from_obj(lease);
+        let mut inner = self.inner.write().ok()?;
+        let (ring, _) = inner.leases.remove(&reference)?;
+        remove_from(&mut inner.by_ring, &ring, &reference);
+        Some(LeaseChange::Membership {
+            lease: reference,
+            rings: vec![ring],
+        })
+    }
+
+    /// Rebuilds the index from the cache, which a new listing just replaced (objects deleted
+    /// while the watch was down produce no delete events).
+    fn rebuild(&self) {
+        let mut fresh = Inner::default();
+        for lease in self.store.state() {
+            let reference = ObjectRef::from_obj(lease.as_ref());
+            let ring = lease
+                .labels()
+                .get(self.kind.lease_label())
+                .cloned()
+                .unwrap_or_default();
+            fresh
+                .by_ring
+                .entry(ring.clone())
+                .or_default()
+                .insert(reference.clone());
+            fresh
+                .leases
+                .insert(reference, (ring, fingerprint(lease.as_ref())));
+        }
+        if let Ok(mut inner) = self.inner.write() {
+            *inner = fresh;
+        }
+    }
+}
+
+fn remove_from(
+    by_ring: &mut HashMap<String, HashSet<ObjectRef<Lease>>>,
+    ring: &str,
+    reference: &ObjectRef<Lease>,
+) {
+    if let Some(set) = by_ring.get_mut(ring) {
+        set.remove(reference);
+        if set.is_empty() {
+            by_ring.remove(ring);
+        }
+    }
+}
+
+/// What a shard Lease's membership depends on: its holder, labels (ring, state) and annotations
+/// (weight); not `renewTime`, so renewals change nothing.
+fn fingerprint(lease: &Lease) -> u64 {
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    lease.metadata.labels.hash(&mut hasher);
+    lease.metadata.annotations.hash(&mut hasher);
+    lease
+        .spec
+        .as_ref()
+        .and_then(|s| s.holder_identity.as_ref())
+        .hash(&mut hasher);
+    hasher.finish()
+}
+
+/// Whether the Lease's state label differs from the state its timing gives at `now`.
+fn state_label_is_stale(lease: &Lease, now: Timestamp) -> bool {
+    let (state, _) = ShardLease::from_lease(lease).evaluate(now);
+    lease.labels().get(LABEL_STATE).map(String::as_str) != Some(state.as_str())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::coordination::v1::LeaseSpec;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
+    use kube::api::ObjectMeta;
+    use kube::runtime::reflector;
+
+    const KIND: RingKind = RingKind::ClusterRing;
+
+    fn lease(name: &str, ring: &str, state: &str, renewed: Timestamp) -> Lease {
+        Lease {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                namespace: Some("ns".into()),
+                labels: Some(
+                    [
+                        (KIND.lease_label().to_string(), ring.to_string()),
+                        (LABEL_STATE.to_string(), state.to_string()),
+                    ]
+                    .into(),
+                ),
+                ..Default::default()
+            },
+            spec: Some(LeaseSpec {
+                holder_identity: Some(name.into()),
+                lease_duration_seconds: Some(10),
+                renew_time: Some(MicroTime(renewed)),
+                acquire_time: Some(MicroTime(renewed)),
+                ..Default::default()
+            }),
+        }
+    }
+
+    /// An index with a cache that follows the same events, as the sharder wires them.
+    struct Fixture {
+        writer: reflector::store::Writer<Lease>,
+        index: LeaseIndex,
+        changes: broadcast::Receiver<LeaseChange>,
+    }
+
+    impl Fixture {
+        fn new() -> Self {
+            let (store, writer) = reflector::store();
+            let index = LeaseIndex::new(KIND, store);
+            let changes = index.subscribe();
+            Self {
+                writer,
+                index,
+                changes,
+            }
+        }
+
+        fn event(&mut self, event: watcher::Event<Lease>, now: Timestamp) -> bool {
+            self.writer.apply_watcher_event(&event);
+            self.index.observe(&event, now)
+        }
+
+        fn drain(&mut self) -> Vec<LeaseChange> {
+            std::iter::from_fn(|| self.changes.try_recv().ok()).collect()
+        }
+    }
+
+    fn names(leases: Vec<Arc<Lease>>) -> Vec<String> {
+        let mut names: Vec<_> = leases.iter().map(|l| l.name_any()).collect();
+        names.sort();
+        names
+    }
+
+    #[test]
+    fn renewals_change_nothing_and_membership_changes_name_their_rings() {
+        let t0 = Timestamp::from_second(1_000_000).unwrap();
+        let mut f = Fixture::new();
+        for (name, ring) in [("a", "r1"), ("b", "r1"), ("c", "r2")] {
+            assert!(f.event(watcher::Event::Apply(lease(name, ring, "ready", t0)), t0));
+        }
+        assert_eq!(names(f.index.ring_leases("r1")), ["a", "b"]);
+        assert_eq!(names(f.index.ring_leases("r2")), ["c"]);
+        assert_eq!(f.drain().len(), 3);
+
+        // 100 renewals of a ready Lease: no change at all.
+        for i in 1..=100 {
+            let at = Timestamp::from_second(1_000_000 + i).unwrap();
+            assert!(!f.event(watcher::Event::Apply(lease("a", "r1", "ready", at)), at));
+        }
+        assert_eq!(f.drain(), []);
+
+        // Moving to another ring names both rings.
+        let t1 = Timestamp::from_second(1_000_200).unwrap();
+        assert!(f.event(watcher::Event::Apply(lease("a", "r2", "ready", t1)), t1));
+        assert_eq!(
+            f.drain(),
+            [LeaseChange::Membership {
+                lease: ObjectRef::new("a").within("ns"),
+                rings: vec!["r2".into(), "r1".into()],
+            }]
+        );
+        assert_eq!(names(f.index.ring_leases("r1")), ["b"]);
+        assert_eq!(names(f.index.ring_leases("r2")), ["a", "c"]);
+
+        // Deleting names the ring it left.
+        assert!(f.event(watcher::Event::Delete(lease("b", "r1", "ready", t1)), t1));
+        assert_eq!(
+            f.drain(),
+            [LeaseChange::Membership {
+                lease: ObjectRef::new("b").within("ns"),
+                rings: vec!["r1".into()],
+            }]
+        );
+        assert!(f.index.ring_leases("r1").is_empty());
+    }
+
+    #[test]
+    fn a_renewal_that_makes_the_state_label_wrong_is_a_state_change() {
+        let t0 = Timestamp::from_second(2_000_000).unwrap();
+        let mut f = Fixture::new();
+        f.event(watcher::Event::Apply(lease("a", "r", "expired", t0)), t0);
+        f.drain();
+        // Renewed while labelled expired: the label must become ready.
+        let t1 = Timestamp::from_second(2_000_001).unwrap();
+        assert!(!f.event(watcher::Event::Apply(lease("a", "r", "expired", t1)), t1));
+        assert_eq!(
+            f.drain(),
+            [LeaseChange::State(ObjectRef::new("a").within("ns"))]
+        );
+    }
+
+    #[test]
+    fn a_new_listing_forgets_leases_deleted_while_the_watch_was_down() {
+        let t0 = Timestamp::from_second(3_000_000).unwrap();
+        let mut f = Fixture::new();
+        f.event(watcher::Event::Apply(lease("a", "r", "ready", t0)), t0);
+        f.event(watcher::Event::Apply(lease("b", "r", "ready", t0)), t0);
+        f.drain();
+        // The watch restarts and lists only "b".
+        f.event(watcher::Event::Init, t0);
+        f.event(watcher::Event::InitApply(lease("b", "r", "ready", t0)), t0);
+        assert!(f.event(watcher::Event::InitDone, t0));
+        assert_eq!(names(f.index.ring_leases("r")), ["b"]);
+        assert_eq!(f.drain().last(), Some(&LeaseChange::All));
+    }
+}
