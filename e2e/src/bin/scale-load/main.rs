@@ -1,0 +1,47 @@
+//! `scale-load`: what the sharder costs at scale, measured against the local control plane.
+//!
+//! `scale-load membership` creates shard Leases in one or more ClusterRings and renews every
+//! one of them itself, at the shards' usual period, with no shard processes. With two sharder
+//! replicas running (leader election on), it measures over a window:
+//! - each replica's CPU use (utime + stime from `/proc`), as a share of one core;
+//! - the API requests each replica sent (its own `controller_sharding_api_requests_total`, counted
+//!   where requests leave the process), and the API server's count of all requests next to the
+//!   tool's own, so that nothing is taken on the sharder's word alone;
+//! - with `--churn-every`, a second window in which one Lease at a time also changes its weight
+//!   (a membership change of one ring): the work and requests per change, and how many rings
+//!   were rebuilt for it.
+//!
+//! Build in release (the sharder it starts is the one next to it) and run it alone on the machine:
+//! `cargo build --release --workspace --bins && target/release/scale-load membership`.
+//! docs/scale.md has the last results.
+
+mod membership;
+mod samples;
+
+use anyhow::Context as _;
+use clap::{Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(about = "Measure the sharder's cost at scale against the local control plane")]
+struct Args {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Shard Leases renewed by the tool: the sharder's CPU and API requests per renewal and per
+    /// membership change.
+    Membership(membership::Args),
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    // Blocks on a runtime of its own: set the cluster up before entering ours.
+    let cluster = e2e::cluster();
+    let runtime = tokio::runtime::Runtime::new().context("failed to start a runtime")?;
+    match args.command {
+        Command::Membership(args) => runtime.block_on(membership::run(&args, cluster)),
+    }
+}

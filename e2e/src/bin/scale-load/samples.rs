@@ -1,0 +1,86 @@
+//! What the tool reads from processes and metrics endpoints.
+
+use anyhow::Context as _;
+use kube::Client;
+
+/// CPU time (user + system) a process used so far, in seconds.
+pub(crate) fn cpu_seconds(pid: u32) -> anyhow::Result<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .with_context(|| format!("failed to read /proc/{pid}/stat"))?;
+    // The command name (field 2) may hold spaces; the fields after its closing parenthesis are
+    // `state` (3) onwards, so utime (14) and stime (15) are the 12th and 13th after it.
+    let after = stat
+        .rsplit_once(')')
+        .map(|(_, rest)| rest)
+        .context("unexpected /proc/pid/stat")?;
+    let fields: Vec<&str> = after.split_whitespace().collect();
+    let ticks = |i: usize| -> anyhow::Result<f64> {
+        Ok(fields
+            .get(i)
+            .context("short /proc/pid/stat")?
+            .parse::<f64>()?)
+    };
+    // The kernel's USER_HZ, 100 on every Linux architecture we run on.
+    Ok((ticks(11)? + ticks(12)?) / 100.0)
+}
+
+/// Resident set size of a process, in KiB.
+pub(crate) fn rss_kib(pid: u32) -> anyhow::Result<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .with_context(|| format!("failed to read /proc/{pid}/status"))?;
+    let line = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .context("no VmRSS")?;
+    Ok(line.trim().trim_end_matches("kB").trim().parse()?)
+}
+
+/// Sum of the samples of `name` in the Prometheus text `text` whose labels include every pair of
+/// `labels` (exactly, as `key="value"`).
+pub(crate) fn sum(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
+    let needles: Vec<String> = labels.iter().map(|(k, v)| format!("{k}=\"{v}\"")).collect();
+    text.lines()
+        .filter(|l| {
+            l.strip_prefix(name)
+                .is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
+        })
+        .filter(|l| needles.iter().all(|n| l.contains(n.as_str())))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// The samples of `name` in `text` with their label text (`client="main",verb="get",...`).
+pub(crate) fn samples(text: &str, name: &str) -> Vec<(String, f64)> {
+    text.lines()
+        .filter_map(|l| {
+            let rest = l.strip_prefix(name)?.strip_prefix('{')?;
+            let (labels, value) = rest.rsplit_once("} ")?;
+            Some((labels.to_string(), value.parse().ok()?))
+        })
+        .collect()
+}
+
+/// The API server's `/metrics` text.
+pub(crate) async fn apiserver_metrics(client: &Client) -> anyhow::Result<String> {
+    let request = axum::http::Request::get("/metrics").body(Vec::new())?;
+    Ok(client.request_text(request).await?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sums_select_by_name_and_labels() {
+        let text = "\
+# HELP x_total doc
+x_total{client=\"main\",verb=\"get\"} 2
+x_total{client=\"main\",verb=\"list\"} 3
+x_total{client=\"leader_election\",verb=\"update\"} 5
+x_totalish{client=\"main\"} 100
+";
+        assert_eq!(sum(text, "x_total", &[]), 10.0);
+        assert_eq!(sum(text, "x_total", &[("client", "main")]), 5.0);
+        assert_eq!(samples(text, "x_total").len(), 3);
+    }
+}
