@@ -8,7 +8,7 @@ use std::hint::black_box;
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use sharder::core::ring::Ring;
 
-const SHARD_COUNTS: [usize; 3] = [3, 10, 100];
+const SHARD_COUNTS: [usize; 4] = [3, 10, 100, 1000];
 const KEYS: usize = 1000;
 
 fn shard_names(count: usize) -> Vec<String> {
