@@ -652,8 +652,9 @@ impl HeldLease {
         self.lost.clone().cancelled_owned()
     }
 
-    /// A token cancelled once the Lease is lost, to hand to tasks that stop on it. Cancelling the
-    /// returned token does not affect the lock.
+    /// A token cancelled once the Lease is lost, to hand to tasks that stop on it (such as
+    /// [`Shard::reconciler`](crate::Shard::reconciler), which starts no reconcile and no drain
+    /// acknowledgement once it fired). Cancelling the returned token does not affect the lock.
     pub fn lost_token(&self) -> CancellationToken {
         self.lost.child_token()
     }
@@ -717,9 +718,15 @@ impl HeldLease {
     /// - When the Lease is lost, the work future is dropped at once, whatever it is doing: no
     ///   reconcile starts or continues after that, since another holder may act already.
     ///
-    /// **Sharp edge:** dropping only stops what the future owns. Work spawned with
-    /// `tokio::spawn` from inside it keeps running; keep such tasks in a `JoinSet` owned by the
-    /// work, which aborts them when it is dropped.
+    /// **Sharp edges:**
+    /// - "At once" means at this future's next poll. The renewal runs on a task of its own and
+    ///   may notice the loss while this future is in the middle of polling the work on another
+    ///   thread; that poll still finishes and could start a reconcile. So work that acts on
+    ///   objects checks [`HeldLease::lost_token`] right before each action, too: pass it to
+    ///   [`Shard::reconciler`](crate::Shard::reconciler), which does.
+    /// - Dropping only stops what the future owns. Work spawned with `tokio::spawn` from inside
+    ///   it keeps running; keep such tasks in a `JoinSet` owned by the work, which aborts them
+    ///   when it is dropped.
     pub async fn run_while_held<F, W>(
         self,
         shutdown: &CancellationToken,

@@ -26,7 +26,7 @@ use sha2::{Digest, Sha256};
 use shard::lease::error_chain;
 use shard::{HeldRunEnd, LeaseLock, ReconcileError, Shard};
 use tokio_util::sync::CancellationToken;
-use tracing::{error, info, warn};
+use tracing::{debug, error, info, warn};
 use tracing_subscriber::EnvFilter;
 
 /// Field manager of the ConfigMaps this controller applies.
@@ -181,6 +181,16 @@ fn error_policy(
     error: &ReconcileError<Error>,
     context: Arc<Context>,
 ) -> Action {
+    if error.is_lease_lost() {
+        // Nothing to retry: the controller is being dropped, the Lease loss is logged already.
+        debug!(
+            namespace = secret.namespace().unwrap_or_default(),
+            name = %secret.name_any(),
+            shard = %context.shard.name(),
+            "not reconciling, the shard Lease is lost"
+        );
+        return Action::await_change();
+    }
     warn!(
         error = %error_chain(error),
         namespace = secret.namespace().unwrap_or_default(),
@@ -296,12 +306,14 @@ async fn main() -> anyhow::Result<()> {
         client: client.clone(),
         shard: shard.clone(),
     });
+    // The wrapper starts no reconcile and no drain acknowledgement once the Lease is lost.
+    let lost = held.lost_token();
     let controller = |stop: CancellationToken| {
         Controller::new(secrets, shard.watcher_config())
             .owns(config_maps, shard.watcher_config())
             .graceful_shutdown_on(stop.cancelled_owned())
             .run(
-                shard.reconciler(client.clone(), reconcile),
+                shard.reconciler(client.clone(), lost, reconcile),
                 error_policy,
                 context,
             )
