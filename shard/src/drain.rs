@@ -6,6 +6,12 @@
 //! label in one write that is conditional on the object's `resourceVersion`; only then does the
 //! sharder's webhook hand the object to its new shard. This ordering guarantees the object is
 //! never reconciled by two shards at once.
+//!
+//! The wrapper is also the last gate before the shard acts on an object: it is given the token
+//! that fires when the shard's Lease is lost ([`HeldLease::lost_token`]) and starts neither a
+//! reconcile nor a drain acknowledgement once it has fired.
+//!
+//! [`HeldLease::lost_token`]: crate::HeldLease::lost_token
 
 use std::collections::BTreeMap;
 use std::collections::hash_map::DefaultHasher;
@@ -21,6 +27,7 @@ use kube::runtime::Predicate;
 use kube::runtime::controller::Action;
 use kube::{Client, Resource, ResourceExt};
 use serde_json::json;
+use tokio_util::sync::CancellationToken;
 use tracing::{debug, info};
 
 use crate::Shard;
@@ -99,6 +106,17 @@ pub enum ReconcileError<E: std::error::Error + 'static> {
         /// `namespace/name` (or `name` when cluster-scoped) of the object.
         object: String,
     },
+    /// The shard's Lease was lost before the work on this object started: the wrapped
+    /// reconciler did not run and no drain was acknowledged. Nothing is left to do: the
+    /// controller is about to be dropped ([`HeldLease::run_while_held`]), and another shard may
+    /// own the object already.
+    ///
+    /// [`HeldLease::run_while_held`]: crate::HeldLease::run_while_held
+    #[error("failed to start work on {object}: the shard Lease is lost")]
+    LeaseLost {
+        /// `namespace/name` (or `name` when cluster-scoped) of the object.
+        object: String,
+    },
     /// The wrapped reconciler failed.
     #[error(transparent)]
     Reconcile(E),
@@ -117,6 +135,12 @@ impl<E: std::error::Error + 'static> ReconcileError<E> {
     pub fn is_conflict(&self) -> bool {
         matches!(self, Self::Drain { source: kube::Error::Api(s), .. } if s.code == 409)
     }
+
+    /// Whether nothing was done because the shard's Lease was lost
+    /// ([`ReconcileError::LeaseLost`]): not a failure to retry.
+    pub fn is_lease_lost(&self) -> bool {
+        matches!(self, Self::LeaseLost { .. })
+    }
 }
 
 fn object_ref(meta: &kube::api::ObjectMeta) -> String {
@@ -128,20 +152,39 @@ fn object_ref(meta: &kube::api::ObjectMeta) -> String {
 }
 
 impl Shard {
-    /// Wraps the controller's reconciler `inner` with the shard's drain handling:
+    /// Wraps the controller's reconciler `inner` with the shard's drain handling, and stops it
+    /// from acting once the shard's Lease is lost:
     ///
     /// - assigned to this shard, not draining: `inner` runs;
     /// - assigned and draining: `inner` does **not** run; the drain is acknowledged with
     ///   [`Shard::drain_patch`] and logged at info level with `event = "drain"`; a failure (e.g.
     ///   a conflict) is returned as [`ReconcileError::Drain`] so the error policy requeues;
-    /// - not assigned: nothing runs, `Action::await_change()`.
+    /// - not assigned: nothing runs, `Action::await_change()`;
+    /// - `lost` has fired: nothing runs and nothing is written, [`ReconcileError::LeaseLost`].
+    ///
+    /// Pass the shard Lease's [`HeldLease::lost_token`] as `lost`. The wrapper checks it when
+    /// the controller calls it and again when the controller first polls the returned future,
+    /// right before `inner` starts and right before the acknowledgement is sent.
+    /// [`HeldLease::run_while_held`] drops the controller once the Lease is lost, but only at
+    /// its own next poll; until then a controller running on another thread could still start
+    /// work, and this check closes that gap.
+    ///
+    /// **Sharp edge:** the check races with the loss. A reconcile or acknowledgement that
+    /// passed it a moment before the token fired goes on (until the controller is dropped) and
+    /// may log, or finish its write, microseconds after the loss was recorded. What the check
+    /// guarantees is that nothing *starts* after the token has fired. Pass a token that never
+    /// fires (`CancellationToken::new()`) only for work that is not guarded by a Lease.
     ///
     /// The result plugs into `Controller::run` directly. `K::DynamicType` must be `Default`
     /// (every `k8s-openapi` type and derived custom resource); use
     /// [`Shard::reconciler_with`] for dynamic types.
+    ///
+    /// [`HeldLease::lost_token`]: crate::HeldLease::lost_token
+    /// [`HeldLease::run_while_held`]: crate::HeldLease::run_while_held
     pub fn reconciler<K, Ctx, F, Fut, E>(
         &self,
         client: Client,
+        lost: CancellationToken,
         inner: F,
     ) -> impl FnMut(Arc<K>, Arc<Ctx>) -> BoxFuture<'static, Result<Action, ReconcileError<E>>>
     + Send
@@ -155,7 +198,7 @@ impl Shard {
         Fut: Future<Output = Result<Action, E>> + Send + 'static,
         E: std::error::Error + Send + 'static,
     {
-        self.reconciler_with(client, &K::DynamicType::default(), inner)
+        self.reconciler_with(client, &K::DynamicType::default(), lost, inner)
     }
 
     /// [`Shard::reconciler`] for resources with runtime type information (`DynamicObject`).
@@ -163,6 +206,7 @@ impl Shard {
         &self,
         client: Client,
         dyntype: &K::DynamicType,
+        lost: CancellationToken,
         mut inner: F,
     ) -> impl FnMut(Arc<K>, Arc<Ctx>) -> BoxFuture<'static, Result<Action, ReconcileError<E>>>
     + Send
@@ -183,6 +227,7 @@ impl Shard {
             let resource = resource.clone();
             dispatch(
                 &shard,
+                &lost,
                 object,
                 context,
                 &mut inner,
@@ -217,8 +262,13 @@ impl Shard {
 
 /// Decides and starts the work for one object; the acknowledgement is injected so tests can
 /// observe it without an API server.
+///
+/// `lost` is checked now and again when the returned future is first polled, right before
+/// `inner`'s future or the acknowledgement starts: the controller may poll it later than it
+/// called the wrapper. `acknowledge` is only called after that second check.
 fn dispatch<K, Ctx, F, Fut, E, A, AFut>(
     shard: &Shard,
+    lost: &CancellationToken,
     object: Arc<K>,
     context: Arc<Ctx>,
     inner: &mut F,
@@ -229,24 +279,43 @@ where
     F: FnMut(Arc<K>, Arc<Ctx>) -> Fut,
     Fut: Future<Output = Result<Action, E>> + Send + 'static,
     E: std::error::Error + Send + 'static,
-    A: FnOnce(Arc<K>, serde_json::Value) -> AFut,
+    A: FnOnce(Arc<K>, serde_json::Value) -> AFut + Send + 'static,
     AFut: Future<Output = Result<(), kube::Error>> + Send + 'static,
 {
     let meta = object.meta();
+    let object_name = object_ref(meta);
+    if lost.is_cancelled() {
+        debug!(object = %object_name, shard = %shard.name(), "not starting work: the shard Lease is lost");
+        return futures::future::ready(Err(ReconcileError::LeaseLost {
+            object: object_name,
+        }))
+        .boxed();
+    }
+    let lost = lost.clone();
     match shard.classify(meta) {
         Disposition::Ignore => {
             debug!(
-                object = %object_ref(meta),
+                object = %object_name,
                 shard = %shard.name(),
                 "ignoring object not assigned to this shard"
             );
             futures::future::ready(Ok(Action::await_change())).boxed()
         }
-        Disposition::Reconcile => inner(object, context)
-            .map(|result| result.map_err(ReconcileError::Reconcile))
-            .boxed(),
+        Disposition::Reconcile => {
+            // Calling an `async fn` only builds its future; its body starts at the first poll,
+            // after the check below.
+            let reconcile = inner(object, context);
+            async move {
+                if lost.is_cancelled() {
+                    return Err(ReconcileError::LeaseLost {
+                        object: object_name,
+                    });
+                }
+                reconcile.await.map_err(ReconcileError::Reconcile)
+            }
+            .boxed()
+        }
         Disposition::Drain => {
-            let object_name = object_ref(meta);
             let Some(resource_version) = meta.resource_version.clone() else {
                 return futures::future::ready(Err(ReconcileError::MissingResourceVersion {
                     object: object_name,
@@ -257,12 +326,18 @@ where
             let name = meta.name.clone().unwrap_or_default();
             let shard_name = shard.name().to_string();
             let patch = shard.drain_patch(&resource_version);
-            let acknowledged = acknowledge(object, patch);
             async move {
-                acknowledged.await.map_err(|source| ReconcileError::Drain {
-                    object: object_name,
-                    source,
-                })?;
+                if lost.is_cancelled() {
+                    return Err(ReconcileError::LeaseLost {
+                        object: object_name,
+                    });
+                }
+                acknowledge(object, patch)
+                    .await
+                    .map_err(|source| ReconcileError::Drain {
+                        object: object_name,
+                        source,
+                    })?;
                 info!(
                     event = "drain",
                     %namespace,
@@ -342,8 +417,79 @@ mod tests {
     #[error("inner failed")]
     struct InnerError;
 
-    /// Runs `dispatch` for `object`; returns the result, how often the inner reconciler ran, and
-    /// the acknowledgement patches sent.
+    /// What a wrapped reconcile did.
+    #[derive(Debug, Default)]
+    struct Probe {
+        /// Calls of the inner reconciler (the closure itself).
+        calls: AtomicUsize,
+        /// Polls of the futures the inner reconciler returned: its body starting.
+        started: AtomicUsize,
+        /// Acknowledgement patches sent.
+        patches: Mutex<Vec<serde_json::Value>>,
+    }
+
+    impl Probe {
+        fn calls(&self) -> usize {
+            self.calls.load(Ordering::SeqCst)
+        }
+
+        fn started(&self) -> usize {
+            self.started.load(Ordering::SeqCst)
+        }
+
+        fn patches(&self) -> Vec<serde_json::Value> {
+            self.patches.lock().expect("lock").clone()
+        }
+    }
+
+    /// Calls `dispatch` for `object` as the controller would and returns the future, unpolled,
+    /// with what it did so far.
+    fn start(
+        object: Arc<Secret>,
+        ack_result: Result<(), u16>,
+        lost: &CancellationToken,
+    ) -> (
+        BoxFuture<'static, Result<Action, ReconcileError<InnerError>>>,
+        Arc<Probe>,
+    ) {
+        let shard = Shard::new(RING, "shard-a", "default");
+        let probe = Arc::new(Probe::default());
+        let mut inner = {
+            let probe = Arc::clone(&probe);
+            move |_: Arc<Secret>, _: Arc<()>| {
+                probe.calls.fetch_add(1, Ordering::SeqCst);
+                let probe = Arc::clone(&probe);
+                async move {
+                    probe.started.fetch_add(1, Ordering::SeqCst);
+                    Ok::<_, InnerError>(Action::requeue(std::time::Duration::from_secs(7)))
+                }
+            }
+        };
+        let recorded = Arc::clone(&probe);
+        let future = dispatch(
+            &shard,
+            lost,
+            object,
+            Arc::new(()),
+            &mut inner,
+            move |_, patch| {
+                recorded.patches.lock().expect("lock").push(patch);
+                async move {
+                    ack_result.map_err(|code| {
+                        kube::Error::Api(
+                            kube::core::Status::failure("conflict", "Conflict")
+                                .with_code(code)
+                                .boxed(),
+                        )
+                    })
+                }
+            },
+        );
+        (future, probe)
+    }
+
+    /// Runs `dispatch` for `object` with a Lease that is held; returns the result, how often the
+    /// inner reconciler ran, and the acknowledgement patches sent.
     async fn run(
         object: Arc<Secret>,
         ack_result: Result<(), u16>,
@@ -352,32 +498,10 @@ mod tests {
         usize,
         Vec<serde_json::Value>,
     ) {
-        let shard = Shard::new(RING, "shard-a", "default");
-        let calls = Arc::new(AtomicUsize::new(0));
-        let patches = Arc::new(Mutex::new(Vec::new()));
-        let mut inner = {
-            let calls = Arc::clone(&calls);
-            move |_: Arc<Secret>, _: Arc<()>| {
-                calls.fetch_add(1, Ordering::SeqCst);
-                async { Ok::<_, InnerError>(Action::requeue(std::time::Duration::from_secs(7))) }
-            }
-        };
-        let recorded = Arc::clone(&patches);
-        let result = dispatch(&shard, object, Arc::new(()), &mut inner, move |_, patch| {
-            recorded.lock().expect("lock").push(patch);
-            async move {
-                ack_result.map_err(|code| {
-                    kube::Error::Api(
-                        kube::core::Status::failure("conflict", "Conflict")
-                            .with_code(code)
-                            .boxed(),
-                    )
-                })
-            }
-        })
-        .await;
-        let patches = patches.lock().expect("lock").clone();
-        (result, calls.load(Ordering::SeqCst), patches)
+        let (future, probe) = start(object, ack_result, &CancellationToken::new());
+        let result = future.await;
+        assert_eq!(probe.calls(), probe.started(), "every call is polled");
+        (result, probe.started(), probe.patches())
     }
 
     #[test]
@@ -506,6 +630,103 @@ mod tests {
         ));
         assert_eq!(calls, 0);
         assert!(patches.is_empty(), "never a blind write");
+    }
+
+    /// Every object a shard may be handed: assigned, draining, someone else's.
+    fn every_kind_of_object() -> [Arc<Secret>; 3] {
+        [
+            secret(&[(SHARD_KEY, "shard-a")]),
+            secret(&[(SHARD_KEY, "shard-a"), (DRAIN_KEY, "true")]),
+            secret(&[(SHARD_KEY, "shard-b")]),
+        ]
+    }
+
+    #[tokio::test]
+    async fn nothing_starts_once_the_lease_is_lost() {
+        let lost = CancellationToken::new();
+        lost.cancel();
+        for object in every_kind_of_object() {
+            let (future, probe) = start(Arc::clone(&object), Ok(()), &lost);
+            let error = future.await.expect_err("the loss surfaces");
+            assert!(error.is_lease_lost(), "{error:?}");
+            assert_eq!(
+                error.to_string(),
+                "failed to start work on default/foo: the shard Lease is lost"
+            );
+            assert_eq!(probe.calls(), 0, "inner reconciler not even called");
+            assert_eq!(probe.started(), 0);
+            assert!(probe.patches().is_empty(), "no drain acknowledged");
+        }
+    }
+
+    #[tokio::test]
+    async fn loss_between_call_and_first_poll_starts_nothing() {
+        // The controller calls the wrapper, then polls the future later (possibly on another
+        // thread, after the Lease was lost meanwhile).
+        for object in every_kind_of_object().into_iter().take(2) {
+            let lost = CancellationToken::new();
+            let (future, probe) = start(object, Ok(()), &lost);
+            lost.cancel();
+            let error = future.await.expect_err("the loss surfaces");
+            assert!(error.is_lease_lost(), "{error:?}");
+            assert_eq!(probe.started(), 0, "the reconcile's body never ran");
+            assert!(probe.patches().is_empty(), "no drain acknowledged");
+        }
+    }
+
+    #[tokio::test]
+    async fn wrapper_sends_no_request_once_the_lease_is_lost() {
+        // A client whose every request is counted (and fails): the wrapper must not use it.
+        let requests = Arc::new(AtomicUsize::new(0));
+        let service = {
+            let requests = Arc::clone(&requests);
+            tower::service_fn(move |_: http::Request<kube::client::Body>| {
+                requests.fetch_add(1, Ordering::SeqCst);
+                async {
+                    Err::<http::Response<kube::client::Body>, _>(std::io::Error::other(
+                        "no API server in this test",
+                    ))
+                }
+            })
+        };
+        let client = Client::new(service, "default");
+        let calls = Arc::new(AtomicUsize::new(0));
+        let inner = {
+            let calls = Arc::clone(&calls);
+            move |_: Arc<Secret>, _: Arc<()>| {
+                calls.fetch_add(1, Ordering::SeqCst);
+                async { Ok::<_, InnerError>(Action::await_change()) }
+            }
+        };
+        let lost = CancellationToken::new();
+        let mut reconcile =
+            Shard::new(RING, "shard-a", "default").reconciler(client, lost.clone(), inner);
+
+        // While the Lease is held the seam is real: a drain is sent to the API server.
+        let drained = secret(&[(SHARD_KEY, "shard-a"), (DRAIN_KEY, "true")]);
+        let error = reconcile(Arc::clone(&drained), Arc::new(()))
+            .await
+            .expect_err("the counting client fails every request");
+        assert!(matches!(error, ReconcileError::Drain { .. }), "{error:?}");
+        assert_eq!(requests.load(Ordering::SeqCst), 1);
+
+        lost.cancel();
+        for object in every_kind_of_object() {
+            let error = reconcile(object, Arc::new(()))
+                .await
+                .expect_err("the loss surfaces");
+            assert!(error.is_lease_lost(), "{error:?}");
+        }
+        assert_eq!(
+            calls.load(Ordering::SeqCst),
+            0,
+            "inner reconciler never ran"
+        );
+        assert_eq!(
+            requests.load(Ordering::SeqCst),
+            1,
+            "no request after the loss"
+        );
     }
 
     #[test]

@@ -29,6 +29,24 @@
 //! Every write is a compare-and-swap on the Lease's `resourceVersion`: creating fails when someone
 //! created the Lease first, and updates fail when someone wrote in between. A failed write never
 //! counts as holding the Lease.
+//!
+//! # Log records
+//!
+//! The lock logs (through `tracing`) one record when it acquires the Lease, one when it loses it
+//! and one when it releases it, each with these fields, so that tools reading the logs need not
+//! match message text:
+//!
+//! | `event` | level | further fields |
+//! |---|---|---|
+//! | `lease_acquired` | info | `identity`, `transitions` (`spec.leaseTransitions`) |
+//! | `lease_lost` | warn | `renew_deadline` (missed it) or `holder` (someone else, or `<none>`) |
+//! | `lease_released` | info | |
+//!
+//! All three carry `lease`, `namespace` and `resource_version`: the Lease's
+//! `metadata.resourceVersion` as this lock last wrote it (by the acquiring write; by the last
+//! successful renewal before the loss; by the releasing write), to match against a watch of the
+//! Lease. The loss is recorded right after [`HeldLease::lost_token`] fired, so anything that
+//! checks the token after the record's timestamp sees the loss.
 
 pub mod decision;
 mod store;
@@ -360,10 +378,12 @@ impl LeaseLock {
     fn start_renewing(&self, lease: Lease, written_at: Instant) -> HeldLease {
         let config = &self.inner.config;
         info!(
+            event = EVENT_ACQUIRED,
             lease = %config.name,
             namespace = %config.namespace,
             identity = %config.identity,
             transitions = lease.spec.as_ref().and_then(|s| s.lease_transitions).unwrap_or(0),
+            resource_version = resource_version(&lease),
             "acquired Lease"
         );
         let lost = CancellationToken::new();
@@ -537,13 +557,17 @@ impl Inner {
                 () = tokio::time::sleep_until(wake) => {}
             }
             if deadline.is_missed(Instant::now()) {
+                // Signal first, then log: whatever checks the token after the record's timestamp
+                // sees the loss.
+                lost.cancel();
                 warn!(
+                    event = EVENT_LOST,
                     lease = %config.name,
                     namespace = %config.namespace,
                     renew_deadline = ?config.renew_deadline(),
+                    resource_version = resource_version(&lease),
                     "failed to renew Lease within the renew deadline, it is lost"
                 );
-                lost.cancel();
                 return lease;
             }
             // The renew deadline counts from when a successful write was sent, not when its
@@ -562,13 +586,15 @@ impl Inner {
                     deadline.renewed(started);
                 }
                 Ok(Ok(Renewal::Lost(holder))) => {
+                    lost.cancel();
                     warn!(
+                        event = EVENT_LOST,
                         lease = %config.name,
                         namespace = %config.namespace,
                         holder = holder.as_deref().unwrap_or("<none>"),
+                        resource_version = resource_version(&lease),
                         "Lease was taken over or removed, it is lost"
                     );
-                    lost.cancel();
                     return lease;
                 }
                 Ok(Err(error)) => warn!(
@@ -582,22 +608,22 @@ impl Inner {
         }
     }
 
-    /// Empties the holder if we still hold the Lease. Returns whether it wrote.
-    async fn release(&self, mut current: Option<Lease>) -> Result<bool, Error> {
+    /// Empties the holder if we still hold the Lease. Returns the Lease as written, if it wrote.
+    async fn release(&self, mut current: Option<Lease>) -> Result<Option<Lease>, Error> {
         if current.is_none() {
             current = self.store.get().await.map_err(|e| self.get_error(e))?;
         }
         for _ in 0..3 {
             let Some(lease) = current.take() else {
-                return Ok(false);
+                return Ok(None);
             };
             let spec = lease.spec.clone().unwrap_or_default();
             if !is_held_by(Some(&spec), &self.config.identity) {
-                return Ok(false);
+                return Ok(None);
             }
             let released = self.with_spec(Some(lease), released_spec(&spec));
             match self.store.replace(&released).await {
-                Ok(_) => return Ok(true),
+                Ok(written) => return Ok(Some(written)),
                 Err(e) if is_conflict(&e) || is_not_found(&e) => {
                     current = self.store.get().await.map_err(|e| self.get_error(e))?;
                 }
@@ -606,6 +632,22 @@ impl Inner {
         }
         Err(self.contended("release"))
     }
+}
+
+/// `event` of the record logged when the lock acquires its Lease (see the module docs).
+const EVENT_ACQUIRED: &str = "lease_acquired";
+/// `event` of the record logged when the Lease is lost, right after the lost token fired.
+const EVENT_LOST: &str = "lease_lost";
+/// `event` of the record logged when [`HeldLease::release`] emptied the holder.
+const EVENT_RELEASED: &str = "lease_released";
+
+/// The Lease's `resourceVersion`, empty if it has none, for log records.
+fn resource_version(lease: &Lease) -> &str {
+    lease
+        .metadata
+        .resource_version
+        .as_deref()
+        .unwrap_or_default()
 }
 
 /// The error with its sources joined by `: `, for one-line logs.
@@ -652,8 +694,9 @@ impl HeldLease {
         self.lost.clone().cancelled_owned()
     }
 
-    /// A token cancelled once the Lease is lost, to hand to tasks that stop on it. Cancelling the
-    /// returned token does not affect the lock.
+    /// A token cancelled once the Lease is lost, to hand to tasks that stop on it (such as
+    /// [`Shard::reconciler`](crate::Shard::reconciler), which starts no reconcile and no drain
+    /// acknowledgement once it fired). Cancelling the returned token does not affect the lock.
     pub fn lost_token(&self) -> CancellationToken {
         self.lost.child_token()
     }
@@ -679,15 +722,17 @@ impl HeldLease {
             Some(renewer) => renewer.await.ok(),
             None => None,
         };
-        let released = self.inner.release(last_seen).await?;
-        if released {
-            info!(
-                lease = %self.inner.config.name,
-                namespace = %self.inner.config.namespace,
-                "released Lease"
-            );
-        }
-        Ok(released)
+        let Some(released) = self.inner.release(last_seen).await? else {
+            return Ok(false);
+        };
+        info!(
+            event = EVENT_RELEASED,
+            lease = %self.inner.config.name,
+            namespace = %self.inner.config.namespace,
+            resource_version = resource_version(&released),
+            "released Lease"
+        );
+        Ok(true)
     }
 }
 
@@ -717,9 +762,15 @@ impl HeldLease {
     /// - When the Lease is lost, the work future is dropped at once, whatever it is doing: no
     ///   reconcile starts or continues after that, since another holder may act already.
     ///
-    /// **Sharp edge:** dropping only stops what the future owns. Work spawned with
-    /// `tokio::spawn` from inside it keeps running; keep such tasks in a `JoinSet` owned by the
-    /// work, which aborts them when it is dropped.
+    /// **Sharp edges:**
+    /// - "At once" means at this future's next poll. The renewal runs on a task of its own and
+    ///   may notice the loss while this future is in the middle of polling the work on another
+    ///   thread; that poll still finishes and could start a reconcile. So work that acts on
+    ///   objects checks [`HeldLease::lost_token`] right before each action, too: pass it to
+    ///   [`Shard::reconciler`](crate::Shard::reconciler), which does.
+    /// - Dropping only stops what the future owns. Work spawned with `tokio::spawn` from inside
+    ///   it keeps running; keep such tasks in a `JoinSet` owned by the work, which aborts them
+    ///   when it is dropped.
     pub async fn run_while_held<F, W>(
         self,
         shutdown: &CancellationToken,
@@ -1178,6 +1229,122 @@ mod tests {
             .expect("no error");
         assert_eq!(ended, HeldRunEnd::WorkEnded { released: true });
         assert_eq!(spec(&fake).holder_identity.as_deref(), Some(""));
+    }
+
+    /// JSON log records captured from the current thread, each with whether `token` (once set)
+    /// had fired when the record was written.
+    #[derive(Clone, Default)]
+    struct CapturedLog {
+        records: Arc<std::sync::Mutex<Vec<(serde_json::Value, bool)>>>,
+        token: Arc<std::sync::OnceLock<CancellationToken>>,
+    }
+
+    impl std::io::Write for CapturedLog {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            let fired = self
+                .token
+                .get()
+                .is_some_and(CancellationToken::is_cancelled);
+            let text = String::from_utf8_lossy(buf);
+            let mut records = self.records.lock().expect("lock");
+            for line in text.lines().filter(|l| !l.trim().is_empty()) {
+                records.push((serde_json::from_str(line).expect("JSON record"), fired));
+            }
+            Ok(buf.len())
+        }
+
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    impl CapturedLog {
+        /// Installs a JSON subscriber like checksum-controller's for the current thread (the
+        /// paused runtime runs the renewer here too).
+        fn install(&self) -> tracing::subscriber::DefaultGuard {
+            let writer = self.clone();
+            let subscriber = tracing_subscriber::fmt()
+                .json()
+                .flatten_event(true)
+                .with_writer(move || writer.clone())
+                .finish();
+            tracing::subscriber::set_default(subscriber)
+        }
+
+        /// The records with `event` set to `event`.
+        fn events(&self, event: &str) -> Vec<(serde_json::Value, bool)> {
+            self.records
+                .lock()
+                .expect("lock")
+                .iter()
+                .filter(|(record, _)| record["event"] == event)
+                .cloned()
+                .collect()
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn lease_records_carry_their_event_and_resource_version() {
+        let log = CapturedLog::default();
+        let _guard = log.install();
+        let fake = FakeStore::new();
+        let held = lock(&fake, "shard-a").acquire().await;
+        log.token.set(held.lost_token()).expect("set once");
+        let acquired = log.events("lease_acquired");
+        assert_eq!(acquired.len(), 1);
+        assert_eq!(acquired[0].0["resource_version"], "1", "as created");
+        assert_eq!(acquired[0].0["transitions"], 0);
+        assert_eq!(acquired[0].0["lease"], "shard-a");
+
+        // Renewed once (version 2), then taken over (version 3).
+        tokio::time::sleep(RETRY + Duration::from_millis(1)).await;
+        settle().await;
+        fake.modify(|lease| {
+            lease.spec.get_or_insert_default().holder_identity = Some("other".into());
+        });
+        tokio::time::sleep(RETRY).await;
+        settle().await;
+        assert!(held.is_lost());
+        let lost = log.events("lease_lost");
+        assert_eq!(lost.len(), 1);
+        let (record, fired) = &lost[0];
+        assert_eq!(
+            record["resource_version"], "2",
+            "as this lock last wrote it"
+        );
+        assert_eq!(record["holder"], "other");
+        assert!(fired, "the token fired before the loss was recorded");
+        assert!(!held.release().await.expect("release"));
+        assert!(log.events("lease_released").is_empty(), "nothing released");
+
+        let fake = FakeStore::new();
+        let held = lock(&fake, "shard-a").acquire().await;
+        assert!(held.release().await.expect("release"));
+        let released = log.events("lease_released");
+        assert_eq!(released.len(), 1);
+        assert_eq!(
+            released[0].0["resource_version"], "2",
+            "the releasing write"
+        );
+        assert_eq!(spec(&fake).holder_identity.as_deref(), Some(""));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn missed_deadline_is_recorded_after_the_token_fired() {
+        let log = CapturedLog::default();
+        let _guard = log.install();
+        let fake = FakeStore::new();
+        let held = lock(&fake, "shard-a").acquire().await;
+        log.token.set(held.lost_token()).expect("set once");
+        fake.set_mode(Mode::Fail);
+        tokio::time::sleep(DEADLINE + Duration::from_millis(1)).await;
+        settle().await;
+        assert!(held.is_lost());
+        let lost = log.events("lease_lost");
+        assert_eq!(lost.len(), 1);
+        let (record, fired) = &lost[0];
+        assert_eq!(record["resource_version"], "1", "never renewed");
+        assert!(fired, "the token fired before the loss was recorded");
     }
 
     #[tokio::test(start_paused = true)]

@@ -11,9 +11,9 @@
 //!   loss, stopped and then the Lease released on shutdown;
 //! - [`Shard`]: the shard's identity, its label keys, the label-selected
 //!   [watcher configuration](Shard::watcher_config) and its [Lease configuration](Shard::lease_config);
-//! - [`Shard::reconciler`]: a wrapper around your reconciler that acknowledges drains and never
-//!   lets your code see an object that is being moved away; [`Shard::predicate`] for event
-//!   filters.
+//! - [`Shard::reconciler`]: a wrapper around your reconciler that acknowledges drains, never
+//!   lets your code see an object that is being moved away, and starts nothing once the Lease's
+//!   [lost token](HeldLease::lost_token) fired; [`Shard::predicate`] for event filters.
 //!
 //! The crate logs through `tracing` and never installs a subscriber. The example shard,
 //! `checksum-controller`, is a package of its own (`shard/checksum-controller/`), so the library
@@ -71,12 +71,15 @@
 //!         let _ = tokio::signal::ctrl_c().await;
 //!         on_signal.cancel();
 //!     });
+//!     // The wrapper checks the lost token right before every reconcile and drain
+//!     // acknowledgement, so nothing starts once the Lease is lost, even on another thread.
+//!     let lost = held.lost_token();
 //!     let controller = |stop: CancellationToken| {
 //!         Controller::new(Api::<Secret>::all(client.clone()), shard.watcher_config())
 //!             .owns(Api::<ConfigMap>::all(client.clone()), shard.watcher_config())
 //!             .graceful_shutdown_on(stop.cancelled_owned())
 //!             .run(
-//!                 shard.reconciler(client.clone(), reconcile),
+//!                 shard.reconciler(client.clone(), lost, reconcile),
 //!                 |_, _, _| Action::requeue(Duration::from_secs(5)),
 //!                 Arc::new(()),
 //!             )

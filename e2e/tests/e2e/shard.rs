@@ -56,6 +56,15 @@ fn holder(lease: &Lease) -> &str {
         .unwrap_or_default()
 }
 
+/// The shard's JSON log records whose `event` is `event`.
+fn events(process: &Process, event: &str) -> Vec<Value> {
+    process
+        .records()
+        .into_iter()
+        .filter(|r| r["event"] == event)
+        .collect()
+}
+
 /// Waits until the Lease exists and is held by `identity`.
 async fn wait_for_holder(api: &Api<Lease>, name: &str, identity: &str) -> anyhow::Result<Lease> {
     poll_until(
@@ -175,6 +184,28 @@ async fn shard_lease_is_created_renewed_and_released_on_sigterm() -> anyhow::Res
     ensure!(status.success(), "graceful shutdown exits 0, got {status}");
     let released = leases.get(&shard).await?;
     assert_eq!(holder(&released), "", "released Lease has an empty holder");
+    // The records name the Lease versions the shard wrote (no one else writes it here).
+    let acquired = events(&process, "lease_acquired");
+    ensure!(acquired.len() == 1, "one acquired record: {acquired:?}");
+    ensure!(
+        acquired[0]["resource_version"]
+            .as_str()
+            .is_some_and(|v| !v.is_empty()),
+        "acquired record names the version: {acquired:?}"
+    );
+    let released_records = events(&process, "lease_released");
+    ensure!(
+        released_records.len() == 1
+            && released_records[0]["resource_version"].as_str()
+                == released.metadata.resource_version.as_deref(),
+        "released record names the released version {:?}: {released_records:?}",
+        released.metadata.resource_version
+    );
+    let stopped = events(&process, "shard_stopped");
+    ensure!(
+        stopped.len() == 1 && stopped[0]["reason"] == "shutdown",
+        "{stopped:?}"
+    );
     assert_eq!(
         released
             .labels()
@@ -198,8 +229,10 @@ async fn shard_exits_when_its_lease_is_taken_over_and_waits_for_expiry_to_rejoin
 
     // Take the Lease over as the sharder does for an unresponsive shard: a compare-and-swap
     // update, retried when the shard's renewal wins the race.
-    let taken = poll_until("the takeover to be written", WAIT, || async {
+    let (last_written, taken) = poll_until("the takeover to be written", WAIT, || async {
         let mut lease = leases.get(&shard).await?;
+        // The shard is the only other writer: the version the takeover replaces is its last.
+        let last_written = lease.metadata.resource_version.clone();
         let spec = lease.spec.get_or_insert_default();
         let now = MicroTime(now()?);
         spec.holder_identity = Some(labels::IDENTITY_SHARD_LEASE_CONTROLLER.to_string());
@@ -208,7 +241,7 @@ async fn shard_exits_when_its_lease_is_taken_over_and_waits_for_expiry_to_rejoin
         spec.renew_time = Some(now);
         spec.lease_transitions = Some(spec.lease_transitions.unwrap_or(0) + 1);
         match leases.replace(&shard, &PostParams::default(), &lease).await {
-            Ok(lease) => Ok(Some(lease)),
+            Ok(lease) => Ok(Some((last_written, lease))),
             Err(kube::Error::Api(status)) if status.code == 409 => Ok(None),
             Err(error) => Err(error.into()),
         }
@@ -227,6 +260,18 @@ async fn shard_exits_when_its_lease_is_taken_over_and_waits_for_expiry_to_rejoin
             .any(|r| r["level"] == "ERROR"
                 && r["message"].as_str().is_some_and(|m| m.contains("lost"))),
         "the shard logs the loss"
+    );
+    let lost = events(&process, "lease_lost");
+    ensure!(
+        lost.len() == 1
+            && lost[0]["holder"] == labels::IDENTITY_SHARD_LEASE_CONTROLLER
+            && lost[0]["resource_version"].as_str() == last_written.as_deref(),
+        "one lost record naming the taker and the shard's last version {last_written:?}: {lost:?}"
+    );
+    let stopped = events(&process, "shard_stopped");
+    ensure!(
+        stopped.len() == 1 && stopped[0]["reason"] == "lease_lost",
+        "{stopped:?}"
     );
     let lease = leases.get(&shard).await?;
     assert_eq!(

@@ -8,9 +8,15 @@
 //! Order of life: acquire the shard Lease, then run the controller; exit non-zero the moment the
 //! Lease is lost; on SIGTERM/SIGINT stop the controller, release the Lease, exit 0.
 //!
-//! Every reconcile and every drain acknowledgement is logged at info level with the fields
-//! `event` (`reconcile`/`drain`), `namespace`, `name` and `shard`; `--log-format=json` prints one
-//! JSON object per line with these fields at the top level.
+//! Every record that tells what the shard did carries an `event` field; `--log-format=json` prints
+//! one JSON object per line with the fields at the top level:
+//!
+//! | `event` | fields |
+//! |---|---|
+//! | `reconcile` (a reconcile starts) | `namespace`, `name`, `shard` |
+//! | `drain` (a drain was acknowledged) | `namespace`, `name`, `shard`, `resource_version` (of the Secret, the version the patch was conditioned on) |
+//! | `lease_acquired`, `lease_lost`, `lease_released` (the shard library's) | `lease`, `namespace`, `resource_version` (of the Lease as written), see `shard::lease` |
+//! | `shard_stopped` | `shard`, `reason` (`lease_lost` or `shutdown`) |
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -26,7 +32,7 @@ use sha2::{Digest, Sha256};
 use shard::lease::error_chain;
 use shard::{HeldRunEnd, LeaseLock, ReconcileError, Shard};
 use tokio_util::sync::CancellationToken;
-use tracing::{error, info, warn};
+use tracing::{debug, error, info, warn};
 use tracing_subscriber::EnvFilter;
 
 /// Field manager of the ConfigMaps this controller applies.
@@ -181,6 +187,16 @@ fn error_policy(
     error: &ReconcileError<Error>,
     context: Arc<Context>,
 ) -> Action {
+    if error.is_lease_lost() {
+        // Nothing to retry: the controller is being dropped, the Lease loss is logged already.
+        debug!(
+            namespace = secret.namespace().unwrap_or_default(),
+            name = %secret.name_any(),
+            shard = %context.shard.name(),
+            "not reconciling, the shard Lease is lost"
+        );
+        return Action::await_change();
+    }
     warn!(
         error = %error_chain(error),
         namespace = secret.namespace().unwrap_or_default(),
@@ -296,12 +312,14 @@ async fn main() -> anyhow::Result<()> {
         client: client.clone(),
         shard: shard.clone(),
     });
+    // The wrapper starts no reconcile and no drain acknowledgement once the Lease is lost.
+    let lost = held.lost_token();
     let controller = |stop: CancellationToken| {
         Controller::new(secrets, shard.watcher_config())
             .owns(config_maps, shard.watcher_config())
             .graceful_shutdown_on(stop.cancelled_owned())
             .run(
-                shard.reconciler(client.clone(), reconcile),
+                shard.reconciler(client.clone(), lost, reconcile),
                 error_policy,
                 context,
             )
@@ -322,10 +340,20 @@ async fn main() -> anyhow::Result<()> {
         .await
         .context("failed to release the shard Lease")?;
     if ended == HeldRunEnd::LeaseLost {
-        error!(shard = %shard.name(), "lost the shard Lease, stopped at once");
+        error!(
+            event = "shard_stopped",
+            reason = "lease_lost",
+            shard = %shard.name(),
+            "lost the shard Lease, stopped at once"
+        );
         bail!("lost the shard Lease");
     }
-    info!(shard = %shard.name(), "stopped");
+    info!(
+        event = "shard_stopped",
+        reason = "shutdown",
+        shard = %shard.name(),
+        "stopped"
+    );
     Ok(())
 }
 

@@ -2,19 +2,21 @@
 //!
 //! `checksum-controller --log-format=json` prints one object per line with the event's fields at
 //! the top level and a `timestamp` (RFC 3339, microseconds, the machine's clock, which the tool's
-//! own records share). The records used:
+//! own records share). Every record used carries an `event` field:
 //!
 //! | record | fields |
 //! |---|---|
 //! | a reconcile starts | `event: "reconcile"`, `namespace`, `name`, `shard` |
 //! | a drain was acknowledged (logged after the patch succeeded) | `event: "drain"`, `namespace`, `name`, `shard`, `resource_version` (the version the patch was conditioned on) |
-//! | the shard library acquired the Lease | message `acquired Lease`, `transitions` |
-//! | the Lease was lost (renew deadline missed, or taken over) | a message containing `it is lost`; then `lost the shard Lease, stopped at once` |
-//! | the Lease was released on graceful shutdown | message `released Lease` |
+//! | the shard library acquired the Lease | `event: "lease_acquired"`, `transitions`, `resource_version` (of the Lease) |
+//! | the Lease was lost (renew deadline missed, or taken over) | `event: "lease_lost"`, `resource_version`; then `event: "shard_stopped"`, `reason: "lease_lost"` |
+//! | the Lease was released on graceful shutdown | `event: "lease_released"`, `resource_version` |
 //!
-//! The Lease messages are the shard library's wording, not a field: if it changes, loss and
-//! release evidence disappears and the ownership check reports violations rather than missing
-//! them, so a rename cannot make the check pass silently.
+//! Logs of shards from before the Lease records had an `event` are read by their message text
+//! instead (`acquired Lease`, a message containing `it is lost`, `lost the shard Lease, stopped at
+//! once`, `released Lease`). Either way the names are the shard's, not the tool's: if they
+//! change, loss and release evidence disappears and the ownership check reports violations rather
+//! than missing them, so a rename cannot make the check pass silently.
 
 use std::path::Path;
 
@@ -25,6 +27,42 @@ use k8s_openapi::jiff::Timestamp;
 pub(crate) enum LeaseEnd {
     Lost,
     Released,
+}
+
+/// The kinds of record the checks use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Record {
+    Reconcile,
+    Drain,
+    Acquired,
+    Lost,
+    Released,
+}
+
+impl Record {
+    /// What `record` reports: by its `event` field, else (logs of older shards) by its message.
+    fn of(record: &serde_json::Value) -> Option<Self> {
+        let message = record["message"].as_str().unwrap_or_default();
+        match record["event"].as_str() {
+            Some("reconcile") => Some(Self::Reconcile),
+            Some("drain") => Some(Self::Drain),
+            Some("lease_acquired") => Some(Self::Acquired),
+            Some("lease_lost") => Some(Self::Lost),
+            Some("lease_released") => Some(Self::Released),
+            Some("shard_stopped") if record["reason"].as_str() == Some("lease_lost") => {
+                Some(Self::Lost)
+            }
+            Some(_) => None,
+            None if message == "acquired Lease" => Some(Self::Acquired),
+            None if message.contains("it is lost")
+                || message.starts_with("lost the shard Lease") =>
+            {
+                Some(Self::Lost)
+            }
+            None if message == "released Lease" => Some(Self::Released),
+            None => None,
+        }
+    }
 }
 
 /// The records of one shard process that the checks use.
@@ -71,25 +109,20 @@ impl RunLog {
                     record["name"].as_str().unwrap_or_default()
                 )
             };
-            let message = record["message"].as_str().unwrap_or_default();
-            match record["event"].as_str() {
-                Some("reconcile") => log.reconciles.push((at, object())),
-                Some("drain") => {
+            match Record::of(&record) {
+                Some(Record::Reconcile) => log.reconciles.push((at, object())),
+                Some(Record::Drain) => {
                     let version = record["resource_version"]
                         .as_str()
                         .and_then(|v| v.parse().ok());
                     log.drains.push((at, object(), version));
                 }
-                _ if message == "acquired Lease" && log.acquired.is_none() => {
+                Some(Record::Acquired) if log.acquired.is_none() => {
                     log.acquired = Some((at, record["transitions"].as_i64().unwrap_or(0)));
                 }
                 _ if log.lease_end.is_some() => {}
-                _ if message.contains("it is lost")
-                    || message.starts_with("lost the shard Lease") =>
-                {
-                    log.lease_end = Some((at, LeaseEnd::Lost));
-                }
-                _ if message == "released Lease" => log.lease_end = Some((at, LeaseEnd::Released)),
+                Some(Record::Lost) => log.lease_end = Some((at, LeaseEnd::Lost)),
+                Some(Record::Released) => log.lease_end = Some((at, LeaseEnd::Released)),
                 _ => {}
             }
         }
@@ -108,8 +141,9 @@ impl RunLog {
 mod tests {
     use super::*;
 
-    /// Lines as checksum-controller prints them with `--log-format=json`.
-    const LOG: &str = r#"{"timestamp":"2026-01-01T00:00:00.000001Z","level":"INFO","message":"acquiring shard Lease","shard":"shard-0"}
+    /// Lines as checksum-controller printed them with `--log-format=json` before the Lease
+    /// records had an `event`.
+    const LOG_BY_MESSAGE: &str = r#"{"timestamp":"2026-01-01T00:00:00.000001Z","level":"INFO","message":"acquiring shard Lease","shard":"shard-0"}
 {"timestamp":"2026-01-01T00:00:01.000000Z","level":"INFO","message":"acquired Lease","lease":"shard-0","namespace":"leases","identity":"shard-0","transitions":3}
 {"timestamp":"2026-01-01T00:00:02.000000Z","level":"INFO","message":"reconciling Secret","event":"reconcile","namespace":"ns","name":"s-1","shard":"shard-0"}
 {"timestamp":"2026-01-01T00:00:03.000000Z","level":"INFO","message":"acknowledged drain","event":"drain","namespace":"ns","name":"s-1","shard":"shard-0","resource_version":"12"}
@@ -120,7 +154,7 @@ thread 'main' panicked at somewhere
 
     #[test]
     fn reads_the_records_the_checks_use() {
-        let log = RunLog::parse(LOG);
+        let log = RunLog::parse(LOG_BY_MESSAGE);
         let at = |s: &str| s.parse::<Timestamp>().expect("timestamp");
         assert_eq!(
             log.reconciles,
@@ -140,8 +174,61 @@ thread 'main' panicked at somewhere
         assert_eq!(log.other_lines, 1);
     }
 
+    /// Lines as checksum-controller prints them with `--log-format=json`.
+    const LOG: &str = r#"{"timestamp":"2026-01-01T00:00:00.000001Z","level":"INFO","message":"acquiring shard Lease","shard":"shard-0"}
+{"timestamp":"2026-01-01T00:00:01.000000Z","level":"INFO","message":"acquired Lease","event":"lease_acquired","lease":"shard-0","namespace":"leases","identity":"shard-0","transitions":3,"resource_version":"100"}
+{"timestamp":"2026-01-01T00:00:02.000000Z","level":"INFO","message":"reconciling Secret","event":"reconcile","namespace":"ns","name":"s-1","shard":"shard-0"}
+{"timestamp":"2026-01-01T00:00:03.000000Z","level":"INFO","message":"acknowledged drain","event":"drain","namespace":"ns","name":"s-1","shard":"shard-0","resource_version":"12"}
+{"timestamp":"2026-01-01T00:00:04.000000Z","level":"WARN","message":"Lease was taken over or removed, it is lost","event":"lease_lost","lease":"shard-0","namespace":"leases","holder":"shardlease-controller","resource_version":"104"}
+{"timestamp":"2026-01-01T00:00:04.100000Z","level":"ERROR","message":"lost the shard Lease, stopped at once","event":"shard_stopped","reason":"lease_lost","shard":"shard-0"}
+"#;
+
+    #[test]
+    fn reads_the_records_by_their_event() {
+        let log = RunLog::parse(LOG);
+        let at = |s: &str| s.parse::<Timestamp>().expect("timestamp");
+        assert_eq!(
+            log.reconciles,
+            [(at("2026-01-01T00:00:02Z"), "ns/s-1".to_string())]
+        );
+        assert_eq!(
+            log.drains,
+            [(at("2026-01-01T00:00:03Z"), "ns/s-1".to_string(), Some(12))]
+        );
+        assert_eq!(log.acquired, Some((at("2026-01-01T00:00:01Z"), 3)));
+        assert_eq!(log.lost_at(), Some(at("2026-01-01T00:00:04Z")));
+        assert_eq!(log.other_lines, 0);
+    }
+
+    #[test]
+    fn the_event_field_wins_over_the_message() {
+        // A renamed message still counts by its event; a record whose event says something
+        // else does not count by its message.
+        let log = RunLog::parse(
+            r#"{"timestamp":"2026-01-01T00:00:01Z","message":"got it","event":"lease_acquired","transitions":1}
+{"timestamp":"2026-01-01T00:00:02Z","message":"released Lease","event":"something_else"}
+{"timestamp":"2026-01-01T00:00:03Z","message":"stopped","event":"shard_stopped","reason":"shutdown"}
+{"timestamp":"2026-01-01T00:00:04Z","message":"gone","event":"shard_stopped","reason":"lease_lost"}"#,
+        );
+        let at = |s: &str| s.parse::<Timestamp>().expect("timestamp");
+        assert_eq!(log.acquired, Some((at("2026-01-01T00:00:01Z"), 1)));
+        assert_eq!(
+            log.lease_end,
+            Some((at("2026-01-01T00:00:04Z"), LeaseEnd::Lost))
+        );
+    }
+
     #[test]
     fn a_release_is_not_a_loss() {
+        let log = RunLog::parse(
+            r#"{"timestamp":"2026-01-01T00:00:05Z","level":"INFO","message":"released Lease","event":"lease_released","lease":"shard-0","resource_version":"7"}"#,
+        );
+        assert_eq!(log.lease_end.map(|(_, end)| end), Some(LeaseEnd::Released));
+        assert_eq!(log.lost_at(), None);
+    }
+
+    #[test]
+    fn an_old_release_is_not_a_loss() {
         let log = RunLog::parse(
             r#"{"timestamp":"2026-01-01T00:00:05Z","level":"INFO","message":"released Lease","lease":"shard-0"}"#,
         );
