@@ -62,6 +62,16 @@ struct Inner {
     by_ring: HashMap<String, HashSet<ObjectRef<Lease>>>,
     /// Lease → (its ring, the fingerprint of what membership depends on).
     leases: HashMap<ObjectRef<Lease>, (String, u64)>,
+    /// Ring name → how many membership changes it has seen, for caches of per-ring results.
+    versions: HashMap<String, u64>,
+    /// Bumped on every rebuild, which may change any ring.
+    epoch: u64,
+}
+
+impl Inner {
+    fn bump(&mut self, ring: &str) {
+        *self.versions.entry(ring.to_string()).or_default() += 1;
+    }
 }
 
 impl LeaseIndex {
@@ -97,6 +107,20 @@ impl LeaseIndex {
             .flatten()
             .filter_map(|r| self.store.get(r))
             .collect()
+    }
+
+    /// A number that changes whenever the membership of ring `ring` may have changed: results
+    /// computed from the ring's Leases stay valid while it stays the same.
+    pub(crate) fn ring_version(&self, ring: &str) -> (u64, u64) {
+        self.inner
+            .read()
+            .map(|inner| {
+                (
+                    inner.epoch,
+                    inner.versions.get(ring).copied().unwrap_or_default(),
+                )
+            })
+            .unwrap_or_default()
     }
 
     /// The names of the rings that have Leases (whether or not the rings exist).
@@ -171,8 +195,10 @@ impl LeaseIndex {
             }
             Some((old_ring, _)) => {
                 let mut rings = vec![ring.clone()];
+                inner.bump(&ring);
                 if old_ring != ring {
                     remove_from(&mut inner.by_ring, &old_ring, &reference);
+                    inner.bump(&old_ring);
                     rings.push(old_ring);
                 }
                 inner
@@ -186,6 +212,7 @@ impl LeaseIndex {
                 })
             }
             None => {
+                inner.bump(&ring);
                 inner
                     .by_ring
                     .entry(ring.clone())
@@ -204,6 +231,7 @@ impl LeaseIndex {
         let mut inner = self.inner.write().ok()?;
         let (ring, _) = inner.leases.remove(&reference)?;
         remove_from(&mut inner.by_ring, &ring, &reference);
+        inner.bump(&ring);
         Some(LeaseChange::Membership {
             lease: reference,
             rings: vec![ring],
@@ -231,6 +259,8 @@ impl LeaseIndex {
                 .insert(reference, (ring, fingerprint(lease.as_ref())));
         }
         if let Ok(mut inner) = self.inner.write() {
+            fresh.epoch = inner.epoch + 1;
+            fresh.versions = std::mem::take(&mut inner.versions);
             *inner = fresh;
         }
     }
@@ -350,11 +380,13 @@ mod tests {
         assert_eq!(f.drain().len(), 3);
 
         // 100 renewals of a ready Lease: no change at all.
+        let version = f.index.ring_version("r1");
         for i in 1..=100 {
             let at = Timestamp::from_second(1_000_000 + i).unwrap();
             assert!(!f.event(watcher::Event::Apply(lease("a", "r1", "ready", at)), at));
         }
         assert_eq!(f.drain(), []);
+        assert_eq!(f.index.ring_version("r1"), version);
 
         // Moving to another ring names both rings.
         let t1 = Timestamp::from_second(1_000_200).unwrap();
@@ -368,6 +400,7 @@ mod tests {
         );
         assert_eq!(names(f.index.ring_leases("r1")), ["b"]);
         assert_eq!(names(f.index.ring_leases("r2")), ["a", "c"]);
+        assert_ne!(f.index.ring_version("r1"), version);
 
         // Deleting names the ring it left.
         assert!(f.event(watcher::Event::Delete(lease("b", "r1", "ready", t1)), t1));

@@ -65,6 +65,7 @@ pub(crate) async fn run<R: RingObject>(ctx: Context, shutdown: CancellationToken
         ctx,
         kind,
         reported: Mutex::default(),
+        problems: Mutex::default(),
     });
     applier(
         |lease, state| Box::pin(reconcile(lease, state)),
@@ -150,7 +151,15 @@ struct State {
     /// Lease UID → the problems (exclusion, invalid weight) Warning Events were published for, so
     /// that renewals (every few seconds per shard) do not publish them again.
     reported: Mutex<HashMap<String, Problems>>,
+    /// Each ring's Lease problems by Lease UID, with the ring's membership version they are of.
+    problems: Mutex<HashMap<RingRef, (RingVersion, Arc<ProblemsByUid>)>>,
 }
+
+/// A ring's membership version, from [`LeaseIndex::ring_version`].
+type RingVersion = (u64, u64);
+
+/// Problems of Leases by their UID; Leases without problems are absent.
+type ProblemsByUid = HashMap<String, Problems>;
 
 /// What is wrong with a shard Lease, as reported.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -256,6 +265,38 @@ async fn reconcile(lease: Arc<Lease>, state: Arc<State>) -> Result<Action, Error
     }
 }
 
+/// The problems of every Lease of `ring` by UID, computed once per membership change of the
+/// ring: a reconcile at a Lease's state boundary (about once per Lease duration per shard) must
+/// not cost work proportional to the ring's size.
+fn ring_problems(state: &State, ring: &RingRef) -> Arc<ProblemsByUid> {
+    let index = state.ctx.lease_index(ring.kind);
+    let version = index.ring_version(&ring.name);
+    if let Ok(cache) = state.problems.lock()
+        && let Some((cached, problems)) = cache.get(ring)
+        && *cached == version
+    {
+        return problems.clone();
+    }
+    let leases = index.ring_leases(&ring.name);
+    let problems: ProblemsByUid =
+        ring_members(ring.kind, &ring.name, leases.iter().map(AsRef::as_ref))
+            .into_iter()
+            .map(|m| {
+                let problems = Problems {
+                    exclusion: m.exclusion,
+                    weight: m.weight_error,
+                };
+                (m.lease.uid().unwrap_or_default(), problems)
+            })
+            .filter(|(_, p)| *p != Problems::default())
+            .collect();
+    let problems = Arc::new(problems);
+    if let Ok(mut cache) = state.problems.lock() {
+        cache.insert(ring.clone(), (version, problems.clone()));
+    }
+    problems
+}
+
 /// Publishes Warning Events about what is wrong with a shard Lease, once per Lease and problem:
 /// on the Lease and its ring when it is kept out of the ring (SPEC §15, §18), on the Lease when
 /// its weight annotation is invalid (SPEC §17). Returns the Lease's current problems.
@@ -264,14 +305,9 @@ async fn report_problems(state: &State, lease: &Lease, ring: &AnyRing) -> Proble
     let kind = state.kind;
     let ring_ref = ring.ring_ref();
     let uid = lease.uid().unwrap_or_default();
-    let leases = ctx.ring_leases(&ring_ref);
-    let problems = ring_members(kind, &ring_ref.name, leases.iter().map(AsRef::as_ref))
-        .into_iter()
-        .find(|m| m.lease.uid() == lease.uid())
-        .map(|m| Problems {
-            exclusion: m.exclusion,
-            weight: m.weight_error,
-        })
+    let problems = ring_problems(state, &ring_ref)
+        .get(&uid)
+        .cloned()
         .unwrap_or_default();
     let previous = {
         let Ok(mut reported) = state.reported.lock() else {

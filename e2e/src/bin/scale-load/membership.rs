@@ -1,6 +1,7 @@
 //! `scale-load membership`: shard Leases renewed by the tool, two sharder replicas, and what the
 //! renewals and membership changes cost them.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -21,13 +22,16 @@ use sharding_crds::ClusterRing;
 use sharding_crds::labels::{ANNOTATION_WEIGHT, NAMESPACE_SYSTEM};
 use tokio_util::sync::CancellationToken;
 
-use crate::samples::{apiserver_metrics, cpu_seconds, rss_kib, samples, sum};
+use crate::samples::{apiserver_metrics, cpu_seconds, label, rss_kib, samples, sum};
 
 /// The sharder's request counter, as exposed.
 const API_REQUESTS: &str = "controller_sharding_api_requests_total";
 
 /// The sharder's counter of hash-ring rebuilds, as exposed.
 const RING_CALCULATIONS: &str = "controller_sharding_ring_calculations_total";
+
+/// The API server's request counter.
+const APISERVER_REQUESTS: &str = "apiserver_request_total";
 
 /// The goal for the leading replica's CPU use while only renewals flow (issue 13), in % of a core.
 const CPU_GOAL_PERCENT: f64 = 3.0;
@@ -83,6 +87,9 @@ struct Window {
     apiserver_requests: f64,
     /// Of those, the tool's own (renewals, membership changes and its two `/metrics` reads).
     tool_requests: f64,
+    /// The API server's requests other than Lease PATCHes (the tool's renewals and membership
+    /// changes), by `verb resource[/subresource]`: the sharders' requests, seen from the server.
+    apiserver_other_requests: Vec<(String, f64)>,
 }
 
 /// One sharder replica in one window.
@@ -356,11 +363,7 @@ async fn measure(
         Sample::take(&processes[0], &files[0])?,
         Sample::take(&processes[1], &files[1])?,
     ];
-    let server_before = sum(
-        &apiserver_metrics(client).await?,
-        "apiserver_request_total",
-        &[],
-    );
+    let server_before = apiserver_metrics(client).await?;
     let renewals_before = counters.renewals.load(Ordering::Relaxed);
     let failures_before = counters.renewal_failures.load(Ordering::Relaxed);
     let changes_before = counters.changes.load(Ordering::Relaxed);
@@ -379,11 +382,7 @@ async fn measure(
         Sample::take(&processes[0], &files[0])?,
         Sample::take(&processes[1], &files[1])?,
     ];
-    let server_after = sum(
-        &apiserver_metrics(client).await?,
-        "apiserver_request_total",
-        &[],
-    );
+    let server_after = apiserver_metrics(client).await?;
     let replica = |slot: usize| -> anyhow::Result<Replica> {
         let (b, a) = (&before[slot], &after[slot]);
         let delta = |text_b: &str, text_a: &str, labels: &[(&str, &str)]| {
@@ -426,10 +425,45 @@ async fn measure(
         membership_changes: counters.changes.load(Ordering::Relaxed) - changes_before,
         leader: replica(leader)?,
         follower: replica(follower)?,
-        apiserver_requests: server_after - server_before,
+        apiserver_requests: sum(&server_after, APISERVER_REQUESTS, &[])
+            - sum(&server_before, APISERVER_REQUESTS, &[]),
+        apiserver_other_requests: other_requests(&server_before, &server_after),
         // The two reads of the API server's /metrics count too.
         tool_requests: (counters.requests.load(Ordering::Relaxed) - requests_before) as f64 + 2.0,
     })
+}
+
+/// The API server's requests between two `/metrics` texts by `verb resource[/subresource]`,
+/// without Lease PATCHes, largest first.
+fn other_requests(before: &str, after: &str) -> Vec<(String, f64)> {
+    let by_kind = |text: &str| {
+        let mut totals: BTreeMap<String, f64> = BTreeMap::new();
+        for (labels, value) in samples(text, APISERVER_REQUESTS) {
+            let (verb, resource) = (label(&labels, "verb"), label(&labels, "resource"));
+            if verb == "PATCH" && resource == "leases" {
+                continue;
+            }
+            let subresource = label(&labels, "subresource");
+            let key = if subresource.is_empty() {
+                format!("{verb} {resource}")
+            } else {
+                format!("{verb} {resource}/{subresource}")
+            };
+            *totals.entry(key).or_default() += value;
+        }
+        totals
+    };
+    let old = by_kind(before);
+    let mut delta: Vec<(String, f64)> = by_kind(after)
+        .into_iter()
+        .map(|(key, value)| {
+            let was = old.get(&key).copied().unwrap_or_default();
+            (key, value - was)
+        })
+        .filter(|(_, v)| *v > 0.0)
+        .collect();
+    delta.sort_by(|a, b| b.1.total_cmp(&a.1));
+    delta
 }
 
 /// Which of `processes` holds the sharder's leader Lease (its identity carries the process id).
@@ -488,9 +522,12 @@ fn text(report: &Report) -> String {
         }
         let _ = writeln!(
             out,
-            "API server: {} requests in the window, {} of them the tool's",
+            "API server: {} requests in the window, {} of them the tool's; besides Lease PATCHes:",
             w.apiserver_requests, w.tool_requests
         );
+        for (kind, n) in &w.apiserver_other_requests {
+            let _ = writeln!(out, "  {n:>6} {kind}");
+        }
     }
     out
 }

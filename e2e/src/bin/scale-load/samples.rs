@@ -60,6 +60,16 @@ pub(crate) fn samples(text: &str, name: &str) -> Vec<(String, f64)> {
         .collect()
 }
 
+/// Value of label `key` in a sample's label text (`a="x",b="y"`), empty when absent.
+pub(crate) fn label<'a>(labels: &'a str, key: &str) -> &'a str {
+    let needle = format!("{key}=\"");
+    labels
+        .split(',')
+        .find_map(|pair| pair.strip_prefix(needle.as_str()))
+        .and_then(|rest| rest.strip_suffix('"'))
+        .unwrap_or_default()
+}
+
 /// The API server's `/metrics` text.
 pub(crate) async fn apiserver_metrics(client: &Client) -> anyhow::Result<String> {
     let request = axum::http::Request::get("/metrics").body(Vec::new())?;
@@ -82,5 +92,7 @@ x_totalish{client=\"main\"} 100
         assert_eq!(sum(text, "x_total", &[]), 10.0);
         assert_eq!(sum(text, "x_total", &[("client", "main")]), 5.0);
         assert_eq!(samples(text, "x_total").len(), 3);
+        assert_eq!(label("client=\"main\",verb=\"get\"", "verb"), "get");
+        assert_eq!(label("client=\"main\"", "verb"), "");
     }
 }
