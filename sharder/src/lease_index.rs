@@ -294,7 +294,7 @@ fn fingerprint(lease: &Lease) -> u64 {
 }
 
 /// Whether the Lease's state label differs from the state its timing gives at `now`.
-fn state_label_is_stale(lease: &Lease, now: Timestamp) -> bool {
+pub(crate) fn state_label_is_stale(lease: &Lease, now: Timestamp) -> bool {
     let (state, _) = ShardLease::from_lease(lease).evaluate(now);
     lease.labels().get(LABEL_STATE).map(String::as_str) != Some(state.as_str())
 }

@@ -11,17 +11,18 @@ use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions};
 use kube::runtime::controller::{self, Action, applier};
-use kube::runtime::reflector::ObjectRef;
+use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Resource, ResourceExt};
 use sharding_crds::labels::LABEL_STATE;
 use sharding_crds::lease::{ShardLease, ShardState};
 use sharding_crds::{RingKind, RingObject, RingRef};
 use tokio::sync::broadcast::error::RecvError;
 use tokio_util::sync::CancellationToken;
+use tokio_util::time::{DelayQueue, delay_queue};
 
 use crate::context::{AnyRing, Context};
 use crate::core::membership::{Exclusion, ring_members};
-use crate::lease_index::{LeaseChange, LeaseIndex};
+use crate::lease_index::{LeaseChange, LeaseIndex, state_label_is_stale};
 
 /// Reason of the Normal Event on a ring when the sharder declares one of its shards dead.
 pub const REASON_SHARD_DEAD: &str = "ShardDead";
@@ -84,54 +85,153 @@ pub(crate) async fn run<R: RingObject>(ctx: Context, shutdown: CancellationToken
 }
 
 /// The Leases to reconcile: every cached one at first and after the cache was listed again,
-/// then those the index reports changed, and those of rings that appear.
+/// then those the index reports changed, those of rings that appear, and those whose state
+/// boundary passed with their state label now wrong.
+///
+/// The boundaries are kept here rather than as requeues of the reconciler: at 1,000 shards with
+/// a 10 s Lease duration about 100 boundaries pass per second, nearly all of them moved by a
+/// renewal meanwhile; checking one here is a map lookup and a state evaluation, where a
+/// reconcile is a task, a span and a scheduler entry.
 fn triggers(
     ctx: Context,
     index: Arc<LeaseIndex>,
 ) -> impl Stream<Item = Result<ObjectRef<Lease>, Infallible>> + Send + 'static {
-    let kind = index.kind();
-    let changes = index.subscribe();
-    let rings = ctx.ring_changes.subscribe();
-    let every = |index: &LeaseIndex| {
-        index
+    let state = Triggers {
+        kind: index.kind(),
+        changes: index.subscribe(),
+        rings: ctx.ring_changes.subscribe(),
+        known_rings: ring_names(&ctx, index.kind()),
+        boundaries: Boundaries::default(),
+        ctx,
+        index,
+    };
+    futures::stream::unfold((state, true), |(mut state, first)| async move {
+        let batch = if first {
+            state.every()
+        } else {
+            state.next_batch().await?
+        };
+        for lease in &batch {
+            state.boundaries.schedule(lease, state.index.store());
+        }
+        Some((futures::stream::iter(batch), (state, false)))
+    })
+    .flatten()
+    .map(Ok)
+}
+
+/// What [`triggers`] follows.
+struct Triggers {
+    kind: RingKind,
+    ctx: Context,
+    index: Arc<LeaseIndex>,
+    changes: tokio::sync::broadcast::Receiver<LeaseChange>,
+    rings: tokio::sync::watch::Receiver<u64>,
+    known_rings: BTreeSet<String>,
+    boundaries: Boundaries,
+}
+
+impl Triggers {
+    /// Every cached Lease.
+    fn every(&self) -> Vec<ObjectRef<Lease>> {
+        self.index
             .store()
             .state()
             .iter()
             .map(|l| ObjectRef::from_obj(l.as_ref()))
-            .collect::<Vec<_>>()
-    };
-    let start = every(&index);
-    let known_rings = ring_names(&ctx, kind);
-    let state = (ctx, index, changes, rings, known_rings);
-    futures::stream::iter(start)
-        .chain(
-            futures::stream::unfold(state, move |mut state| async move {
-                let (ctx, index, changes, rings, known_rings) = &mut state;
-                let batch = tokio::select! {
-                    change = changes.recv() => match change {
-                        Ok(LeaseChange::Membership { lease, .. } | LeaseChange::State(lease)) => {
-                            vec![lease]
-                        }
-                        Ok(LeaseChange::All) | Err(RecvError::Lagged(_)) => every(index),
-                        Err(RecvError::Closed) => return None,
-                    },
-                    changed = rings.changed() => {
-                        changed.ok()?;
-                        // Leases of a ring that did not exist were left alone: look at them now.
-                        let current = ring_names(ctx, kind);
-                        let new: Vec<_> = current
-                            .difference(known_rings)
-                            .flat_map(|ring| index.ring_lease_refs(ring))
-                            .collect();
-                        *known_rings = current;
-                        new
+            .collect()
+    }
+
+    /// The next Leases to reconcile; `None` when the sources are gone.
+    async fn next_batch(&mut self) -> Option<Vec<ObjectRef<Lease>>> {
+        loop {
+            let batch = tokio::select! {
+                change = self.changes.recv() => match change {
+                    Ok(LeaseChange::Membership { lease, .. } | LeaseChange::State(lease)) => {
+                        vec![lease]
                     }
-                };
-                Some((futures::stream::iter(batch), state))
-            })
-            .flatten(),
-        )
-        .map(Ok)
+                    Ok(LeaseChange::All) | Err(RecvError::Lagged(_)) => self.every(),
+                    Err(RecvError::Closed) => return None,
+                },
+                changed = self.rings.changed() => {
+                    changed.ok()?;
+                    // Leases of a ring that did not exist were left alone: look at them now.
+                    let current = ring_names(&self.ctx, self.kind);
+                    let new: Vec<_> = current
+                        .difference(&self.known_rings)
+                        .flat_map(|ring| self.index.ring_lease_refs(ring))
+                        .collect();
+                    self.known_rings = current;
+                    new
+                }
+                Some(due) = self.boundaries.next_due() => {
+                    // Reconcile only if the state changed; otherwise (renewed meanwhile) wait
+                    // for the new boundary.
+                    match self.index.store().get(&due) {
+                        Some(lease) if state_label_is_stale(&lease, Timestamp::now()) => vec![due],
+                        Some(_) => {
+                            self.boundaries.schedule(&due, self.index.store());
+                            continue;
+                        }
+                        None => continue,
+                    }
+                }
+            };
+            return Some(batch);
+        }
+    }
+}
+
+/// The next state boundary of each Lease, as timers.
+#[derive(Default)]
+struct Boundaries {
+    queue: DelayQueue<ObjectRef<Lease>>,
+    keys: HashMap<ObjectRef<Lease>, delay_queue::Key>,
+}
+
+impl Boundaries {
+    /// Sets the timer of `lease` to its next state boundary (plus a millisecond, so the new state
+    /// has begun), or removes it when the Lease is gone or has none.
+    fn schedule(&mut self, lease: &ObjectRef<Lease>, store: &Store<Lease>) {
+        let now = Timestamp::now();
+        let wait = store
+            .get(lease)
+            .and_then(|l| ShardLease::from_lease(&l).evaluate(now).1)
+            .map(|at| {
+                at.duration_since(now)
+                    .try_into()
+                    .unwrap_or(Duration::ZERO)
+                    .min(MAX_REQUEUE)
+                    + Duration::from_millis(1)
+            });
+        match (wait, self.keys.get(lease)) {
+            (Some(wait), Some(key)) => self.queue.reset(key, wait),
+            (Some(wait), None) => {
+                let key = self.queue.insert(lease.clone(), wait);
+                self.keys.insert(lease.clone(), key);
+            }
+            (None, Some(_)) => {
+                if let Some(key) = self.keys.remove(lease) {
+                    self.queue.remove(&key);
+                }
+            }
+            (None, None) => {}
+        }
+    }
+
+    /// The next Lease whose boundary passed; pending forever while there is none.
+    async fn next_due(&mut self) -> Option<ObjectRef<Lease>> {
+        let expired = std::future::poll_fn(|cx| match self.queue.poll_expired(cx) {
+            // An empty queue answers `None`; wait for a timer to be inserted instead (the select
+            // polls again after another branch fired).
+            std::task::Poll::Ready(None) => std::task::Poll::Pending,
+            other => other,
+        })
+        .await?;
+        let lease = expired.into_inner();
+        self.keys.remove(&lease);
+        Some(lease)
+    }
 }
 
 /// The names of the cached rings of `kind`.
@@ -207,7 +307,7 @@ async fn reconcile(lease: Arc<Lease>, state: Arc<State>) -> Result<Action, Error
 
     let now = Timestamp::now();
     let view = ShardLease::from_lease(&lease);
-    let (state, next) = view.evaluate(now);
+    let (state, _) = view.evaluate(now);
     match state {
         ShardState::Uncertain => {
             // The shard stopped renewing long ago. Taking the Lease over with an update guarded by
@@ -260,7 +360,8 @@ async fn reconcile(lease: Arc<Lease>, state: Arc<State>) -> Result<Action, Error
                     .await
                     .map_err(write_err("label"))?;
             }
-            Ok(requeue_at(next, now))
+            // The next boundary is watched by `triggers`.
+            Ok(Action::await_change())
         }
     }
 }
@@ -361,41 +462,61 @@ fn uid_of(lease: &Lease) -> String {
     lease.uid().unwrap_or_default()
 }
 
-/// Requeue exactly at `boundary` (plus a millisecond so the new state has begun).
-fn requeue_at(boundary: Option<Timestamp>, now: Timestamp) -> Action {
-    match boundary {
-        None => Action::await_change(),
-        Some(at) => {
-            let wait = at
-                .duration_since(now)
-                .try_into()
-                .unwrap_or(Duration::ZERO)
-                .min(MAX_REQUEUE);
-            Action::requeue(wait + Duration::from_millis(1))
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use k8s_openapi::api::coordination::v1::LeaseSpec;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
+    use kube::api::ObjectMeta;
+    use kube::runtime::{reflector, watcher};
 
-    #[test]
-    fn requeue_is_capped_and_exact() {
-        let now = Timestamp::from_second(1_000).unwrap();
-        let at = Timestamp::from_second(1_010).unwrap();
+    fn lease(name: &str, duration: Option<i32>) -> Lease {
+        let now = MicroTime(Timestamp::now());
+        Lease {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                namespace: Some("ns".into()),
+                ..Default::default()
+            },
+            spec: Some(LeaseSpec {
+                holder_identity: Some(name.into()),
+                lease_duration_seconds: duration,
+                renew_time: Some(now.clone()),
+                acquire_time: Some(now),
+                ..Default::default()
+            }),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_boundary_fires_once_per_schedule_and_leases_without_one_get_no_timer() {
+        let (store, mut writer) = reflector::store();
+        for l in [lease("timed", Some(1)), lease("untimed", None)] {
+            writer.apply_watcher_event(&watcher::Event::Apply(l));
+        }
+        let mut boundaries = Boundaries::default();
+        let timed = ObjectRef::new("timed").within("ns");
+        let untimed = ObjectRef::new("untimed").within("ns");
+        boundaries.schedule(&timed, &store);
+        boundaries.schedule(&untimed, &store);
         assert_eq!(
-            requeue_at(Some(at), now),
-            Action::requeue(Duration::from_secs(10) + Duration::from_millis(1))
+            boundaries.keys.len(),
+            1,
+            "a Lease without timing has no boundary"
         );
-        assert_eq!(
-            requeue_at(Some(Timestamp::MAX), now),
-            Action::requeue(MAX_REQUEUE + Duration::from_millis(1))
-        );
-        assert_eq!(requeue_at(None, now), Action::await_change());
-        assert_eq!(
-            requeue_at(Some(now), at),
-            Action::requeue(Duration::from_millis(1))
+        // Scheduling again moves the one timer instead of adding another.
+        boundaries.schedule(&timed, &store);
+        assert_eq!(boundaries.queue.len(), 1);
+        let due = tokio::time::timeout(Duration::from_secs(5), boundaries.next_due())
+            .await
+            .expect("the boundary one second away fires");
+        assert_eq!(due, Some(timed));
+        assert!(boundaries.keys.is_empty());
+        // Nothing more is due: waiting stays pending.
+        assert!(
+            tokio::time::timeout(Duration::from_millis(100), boundaries.next_due())
+                .await
+                .is_err()
         );
     }
 }
