@@ -23,8 +23,10 @@
 //! | [`sharder::counter`] | a per-resource counter from the sharder's `/metrics` text |
 //! | [`sharder::curl`] | an HTTP request through curl (metrics, health, a Prometheus server's API) |
 //! | [`fixtures`] | rings, shard Leases and Secrets; waits on a ring's status and webhook; checksum-controller shards |
+//! | [`etcd::Compactor`] | compacts a dedicated control plane's etcd again and again, so continue tokens expire |
 //! | [`IndependentRing`] | a hash ring written from the protocol's description, to check the sharder's answers against |
 
+pub mod etcd;
 pub mod fixtures;
 pub mod gate;
 mod independent_ring;

@@ -33,6 +33,15 @@ pub const MOVEMENTS: &str = "controller_sharding_movements";
 /// Name of the counter of drain patches; exposed as `controller_sharding_drains_total`.
 pub const DRAINS: &str = "controller_sharding_drains";
 
+/// Name of the counter of sync lists resumed after an expired continue token; exposed as
+/// `controller_sharding_list_inconsistent_continuations_total`.
+pub const LIST_INCONSISTENT_CONTINUATIONS: &str =
+    "controller_sharding_list_inconsistent_continuations";
+
+/// Name of the counter of sync lists started over after an expired continue token; exposed as
+/// `controller_sharding_list_restarts_total`.
+pub const LIST_RESTARTS: &str = "controller_sharding_list_restarts";
+
 /// The ring label of a series: `clusterring="<name>"` for a ClusterRing, `controllerring="<name>"`
 /// for a ControllerRing (SPEC §15), so each kind's series look as its own protocol's do.
 #[derive(Clone, Debug, Hash, PartialEq, Eq)]
@@ -116,6 +125,10 @@ pub struct Metrics {
     pub(crate) ring_calculations: Family<RingLabel, Counter>,
     /// Unassigned objects the missed-assignment path is moving or waiting to retry, per resource.
     pub(crate) missed_assignment_backlog: Family<ResourceLabels, Gauge>,
+    /// Sync lists resumed with the token of a 410 Gone answer (an expired continue token).
+    pub(crate) list_inconsistent_continuations: Family<ResourceLabels, Counter>,
+    /// Sync lists started over from the first page (an expired continue token, no successor).
+    pub(crate) list_restarts: Family<ResourceLabels, Counter>,
 }
 
 impl Default for Metrics {
@@ -130,6 +143,8 @@ impl Default for Metrics {
             drains: Family::default(),
             ring_calculations: Family::default(),
             missed_assignment_backlog: Family::default(),
+            list_inconsistent_continuations: Family::default(),
+            list_restarts: Family::default(),
         }
     }
 }
@@ -181,6 +196,16 @@ impl Metrics {
             "controller_sharding_missed_assignment_backlog",
             "Unassigned objects the sharder is moving or retrying to get assigned by the webhook",
             self.missed_assignment_backlog.clone(),
+        );
+        registry.register(
+            LIST_INCONSISTENT_CONTINUATIONS,
+            "Sync lists whose continue token expired (410 Gone) and that went on with the token of that answer, reading later pages at a newer revision",
+            self.list_inconsistent_continuations.clone(),
+        );
+        registry.register(
+            LIST_RESTARTS,
+            "Sync lists whose continue token expired (410 Gone) with no token to go on with, started over from the first page",
+            self.list_restarts.clone(),
         );
     }
 
