@@ -28,6 +28,7 @@ use super::announce::{Announcer, DRAIN_CHECK_PERIOD};
 use super::missed_assignments::MissedAssignments;
 use crate::context::Context;
 use crate::core::key::KeyOutcome;
+use crate::core::list_scope::{ListScope, list_scope};
 use crate::core::rebalance::{RebalanceDecision, waits_for_owner};
 use crate::core::sync_schedule::SyncSchedule;
 use crate::metrics::{Metrics, OutcomeLabels, RingLabel};
@@ -585,9 +586,40 @@ async fn sync_resource(
     stats: &mut SyncStats,
     tally: &mut Tally,
 ) -> Result<(), Error> {
-    let api: Api<DynamicObject> =
-        Api::all_with(ctx.client.clone(), &api_resource(gr, &resource.info));
-    sync_list(ctx, view, gr, resource, api, stats, tally).await
+    for api in list_apis(ctx, view, gr, resource) {
+        sync_list(ctx, view, gr, resource, api, stats, tally).await?;
+    }
+    Ok(())
+}
+
+/// What a sync lists `resource` of `view` through: the whole cluster, or each namespace the ring
+/// selects when it selects few of them (the rule is [`list_scope`]'s).
+fn list_apis(
+    ctx: &Context,
+    view: &RingView,
+    gr: &GroupResource,
+    resource: &ResolvedResource,
+) -> Vec<Api<DynamicObject>> {
+    let ar = api_resource(gr, &resource.info);
+    if !resource.info.namespaced {
+        return vec![Api::all_with(ctx.client.clone(), &ar)];
+    }
+    let namespaces = ctx.namespaces.state();
+    let mut selected: Vec<String> = namespaces
+        .iter()
+        .filter(|ns| selector_matches(&view.namespace_selector, ns.labels()))
+        .map(|ns| ns.name_any())
+        .collect();
+    match list_scope(selected.len(), namespaces.len()) {
+        ListScope::Cluster => vec![Api::all_with(ctx.client.clone(), &ar)],
+        ListScope::Namespaces => {
+            selected.sort();
+            selected
+                .iter()
+                .map(|ns| Api::namespaced_with(ctx.client.clone(), ns, &ar))
+                .collect()
+        }
+    }
 }
 
 /// Lists what `api` reaches page by page and patches each page's objects before asking for the
