@@ -49,6 +49,8 @@ pub(crate) struct Context {
     pub(crate) reachability: Arc<Reachability>,
     /// Bumped when a shard Lease changes in a way membership depends on (not on renewals).
     pub(crate) lease_changes: tokio::sync::watch::Sender<u64>,
+    /// Bounds the sharder controller's patches in flight across every ring.
+    pub(crate) patch_limit: Arc<crate::controller::patch_limit::PatchLimit>,
 }
 
 impl Context {

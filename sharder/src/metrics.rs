@@ -129,6 +129,8 @@ pub struct Metrics {
     pub(crate) list_inconsistent_continuations: Family<ResourceLabels, Counter>,
     /// Sync lists started over from the first page (an expired continue token, no successor).
     pub(crate) list_restarts: Family<ResourceLabels, Counter>,
+    /// Drain and move patches (and dry-run probes) the sharder controller has in flight.
+    pub(crate) patches_in_flight: Gauge,
 }
 
 impl Default for Metrics {
@@ -145,6 +147,7 @@ impl Default for Metrics {
             missed_assignment_backlog: Family::default(),
             list_inconsistent_continuations: Family::default(),
             list_restarts: Family::default(),
+            patches_in_flight: Gauge::default(),
         }
     }
 }
@@ -206,6 +209,11 @@ impl Metrics {
             LIST_RESTARTS,
             "Sync lists whose continue token expired (410 Gone) with no token to go on with, started over from the first page",
             self.list_restarts.clone(),
+        );
+        registry.register(
+            "controller_sharding_patches_in_flight",
+            "Drain and move patches the sharder controller has in flight across every ring, at most controller.sharder.maxPatchesInFlight",
+            self.patches_in_flight.clone(),
         );
     }
 
@@ -743,8 +751,15 @@ mod tests {
             .syncs
             .get_or_create(&OutcomeLabels::new(&controller, "failure"))
             .inc();
+        metrics
+            .list_inconsistent_continuations
+            .get_or_create(&Metrics::resource_labels(&controller, "", "secrets"))
+            .inc_by(2);
+        metrics.patches_in_flight.set(3);
         let text = render(&registry).expect("renders");
         for line in [
+            r#"controller_sharding_list_inconsistent_continuations_total{controllerring="example",group="",resource="secrets"} 2"#,
+            "controller_sharding_patches_in_flight 3",
             r#"controller_sharding_assignments_total{clusterring="example",group="",resource="secrets"} 1"#,
             r#"controller_sharding_assignments_total{controllerring="example",group="",resource="secrets"} 4"#,
             r#"controller_sharding_controllerring_metadata_generation{controllerring="example",uid="u2"} 5"#,

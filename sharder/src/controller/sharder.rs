@@ -340,6 +340,9 @@ pub(super) async fn patch(
         RebalanceDecision::Drain => json!({ &view.drain_label: "true" }),
         RebalanceDecision::Move => json!({ &view.shard_label: null, &view.drain_label: null }),
     };
+    // Every ring's sync and the missed-assignment path share one bound; held for the probe and
+    // the patch alike.
+    let _permit = ctx.patch_limit.acquire().await;
     let body = json!({"metadata": {"resourceVersion": meta.resource_version, "labels": labels}});
     let api: Api<DynamicObject> = match &meta.namespace {
         Some(ns) => Api::namespaced_with(ctx.client.clone(), ns, ar),
