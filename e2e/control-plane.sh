@@ -5,10 +5,14 @@
 #   control-plane.sh provision            build and cache etcd, kube-apiserver,
 #                                         kube-controller-manager and kubectl (idempotent)
 #   control-plane.sh start DIR [OWNER]    start the control plane with state in DIR, write
-#                                         DIR/kubeconfig, wait until ready; with OWNER (a PID),
-#                                         stop everything by itself once that process is gone
+#                                         DIR/kubeconfig and DIR/etcd-endpoint (etcd's client
+#                                         URL), wait until ready; with OWNER (a PID), stop
+#                                         everything by itself once that process is gone
 #   control-plane.sh stop DIR             stop every process of it and remove DIR
 #   control-plane.sh bin-dir              print the directory holding the cached binaries
+#
+# KUBE_APISERVER_EXTRA_ARGS adds flags to kube-apiserver (split on whitespace), for a test that
+# needs a feature gate set otherwise.
 #
 # Versions: KUBE_VERSION (default below) and ETCD_VERSION override the pinned releases. Everything
 # is built from Go modules with `go build`, fetched through the Go module proxy the machine's Go is
@@ -322,6 +326,11 @@ start() {
     --initial-cluster "default=http://127.0.0.1:$etcd_peer_port" \
     --listen-metrics-urls "" >"$dir/etcd.log" 2>&1 &
   echo $! >>"$dir/pids"
+  # Plain HTTP on loopback: tests reach etcd's JSON gateway (/v3/kv/...) with curl.
+  echo "http://127.0.0.1:$etcd_port" >"$dir/etcd-endpoint"
+
+  local extra_args=()
+  read -r -a extra_args <<<"${KUBE_APISERVER_EXTRA_ARGS:-}"
 
   # The ServiceAccount admission plugin is off: no controller here creates the default service
   # accounts it insists on, and nothing in the tests runs pods.
@@ -337,6 +346,7 @@ start() {
     --endpoint-reconciler-type none \
     --service-cluster-ip-range 10.0.0.0/24 \
     --disable-admission-plugins ServiceAccount \
+    "${extra_args[@]}" \
     >"$dir/kube-apiserver.log" 2>&1 &
   echo $! >>"$dir/pids"
 

@@ -232,6 +232,18 @@ pub struct SharderController {
     pub sync_period: Duration,
     /// Most move or drain patches in flight per ring.
     pub concurrent_moves: u32,
+    /// Most move or drain patches in flight across every ring of the process, at least 1.
+    ///
+    /// `concurrentMoves` bounds one ring; after a leader change every ring syncs at once, and
+    /// 100 rings would send 100 times as many patches. Each patch is a mutating request that
+    /// also holds a webhook call (a move is assigned in admission) for as long as it runs. The
+    /// API server admits 200 mutating requests at once by default
+    /// (`--max-mutating-requests-inflight`; with API priority and fairness, the total of 600 seats
+    /// is shared the same way, and a service account's writes share the `workload-low` level with
+    /// every other controller). The default of 100 keeps the sharder to half of that, leaving the
+    /// rest to users, to the shards (their own writes and drain acknowledgements) and to other
+    /// controllers, while a single ring still syncs at its default `concurrentMoves` of 100.
+    pub max_patches_in_flight: u32,
     /// How long an object may carry the drain label before the sharder warns that its shard may
     /// be stuck (a Warning Event on the ring, and the drain age metric).
     pub drain_timeout: Duration,
@@ -242,6 +254,7 @@ impl Default for SharderController {
         Self {
             sync_period: Duration::from_secs(300),
             concurrent_moves: 100,
+            max_patches_in_flight: 100,
             drain_timeout: Duration::from_secs(300),
         }
     }
@@ -453,6 +466,12 @@ impl SharderConfig {
                 "must be at least 1",
             ));
         }
+        if sharder.max_patches_in_flight == 0 {
+            return Err(invalid(
+                "controller.sharder.maxPatchesInFlight",
+                "must be at least 1",
+            ));
+        }
         if sharder.drain_timeout.0.is_zero() {
             return Err(invalid(
                 "controller.sharder.drainTimeout",
@@ -617,6 +636,7 @@ mod tests {
             Duration::from_secs(300)
         );
         assert_eq!(config.controller.sharder.concurrent_moves, 100);
+        assert_eq!(config.controller.sharder.max_patches_in_flight, 100);
         assert_eq!(
             config.controller.sharder.drain_timeout,
             Duration::from_secs(300)
@@ -647,7 +667,7 @@ clientConnection: {kubeconfig: /etc/kubeconfig, qps: 50, burst: 100}
 leaderElection: {leaderElect: false}
 health: {bindAddress: "127.0.0.1:9081"}
 metrics: {bindAddress: "0"}
-controller: {sharder: {syncPeriod: 1m30s, concurrentMoves: 5}}
+controller: {sharder: {syncPeriod: 1m30s, concurrentMoves: 5, maxPatchesInFlight: 40}}
 webhook:
   server: {bindAddress: "127.0.0.1:9443", certDir: /certs}
   config:
@@ -664,6 +684,8 @@ shutdownDelay: 2s
             config.controller.sharder.sync_period,
             Duration::from_secs(90)
         );
+        assert_eq!(config.controller.sharder.concurrent_moves, 5);
+        assert_eq!(config.controller.sharder.max_patches_in_flight, 40);
         assert_eq!(config.metrics.socket_addr(), Ok(None));
         assert_eq!(
             config.webhook.config.client_config.ca_bundle,
@@ -685,6 +707,11 @@ shutdownDelay: 2s
     fn wrong_types_name_their_path() {
         let err = error_of("controller:\n  sharder:\n    concurrentMoves: many\n");
         assert!(err.contains("controller.sharder.concurrentMoves"), "{err}");
+        let err = error_of("controller: {sharder: {maxPatchesInFlight: -1}}\n");
+        assert!(
+            err.contains("controller.sharder.maxPatchesInFlight"),
+            "{err}"
+        );
         let err = error_of("gracefulShutdown: soon\n");
         assert!(err.contains("gracefulShutdown"), "{err}");
     }
@@ -720,6 +747,10 @@ shutdownDelay: 2s
             (
                 "controller: {sharder: {concurrentMoves: 0}}",
                 "controller.sharder.concurrentMoves",
+            ),
+            (
+                "controller: {sharder: {maxPatchesInFlight: 0}}",
+                "controller.sharder.maxPatchesInFlight",
             ),
             (
                 "controller: {sharder: {syncPeriod: 0s}}",

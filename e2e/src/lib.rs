@@ -20,11 +20,14 @@
 //! | [`logs::DumpOnFailure`] | prints a log when a test fails (an early `?` or a panic); [`sharder::SharedSharder::dump_on_failure`] for the shared sharder |
 //! | [`fixtures::expected_shard`] | the shard a ring assigns a Secret to |
 //! | [`fixtures::secret_review`] | an `admission.k8s.io/v1` AdmissionReview of a Secret CREATE |
+//! | [`Cluster::apiserver_metric`] | a metric from the API server's own `/metrics` |
 //! | [`sharder::counter`] | a per-resource counter from the sharder's `/metrics` text |
 //! | [`sharder::curl`] | an HTTP request through curl (metrics, health, a Prometheus server's API) |
 //! | [`fixtures`] | rings, shard Leases and Secrets; waits on a ring's status and webhook; checksum-controller shards |
+//! | [`etcd::Compactor`] | compacts a dedicated control plane's etcd again and again, so continue tokens expire |
 //! | [`IndependentRing`] | a hash ring written from the protocol's description, to check the sharder's answers against |
 
+pub mod etcd;
 pub mod fixtures;
 pub mod gate;
 mod independent_ring;
@@ -190,6 +193,31 @@ impl Cluster {
     /// Directory holding the logs of the control plane we started, if we started it.
     pub fn state_dir(&self) -> Option<&Path> {
         self.state_dir.as_deref()
+    }
+
+    /// The sum of the API server's own metric `name` (from its `/metrics`) over the series whose
+    /// labels include every `label="value"` pair of `labels`.
+    pub fn apiserver_metric(&self, name: &str, labels: &[(&str, &str)]) -> anyhow::Result<u64> {
+        let out = Command::new(kubectl())
+            .arg("--kubeconfig")
+            .arg(self.kubeconfig())
+            .args(["get", "--raw", "/metrics"])
+            .output()
+            .context("failed to run kubectl")?;
+        if !out.status.success() {
+            bail!("kubectl get --raw /metrics failed");
+        }
+        let text = String::from_utf8(out.stdout)?;
+        let prefix = format!("{name}{{");
+        let needles: Vec<String> = labels.iter().map(|(k, v)| format!("{k}=\"{v}\"")).collect();
+        let mut total = 0.0;
+        for line in text.lines() {
+            if line.starts_with(&prefix) && needles.iter().all(|n| line.contains(n.as_str())) {
+                let value = line.rsplit(' ').next().unwrap_or_default();
+                total += value.parse::<f64>().unwrap_or_default();
+            }
+        }
+        Ok(total as u64)
     }
 
     /// Creates a namespace with a unique name starting with `prefix` (the API server labels it

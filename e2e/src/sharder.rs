@@ -390,6 +390,12 @@ impl DedicatedCluster {
     /// Starts a control plane (about 10 s) and installs the CRD. Fails when the suite
     /// runs against an external cluster (`KUBECONFIG`), where no second control plane can start.
     pub async fn start() -> anyhow::Result<Self> {
+        Self::start_with_apiserver_args(&[]).await
+    }
+
+    /// [`DedicatedCluster::start`] with `args` added to kube-apiserver's flags (a feature gate a
+    /// test needs set otherwise).
+    pub async fn start_with_apiserver_args(args: &[&str]) -> anyhow::Result<Self> {
         if cluster().state_dir().is_none() {
             bail!("dedicated control planes need the local control plane (KUBECONFIG is set)");
         }
@@ -399,6 +405,7 @@ impl DedicatedCluster {
             .arg("start")
             .arg(&dir)
             .arg(std::process::id().to_string())
+            .env("KUBE_APISERVER_EXTRA_ARGS", args.join(" "))
             .status()
             .await?;
         if !status.success() {
@@ -412,6 +419,14 @@ impl DedicatedCluster {
     /// The cluster.
     pub fn cluster(&self) -> &Cluster {
         &self.cluster
+    }
+
+    /// Client URL of its etcd (plain HTTP on loopback), for [`crate::etcd`].
+    pub fn etcd_endpoint(&self) -> anyhow::Result<String> {
+        let path = self.dir.join("etcd-endpoint");
+        let endpoint = std::fs::read_to_string(&path)
+            .with_context(|| format!("failed to read {}", path.display()))?;
+        Ok(endpoint.trim().to_string())
     }
 }
 

@@ -52,6 +52,8 @@ pub(crate) struct Context {
     pub(crate) lease_changes: tokio::sync::watch::Sender<u64>,
     /// Bumped after every change of a cached ring of either kind.
     pub(crate) ring_changes: tokio::sync::watch::Sender<u64>,
+    /// Bounds the sharder controller's patches in flight across every ring.
+    pub(crate) patch_limit: Arc<crate::controller::patch_limit::PatchLimit>,
 }
 
 impl Context {

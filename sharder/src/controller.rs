@@ -7,9 +7,11 @@
 //! | [`sharder`] | the sharder controller: syncs every ring, draining and moving objects |
 //! | `missed_assignments` | the sharder controller's fast path for objects the webhook missed |
 //! | `announce` | the sharder controller's Events about membership changes and stuck drains |
+//! | `patch_limit` | the bound on the sharder controller's patches in flight across every ring |
 
 pub(crate) mod announce;
 pub(crate) mod missed_assignments;
+pub(crate) mod patch_limit;
 pub(crate) mod ring;
 pub(crate) mod shard_lease;
 pub mod sharder;

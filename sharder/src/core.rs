@@ -5,6 +5,7 @@
 //! |---|---|
 //! | [`ring`] | the consistent hash ring: which available shard a key belongs to (SPEC §5) |
 //! | `key` | the hash key of an object, from its own identity or its controller's (SPEC §6) |
+//! | `list_scope` | whether a sync lists a namespaced resource per selected namespace or across the cluster (SPEC §9) |
 //! | `membership` | which shard Leases put their shard into the ring, and why others are kept out (SPEC §4, §18) |
 //! | `rebalance` | keep, drain or move one object (SPEC §9) |
 //! | `sync_schedule` | when each ring is synced: on change, periodically, with backoff (SPEC §9) |
@@ -15,6 +16,7 @@
 //! in [`sharding_crds::lease`].
 
 pub(crate) mod key;
+pub(crate) mod list_scope;
 pub(crate) mod membership;
 pub(crate) mod rebalance;
 pub mod ring;

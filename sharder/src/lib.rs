@@ -157,6 +157,10 @@ pub async fn run(
         reachability: Arc::default(),
         lease_changes,
         ring_changes,
+        patch_limit: Arc::new(controller::patch_limit::PatchLimit::new(
+            config.controller.sharder.max_patches_in_flight,
+            metrics.patches_in_flight.clone(),
+        )),
         metrics,
     };
     // Refused leader-election settings stop the process here, before it serves anything.

@@ -34,6 +34,15 @@ pub const MOVEMENTS: &str = "controller_sharding_movements";
 /// Name of the counter of drain patches; exposed as `controller_sharding_drains_total`.
 pub const DRAINS: &str = "controller_sharding_drains";
 
+/// Name of the counter of sync lists resumed after an expired continue token; exposed as
+/// `controller_sharding_list_inconsistent_continuations_total`.
+pub const LIST_INCONSISTENT_CONTINUATIONS: &str =
+    "controller_sharding_list_inconsistent_continuations";
+
+/// Name of the counter of sync lists started over after an expired continue token; exposed as
+/// `controller_sharding_list_restarts_total`.
+pub const LIST_RESTARTS: &str = "controller_sharding_list_restarts";
+
 /// The ring label of a series: `clusterring="<name>"` for a ClusterRing, `controllerring="<name>"`
 /// for a ControllerRing (SPEC §15), so each kind's series look as its own protocol's do.
 #[derive(Clone, Debug, Hash, PartialEq, Eq)]
@@ -119,6 +128,12 @@ pub struct Metrics {
     pub(crate) missed_assignment_backlog: Family<ResourceLabels, Gauge>,
     /// Requests the sharder's API clients sent.
     pub(crate) api_requests: ApiRequests,
+    /// Sync lists resumed with the token of a 410 Gone answer (an expired continue token).
+    pub(crate) list_inconsistent_continuations: Family<ResourceLabels, Counter>,
+    /// Sync lists started over from the first page (an expired continue token, no successor).
+    pub(crate) list_restarts: Family<ResourceLabels, Counter>,
+    /// Drain and move patches (and dry-run probes) the sharder controller has in flight.
+    pub(crate) patches_in_flight: Gauge,
 }
 
 impl Default for Metrics {
@@ -134,6 +149,9 @@ impl Default for Metrics {
             ring_calculations: Family::default(),
             missed_assignment_backlog: Family::default(),
             api_requests: Family::default(),
+            list_inconsistent_continuations: Family::default(),
+            list_restarts: Family::default(),
+            patches_in_flight: Gauge::default(),
         }
     }
 }
@@ -190,6 +208,21 @@ impl Metrics {
             "controller_sharding_missed_assignment_backlog",
             "Unassigned objects the sharder is moving or retrying to get assigned by the webhook",
             self.missed_assignment_backlog.clone(),
+        );
+        registry.register(
+            LIST_INCONSISTENT_CONTINUATIONS,
+            "Sync lists whose continue token expired (410 Gone) and that went on with the token of that answer, reading later pages at a newer revision",
+            self.list_inconsistent_continuations.clone(),
+        );
+        registry.register(
+            LIST_RESTARTS,
+            "Sync lists whose continue token expired (410 Gone) with no token to go on with, started over from the first page",
+            self.list_restarts.clone(),
+        );
+        registry.register(
+            "controller_sharding_patches_in_flight",
+            "Drain and move patches the sharder controller has in flight across every ring, at most controller.sharder.maxPatchesInFlight",
+            self.patches_in_flight.clone(),
         );
     }
 
@@ -724,8 +757,15 @@ mod tests {
             .syncs
             .get_or_create(&OutcomeLabels::new(&controller, "failure"))
             .inc();
+        metrics
+            .list_inconsistent_continuations
+            .get_or_create(&Metrics::resource_labels(&controller, "", "secrets"))
+            .inc_by(2);
+        metrics.patches_in_flight.set(3);
         let text = render(&registry).expect("renders");
         for line in [
+            r#"controller_sharding_list_inconsistent_continuations_total{controllerring="example",group="",resource="secrets"} 2"#,
+            "controller_sharding_patches_in_flight 3",
             r#"controller_sharding_assignments_total{clusterring="example",group="",resource="secrets"} 1"#,
             r#"controller_sharding_assignments_total{controllerring="example",group="",resource="secrets"} 4"#,
             r#"controller_sharding_controllerring_metadata_generation{controllerring="example",uid="u2"} 5"#,

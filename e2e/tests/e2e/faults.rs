@@ -12,7 +12,7 @@ use e2e::fixtures::{
 use e2e::gate::{Balancer, TcpGate};
 use e2e::process::poll_until;
 use e2e::sharder::{DedicatedCluster, SharderFiles, SharderSettings, shared};
-use e2e::{Cluster, cluster, kubectl, unique_name};
+use e2e::{Cluster, cluster, unique_name};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
@@ -25,29 +25,6 @@ use sharding_crds::labels;
 
 /// Generous bound for processes starting up and caches syncing on a busy machine.
 const STARTUP: Duration = Duration::from_secs(60);
-
-/// The sum of the API server's own metric `name` over the series whose labels include every
-/// `label="value"` pair of `labels`.
-fn apiserver_metric(cluster: &Cluster, name: &str, labels: &[(&str, &str)]) -> anyhow::Result<u64> {
-    let out = std::process::Command::new(kubectl())
-        .arg("--kubeconfig")
-        .arg(cluster.kubeconfig())
-        .args(["get", "--raw", "/metrics"])
-        .output()
-        .context("failed to run kubectl")?;
-    ensure!(out.status.success(), "kubectl get --raw /metrics failed");
-    let text = String::from_utf8(out.stdout)?;
-    let prefix = format!("{name}{{");
-    let needles: Vec<String> = labels.iter().map(|(k, v)| format!("{k}=\"{v}\"")).collect();
-    let mut total = 0.0;
-    for line in text.lines() {
-        if line.starts_with(&prefix) && needles.iter().all(|n| line.contains(n.as_str())) {
-            let value = line.rsplit(' ').next().unwrap_or_default();
-            total += value.parse::<f64>().unwrap_or_default();
-        }
-    }
-    Ok(total as u64)
-}
 
 /// A sharder process on `cluster` whose webhook the API server calls through a gate the test can
 /// close (a network blip, or a webhook it cannot reach at all).
@@ -68,8 +45,7 @@ async fn gated_sharder(
 
 /// Watches the API server holds open on `resource` (core group), from its own metrics.
 fn watches_on(cluster: &Cluster, resource: &str) -> anyhow::Result<u64> {
-    apiserver_metric(
-        cluster,
+    cluster.apiserver_metric(
         "apiserver_longrunning_requests",
         &[("verb", "WATCH"), ("resource", resource)],
     )
@@ -438,8 +414,7 @@ async fn lease_renewals_cost_no_webhook_configuration_requests() -> anyhow::Resu
     // Let the start-up writes settle.
     tokio::time::sleep(Duration::from_secs(2)).await;
     let requests = |verb: &'static str| {
-        apiserver_metric(
-            cluster,
+        cluster.apiserver_metric(
             "apiserver_request_total",
             &[
                 ("resource", "mutatingwebhookconfigurations"),
@@ -669,8 +644,7 @@ async fn a_ring_whose_webhook_is_unreachable_sends_no_moves() -> anyhow::Result<
     // From here the API server cannot call the webhook: 300 objects are created unassigned.
     gate.close();
     create(&broken_ns, 300).await?;
-    let patches_before = apiserver_metric(
-        cluster,
+    let patches_before = cluster.apiserver_metric(
         "apiserver_request_total",
         &[("verb", "PATCH"), ("resource", "secrets")],
     )?;
@@ -681,8 +655,7 @@ async fn a_ring_whose_webhook_is_unreachable_sends_no_moves() -> anyhow::Result<
     .await?;
     // Let the sharder retry for a while: it must not send a move per object again and again.
     tokio::time::sleep(Duration::from_secs(15)).await;
-    let patches = apiserver_metric(
-        cluster,
+    let patches = cluster.apiserver_metric(
         "apiserver_request_total",
         &[("verb", "PATCH"), ("resource", "secrets")],
     )? - patches_before;

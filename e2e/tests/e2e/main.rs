@@ -14,3 +14,4 @@ mod rebalance;
 mod ring_kinds;
 mod shard;
 mod sharder;
+mod sync_lists;

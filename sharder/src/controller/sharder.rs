@@ -10,7 +10,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use futures::StreamExt;
-use kube::api::{Api, DynamicObject, ListParams, Patch, PatchParams};
+use kube::api::{Api, DynamicObject, Patch, PatchParams};
 use kube::core::{ApiResource, PartialObjectMeta};
 use kube::runtime::reflector::ObjectRef;
 use kube::{Resource, ResourceExt};
@@ -21,10 +21,14 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+mod pager;
+
+use self::pager::{Pager, PagerError};
 use super::announce::{Announcer, DRAIN_CHECK_PERIOD};
 use super::missed_assignments::MissedAssignments;
 use crate::context::Context;
 use crate::core::key::KeyOutcome;
+use crate::core::list_scope::{ListScope, list_scope};
 use crate::core::rebalance::{RebalanceDecision, waits_for_owner};
 use crate::core::sync_schedule::SyncSchedule;
 use crate::metrics::{Metrics, OutcomeLabels, RingLabel};
@@ -53,6 +57,17 @@ pub const REASON_DRAIN_NOT_ACKNOWLEDGED: &str = "DrainNotAcknowledged";
 /// Page size of sync lists.
 pub const PAGE_SIZE: u32 = 500;
 
+/// Message of the info record when a sync list's continue token expired (410 Gone) and the list
+/// goes on with the token of that answer, reading later pages at a newer revision; with the
+/// fields `ring` and `resource`.
+pub const LIST_CONTINUED_INCONSISTENTLY: &str =
+    "continue token expired (410 Gone); listing on from where it stopped, at the current revision";
+
+/// Message of the info record when a sync list's continue token expired (410 Gone) with no token
+/// to go on with, and the list starts over from its first page; with the fields `ring` and
+/// `resource`.
+pub const LIST_RESTARTED: &str = "continue token expired (410 Gone) with no token to go on with; listing again from the first page";
+
 /// Message of the log record at the end of every sync of a ring, with the fields `ring`,
 /// `duration`, `listed`, `drained`, `moved`, `failed` and `held`.
 pub const SYNC_FINISHED: &str = "finished sync of ring";
@@ -60,14 +75,14 @@ pub const SYNC_FINISHED: &str = "finished sync of ring";
 /// A failed sync; the ring is synced again after a backoff.
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum Error {
-    /// Listing a resource failed.
+    /// Listing a resource failed, or its continue tokens kept expiring.
     #[error("failed to list {resource}: {source}")]
     List {
         /// The resource.
         resource: GroupResource,
         /// Underlying error.
         #[source]
-        source: kube::Error,
+        source: PagerError,
     },
     /// Controlled objects wait for their controllers to leave their shard (drain acknowledged);
     /// the sync runs again soon, with backoff.
@@ -325,6 +340,9 @@ pub(super) async fn patch(
         RebalanceDecision::Drain => json!({ &view.drain_label: "true" }),
         RebalanceDecision::Move => json!({ &view.shard_label: null, &view.drain_label: null }),
     };
+    // Every ring's sync and the missed-assignment path share one bound; held for the probe and
+    // the patch alike.
+    let _permit = ctx.patch_limit.acquire().await;
     let body = json!({"metadata": {"resourceVersion": meta.resource_version, "labels": labels}});
     let api: Api<DynamicObject> = match &meta.namespace {
         Some(ns) => Api::namespaced_with(ctx.client.clone(), ns, ar),
@@ -561,6 +579,8 @@ async fn sync_ring(ctx: &Context, view: &RingView) -> Result<SyncStats, Error> {
     result
 }
 
+/// Syncs every object of one resource of a ring, listed page by page; each page's objects are
+/// patched before the next page is asked for.
 async fn sync_resource(
     ctx: &Context,
     view: &RingView,
@@ -569,30 +589,96 @@ async fn sync_resource(
     stats: &mut SyncStats,
     tally: &mut Tally,
 ) -> Result<(), Error> {
+    for api in list_apis(ctx, view, gr, resource) {
+        sync_list(ctx, view, gr, resource, api, stats, tally).await?;
+    }
+    Ok(())
+}
+
+/// What a sync lists `resource` of `view` through: the whole cluster, or each namespace the ring
+/// selects when it selects few of them (the rule is [`list_scope`]'s).
+fn list_apis(
+    ctx: &Context,
+    view: &RingView,
+    gr: &GroupResource,
+    resource: &ResolvedResource,
+) -> Vec<Api<DynamicObject>> {
+    let ar = api_resource(gr, &resource.info);
+    if !resource.info.namespaced {
+        return vec![Api::all_with(ctx.client.clone(), &ar)];
+    }
+    let namespaces = ctx.namespaces.state();
+    let mut selected: Vec<String> = namespaces
+        .iter()
+        .filter(|ns| selector_matches(&view.namespace_selector, ns.labels()))
+        .map(|ns| ns.name_any())
+        .collect();
+    match list_scope(selected.len(), namespaces.len()) {
+        ListScope::Cluster => vec![Api::all_with(ctx.client.clone(), &ar)],
+        ListScope::Namespaces => {
+            selected.sort();
+            selected
+                .iter()
+                .map(|ns| Api::namespaced_with(ctx.client.clone(), ns, &ar))
+                .collect()
+        }
+    }
+}
+
+/// Lists what `api` reaches page by page and patches each page's objects before asking for the
+/// next page.
+async fn sync_list(
+    ctx: &Context,
+    view: &RingView,
+    gr: &GroupResource,
+    resource: &ResolvedResource,
+    api: Api<DynamicObject>,
+    stats: &mut SyncStats,
+    tally: &mut Tally,
+) -> Result<(), Error> {
     let info = &resource.info;
-    let ar = api_resource(gr, info);
-    let api: Api<DynamicObject> = Api::all_with(ctx.client.clone(), &ar);
+    let ar = &api_resource(gr, info);
+    let ring = view.ring_ref();
+    let labels = Metrics::resource_labels(&ring, &gr.group, &gr.resource);
     let concurrency = usize::try_from(ctx.config.controller.sharder.concurrent_moves)
         .unwrap_or(1)
         .max(1);
-    // Pages are read from etcd, not from the watch cache (resourceVersion=0), deliberately
-    // unlike SPEC §9: the API server ignores `limit` for resourceVersion=0 and returns every
-    // object in one page with no continue token (still so on 1.37), which would make the
-    // sharder's memory grow with the ring. kube drops resourceVersion=0 from limited lists for
-    // the same reason. Later pages pass only the continue token, as the API requires.
-    let mut params = ListParams::default().limit(PAGE_SIZE);
+    // What this list has counted is counted again when it starts over from the first page.
+    let checkpoint = (stats.listed, tally.objects.clone(), tally.waiting_for_owner);
+    let mut pager = Pager::new(api);
     loop {
-        let page = api.list_metadata(&params).await.map_err(|source| {
-            if matches!(&source, kube::Error::Api(status) if status.code == 404) {
-                // The version we know is not served any more (a CRD changed its versions): look
-                // it up again; the view is rebuilt with the new one and the sync starts over.
-                ctx.discovery.forget(gr);
+        let page = match pager.next_page().await {
+            Ok(Some(page)) => page,
+            Ok(None) => return Ok(()),
+            Err(source) => {
+                if let PagerError::Api(kube::Error::Api(status)) = &source
+                    && status.code == 404
+                {
+                    // The version we know is not served any more (a CRD changed its versions):
+                    // look it up again; the view is rebuilt with the new one and the sync starts
+                    // over.
+                    ctx.discovery.forget(gr);
+                }
+                return Err(Error::List {
+                    resource: gr.clone(),
+                    source,
+                });
             }
-            Error::List {
-                resource: gr.clone(),
-                source,
-            }
-        })?;
+        };
+        if page.inconsistent_continuations > 0 {
+            ctx.metrics
+                .list_inconsistent_continuations
+                .get_or_create(&labels)
+                .inc_by(u64::from(page.inconsistent_continuations));
+            tracing::info!(%ring, resource = %gr, "{LIST_CONTINUED_INCONSISTENTLY}");
+        }
+        if page.restarted {
+            ctx.metrics.list_restarts.get_or_create(&labels).inc();
+            tracing::info!(%ring, resource = %gr, "{LIST_RESTARTED}");
+            stats.listed = checkpoint.0;
+            tally.objects = checkpoint.1.clone();
+            tally.waiting_for_owner = checkpoint.2;
+        }
         stats.listed += page.items.len();
         let actions: Vec<(PartialObjectMeta<DynamicObject>, RebalanceDecision)> = page
             .items
@@ -613,7 +699,7 @@ async fn sync_resource(
             .collect();
         if !actions.is_empty() && !tally.announced {
             tally.announced = true;
-            if let Some(ring) = ctx.ring(&view.ring_ref()) {
+            if let Some(ring) = ctx.ring(&ring) {
                 let note = format!(
                     "Rebalancing onto {} available shards: objects whose shard changed are drained or moved",
                     view.ring.len()
@@ -623,22 +709,18 @@ async fn sync_resource(
                     .await;
             }
         }
-        let results: Vec<PatchOutcome> =
-            futures::stream::iter(actions)
-                .map(|(obj, decision)| {
-                    let ar = &ar;
-                    async move {
-                        let result = patch(ctx, view, gr, ar, obj.meta(), decision).await;
-                        if let Err(error) = &result {
-                            tracing::debug!(%error, object = %obj.name_any(), ?decision, "patch failed");
-                        }
-                        let current = obj.labels().get(&view.shard_label).cloned();
-                        (obj.uid().unwrap_or_default(), current, decision, result)
-                    }
-                })
-                .buffer_unordered(concurrency)
-                .collect()
-                .await;
+        let results: Vec<PatchOutcome> = futures::stream::iter(actions)
+            .map(|(obj, decision)| async move {
+                let result = patch(ctx, view, gr, ar, obj.meta(), decision).await;
+                if let Err(error) = &result {
+                    tracing::debug!(%error, object = %obj.name_any(), ?decision, "patch failed");
+                }
+                let current = obj.labels().get(&view.shard_label).cloned();
+                (obj.uid().unwrap_or_default(), current, decision, result)
+            })
+            .buffer_unordered(concurrency)
+            .collect()
+            .await;
         for (uid, current, decision, result) in results {
             match result {
                 Ok(()) => {
@@ -647,12 +729,8 @@ async fn sync_resource(
                         RebalanceDecision::Drain => {
                             stats.drained += 1;
                             let shard = current.unwrap_or_default();
-                            ctx.observed.drain_sent(
-                                &view.ring_ref(),
-                                &uid,
-                                &shard,
-                                std::time::Instant::now(),
-                            );
+                            ctx.observed
+                                .drain_sent(&ring, &uid, &shard, std::time::Instant::now());
                             tally.drained_now.insert(uid);
                         }
                         RebalanceDecision::Move => stats.moved += 1,
@@ -662,13 +740,6 @@ async fn sync_resource(
                 Err(PatchError::Held) => stats.held += 1,
                 Err(_) => stats.failed += 1,
             }
-        }
-        match page.metadata.continue_.filter(|c| !c.is_empty()) {
-            Some(token) => {
-                params = ListParams::default().limit(PAGE_SIZE);
-                params.continue_token = Some(token);
-            }
-            None => return Ok(()),
         }
     }
 }
