@@ -24,7 +24,9 @@
 //! | [`sharder::curl`] | an HTTP request through curl (metrics, health, a Prometheus server's API) |
 //! | [`fixtures`] | rings, shard Leases and Secrets; waits on a ring's status and webhook; checksum-controller shards |
 //! | [`IndependentRing`] | a hash ring written from the protocol's description, to check the sharder's answers against |
+//! | [`apiserver::ApiServer`] | restarting kube-apiserver of a control plane the harness started (a [`sharder::DedicatedCluster`], never the shared one) |
 
+pub mod apiserver;
 pub mod fixtures;
 pub mod gate;
 mod independent_ring;
