@@ -53,6 +53,10 @@ pub const REASON_DRAIN_NOT_ACKNOWLEDGED: &str = "DrainNotAcknowledged";
 /// Page size of sync lists.
 pub const PAGE_SIZE: u32 = 500;
 
+/// Message of the log record at the start of every sync of a ring, with the fields `ring` and
+/// `shards`.
+pub const SYNC_STARTED: &str = "starting sync of ring";
+
 /// Message of the log record at the end of every sync of a ring, with the fields `ring`,
 /// `duration`, `listed`, `drained`, `moved`, `failed` and `held`.
 pub const SYNC_FINISHED: &str = "finished sync of ring";
@@ -479,7 +483,7 @@ struct Tally {
 async fn sync_ring(ctx: &Context, view: &RingView) -> Result<SyncStats, Error> {
     let ring = view.ring_ref();
     let started = Instant::now();
-    tracing::info!(%ring, shards = view.ring.len(), "starting sync of ring");
+    tracing::info!(%ring, shards = view.ring.len(), "{SYNC_STARTED}");
     let mut stats = SyncStats::default();
     let mut tally = Tally::default();
     let mut first_error = None;
