@@ -26,7 +26,9 @@
 //! | [`fixtures`] | rings, shard Leases and Secrets; waits on a ring's status and webhook; checksum-controller shards |
 //! | [`etcd::Compactor`] | compacts a dedicated control plane's etcd again and again, so continue tokens expire |
 //! | [`IndependentRing`] | a hash ring written from the protocol's description, to check the sharder's answers against |
+//! | [`apiserver::ApiServer`] | restarting kube-apiserver of a control plane the harness started (a [`sharder::DedicatedCluster`], never the shared one) |
 
+pub mod apiserver;
 pub mod etcd;
 pub mod fixtures;
 pub mod gate;

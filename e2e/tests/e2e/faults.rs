@@ -5,13 +5,14 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use anyhow::{Context, ensure};
+use e2e::apiserver::ApiServer;
 use e2e::fixtures::{
     WAIT, create_lease, create_ring, expected_shard, lease_warnings, ring_spec, ring_with_shards,
     secret, secret_review, wait_status, wait_webhook,
 };
 use e2e::gate::{Balancer, TcpGate};
 use e2e::process::poll_until;
-use e2e::sharder::{DedicatedCluster, SharderFiles, SharderSettings, shared};
+use e2e::sharder::{DedicatedCluster, SharderFiles, SharderSettings, counter, shared};
 use e2e::{Cluster, cluster, unique_name};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Secret;
@@ -20,22 +21,24 @@ use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use serde_json::json;
+use sharder::controller::sharder::{SYNC_FINISHED, SYNC_STARTED};
 use sharder::core::ring::Ring;
 use sharding_crds::labels;
 
 /// Generous bound for processes starting up and caches syncing on a busy machine.
 const STARTUP: Duration = Duration::from_secs(60);
 
-/// A sharder process on `cluster` whose webhook the API server calls through a gate the test can
-/// close (a network blip, or a webhook it cannot reach at all).
+/// A sharder process on `cluster` with `settings` whose webhook the API server calls through a
+/// gate the test can close (a network blip, or a webhook it cannot reach at all).
 async fn gated_sharder(
     cluster: &Cluster,
+    settings: SharderSettings,
 ) -> anyhow::Result<(TcpGate, SharderFiles, e2e::process::Process)> {
     let webhook_port = e2e::sharder::free_port()?;
     let gate = TcpGate::start(([127, 0, 0, 1], webhook_port).into()).await?;
     let settings = SharderSettings {
         webhook_url: Some(format!("https://{}", gate.addr())),
-        ..Default::default()
+        ..settings
     };
     let files =
         SharderFiles::create_with_webhook_port(cluster.kubeconfig(), &settings, webhook_port)?;
@@ -175,7 +178,7 @@ async fn objects_missed_during_a_webhook_outage_are_assigned_once_it_ends() -> a
     let ring = unique_name("outage");
     let shards = ["shard-a", "shard-b"];
 
-    let (gate, files, mut sharder) = gated_sharder(cluster).await?;
+    let (gate, files, mut sharder) = gated_sharder(cluster, SharderSettings::default()).await?;
     create_ring(&client, &ring, ring_spec(&ns)).await?;
     for shard in shards {
         create_lease(&client, &ns, &ring, shard, 3600).await?;
@@ -187,7 +190,7 @@ async fn objects_missed_during_a_webhook_outage_are_assigned_once_it_ends() -> a
     // path, not a sync that happens to run right after the outage, can assign the objects.
     sharder
         .wait_for_record("the ring's first sync to finish", STARTUP, |r| {
-            r.to_string().contains("finished sync of ring")
+            r["fields"]["message"] == SYNC_FINISHED
         })
         .await?;
 
@@ -231,6 +234,140 @@ async fn objects_missed_during_a_webhook_outage_are_assigned_once_it_ends() -> a
     println!(
         "missed objects assigned {:?} after the outage ended",
         reopened.elapsed()
+    );
+    sharder.passed();
+    Ok(())
+}
+
+/// Log records of `process` whose message is `message`.
+fn records_with_message(process: &e2e::process::Process, message: &str) -> usize {
+    process
+        .records()
+        .iter()
+        .filter(|r| r["fields"]["message"] == message)
+        .count()
+}
+
+/// The missed-assignment watch outlives a kube-apiserver restart: objects the webhook misses after
+/// the restart are assigned within 10 seconds of it answering again. The sharder keeps running
+/// and leading throughout, and starts no sync after the restart, so only the watch it had before,
+/// established anew, can have assigned them: neither a new term's fresh watch nor a sync.
+#[tokio::test]
+async fn the_missed_assignment_watch_survives_an_apiserver_restart() -> anyhow::Result<()> {
+    let dedicated = DedicatedCluster::start().await?;
+    let cluster = dedicated.cluster();
+    let client = cluster.client().await?;
+    let ns = cluster.namespace(&client, "restart").await?;
+    let ring = unique_name("restart");
+    let shards = ["shard-a", "shard-b"];
+
+    let settings = SharderSettings {
+        // Leadership outlasts the restart (the API server is down for about 10 s here): a new
+        // term would start fresh watches and hide one that died with the old connection.
+        leader_election: (120, 90, 2),
+        // Only the first sync runs within the test.
+        sync_period: "1h".into(),
+        ..Default::default()
+    };
+    let (gate, files, mut sharder) = gated_sharder(cluster, settings).await?;
+    create_ring(&client, &ring, ring_spec(&ns)).await?;
+    for shard in shards {
+        create_lease(&client, &ns, &ring, shard, 3600).await?;
+    }
+    files.wait_ready(STARTUP).await?;
+    wait_status(&client, &ring, 2, 2).await?;
+    wait_webhook(&client, &ns, &ring, &shards).await?;
+    sharder
+        .wait_for_record("the ring's first sync to finish", STARTUP, |r| {
+            r["fields"]["message"] == SYNC_FINISHED
+        })
+        .await?;
+
+    let syncs = records_with_message(&sharder, SYNC_STARTED);
+
+    let dir = cluster
+        .state_dir()
+        .context("the dedicated control plane has no state directory")?;
+    let mut apiserver = ApiServer::new(dir);
+    // Down 3 s between the processes, the chaos tool's longest: errors pile up in the watch's
+    // backoff (refused connections, then an expired resource version).
+    let restarted = apiserver.restart(&client, Duration::from_secs(3)).await?;
+    println!(
+        "kube-apiserver stopped in {:?}, ready {:?} after starting again",
+        restarted.stopping, restarted.starting
+    );
+    // Otherwise the restart tested nothing.
+    sharder
+        .wait_for_record("the missed-assignment watch to fail", WAIT, |r| {
+            r.to_string().contains("missed-assignment watch failed")
+        })
+        .await?;
+    // The API server calls the webhook again (its configurations are watched anew, too).
+    wait_webhook(&client, &ns, &ring, &shards).await?;
+
+    gate.close();
+    let secrets = Api::<Secret>::namespaced(client.clone(), &ns);
+    let key = labels::shard_label(&ring);
+    let drain = labels::drain_label(&ring);
+    for i in 0..20 {
+        let name = format!("missed-{i}");
+        let created = secrets
+            .create(&PostParams::default(), &secret(&name))
+            .await?;
+        ensure!(
+            !created.labels().contains_key(&key),
+            "the webhook was reachable during the outage: {name} was assigned"
+        );
+    }
+    // Seen by the watch, which the closed gate keeps from assigning them.
+    poll_until(
+        "the missed-assignment watch to see the 20 missed objects",
+        Duration::from_secs(10),
+        || async {
+            let backlog = counter(
+                &files.metrics()?,
+                "controller_sharding_missed_assignment_backlog",
+                &ring,
+                "secrets",
+            )?;
+            Ok((backlog >= 20).then_some(()))
+        },
+    )
+    .await?;
+    gate.open();
+    let reopened = std::time::Instant::now();
+
+    let predicted = Ring::new(shards);
+    poll_until(
+        "every missed object to be assigned",
+        Duration::from_secs(10),
+        || async {
+            let list = secrets.list(&ListParams::default()).await?;
+            let done = list.items.iter().all(|s| {
+                let want = expected_shard(&predicted, &ns, &s.name_any());
+                s.labels().get(&key).map(String::as_str) == want && !s.labels().contains_key(&drain)
+            });
+            Ok((list.items.len() == 20 && done).then_some(()))
+        },
+    )
+    .await?;
+    println!(
+        "missed objects assigned {:?} after the webhook answered again",
+        reopened.elapsed()
+    );
+
+    ensure!(
+        sharder.try_status()?.is_none(),
+        "the sharder exited across the restart"
+    );
+    ensure!(
+        records_with_message(&sharder, SYNC_STARTED) == syncs,
+        "a sync started across the restart: it, not the missed-assignment watch, may have \
+         assigned the objects"
+    );
+    ensure!(
+        records_with_message(&sharder, "became leader, starting controllers") == 1,
+        "the sharder lost leadership across the restart: its new term started a fresh watch"
     );
     sharder.passed();
     Ok(())
@@ -617,7 +754,7 @@ async fn a_ring_whose_webhook_is_unreachable_sends_no_moves() -> anyhow::Result<
     let broken_ns = cluster.namespace(&client, "broken").await?;
     let (healthy, broken) = (unique_name("healthy"), unique_name("broken"));
     let shards = ["shard-a", "shard-b"];
-    let (gate, files, mut sharder) = gated_sharder(cluster).await?;
+    let (gate, files, mut sharder) = gated_sharder(cluster, SharderSettings::default()).await?;
     for (ring, ns) in [(&healthy, &healthy_ns), (&broken, &broken_ns)] {
         create_ring(&client, ring, ring_spec(ns)).await?;
         for shard in shards {

@@ -14,6 +14,7 @@ use futures::StreamExt;
 use kube::ResourceExt;
 use kube::api::{Api, DynamicObject, ObjectMeta};
 use kube::core::{ApiResource, PartialObjectMeta};
+use kube::runtime::utils::Backoff;
 use kube::runtime::{WatchStreamExt, watcher};
 use sharding_crds::{GroupResource, RingRef};
 use tokio::sync::Semaphore;
@@ -26,10 +27,11 @@ use crate::ring_views::RingView;
 
 /// Concurrent patches per watched resource.
 const CONCURRENCY: usize = 16;
-/// First delay before a failed move is tried again.
+/// First delay before a failed move, or the watch after an error, is tried again.
 const RETRY_INITIAL: Duration = Duration::from_millis(500);
 /// Longest delay between two tries: short enough that an object missed during a webhook outage
-/// is assigned within a few seconds of its end.
+/// is assigned within a few seconds of its end, and that the watch is back within a few seconds
+/// of an API server restart.
 const RETRY_MAX: Duration = Duration::from_secs(4);
 /// How often an object whose move is held back (the ring's webhook unreachable) asks again; one
 /// of them becomes the probe when it is due.
@@ -85,8 +87,8 @@ impl MissedAssignments {
 /// Watches objects of one ring resource that lack the shard label and moves them, so the webhook
 /// assigns them.
 ///
-/// The watch survives errors (the watcher re-lists with backoff, after an API server restart
-/// too), and a move that does not end with the object assigned (the webhook unreachable, a
+/// The watch survives errors (the watcher re-lists with [`RetryBackoff`], after an API server
+/// restart too), and a move that does not end with the object assigned (the webhook unreachable, a
 /// conflict) is retried with backoff until the object is assigned or gone: objects missed during a
 /// webhook outage are assigned within seconds of its end, not at the next periodic sync. Objects of
 /// the initial listing count as well: after a re-list they are exactly those missed meanwhile.
@@ -101,7 +103,7 @@ async fn watch_unassigned(ctx: Context, ring: RingRef, gr: GroupResource) {
     // `PartialObjectMeta` makes the watch metadata-only.
     let api: Api<PartialObjectMeta<DynamicObject>> = Api::all_with(ctx.client.clone(), &ar);
     let config = watcher::Config::default().labels(&format!("!{}", view.shard_label));
-    let events = watcher::watcher(api, config).default_backoff();
+    let events = watcher::watcher(api, config).backoff(RetryBackoff::default());
     futures::pin_mut!(events);
     let backlog = ctx
         .metrics
@@ -170,6 +172,51 @@ async fn watch_unassigned(ctx: Context, ring: RingRef, gr: GroupResource) {
     }
 }
 
+/// Delays between tries, from [`RETRY_INITIAL`] doubling up to [`RETRY_MAX`]: of a move that did
+/// not end with the object assigned, and of the watch after an error (reset by every event).
+///
+/// Not kube's default watch backoff (client-go's: 800 ms doubling, with jitter, up to 30 s):
+/// errors pile up while an API server restarts (refused connections, then an expired resource
+/// version once it is back), and after three or four of them that backoff waits 3 to 13 s more
+/// before watching again, so objects missed just after the restart could wait longer than the
+/// 10 s the fast path promises. One watch per ring resource, on the leader only, asks little of a
+/// struggling API server even every 4 s.
+#[derive(Debug)]
+struct RetryBackoff {
+    next: Duration,
+}
+
+impl Default for RetryBackoff {
+    fn default() -> Self {
+        Self {
+            next: RETRY_INITIAL,
+        }
+    }
+}
+
+impl RetryBackoff {
+    /// The delay before the next try.
+    fn next_delay(&mut self) -> Duration {
+        let delay = self.next;
+        self.next = (delay * 2).min(RETRY_MAX);
+        delay
+    }
+}
+
+impl Iterator for RetryBackoff {
+    type Item = Duration;
+
+    fn next(&mut self) -> Option<Duration> {
+        Some(self.next_delay())
+    }
+}
+
+impl Backoff for RetryBackoff {
+    fn reset(&mut self) {
+        self.next = RETRY_INITIAL;
+    }
+}
+
 /// Namespace and name of an object being assigned.
 #[derive(Clone, Debug, Hash, PartialEq, Eq)]
 struct ObjectKey {
@@ -178,7 +225,7 @@ struct ObjectKey {
 }
 
 /// Moves one unassigned object until the webhook has assigned it, it is gone, or it needs no
-/// move any more, retrying with backoff from [`RETRY_INITIAL`] up to [`RETRY_MAX`].
+/// move any more, retrying with [`RetryBackoff`].
 async fn assign(
     ctx: &Context,
     ring: &RingRef,
@@ -187,7 +234,7 @@ async fn assign(
     limit: &Semaphore,
     mut meta: ObjectMeta,
 ) {
-    let mut delay = RETRY_INITIAL;
+    let mut backoff = RetryBackoff::default();
     loop {
         // Always decide with the current view: shards may have changed meanwhile.
         let Some(view) = ctx.ring_views.get(ring) else {
@@ -214,7 +261,7 @@ async fn assign(
             };
             patch(ctx, &view, gr, ar, &meta, decision).await
         };
-        match result {
+        let delay = match result {
             Ok(()) => {
                 count(ctx, &view, gr, decision);
                 return;
@@ -226,11 +273,12 @@ async fn assign(
                 continue;
             }
             Err(error) => {
+                let delay = backoff.next_delay();
                 tracing::debug!(%error, object = %meta.name.as_deref().unwrap_or_default(), retry_in = ?delay, "missed-assignment move failed, retrying");
+                delay
             }
-        }
+        };
         tokio::time::sleep(delay).await;
-        delay = (delay * 2).min(RETRY_MAX);
         // Read the object afresh: a new resourceVersion, or assigned or deleted meanwhile.
         let api: Api<DynamicObject> = match &meta.namespace {
             Some(ns) => Api::namespaced_with(ctx.client.clone(), ns, ar),
@@ -246,5 +294,23 @@ async fn assign(
                 tracing::debug!(%error, "failed to read an unassigned object, retrying");
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retries_double_up_to_the_cap_and_start_over_on_reset() {
+        let mut backoff = RetryBackoff::default();
+        let delays: Vec<Duration> = backoff.by_ref().take(6).collect();
+        let ms = Duration::from_millis;
+        assert_eq!(
+            delays,
+            [ms(500), ms(1000), ms(2000), ms(4000), ms(4000), ms(4000)]
+        );
+        backoff.reset();
+        assert_eq!(backoff.next(), Some(RETRY_INITIAL));
     }
 }

@@ -67,6 +67,9 @@ pub const LIST_CONTINUED_INCONSISTENTLY: &str =
 /// to go on with, and the list starts over from its first page; with the fields `ring` and
 /// `resource`.
 pub const LIST_RESTARTED: &str = "continue token expired (410 Gone) with no token to go on with; listing again from the first page";
+/// Message of the log record at the start of every sync of a ring, with the fields `ring` and
+/// `shards`.
+pub const SYNC_STARTED: &str = "starting sync of ring";
 
 /// Message of the log record at the end of every sync of a ring, with the fields `ring`,
 /// `duration`, `listed`, `drained`, `moved`, `failed` and `held`.
@@ -497,7 +500,7 @@ struct Tally {
 async fn sync_ring(ctx: &Context, view: &RingView) -> Result<SyncStats, Error> {
     let ring = view.ring_ref();
     let started = Instant::now();
-    tracing::info!(%ring, shards = view.ring.len(), "starting sync of ring");
+    tracing::info!(%ring, shards = view.ring.len(), "{SYNC_STARTED}");
     let mut stats = SyncStats::default();
     let mut tally = Tally::default();
     let mut first_error = None;

@@ -4,11 +4,11 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use e2e::apiserver::ApiServer;
 use k8s_openapi::jiff::Timestamp;
 use kube::Client;
 use serde::Serialize;
 
-use crate::apiserver::ApiServer;
 use crate::fleet::{Fleet, Then};
 use crate::plan::{FaultKind, PlannedFault, round_ms};
 

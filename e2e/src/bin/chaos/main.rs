@@ -41,7 +41,6 @@
 //! | `soak` | the phases of a run |
 //! | `plan` | the seeded generator and the fault plan |
 //! | `fleet` | sharder replicas and shards as processes, their supervisor, the webhook gate |
-//! | `apiserver` | restarting kube-apiserver of the local control plane |
 //! | `faults` | carrying out the plan |
 //! | `churn` | creating, updating and deleting Secrets |
 //! | `leases`, `versions`, `stalls` | the tool's own records: shard Lease holders, Secret versions, API server stalls |
@@ -52,7 +51,6 @@
 //! | `probes`, `exits` | invariant 4 |
 //! | `report` | the report |
 
-mod apiserver;
 mod churn;
 mod convergence;
 mod evidence;

@@ -374,7 +374,7 @@ async fn inject(scene: &Scene<'_>, fleet: &Arc<Fleet>) -> anyhow::Result<Chaos> 
     let mut injector = Injector::new(
         fleet.clone(),
         scene.client.clone(),
-        local.map(crate::apiserver::ApiServer::new),
+        local.map(e2e::apiserver::ApiServer::new),
         args.shards + EXTRA_SHARDS,
         Duration::from_secs(u64::from(LEADER_ELECTION.0) * 3),
     );

@@ -1,8 +1,12 @@
-//! Restarting kube-apiserver of the local control plane, which `e2e/control-plane.sh` starts
-//! but has no command to restart: stop the running process, start the same binary with the same
-//! flags (so ports, certificates and etcd stay), log to the same file, and put its new process id
-//! into the control plane's `pids` file so that `control-plane.sh stop` and the watchdog still
-//! stop it.
+//! Restarting kube-apiserver of a control plane `e2e/control-plane.sh` started (the chaos tool's
+//! fault, and end-to-end tests against a [`DedicatedCluster`](crate::sharder::DedicatedCluster)),
+//! which the script has no command for: stop the running process, start the same binary with the
+//! same flags (so ports, certificates and etcd stay), log to the same file, and put its new
+//! process id into the control plane's `pids` file so that `control-plane.sh stop` and the
+//! watchdog still stop it.
+//!
+//! Never restart the shared control plane ([`cluster`](crate::cluster)): other tests run on it
+//! in parallel.
 
 use std::fs::OpenOptions;
 use std::path::{Path, PathBuf};
@@ -21,8 +25,11 @@ const STOP_TIMEOUT: Duration = Duration::from_secs(5);
 const READY_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// The API server of a control plane started by `control-plane.sh start DIR`.
+///
+/// The process a restart starts is a child of this process; dropping the value leaves it running
+/// (the control plane's `stop` ends it) and reaps it once it has ended.
 #[derive(Debug)]
-pub(crate) struct ApiServer {
+pub struct ApiServer {
     dir: PathBuf,
     /// The process we started on the previous restart, if any (we must reap it).
     child: Option<Child>,
@@ -30,29 +37,29 @@ pub(crate) struct ApiServer {
 
 /// How one restart went.
 #[derive(Debug)]
-pub(crate) struct Restarted {
+pub struct Restarted {
     /// From sending SIGTERM until the old process was gone.
-    pub(crate) stopping: Duration,
+    pub stopping: Duration,
     /// From starting the new process until `/readyz` answered `ok`.
-    pub(crate) starting: Duration,
+    pub starting: Duration,
 }
 
 impl ApiServer {
     /// The API server of the control plane whose state lives in `dir`.
-    pub(crate) fn new(dir: &Path) -> Self {
+    pub fn new(dir: &Path) -> Self {
         Self {
             dir: dir.to_path_buf(),
             child: None,
         }
     }
 
-    /// Stops the API server (SIGTERM, then SIGKILL after [`STOP_TIMEOUT`]), waits `down`, starts it
-    /// again with the same command line and waits until it is ready.
-    pub(crate) async fn restart(
-        &mut self,
-        client: &Client,
-        down: Duration,
-    ) -> anyhow::Result<Restarted> {
+    /// Stops the API server (SIGTERM, then SIGKILL after 5 s), waits `down`, starts it again with
+    /// the same command line and waits until it is ready (`/readyz` through `client`, which must
+    /// talk to this control plane; it reconnects on its own).
+    ///
+    /// Every watch open on the API server ends, and requests fail until it is ready again. Fails
+    /// when the control plane's `pids` file names no running kube-apiserver.
+    pub async fn restart(&mut self, client: &Client, down: Duration) -> anyhow::Result<Restarted> {
         let pids_file = self.dir.join("pids");
         let pids = std::fs::read_to_string(&pids_file)
             .with_context(|| format!("failed to read {}", pids_file.display()))?;
@@ -110,7 +117,7 @@ impl ApiServer {
         std::fs::write(&pids_file, replaced)
             .with_context(|| format!("failed to update {}", pids_file.display()))?;
 
-        let ready = e2e::process::poll_until("kube-apiserver /readyz", READY_TIMEOUT, || {
+        let ready = crate::process::poll_until("kube-apiserver /readyz", READY_TIMEOUT, || {
             let client = client.clone();
             async move {
                 let request = kube::core::Request::new("")
@@ -142,6 +149,16 @@ impl ApiServer {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
         false
+    }
+}
+
+impl Drop for ApiServer {
+    fn drop(&mut self) {
+        // The control plane's `stop` ends the process we started; until this process reaps it,
+        // it would linger as a zombie that `stop` waits on as if it still ran.
+        if let Some(mut child) = self.child.take() {
+            std::thread::spawn(move || child.wait());
+        }
     }
 }
 
