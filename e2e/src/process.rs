@@ -41,6 +41,21 @@ pub fn binary(name: &str) -> anyhow::Result<PathBuf> {
     Ok(path)
 }
 
+/// `VmRSS` (resident set size) of process `pid`, in KiB, from `/proc/<pid>/status`.
+pub fn rss_kib(pid: u32) -> anyhow::Result<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .with_context(|| format!("failed to read /proc/{pid}/status"))?;
+    let line = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .with_context(|| format!("no VmRSS in /proc/{pid}/status"))?;
+    line.trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .with_context(|| format!("unexpected VmRSS {line:?}"))
+}
+
 /// Polls `check` every [`POLL_INTERVAL`] until it returns `Some`, failing after `timeout` with
 /// `what` and the last error `check` returned (errors count as "not yet").
 pub async fn poll_until<T, F, Fut>(what: &str, timeout: Duration, mut check: F) -> anyhow::Result<T>

@@ -46,6 +46,50 @@ async fn gated_sharder(
     Ok((gate, files, sharder))
 }
 
+/// A gated sharder (see [`gated_sharder`]) with a ring over Secrets of a new namespace and two
+/// shard Leases held for an hour, once the ring is Ready, its webhook assigns, and its first full
+/// sync has finished.
+struct GatedRing {
+    ns: String,
+    ring: String,
+    shards: [&'static str; 2],
+    gate: TcpGate,
+    files: SharderFiles,
+    sharder: e2e::process::Process,
+}
+
+async fn gated_ring(
+    cluster: &Cluster,
+    client: &kube::Client,
+    prefix: &str,
+    settings: SharderSettings,
+) -> anyhow::Result<GatedRing> {
+    let ns = cluster.namespace(client, prefix).await?;
+    let ring = unique_name(prefix);
+    let shards = ["shard-a", "shard-b"];
+    let (gate, files, sharder) = gated_sharder(cluster, settings).await?;
+    create_ring(client, &ring, ring_spec(&ns)).await?;
+    for shard in shards {
+        create_lease(client, &ns, &ring, shard, 3600).await?;
+    }
+    files.wait_ready(STARTUP).await?;
+    wait_status(client, &ring, 2, 2).await?;
+    wait_webhook(client, &ns, &ring, &shards).await?;
+    sharder
+        .wait_for_record("the ring's first sync to finish", STARTUP, |r| {
+            r["fields"]["message"] == SYNC_FINISHED
+        })
+        .await?;
+    Ok(GatedRing {
+        ns,
+        ring,
+        shards,
+        gate,
+        files,
+        sharder,
+    })
+}
+
 /// Watches the API server holds open on `resource` (core group), from its own metrics.
 fn watches_on(cluster: &Cluster, resource: &str) -> anyhow::Result<u64> {
     cluster.apiserver_metric(
@@ -174,25 +218,16 @@ async fn objects_missed_during_a_webhook_outage_are_assigned_once_it_ends() -> a
     let dedicated = DedicatedCluster::start().await?;
     let cluster = dedicated.cluster();
     let client = cluster.client().await?;
-    let ns = cluster.namespace(&client, "outage").await?;
-    let ring = unique_name("outage");
-    let shards = ["shard-a", "shard-b"];
-
-    let (gate, files, mut sharder) = gated_sharder(cluster, SharderSettings::default()).await?;
-    create_ring(&client, &ring, ring_spec(&ns)).await?;
-    for shard in shards {
-        create_lease(&client, &ns, &ring, shard, 3600).await?;
-    }
-    files.wait_ready(STARTUP).await?;
-    wait_status(&client, &ring, 2, 2).await?;
-    wait_webhook(&client, &ns, &ring, &shards).await?;
     // The outage starts after the ring's first full sync, so that only the missed-assignment
     // path, not a sync that happens to run right after the outage, can assign the objects.
-    sharder
-        .wait_for_record("the ring's first sync to finish", STARTUP, |r| {
-            r["fields"]["message"] == SYNC_FINISHED
-        })
-        .await?;
+    let GatedRing {
+        ns,
+        ring,
+        shards,
+        gate,
+        files: _files,
+        mut sharder,
+    } = gated_ring(cluster, &client, "outage", SharderSettings::default()).await?;
 
     gate.close();
     let secrets = Api::<Secret>::namespaced(client.clone(), &ns);
@@ -257,10 +292,6 @@ async fn the_missed_assignment_watch_survives_an_apiserver_restart() -> anyhow::
     let dedicated = DedicatedCluster::start().await?;
     let cluster = dedicated.cluster();
     let client = cluster.client().await?;
-    let ns = cluster.namespace(&client, "restart").await?;
-    let ring = unique_name("restart");
-    let shards = ["shard-a", "shard-b"];
-
     let settings = SharderSettings {
         // Leadership outlasts the restart (the API server is down for about 10 s here): a new
         // term would start fresh watches and hide one that died with the old connection.
@@ -269,19 +300,14 @@ async fn the_missed_assignment_watch_survives_an_apiserver_restart() -> anyhow::
         sync_period: "1h".into(),
         ..Default::default()
     };
-    let (gate, files, mut sharder) = gated_sharder(cluster, settings).await?;
-    create_ring(&client, &ring, ring_spec(&ns)).await?;
-    for shard in shards {
-        create_lease(&client, &ns, &ring, shard, 3600).await?;
-    }
-    files.wait_ready(STARTUP).await?;
-    wait_status(&client, &ring, 2, 2).await?;
-    wait_webhook(&client, &ns, &ring, &shards).await?;
-    sharder
-        .wait_for_record("the ring's first sync to finish", STARTUP, |r| {
-            r["fields"]["message"] == SYNC_FINISHED
-        })
-        .await?;
+    let GatedRing {
+        ns,
+        ring,
+        shards,
+        gate,
+        files,
+        mut sharder,
+    } = gated_ring(cluster, &client, "restart", settings).await?;
 
     let syncs = records_with_message(&sharder, SYNC_STARTED);
 

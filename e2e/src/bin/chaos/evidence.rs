@@ -152,28 +152,6 @@ mod tests {
 thread 'main' panicked at somewhere
 "#;
 
-    #[test]
-    fn reads_the_records_the_checks_use() {
-        let log = RunLog::parse(LOG_BY_MESSAGE);
-        let at = |s: &str| s.parse::<Timestamp>().expect("timestamp");
-        assert_eq!(
-            log.reconciles,
-            [(at("2026-01-01T00:00:02Z"), "ns/s-1".to_string())]
-        );
-        assert_eq!(
-            log.drains,
-            [(at("2026-01-01T00:00:03Z"), "ns/s-1".to_string(), Some(12))]
-        );
-        assert_eq!(log.acquired, Some((at("2026-01-01T00:00:01Z"), 3)));
-        // The first loss record counts.
-        assert_eq!(
-            log.lease_end,
-            Some((at("2026-01-01T00:00:04Z"), LeaseEnd::Lost))
-        );
-        assert_eq!(log.lost_at(), Some(at("2026-01-01T00:00:04Z")));
-        assert_eq!(log.other_lines, 1);
-    }
-
     /// Lines as checksum-controller prints them with `--log-format=json`.
     const LOG: &str = r#"{"timestamp":"2026-01-01T00:00:00.000001Z","level":"INFO","message":"acquiring shard Lease","shard":"shard-0"}
 {"timestamp":"2026-01-01T00:00:01.000000Z","level":"INFO","message":"acquired Lease","event":"lease_acquired","lease":"shard-0","namespace":"leases","identity":"shard-0","transitions":3,"resource_version":"100"}
@@ -183,21 +161,30 @@ thread 'main' panicked at somewhere
 {"timestamp":"2026-01-01T00:00:04.100000Z","level":"ERROR","message":"lost the shard Lease, stopped at once","event":"shard_stopped","reason":"lease_lost","shard":"shard-0"}
 "#;
 
+    /// Both logs hold the same records: today's, found by their `event`, and older ones
+    /// without it, found by their message.
     #[test]
-    fn reads_the_records_by_their_event() {
-        let log = RunLog::parse(LOG);
+    fn reads_the_records_the_checks_use() {
         let at = |s: &str| s.parse::<Timestamp>().expect("timestamp");
-        assert_eq!(
-            log.reconciles,
-            [(at("2026-01-01T00:00:02Z"), "ns/s-1".to_string())]
-        );
-        assert_eq!(
-            log.drains,
-            [(at("2026-01-01T00:00:03Z"), "ns/s-1".to_string(), Some(12))]
-        );
-        assert_eq!(log.acquired, Some((at("2026-01-01T00:00:01Z"), 3)));
-        assert_eq!(log.lost_at(), Some(at("2026-01-01T00:00:04Z")));
-        assert_eq!(log.other_lines, 0);
+        for (log, other_lines) in [(LOG, 0), (LOG_BY_MESSAGE, 1)] {
+            let log = RunLog::parse(log);
+            assert_eq!(
+                log.reconciles,
+                [(at("2026-01-01T00:00:02Z"), "ns/s-1".to_string())]
+            );
+            assert_eq!(
+                log.drains,
+                [(at("2026-01-01T00:00:03Z"), "ns/s-1".to_string(), Some(12))]
+            );
+            assert_eq!(log.acquired, Some((at("2026-01-01T00:00:01Z"), 3)));
+            // The first loss record counts.
+            assert_eq!(
+                log.lease_end,
+                Some((at("2026-01-01T00:00:04Z"), LeaseEnd::Lost))
+            );
+            assert_eq!(log.lost_at(), Some(at("2026-01-01T00:00:04Z")));
+            assert_eq!(log.other_lines, other_lines);
+        }
     }
 
     #[test]

@@ -17,21 +17,6 @@ pub(crate) struct Rss {
     pub(crate) rss_kib: u64,
 }
 
-/// `VmRSS` of process `pid`, in KiB.
-pub(crate) fn rss_kib(pid: u32) -> anyhow::Result<u64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .with_context(|| format!("failed to read /proc/{pid}/status"))?;
-    let line = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .with_context(|| format!("no VmRSS in /proc/{pid}/status"))?;
-    line.trim()
-        .trim_end_matches("kB")
-        .trim()
-        .parse()
-        .with_context(|| format!("unexpected VmRSS {line:?}"))
-}
-
 /// Open watches per resource (`apiserver_longrunning_requests{verb="WATCH"}`, summed over the
 /// other labels), from the API server's `/metrics`.
 pub(crate) async fn watches(client: &Client) -> anyhow::Result<BTreeMap<String, u64>> {

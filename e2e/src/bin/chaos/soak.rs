@@ -562,7 +562,7 @@ fn rss(fleet: &Fleet) -> Vec<Rss> {
             Some(Rss {
                 replica: slot,
                 pid,
-                rss_kib: probes::rss_kib(pid).ok()?,
+                rss_kib: e2e::process::rss_kib(pid).ok()?,
             })
         })
         .collect()

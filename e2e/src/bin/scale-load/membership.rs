@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context as _;
 use e2e::Cluster;
 use e2e::fixtures::{create_lease, create_ring, ring_spec, wait_status};
-use e2e::process::Process;
+use e2e::process::{Process, rss_kib};
 use e2e::sharder::{SharderFiles, SharderSettings};
 use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
@@ -22,7 +22,7 @@ use sharding_crds::ClusterRing;
 use sharding_crds::labels::{ANNOTATION_WEIGHT, NAMESPACE_SYSTEM};
 use tokio_util::sync::CancellationToken;
 
-use crate::samples::{apiserver_metrics, cpu_seconds, label, rss_kib, samples, sum};
+use crate::samples::{apiserver_metrics, cpu_seconds, label, samples, sum};
 
 /// The sharder's request counter, as exposed.
 const API_REQUESTS: &str = "controller_sharding_api_requests_total";

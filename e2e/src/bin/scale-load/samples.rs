@@ -24,17 +24,6 @@ pub(crate) fn cpu_seconds(pid: u32) -> anyhow::Result<f64> {
     Ok((ticks(11)? + ticks(12)?) / 100.0)
 }
 
-/// Resident set size of a process, in KiB.
-pub(crate) fn rss_kib(pid: u32) -> anyhow::Result<u64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .with_context(|| format!("failed to read /proc/{pid}/status"))?;
-    let line = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .context("no VmRSS")?;
-    Ok(line.trim().trim_end_matches("kB").trim().parse()?)
-}
-
 /// Sum of the samples of `name` in the Prometheus text `text` whose labels include every pair of
 /// `labels` (exactly, as `key="value"`).
 pub(crate) fn sum(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
