@@ -1,5 +1,6 @@
 //! The shard-lease controller (SPEC §4): keeps each shard Lease's state label current, takes over
-//! `uncertain` Leases, deletes `orphaned` ones, and requeues exactly at the next state boundary.
+//! `uncertain` Leases, deletes `orphaned` ones, and looks at each Lease again exactly at its next
+//! state boundary.
 
 use std::collections::{BTreeSet, HashMap};
 use std::convert::Infallible;
@@ -55,8 +56,9 @@ pub(crate) enum Error {
 ///
 /// It is driven by the Lease index rather than by a watch of its own: a Lease is reconciled when
 /// it appears, when its membership or state changes (never on a plain renewal), when its ring
-/// appears, and at the state boundary its last reconcile computed. So renewals cost it nothing,
-/// and each Lease is looked at about once per Lease duration.
+/// appears, and when a state boundary passes with its state label wrong ([`triggers`]). So
+/// renewals cost it nothing, and a renewed Lease is only looked at (a timer and a state
+/// evaluation) about once per Lease duration.
 pub(crate) async fn run<R: RingObject>(ctx: Context, shutdown: CancellationToken) {
     let kind = R::KIND;
     let index = ctx.lease_index(kind).clone();
