@@ -26,6 +26,8 @@
 //! | [`fixtures`] | rings, shard Leases and Secrets; waits on a ring's status and webhook; checksum-controller shards |
 //! | [`etcd::Compactor`] | compacts a dedicated control plane's etcd again and again, so continue tokens expire |
 //! | [`IndependentRing`] | a hash ring written from the protocol's description, to check the sharder's answers against |
+//! | [`trivial_webhook`] | a webhook that answers every review with one constant patch, served like the sharder's over TLS on loopback ([`trivial_webhook::loopback_tls`]) |
+//! | [`latency::Latencies`] | nearest-rank percentiles of latency samples |
 //! | [`apiserver::ApiServer`] | restarting kube-apiserver of a control plane the harness started (a [`sharder::DedicatedCluster`], never the shared one) |
 
 pub mod apiserver;
@@ -33,9 +35,11 @@ pub mod etcd;
 pub mod fixtures;
 pub mod gate;
 mod independent_ring;
+pub mod latency;
 pub mod logs;
 pub mod process;
 pub mod sharder;
+pub mod trivial_webhook;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

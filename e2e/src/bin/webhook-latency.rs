@@ -23,34 +23,25 @@
 
 use std::collections::BTreeMap;
 use std::net::Ipv4Addr;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, ensure};
-use axum::Router;
-use axum::extract::State;
-use axum::routing::post;
 use clap::Parser;
 use e2e::fixtures::{create_lease, create_ring, ring_spec, wait_status, wait_webhook};
+use e2e::latency::Latencies;
 use e2e::process::poll_until;
-use e2e::sharder::{generate_certificates, shared};
+use e2e::sharder::shared;
+use e2e::trivial_webhook::{self, FIXED_LABEL};
 use e2e::{Cluster, cluster, unique_name};
 use k8s_openapi::ByteString;
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
 use k8s_openapi::api::core::v1::{Namespace, Secret};
 use kube::api::{Api, DeleteParams, ObjectMeta, PostParams};
 use kube::{Client, ResourceExt};
-use serde::Deserialize;
 use serde_json::{Value, json};
 use sharding_crds::ClusterRing;
 use sharding_crds::labels;
 use tokio_util::sync::CancellationToken;
-
-/// Label the trivial webhook adds to every object.
-const FIXED_LABEL: &str = "latency.sharding.timebertt.dev/fixed";
-
-/// Path of the trivial webhook.
-const TRIVIAL_PATH: &str = "/mutate";
 
 /// Shards of the ring in setup (c).
 const SHARDS: [&str; 3] = ["shard-a", "shard-b", "shard-c"];
@@ -98,45 +89,6 @@ impl Setup {
     }
 }
 
-/// Summary of one setup's latencies.
-#[derive(Debug)]
-struct Stats {
-    median: Duration,
-    p99: Duration,
-    mean: Duration,
-    min: Duration,
-    max: Duration,
-}
-
-impl Stats {
-    fn of(samples: &mut [Duration]) -> anyhow::Result<Self> {
-        ensure!(!samples.is_empty(), "no samples");
-        samples.sort_unstable();
-        let n = samples.len();
-        // Nearest rank: the smallest sample with at least p% of the samples at or below it.
-        let rank = |p: usize| samples[(n * p).div_ceil(100).clamp(1, n) - 1];
-        let total: Duration = samples.iter().sum();
-        Ok(Self {
-            median: rank(50),
-            p99: rank(99),
-            mean: total / u32::try_from(n)?,
-            min: samples[0],
-            max: samples[n - 1],
-        })
-    }
-
-    fn json(&self) -> Value {
-        let ms = |d: Duration| (d.as_secs_f64() * 1e6).round() / 1e3;
-        json!({
-            "median_ms": ms(self.median),
-            "p99_ms": ms(self.p99),
-            "mean_ms": ms(self.mean),
-            "min_ms": ms(self.min),
-            "max_ms": ms(self.max),
-        })
-    }
-}
-
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     ensure!(args.count > 0, "--count must be positive");
@@ -163,7 +115,7 @@ fn main() -> anyhow::Result<()> {
 
 /// What the run measured.
 struct Report {
-    stats: Vec<(Setup, Stats)>,
+    stats: Vec<(Setup, Latencies)>,
 }
 
 impl Report {
@@ -276,20 +228,13 @@ async fn measure(
 
     // (b): the trivial webhook, with a certificate made like the sharder's.
     let cert_dir = std::env::temp_dir().join(unique_name("webhook-latency-certs"));
-    std::fs::create_dir_all(&cert_dir)?;
-    generate_certificates(&cert_dir)?;
+    let tls = trivial_webhook::loopback_tls(&cert_dir)?;
     let ca_path = cert_dir.join("ca.crt");
     let listener = std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
         .context("failed to listen on loopback")?;
     listener.set_nonblocking(true)?;
     let addr = listener.local_addr()?;
-    let reloader = Arc::new(sharder::server::tls::CertReloader::new(
-        cert_dir.join("tls.crt"),
-        cert_dir.join("tls.key"),
-    ));
-    reloader.reload_if_changed()?;
-    let tls = tokio_rustls::TlsAcceptor::from(Arc::new(reloader.server_config()?));
-    let app = trivial_router()?;
+    let app = trivial_webhook::router()?;
     let stop = stop.clone();
     webhook_runtime.spawn(async move {
         // The listener joins the reactor of the runtime that serves it.
@@ -308,7 +253,7 @@ async fn measure(
         "webhooks": [{
             "name": "trivial.latency.sharding.timebertt.dev",
             "clientConfig": {
-                "url": format!("https://{addr}{TRIVIAL_PATH}"),
+                "url": format!("https://{addr}{}", trivial_webhook::PATH),
                 "caBundle": ByteString(ca),
             },
             "namespaceSelector": {"matchLabels": {e2e::LABEL_NAMESPACE_NAME: namespaces[1]}},
@@ -411,7 +356,7 @@ async fn measure(
 
     let mut stats = Vec::new();
     for (setup, mut s) in Setup::ALL.into_iter().zip(samples) {
-        stats.push((setup, Stats::of(&mut s)?));
+        stats.push((setup, Latencies::of(&mut s)?));
     }
     Ok(Report { stats })
 }
@@ -431,46 +376,6 @@ fn secret(name: &str) -> Secret {
         )])),
         ..Default::default()
     }
-}
-
-/// The part of a review the trivial webhook reads.
-#[derive(Deserialize)]
-struct Review {
-    request: ReviewRequest,
-}
-
-#[derive(Deserialize)]
-struct ReviewRequest {
-    uid: String,
-}
-
-/// The trivial webhook: every review is allowed with the same patch adding [`FIXED_LABEL`].
-fn trivial_router() -> anyhow::Result<Router> {
-    let pointer = format!("/metadata/labels/{}", FIXED_LABEL.replace('/', "~1"));
-    let patch = serde_json::to_vec(&json!([{"op": "add", "path": pointer, "value": "yes"}]))?;
-    let patch = Arc::new(serde_json::to_value(ByteString(patch))?);
-    Ok(Router::new()
-        .route(
-            TRIVIAL_PATH,
-            post(
-                |State(patch): State<Arc<Value>>, body: axum::body::Bytes| async move {
-                    let uid = serde_json::from_slice::<Review>(&body)
-                        .map(|r| r.request.uid)
-                        .unwrap_or_default();
-                    axum::Json(json!({
-                        "apiVersion": "admission.k8s.io/v1",
-                        "kind": "AdmissionReview",
-                        "response": {
-                            "uid": uid,
-                            "allowed": true,
-                            "patchType": "JSONPatch",
-                            "patch": patch.as_ref(),
-                        },
-                    }))
-                },
-            ),
-        )
-        .with_state(patch))
 }
 
 /// Removes what the run created; failures are reported, not fatal. (Without a

@@ -11,12 +11,17 @@
 //!   (a membership change of one ring): the work and requests per change, and how many rings
 //!   were rebuilt for it.
 //!
+//! `scale-load webhook` needs no control plane: it serves the sharder's webhook and a trivial one
+//! in-process, each on one core, and loads both over TLS on loopback with concurrent HTTP/2
+//! clients: reviews per second per core and client-observed latency, side by side.
+//!
 //! Build in release (the sharder it starts is the one next to it) and run it alone on the machine:
 //! `cargo build --release --workspace --bins && target/release/scale-load membership`.
 //! docs/scale.md has the last results.
 
 mod membership;
 mod samples;
+mod webhook;
 
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
@@ -33,15 +38,22 @@ enum Command {
     /// Shard Leases renewed by the tool: the sharder's CPU and API requests per renewal and per
     /// membership change.
     Membership(membership::Args),
+    /// The webhook's admission reviews per second on one core and its latency under concurrent
+    /// clients, next to a trivial webhook's; in-process, no control plane.
+    Webhook(webhook::Args),
 }
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let _ = rustls::crypto::ring::default_provider().install_default();
-    // Blocks on a runtime of its own: set the cluster up before entering ours.
-    let cluster = e2e::cluster();
-    let runtime = tokio::runtime::Runtime::new().context("failed to start a runtime")?;
     match args.command {
-        Command::Membership(args) => runtime.block_on(membership::run(&args, cluster)),
+        Command::Membership(args) => {
+            // Blocks on a runtime of its own: set the cluster up before entering ours.
+            let cluster = e2e::cluster();
+            let runtime = tokio::runtime::Runtime::new().context("failed to start a runtime")?;
+            runtime.block_on(membership::run(&args, cluster))
+        }
+        // Starts its servers' and its clients' runtimes itself.
+        Command::Webhook(args) => webhook::run(&args),
     }
 }

@@ -5,8 +5,17 @@ use kube::Client;
 
 /// CPU time (user + system) a process used so far, in seconds.
 pub(crate) fn cpu_seconds(pid: u32) -> anyhow::Result<f64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .with_context(|| format!("failed to read /proc/{pid}/stat"))?;
+    stat_cpu_seconds(&format!("/proc/{pid}/stat"))
+}
+
+/// CPU time (user + system) one thread of this process used so far, in seconds.
+pub(crate) fn thread_cpu_seconds(tid: u32) -> anyhow::Result<f64> {
+    stat_cpu_seconds(&format!("/proc/self/task/{tid}/stat"))
+}
+
+/// utime + stime of a `stat` file of `/proc`, in seconds.
+fn stat_cpu_seconds(path: &str) -> anyhow::Result<f64> {
+    let stat = std::fs::read_to_string(path).with_context(|| format!("failed to read {path}"))?;
     // The command name (field 2) may hold spaces; the fields after its closing parenthesis are
     // `state` (3) onwards, so utime (14) and stime (15) are the 12th and 13th after it.
     let after = stat
