@@ -30,7 +30,9 @@ fn decode(c: &mut Criterion) {
         let text = event(with);
         serde_json::from_str::<WatchEvent<Lease>>(&text).expect("a valid event");
         group.bench_function(name, |b| {
-            b.iter(|| serde_json::from_str::<WatchEvent<Lease>>(black_box(&text)).unwrap());
+            b.iter(|| {
+                serde_json::from_str::<WatchEvent<Lease>>(black_box(&text)).expect("a valid event")
+            });
         });
     }
     group.finish();
