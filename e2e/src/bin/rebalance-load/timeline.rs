@@ -146,12 +146,18 @@ impl Timeline {
             TOP + plot_h / 2.0
         );
         if let Some(c) = self.converged_secs {
+            // Near the right end the label goes left of the line, clear of the legend.
+            let (label_x, anchor) = if x(c) > LEFT + 0.75 * plot_w {
+                (x(c) - 4.0, "end")
+            } else {
+                (x(c) + 4.0, "start")
+            };
             let _ = writeln!(
                 out,
-                r##"<line x1="{0:.1}" y1="{TOP}" x2="{0:.1}" y2="{1:.1}" stroke="#555" stroke-dasharray="2,3"/><text x="{2:.1}" y="{3:.1}" fill="#555">converged {4:.1} s</text>"##,
+                r##"<line x1="{0:.1}" y1="{TOP}" x2="{0:.1}" y2="{1:.1}" stroke="#555" stroke-dasharray="2,3"/><text x="{2:.1}" y="{3:.1}" fill="#555" text-anchor="{anchor}">converged {4:.1} s</text>"##,
                 x(c),
                 TOP + plot_h,
-                x(c) + 4.0,
+                label_x,
                 TOP + 12.0,
                 c
             );
