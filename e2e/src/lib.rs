@@ -22,6 +22,7 @@
 //! | [`fixtures::secret_review`] | an `admission.k8s.io/v1` AdmissionReview of a Secret CREATE |
 //! | [`Cluster::apiserver_metric`] | a metric from the API server's own `/metrics` |
 //! | [`sharder::counter`] | a per-resource counter from the sharder's `/metrics` text |
+//! | [`prometheus`] | sums and samples of any Prometheus text; the API server's whole `/metrics` |
 //! | [`sharder::curl`] | an HTTP request through curl (metrics, health, a Prometheus server's API) |
 //! | [`fixtures`] | rings, shard Leases and Secrets; waits on a ring's status and webhook; checksum-controller shards |
 //! | [`etcd::Compactor`] | compacts a dedicated control plane's etcd again and again, so continue tokens expire |
@@ -38,6 +39,7 @@ mod independent_ring;
 pub mod latency;
 pub mod logs;
 pub mod process;
+pub mod prometheus;
 pub mod sharder;
 pub mod trivial_webhook;
 

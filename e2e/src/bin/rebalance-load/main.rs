@@ -40,6 +40,7 @@
 //! | `placement` | following every object's placement until it converges |
 //! | `probes` | the sharder and shard processes, their sync records, memory, metrics, list pages |
 //! | `report` | the report, as JSON or text |
+//! | `timeline` | objects per shard over the scale-out, as CSV and an SVG chart |
 //!
 //! The sharder's page size, end-of-sync log message and counter names are imported from the
 //! `sharder` crate, so the tool follows when they change.
@@ -48,13 +49,17 @@ mod objects;
 mod placement;
 mod probes;
 mod report;
+mod timeline;
 
+use std::collections::BTreeMap;
 use std::fmt::Debug;
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::Parser;
 use e2e::fixtures::{create_ring, ring_spec, wait_status, wait_webhook};
+use e2e::prometheus::{apiserver_metrics, label, samples, sum};
 use e2e::sharder::{SharderFiles, SharderSettings};
 use e2e::{Cluster, cluster, unique_name};
 use k8s_openapi::api::core::v1::Namespace;
@@ -67,7 +72,8 @@ use crate::placement::{Kind, Tracker};
 use crate::probes::{
     counters, memory, probe_pages, restart_sharder, start_shard, sync_records, wait_sync,
 };
-use crate::report::{Counters, Floor, Phase, Report, ScaleOut, secs};
+use crate::report::{Counters, Duplicates, Floor, Goals, Phase, Report, ScaleOut, Writes, secs};
+use crate::timeline::Timeline;
 
 /// Shards before the scale-out; the last one joins for it.
 const SHARDS: [&str; 4] = ["shard-0", "shard-1", "shard-2", "shard-3"];
@@ -111,6 +117,13 @@ struct Args {
     /// `MALLOC_ARENA_MAX=1` to see how much of its memory is allocator arenas.
     #[arg(long, value_parser = parse_env)]
     sharder_env: Vec<(String, String)>,
+    /// Write the objects per shard during the scale-out to `<PREFIX>.csv` and draw them as a line
+    /// chart in `<PREFIX>.svg`.
+    #[arg(long, value_name = "PREFIX")]
+    timeline: Option<PathBuf>,
+    /// Milliseconds between two samples of the timeline.
+    #[arg(long, default_value_t = 500)]
+    sample_every: u64,
     /// Print the report as JSON instead of text.
     #[arg(long)]
     json: bool,
@@ -175,8 +188,19 @@ async fn run(args: &Args, cluster: &Cluster) -> anyhow::Result<Report> {
             .delete(&namespace, &DeleteParams::default())
             .await;
     }
-    let (phases, scale_out, floor, concurrent_moves) =
+    let (phases, scale_out, floor, concurrent_moves, timeline) =
         result.with_context(|| format!("process logs are in {}", logs.display()))?;
+    let mut timeline_files = Vec::new();
+    if let Some(prefix) = &args.timeline {
+        for (extension, text) in [("csv", timeline.csv()), ("svg", timeline.svg())] {
+            let mut path = prefix.clone().into_os_string();
+            path.push(format!(".{extension}"));
+            let path = PathBuf::from(path);
+            std::fs::write(&path, text)
+                .with_context(|| format!("failed to write {}", path.display()))?;
+            timeline_files.push(path.display().to_string());
+        }
+    }
     Ok(Report {
         objects: args.objects,
         server_version,
@@ -195,6 +219,8 @@ async fn run(args: &Args, cluster: &Cluster) -> anyhow::Result<Report> {
         phases,
         scale_out,
         floor,
+        goals: Goals::for_objects(args.objects),
+        timeline_files,
     })
 }
 
@@ -205,7 +231,7 @@ async fn measure(
     namespace: &str,
     ring: &str,
     started: Instant,
-) -> anyhow::Result<(Vec<Phase>, ScaleOut, Floor, usize)> {
+) -> anyhow::Result<(Vec<Phase>, ScaleOut, Floor, usize, Timeline)> {
     let timeout = Duration::from_secs(args.timeout);
     let settle = Duration::from_secs(args.settle);
     let files = SharderFiles::create(
@@ -290,6 +316,9 @@ async fn measure(
     let before = tracker.snapshot();
     let counters_before = counters(&files, ring)?;
     let syncs_before = sync_records(&sharder, ring).len();
+    let relists_before = tracker.lock().relists;
+    let server_before = apiserver_metrics(client).await?;
+    let sharder_before = files.metrics()?;
     tracker.set_target(&SHARDS, count);
     let predicted_moves = tracker.lock().target.as_ref().map_or(0, |t| t.bad.len()) / 2;
     progress(
@@ -300,6 +329,7 @@ async fn measure(
         ),
     );
     let t0 = Instant::now();
+    let sampler = tracker.sample(&SHARDS, t0, Duration::from_millis(args.sample_every.max(1)));
     shards.push(start_shard(ring, namespace, SHARDS[3])?);
     wait_status(client, ring, 4, 4).await?;
     let available = t0.elapsed();
@@ -313,6 +343,15 @@ async fn measure(
         )
         .await?;
     let converged = converged_at.saturating_duration_since(t0);
+    let window = t0.elapsed();
+    let server_after = apiserver_metrics(client).await?;
+    let sharder_after_text = files.metrics()?;
+    let timeline = Timeline {
+        shards: SHARDS.iter().map(|s| (*s).to_string()).collect(),
+        objects: count,
+        converged_secs: Some(secs(converged)),
+        samples: sampler.finish(),
+    };
     progress(
         started,
         &format!("converged after {:.2} s", converged.as_secs_f64()),
@@ -340,6 +379,48 @@ async fn measure(
         .iter()
         .all(|key| after.get(key).and_then(Option::as_deref) == Some(SHARDS[3]));
     let moved_of = |kind: Kind| moved.iter().filter(|(k, _)| *k == kind).count();
+    let (changes, relists) = tracker.changes();
+    let mut duplicates = Duplicates {
+        watch_relists: relists - relists_before,
+        sharder_secret_patches: sharder_requests(&sharder_before, &sharder_after_text, "secrets"),
+        sharder_configmap_patches: sharder_requests(
+            &sharder_before,
+            &sharder_after_text,
+            "configmaps",
+        ),
+        ..Duplicates::default()
+    };
+    let mut twice: Vec<_> = changes
+        .iter()
+        .filter(|(_, c)| c.drains > 1 || c.relabels > 1)
+        .collect();
+    twice.sort_by(|a, b| a.0.cmp(b.0));
+    for ((kind, _), c) in &twice {
+        match kind {
+            Kind::Secret => {
+                duplicates.secrets_drained_twice += usize::from(c.drains > 1);
+                duplicates.secrets_relabelled_twice += usize::from(c.relabels > 1);
+            }
+            Kind::ConfigMap => duplicates.configmaps_relabelled_twice += 1,
+        }
+    }
+    duplicates.examples = twice
+        .iter()
+        .take(10)
+        .map(|((kind, name), c)| {
+            format!(
+                "{kind:?}/{name}: {} drains, {} relabels",
+                c.drains, c.relabels
+            )
+        })
+        .collect();
+    let writes = writes(
+        &server_before,
+        &server_after,
+        &sharder_before,
+        &sharder_after_text,
+        window,
+    );
     let scale_out = ScaleOut {
         available_seconds: secs(available),
         converged_seconds: secs(converged),
@@ -351,6 +432,8 @@ async fn measure(
         syncs,
         transitions: tracker.transitions(),
         sharder_after,
+        duplicates,
+        writes,
     };
     drop(tracker);
 
@@ -389,5 +472,158 @@ async fn measure(
         let _ = shard.terminate();
     }
     let _ = sharder.terminate();
-    Ok((phases, scale_out, floor, concurrency))
+    Ok((phases, scale_out, floor, concurrency, timeline))
+}
+
+/// The API server's counter of served requests.
+const APISERVER_REQUESTS: &str = "apiserver_request_total";
+
+/// The sharder's counter of requests it sent.
+const SHARDER_REQUESTS: &str = "controller_sharding_api_requests_total";
+
+/// The API server's mutating verbs (`APPLY` is a server-side apply PATCH).
+const MUTATING_SERVER_VERBS: [&str; 6] = [
+    "POST",
+    "PUT",
+    "PATCH",
+    "APPLY",
+    "DELETE",
+    "DELETECOLLECTION",
+];
+
+/// The sharder's mutating verbs, as its request counter names them.
+const MUTATING_SHARDER_VERBS: [&str; 4] = ["create", "update", "patch", "delete"];
+
+/// PATCH requests the sharder sent on `resource` between two of its `/metrics` texts.
+fn sharder_requests(before: &str, after: &str, resource: &str) -> f64 {
+    let labels = [("verb", "patch"), ("resource", resource)];
+    sum(after, SHARDER_REQUESTS, &labels) - sum(before, SHARDER_REQUESTS, &labels)
+}
+
+/// Mutating requests between two pairs of `/metrics` texts: the API server's and the sharder's.
+fn writes(
+    server_before: &str,
+    server_after: &str,
+    sharder_before: &str,
+    sharder_after: &str,
+    window: Duration,
+) -> Writes {
+    let server = delta_by(server_before, server_after, APISERVER_REQUESTS, |labels| {
+        let verb = label(labels, "verb");
+        MUTATING_SERVER_VERBS.contains(&verb).then(|| {
+            let (resource, sub) = (label(labels, "resource"), label(labels, "subresource"));
+            if sub.is_empty() {
+                format!("{verb} {resource}")
+            } else {
+                format!("{verb} {resource}/{sub}")
+            }
+        })
+    });
+    let sharder = delta_by(sharder_before, sharder_after, SHARDER_REQUESTS, |labels| {
+        let verb = label(labels, "verb");
+        MUTATING_SHARDER_VERBS.contains(&verb).then(|| {
+            format!(
+                "{} {verb} {}",
+                label(labels, "client"),
+                label(labels, "resource")
+            )
+        })
+    });
+    let total = |kinds: &[(String, f64)]| kinds.iter().map(|(_, n)| n).sum::<f64>();
+    let (apiserver, sharder_total) = (total(&server), total(&sharder));
+    Writes {
+        window_seconds: secs(window),
+        apiserver,
+        apiserver_by_kind: server,
+        sharder: sharder_total,
+        sharder_by_kind: sharder,
+        sharder_share_percent: if apiserver > 0.0 {
+            (sharder_total / apiserver * 1000.0).round() / 10.0
+        } else {
+            0.0
+        },
+    }
+}
+
+/// The increase of `metric` between two texts, summed per key that `key` derives from a sample's
+/// labels (samples it maps to `None` are left out), largest first, zeros dropped.
+fn delta_by(
+    before: &str,
+    after: &str,
+    metric: &str,
+    key: impl Fn(&str) -> Option<String>,
+) -> Vec<(String, f64)> {
+    let totals = |text: &str| {
+        let mut totals: BTreeMap<String, f64> = BTreeMap::new();
+        for (labels, value) in samples(text, metric) {
+            if let Some(k) = key(&labels) {
+                *totals.entry(k).or_default() += value;
+            }
+        }
+        totals
+    };
+    let before = totals(before);
+    let mut delta: Vec<(String, f64)> = totals(after)
+        .into_iter()
+        .map(|(k, v)| {
+            let d = v - before.get(&k).copied().unwrap_or_default();
+            (k, d)
+        })
+        .filter(|(_, d)| *d > 0.0)
+        .collect();
+    delta.sort_by(|a, b| b.1.total_cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+    delta
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn writes_count_mutating_requests_of_the_window() {
+        let server_before = "\
+apiserver_request_total{code=\"200\",resource=\"secrets\",subresource=\"\",verb=\"PATCH\"} 10
+apiserver_request_total{code=\"200\",resource=\"secrets\",subresource=\"\",verb=\"LIST\"} 5
+";
+        let server_after = "\
+apiserver_request_total{code=\"200\",resource=\"secrets\",subresource=\"\",verb=\"PATCH\"} 90
+apiserver_request_total{code=\"409\",resource=\"secrets\",subresource=\"\",verb=\"PATCH\"} 10
+apiserver_request_total{code=\"200\",resource=\"secrets\",subresource=\"\",verb=\"LIST\"} 50
+apiserver_request_total{code=\"201\",resource=\"configmaps\",subresource=\"\",verb=\"APPLY\"} 100
+apiserver_request_total{code=\"200\",resource=\"clusterrings\",subresource=\"status\",verb=\"PUT\"} 0
+";
+        let sharder_before = "\
+controller_sharding_api_requests_total{client=\"main\",verb=\"patch\",resource=\"secrets\"} 5
+";
+        let sharder_after = "\
+controller_sharding_api_requests_total{client=\"main\",verb=\"patch\",resource=\"secrets\"} 55
+controller_sharding_api_requests_total{client=\"main\",verb=\"list\",resource=\"secrets\"} 7
+controller_sharding_api_requests_total{client=\"leader_election\",verb=\"update\",resource=\"leases\"} 2
+";
+        let w = writes(
+            server_before,
+            server_after,
+            sharder_before,
+            sharder_after,
+            Duration::from_secs(3),
+        );
+        assert_eq!(w.apiserver, 190.0);
+        assert_eq!(
+            w.apiserver_by_kind,
+            vec![
+                ("APPLY configmaps".to_string(), 100.0),
+                ("PATCH secrets".to_string(), 90.0)
+            ]
+        );
+        assert_eq!(w.sharder, 52.0);
+        assert_eq!(
+            w.sharder_by_kind[0],
+            ("main patch secrets".to_string(), 50.0)
+        );
+        assert_eq!(w.sharder_share_percent, 27.4);
+        assert_eq!(
+            sharder_requests(sharder_before, sharder_after, "secrets"),
+            50.0
+        );
+    }
 }

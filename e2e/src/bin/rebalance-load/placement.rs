@@ -20,10 +20,11 @@ use sharding_crds::labels;
 use tokio::task::JoinHandle;
 
 use crate::report::{Transitions, secs};
+use crate::timeline::Sample;
 use crate::{CONFIG_MAP_PREFIX, PROGRESS_EVERY, SECRET_PREFIX, progress};
 
 /// Which kind of object a watch follows.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub(crate) enum Kind {
     Secret,
     ConfigMap,
@@ -47,6 +48,17 @@ pub(crate) struct Target {
     /// Since when every object has been in place, if it is.
     pub(crate) good_since: Option<Instant>,
     pub(crate) transitions: Transitions,
+    /// Label changes seen per object since the target was set.
+    pub(crate) changes: HashMap<(Kind, String), Changes>,
+}
+
+/// Label changes of one object, as the watch saw them.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Changes {
+    /// Times the drain label appeared (Secrets).
+    pub(crate) drains: u32,
+    /// Times the shard label changed to another shard.
+    pub(crate) relabels: u32,
 }
 
 /// Placements of every Secret and ConfigMap, keyed by the Secret's name.
@@ -59,6 +71,9 @@ pub(crate) struct State {
     pub(crate) configmaps: HashMap<String, Placement>,
     pub(crate) synced: HashSet<Kind>,
     pub(crate) target: Option<Target>,
+    /// Times a watch listed again after its first list (events in between are not seen, so the
+    /// per-object changes are complete only while this is 0).
+    pub(crate) relists: u64,
 }
 
 impl State {
@@ -102,6 +117,7 @@ impl State {
             bad,
             good_since: None,
             transitions: Transitions::default(),
+            changes: HashMap::new(),
         });
         self.update_good();
     }
@@ -110,11 +126,13 @@ impl State {
         *self.objects_mut(kind) = objects;
         self.synced.insert(kind);
         if let Some(target) = self.target.take() {
-            let (transitions, set_at) = (target.transitions, target.set_at);
+            let (transitions, set_at, changes) =
+                (target.transitions, target.set_at, target.changes);
             self.set_target(target.ring, target.count);
             if let Some(t) = self.target.as_mut() {
                 t.transitions = transitions;
                 t.set_at = set_at;
+                t.changes = changes;
             }
         }
     }
@@ -128,12 +146,15 @@ impl State {
             if let (Some(old), Some(new)) = (&previous, &placement) {
                 let since = secs(target.set_at.elapsed());
                 let t = &mut target.transitions;
+                let key = (kind, name.clone());
                 if !old.draining && new.draining {
+                    target.changes.entry(key.clone()).or_default().drains += 1;
                     t.drains_seen += 1;
                     t.first_drain_seconds.get_or_insert(since);
                     t.last_drain_seconds = Some(since);
                 }
                 if old.shard != new.shard && new.shard.is_some() {
+                    target.changes.entry(key).or_default().relabels += 1;
                     match kind {
                         Kind::Secret => t.secret_relabels += 1,
                         Kind::ConfigMap => {
@@ -180,6 +201,29 @@ impl State {
         }
     }
 
+    /// Secrets and ConfigMaps per shard of `shards` (in that order), and the draining Secrets.
+    pub(crate) fn counts(&self, shards: &[&str]) -> (Vec<usize>, Vec<usize>, usize) {
+        let per_shard = |kind: Kind| {
+            let mut counts = vec![0; shards.len()];
+            for placement in self.objects(kind).values() {
+                if let Some(i) = placement
+                    .shard
+                    .as_deref()
+                    .and_then(|s| shards.iter().position(|x| *x == s))
+                {
+                    counts[i] += 1;
+                }
+            }
+            counts
+        };
+        let draining = self.secrets.values().filter(|p| p.draining).count();
+        (
+            per_shard(Kind::Secret),
+            per_shard(Kind::ConfigMap),
+            draining,
+        )
+    }
+
     pub(crate) fn summary(&self) -> String {
         let (bad, count) = self
             .target
@@ -218,6 +262,7 @@ impl Tracker {
             configmaps: HashMap::new(),
             synced: HashSet::new(),
             target: None,
+            relists: 0,
         }));
         let tasks = vec![
             tokio::spawn(follow(
@@ -254,6 +299,49 @@ impl Tracker {
 
     pub(crate) fn set_target(&self, shards: &[&str], count: usize) {
         self.lock().set_target(Ring::new(shards), count);
+    }
+
+    /// Label changes per object since the target was set, and the watches' relists.
+    pub(crate) fn changes(&self) -> (HashMap<(Kind, String), Changes>, u64) {
+        let state = self.lock();
+        let changes = state
+            .target
+            .as_ref()
+            .map(|t| t.changes.clone())
+            .unwrap_or_default();
+        (changes, state.relists)
+    }
+
+    /// Samples the objects per shard of `shards` every `every`, measuring time from `start`,
+    /// until the returned sampler is finished.
+    pub(crate) fn sample(&self, shards: &[&str], start: Instant, every: Duration) -> Sampler {
+        let samples = Arc::new(Mutex::new(Vec::new()));
+        let (state, shards_owned) = (
+            self.state.clone(),
+            shards.iter().map(|s| (*s).to_string()).collect::<Vec<_>>(),
+        );
+        let out = samples.clone();
+        let task = tokio::spawn(async move {
+            let shards: Vec<&str> = shards_owned.iter().map(String::as_str).collect();
+            let mut ticks = tokio::time::interval(every);
+            ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                ticks.tick().await;
+                let (secrets, configmaps, draining) = state
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .counts(&shards);
+                out.lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .push(Sample {
+                        secs: secs(start.elapsed()),
+                        secrets,
+                        configmaps,
+                        draining,
+                    });
+            }
+        });
+        Sampler { samples, task }
     }
 
     pub(crate) fn transitions(&self) -> Transitions {
@@ -297,6 +385,26 @@ impl Tracker {
     }
 }
 
+/// Counts of objects per shard taken at an interval, until [`Sampler::finish`] (or drop).
+pub(crate) struct Sampler {
+    samples: Arc<Mutex<Vec<Sample>>>,
+    task: JoinHandle<()>,
+}
+
+impl Sampler {
+    /// Stops sampling and returns the samples.
+    pub(crate) fn finish(self) -> Vec<Sample> {
+        self.task.abort();
+        std::mem::take(&mut *self.samples.lock().unwrap_or_else(PoisonError::into_inner))
+    }
+}
+
+impl Drop for Sampler {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
 /// Runs a metadata-only watch of one kind and feeds its events into `state`.
 pub(crate) async fn follow<K>(api: Api<PartialObjectMeta<K>>, kind: Kind, state: Arc<Mutex<State>>)
 where
@@ -334,7 +442,12 @@ where
         };
         let mut state = state.lock().unwrap_or_else(PoisonError::into_inner);
         match event {
-            watcher::Event::Init => buffer.clear(),
+            watcher::Event::Init => {
+                buffer.clear();
+                if state.synced.contains(&kind) {
+                    state.relists += 1;
+                }
+            }
             watcher::Event::InitApply(obj) => {
                 if let Some((name, placement)) = entry(&obj) {
                     buffer.insert(name, placement);

@@ -12,6 +12,7 @@ use kube::api::ListParams;
 
 use sharder::controller::sharder::{PAGE_SIZE, SYNC_FINISHED};
 use sharder::metrics::{DRAINS, MOVEMENTS};
+use sharding_crds::{RingKind, RingRef};
 
 use crate::report::{Counters, MemorySample, PageProbe, SyncRecord};
 
@@ -49,8 +50,10 @@ pub(crate) async fn restart_sharder(
     Ok(process)
 }
 
-/// The sharder's "finished sync of ring" records of `ring`, in order.
+/// The sharder's "finished sync of ring" records of ClusterRing `ring`, in order.
 pub(crate) fn sync_records(sharder: &Process, ring: &str) -> Vec<SyncRecord> {
+    // The records name a ring by kind and name (`ClusterRing/<name>`).
+    let ring = RingRef::new(RingKind::ClusterRing, ring).to_string();
     sharder
         .records()
         .iter()

@@ -20,6 +20,9 @@ pub(crate) struct Report {
     pub(crate) phases: Vec<Phase>,
     pub(crate) scale_out: ScaleOut,
     pub(crate) floor: Floor,
+    pub(crate) goals: Goals,
+    /// Files the objects-per-shard timeline was written to (`--timeline`).
+    pub(crate) timeline_files: Vec<String>,
 }
 
 /// Setting up one ring size and measuring a fresh sharder's memory after its full sync.
@@ -86,6 +89,50 @@ pub(crate) struct ScaleOut {
     pub(crate) transitions: Transitions,
     /// Sharder memory after the scale-out (its peak includes the startup sync at full size).
     pub(crate) sharder_after: MemorySample,
+    /// Objects whose labels the watches saw change more often than one patch each explains.
+    pub(crate) duplicates: Duplicates,
+    /// Mutating requests during the scale-out, the sharder's and everyone's.
+    pub(crate) writes: Writes,
+}
+
+/// Per-object evidence of patches sent twice, from the watches (the API server's view): a moved
+/// Secret should gain the drain label once and change its shard label once, a moved ConfigMap
+/// change its shard label once.
+#[derive(Debug, Default, Serialize)]
+pub(crate) struct Duplicates {
+    /// Secrets that gained the drain label more than once.
+    pub(crate) secrets_drained_twice: usize,
+    /// Secrets whose shard label changed more than once.
+    pub(crate) secrets_relabelled_twice: usize,
+    /// ConfigMaps whose shard label changed more than once.
+    pub(crate) configmaps_relabelled_twice: usize,
+    /// Up to ten of them, as `kind/secret-name: drains, relabels`.
+    pub(crate) examples: Vec<String>,
+    /// Times a watch listed again during the scale-out; changes in such a gap are not seen, so
+    /// the per-object counts are complete only when this is 0.
+    pub(crate) watch_relists: u64,
+    /// PATCH requests the sharder sent per resource (its `controller_sharding_api_requests_total`,
+    /// successful or not), next to the moved objects.
+    pub(crate) sharder_secret_patches: f64,
+    pub(crate) sharder_configmap_patches: f64,
+}
+
+/// Mutating requests (`POST`, `PUT`, `PATCH`, `APPLY`, `DELETE`, `DELETECOLLECTION`) in the
+/// window from starting the 4th shard until convergence had held for `--settle` seconds.
+#[derive(Debug, Default, Serialize)]
+pub(crate) struct Writes {
+    pub(crate) window_seconds: f64,
+    /// Counted by the API server (`apiserver_request_total`), every client.
+    pub(crate) apiserver: f64,
+    /// The API server's, by `verb resource`, largest first.
+    pub(crate) apiserver_by_kind: Vec<(String, f64)>,
+    /// Sent by the sharder (`controller_sharding_api_requests_total`, verbs create, update,
+    /// patch, delete).
+    pub(crate) sharder: f64,
+    /// The sharder's, by `client verb resource`, largest first.
+    pub(crate) sharder_by_kind: Vec<(String, f64)>,
+    /// `sharder / apiserver`, in %.
+    pub(crate) sharder_share_percent: f64,
 }
 
 /// Patches the sharder counted during the scale-out.
@@ -134,6 +181,36 @@ pub(crate) struct Floor {
     pub(crate) runs_seconds: Vec<f64>,
     pub(crate) median_seconds: f64,
     pub(crate) failed: usize,
+}
+
+/// Thresholds of issue 13 a run is held to: target 3 for 100 000 objects and more, the
+/// 10 000-object goals below that.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub(crate) struct Goals {
+    /// Convergence over the floor's median.
+    pub(crate) ratio: f64,
+    /// The sharder's peak RSS after its full sync at `--objects`, in MiB.
+    pub(crate) rss_mib: f64,
+    /// VmHWM growth from `--small` to `--objects`, in %.
+    pub(crate) growth_percent: f64,
+}
+
+impl Goals {
+    pub(crate) fn for_objects(objects: usize) -> Self {
+        if objects >= 100_000 {
+            Self {
+                ratio: 1.2,
+                rss_mib: 48.0,
+                growth_percent: 10.0,
+            }
+        } else {
+            Self {
+                ratio: 2.0,
+                rss_mib: 40.0,
+                growth_percent: 10.0,
+            }
+        }
+    }
 }
 
 impl Report {
@@ -246,6 +323,38 @@ impl Report {
             s.sharder_after.vm_hwm_kib as f64 / 1024.0,
             s.sharder_after.vm_rss_kib as f64 / 1024.0
         );
+        let d = &s.duplicates;
+        let _ = writeln!(
+            out,
+            "  per object (watch, {} relists): {} Secrets drained twice, {} Secrets and {} ConfigMaps relabelled twice{}; \
+             sharder PATCH requests: {} on Secrets, {} on ConfigMaps",
+            d.watch_relists,
+            d.secrets_drained_twice,
+            d.secrets_relabelled_twice,
+            d.configmaps_relabelled_twice,
+            if d.examples.is_empty() {
+                String::new()
+            } else {
+                format!(" (e.g. {})", d.examples.join("; "))
+            },
+            d.sharder_secret_patches,
+            d.sharder_configmap_patches,
+        );
+        let w = &s.writes;
+        let _ = writeln!(
+            out,
+            "  writes in {:.1} s: {} counted by the API server, {} sent by the sharder ({:.1} %)",
+            w.window_seconds, w.apiserver, w.sharder, w.sharder_share_percent
+        );
+        for (kind, n) in &w.apiserver_by_kind {
+            let _ = writeln!(out, "    API server: {kind}: {n}");
+        }
+        for (kind, n) in &w.sharder_by_kind {
+            let _ = writeln!(out, "    sharder: {kind}: {n}");
+        }
+        for file in &self.timeline_files {
+            let _ = writeln!(out, "  timeline: {file}");
+        }
         let f = &self.floor;
         let _ = writeln!(
             out,
@@ -267,30 +376,51 @@ impl Report {
                 "MISSED"
             }
         );
+        let d = &s.duplicates;
+        let twice =
+            d.secrets_drained_twice + d.secrets_relabelled_twice + d.configmaps_relabelled_twice;
+        let _ = writeln!(
+            out,
+            "  no object patched twice:  {twice} objects with a repeated label change ({})",
+            if twice == 0 { "met" } else { "MISSED" }
+        );
+        let g = self.goals;
         let ratio = s.converged_seconds / f.median_seconds.max(f64::EPSILON);
         let _ = writeln!(
             out,
-            "  convergence <= 2x floor:  {:.2} s / {:.2} s = {ratio:.2}x ({})",
+            "  convergence <= {}x floor: {:.2} s / {:.2} s = {ratio:.2}x ({})",
+            g.ratio,
             s.converged_seconds,
             f.median_seconds,
-            if ratio <= 2.0 { "met" } else { "MISSED" }
+            if ratio <= g.ratio { "met" } else { "MISSED" }
         );
         if let Some(last) = self.phases.last() {
             let mib = last.sharder.vm_hwm_kib as f64 / 1024.0;
             let _ = writeln!(
                 out,
-                "  sharder RSS <= 40 MiB:    peak {mib:.1} MiB at {} objects ({})",
+                "  sharder RSS <= {} MiB:    peak {mib:.1} MiB at {} objects ({})",
+                g.rss_mib,
                 last.objects,
-                if mib <= 40.0 { "met" } else { "MISSED" }
+                if mib <= g.rss_mib { "met" } else { "MISSED" }
             );
         }
         if let Some(growth) = self.rss_growth_percent() {
             let _ = writeln!(
                 out,
-                "  RSS growth <= 10 %:       {growth:+.1} % ({})",
-                if growth <= 10.0 { "met" } else { "MISSED" }
+                "  RSS growth <= {} %:       {growth:+.1} % ({})",
+                g.growth_percent,
+                if growth <= g.growth_percent {
+                    "met"
+                } else {
+                    "MISSED"
+                }
             );
         }
+        let _ = writeln!(
+            out,
+            "  sharder's write share:    {:.1} % of {} mutating requests",
+            s.writes.sharder_share_percent, s.writes.apiserver
+        );
         out
     }
 }

@@ -22,7 +22,9 @@ use sharding_crds::ClusterRing;
 use sharding_crds::labels::{ANNOTATION_WEIGHT, NAMESPACE_SYSTEM};
 use tokio_util::sync::CancellationToken;
 
-use crate::samples::{apiserver_metrics, cpu_seconds, label, samples, sum};
+use e2e::prometheus::{apiserver_metrics, label, samples, sum};
+
+use crate::samples::cpu_seconds;
 
 /// The sharder's request counter, as exposed.
 const API_REQUESTS: &str = "controller_sharding_api_requests_total";
