@@ -40,6 +40,18 @@ pub struct ResourceInfo {
     pub namespaced: bool,
 }
 
+impl ResourceInfo {
+    /// A namespaced resource of the core group's `v1`, as discovery reports Secrets or
+    /// ConfigMaps: for building views without an API server (tests, benches, load tools).
+    pub fn core_namespaced(kind: &str) -> Self {
+        Self {
+            kind: kind.into(),
+            version: "v1".into(),
+            namespaced: true,
+        }
+    }
+}
+
 /// A resource of a ring, resolved: its kind and scope, and its role in the ring.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct ResolvedResource {

@@ -34,11 +34,7 @@ fn state(shards: &[&str]) -> WebhookState {
         },
         status: None,
     };
-    let info = |kind: &str| ResourceInfo {
-        kind: kind.into(),
-        version: "v1".into(),
-        namespaced: true,
-    };
+    let info = ResourceInfo::core_namespaced;
     let discovered = HashMap::from([
         (GroupResource::new("", "secrets"), info("Secret")),
         (GroupResource::new("", "configmaps"), info("ConfigMap")),

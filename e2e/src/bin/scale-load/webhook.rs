@@ -174,11 +174,7 @@ pub(crate) fn run(args: &Args) -> anyhow::Result<()> {
 /// The sharder's webhook state with one ring over Secrets per entry of `shard_counts`, each with
 /// that many available shards of weight 1, and those rings as the tool predicts assignments.
 fn sharder_state(shard_counts: &[usize]) -> (WebhookState, Vec<(usize, ExpectedRing)>) {
-    let info = |kind: &str| ResourceInfo {
-        kind: kind.into(),
-        version: "v1".into(),
-        namespaced: true,
-    };
+    let info = ResourceInfo::core_namespaced;
     // What discovery would report for the resources of `ring_spec`.
     let discovered = HashMap::from([
         (GroupResource::new("", "secrets"), info("Secret")),
