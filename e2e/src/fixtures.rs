@@ -301,6 +301,46 @@ pub async fn wait_webhook_of(
     .await
 }
 
+/// Waits until the objects `names` of kind `K` in `namespace` carry the shard label of `ring`. The
+/// webhook fails open (`failurePolicy: Ignore`): on a busy machine a create may miss it, and the
+/// sharder then assigns the object within seconds. Tests that count labels call this first.
+pub async fn wait_labelled<K>(
+    client: &Client,
+    namespace: &str,
+    ring: &RingRef,
+    names: &[&str],
+) -> anyhow::Result<()>
+where
+    K: kube::Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>
+        + Clone
+        + serde::de::DeserializeOwned
+        + std::fmt::Debug,
+{
+    let api = Api::<K>::namespaced(client.clone(), namespace);
+    let key = ring.shard_label();
+    poll_until(
+        &format!("{names:?} in {namespace} to carry the shard label of ring {ring}"),
+        WAIT,
+        || {
+            let (api, key) = (api.clone(), key.clone());
+            async move {
+                let objects = api.list(&ListParams::default()).await?;
+                let labelled: Vec<String> = objects
+                    .items
+                    .iter()
+                    .filter(|o| o.labels().contains_key(&key))
+                    .map(|o| o.name_any())
+                    .collect();
+                Ok(names
+                    .iter()
+                    .all(|n| labelled.iter().any(|l| l == n))
+                    .then_some(()))
+            }
+        },
+    )
+    .await
+}
+
 /// Lease timing of a test shard: duration, renew deadline, retry period (seconds, as flags).
 #[derive(Clone, Copy, Debug)]
 pub struct ShardTiming(pub &'static str, pub &'static str, pub &'static str);

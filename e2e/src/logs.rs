@@ -43,6 +43,25 @@ impl DumpOnFailure {
     }
 }
 
+/// Lines printed of a failed test's log: its end, where the failure is. CI keeps only a part of a
+/// failed run's output, and a whole log (the shared sharder's holds every test's lines) would push
+/// the test's own error message out of it; the file keeps the rest.
+const PRINTED_LINES: usize = 150;
+
+/// The last `lines` lines of `log`, behind a note of how many were left out.
+fn tail(log: &str, lines: usize) -> String {
+    let total = log.lines().count();
+    if total <= lines {
+        return log.to_string();
+    }
+    let kept: Vec<&str> = log.lines().skip(total - lines).collect();
+    format!(
+        "[{} earlier lines left out]\n{}\n",
+        total - lines,
+        kept.join("\n")
+    )
+}
+
 impl Drop for DumpOnFailure {
     fn drop(&mut self) {
         if !self.passed || std::thread::panicking() {
@@ -50,9 +69,25 @@ impl Drop for DumpOnFailure {
                 "----- log of {} ({}) -----\n{}----- end of log of {} -----",
                 self.title,
                 self.path.display(),
-                self.read(),
+                tail(&self.read(), PRINTED_LINES),
                 self.title
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::tail;
+
+    #[test]
+    fn a_long_log_keeps_its_end() {
+        let log: String = (1..=10).map(|i| format!("line {i}\n")).collect();
+        assert_eq!(
+            tail(&log, 3),
+            "[7 earlier lines left out]\nline 8\nline 9\nline 10\n"
+        );
+        assert_eq!(tail(&log, 10), log);
+        assert_eq!(tail("", 3), "");
     }
 }

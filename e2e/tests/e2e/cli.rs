@@ -9,7 +9,7 @@ use anyhow::{Context, ensure};
 use e2e::IndependentRing;
 use e2e::fixtures::{
     WAIT, create_lease_of, create_ring_of, create_secrets, ring_of_kind_with_shards, ring_spec,
-    wait_dry_run_label, wait_status_of,
+    wait_dry_run_label, wait_labelled, wait_status_of,
 };
 use e2e::process::{binary, poll_until};
 use e2e::sharder::shared;
@@ -219,6 +219,11 @@ async fn status_reports_rings_of_both_kinds() -> anyhow::Result<()> {
     configmaps
         .create(&PostParams::default(), &configmap("orphan", None))
         .await?;
+    let secret_names: Vec<&str> = names.iter().map(String::as_str).collect();
+    for ring in [&cluster_ring, &controller_ring] {
+        wait_labelled::<Secret>(&client, &ns, ring, &secret_names).await?;
+        wait_labelled::<ConfigMap>(&client, &ns, ring, &["child"]).await?;
+    }
 
     let status = json(&["status", &name]).await?;
     ensure!(
