@@ -20,10 +20,59 @@ pub(crate) struct RingObjects {
 }
 
 /// One object waiting for its shard to acknowledge a drain.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Draining {
-    shard: String,
+    /// Hash of the shard's name (see [`ShardNames`]).
+    shard: u64,
     since: Instant,
+}
+
+/// The hash of an object's UID, which the drain bookkeeping keys objects by: a scale-out of a big
+/// ring drains tens of thousands of objects in one sync, and 8 bytes an object instead of a
+/// 36-character string (plus the shard's name) keeps the leader's peak memory flat. Two UIDs of
+/// one ring sharing a 64-bit hash would merge two drains in a metric, nothing more.
+pub(crate) fn uid_hash(uid: &str) -> u64 {
+    crate::core::ring::hash(uid)
+}
+
+/// Shard names by the hash the drain bookkeeping stores instead of the name.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+struct ShardNames(HashMap<u64, String>);
+
+impl ShardNames {
+    /// The hash standing for `shard`, remembering its name.
+    fn intern(&mut self, shard: &str) -> u64 {
+        let hash = crate::core::ring::hash(shard);
+        self.0.entry(hash).or_insert_with(|| shard.to_string());
+        hash
+    }
+
+    fn name(&self, hash: u64) -> &str {
+        self.0.get(&hash).map_or("", String::as_str)
+    }
+}
+
+/// Objects seen carrying the drain label in one sync: UID hash → shard.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct DrainsSeen {
+    objects: HashMap<u64, u64>,
+    shards: ShardNames,
+}
+
+impl DrainsSeen {
+    /// Notes that object `uid` carries the drain label of `shard`.
+    pub(crate) fn insert(&mut self, uid: &str, shard: &str) {
+        let shard = self.shards.intern(shard);
+        self.objects.insert(uid_hash(uid), shard);
+    }
+}
+
+/// One ring's drains waiting for an acknowledgement.
+#[derive(Debug, Default)]
+struct RingDrains {
+    /// UID hash → drain.
+    objects: HashMap<u64, Draining>,
+    shards: ShardNames,
 }
 
 /// Drains of one shard not acknowledged yet.
@@ -39,19 +88,19 @@ pub(crate) struct PendingDrains {
 #[derive(Debug, Default)]
 pub(crate) struct Observed {
     objects: Mutex<HashMap<RingRef, RingObjects>>,
-    /// Ring → object UID → drain.
-    drains: Mutex<HashMap<RingRef, HashMap<String, Draining>>>,
+    drains: Mutex<HashMap<RingRef, RingDrains>>,
 }
 
 impl Observed {
     /// Records the counts of a complete sync of `ring` and the objects it saw carrying the drain
-    /// label (UID → shard): drains no longer seen were acknowledged (or the object is gone).
+    /// label: drains no longer seen were acknowledged (or the object is gone). `drained_now` holds
+    /// the [`uid_hash`]es of the objects this sync drained.
     pub(crate) fn sync_finished(
         &self,
         ring: &RingRef,
         objects: RingObjects,
-        draining: HashMap<String, String>,
-        drained_now: &HashSet<String>,
+        draining: DrainsSeen,
+        drained_now: &HashSet<u64>,
         now: Instant,
     ) {
         if let Ok(mut map) = self.objects.lock() {
@@ -59,23 +108,30 @@ impl Observed {
         }
         if let Ok(mut map) = self.drains.lock() {
             let tracked = map.entry(ring.clone()).or_default();
-            tracked.retain(|uid, _| draining.contains_key(uid) || drained_now.contains(uid));
-            for (uid, shard) in draining {
-                tracked.entry(uid).or_insert(Draining { shard, since: now });
+            tracked
+                .objects
+                .retain(|uid, _| draining.objects.contains_key(uid) || drained_now.contains(uid));
+            for (uid, shard) in draining.objects {
+                tracked
+                    .objects
+                    .entry(uid)
+                    .or_insert(Draining { shard, since: now });
             }
+            tracked.shards.0.extend(draining.shards.0);
+            let named: HashSet<u64> = tracked.objects.values().map(|d| d.shard).collect();
+            tracked.shards.0.retain(|hash, _| named.contains(hash));
         }
     }
 
     /// Notes that the sharder asked `shard` to drain object `uid` of `ring`.
     pub(crate) fn drain_sent(&self, ring: &RingRef, uid: &str, shard: &str, now: Instant) {
         if let Ok(mut map) = self.drains.lock() {
-            map.entry(ring.clone())
-                .or_default()
-                .entry(uid.to_string())
-                .or_insert(Draining {
-                    shard: shard.to_string(),
-                    since: now,
-                });
+            let tracked = map.entry(ring.clone()).or_default();
+            let shard = tracked.shards.intern(shard);
+            tracked
+                .objects
+                .entry(uid_hash(uid))
+                .or_insert(Draining { shard, since: now });
         }
     }
 
@@ -85,7 +141,7 @@ impl Observed {
         if let Ok(mut map) = self.drains.lock()
             && let Some(tracked) = map.get_mut(ring)
         {
-            tracked.remove(uid);
+            tracked.objects.remove(&uid_hash(uid));
         }
     }
 
@@ -117,14 +173,16 @@ impl Observed {
             return result;
         };
         for (ring, tracked) in map.iter() {
-            for draining in tracked.values() {
+            for draining in tracked.objects.values() {
                 let age = now.saturating_duration_since(draining.since);
-                let entry = result
-                    .entry((ring.clone(), draining.shard.clone()))
-                    .or_insert(PendingDrains {
-                        objects: 0,
-                        oldest: Duration::ZERO,
-                    });
+                let shard = tracked.shards.name(draining.shard);
+                let entry =
+                    result
+                        .entry((ring.clone(), shard.to_string()))
+                        .or_insert(PendingDrains {
+                            objects: 0,
+                            oldest: Duration::ZERO,
+                        });
                 entry.objects += 1;
                 entry.oldest = entry.oldest.max(age);
             }
@@ -156,17 +214,16 @@ mod tests {
         // u1 acknowledged: seen without a shard label.
         observed.unassigned_seen(&ring, "u1");
         // A sync saw u2 still draining and u3 draining (left by a previous leader), and drained u4.
-        let draining = HashMap::from([
-            ("u2".to_string(), "a".to_string()),
-            ("u3".to_string(), "b".to_string()),
-        ]);
+        let mut draining = DrainsSeen::default();
+        draining.insert("u2", "a");
+        draining.insert("u3", "b");
         let t1 = t0 + Duration::from_secs(20);
         observed.drain_sent(&ring, "u4", "b", t1);
         observed.sync_finished(
             &ring,
             RingObjects::default(),
             draining,
-            &HashSet::from(["u4".to_string()]),
+            &HashSet::from([uid_hash("u4")]),
             t1,
         );
         let pending = observed.pending_drains(t1 + Duration::from_secs(1));
@@ -180,7 +237,7 @@ mod tests {
         observed.sync_finished(
             &ring,
             RingObjects::default(),
-            HashMap::new(),
+            DrainsSeen::default(),
             &HashSet::new(),
             t1,
         );

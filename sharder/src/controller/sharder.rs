@@ -32,7 +32,7 @@ use crate::core::list_scope::{ListScope, list_scope};
 use crate::core::rebalance::{RebalanceDecision, waits_for_owner};
 use crate::core::sync_schedule::SyncSchedule;
 use crate::metrics::{Metrics, OutcomeLabels, RingLabel};
-use crate::observed::RingObjects;
+use crate::observed::{DrainsSeen, RingObjects, uid_hash};
 use crate::reachability::{MoveGate, REASON_WEBHOOK_REACHABLE, REASON_WEBHOOK_UNREACHABLE};
 use crate::ring_views::{ResolvedResource, ResourceInfo, RingView};
 
@@ -284,8 +284,8 @@ fn tally_object(
     }
     if placement.object.draining {
         tally.draining.insert(
-            meta.uid.clone().unwrap_or_default(),
-            current.unwrap_or_default().to_string(),
+            meta.uid.as_deref().unwrap_or_default(),
+            current.unwrap_or_default(),
         );
     }
     // With object keys, a controlled object's key is its controller's key: main resources are
@@ -480,10 +480,10 @@ fn sync_order(view: &RingView) -> Vec<(&GroupResource, &ResolvedResource)> {
 #[derive(Debug, Default)]
 struct Tally {
     objects: RingObjects,
-    /// UID → shard of every listed object carrying the drain label.
-    draining: HashMap<String, String>,
-    /// UIDs of the objects this sync drained.
-    drained_now: HashSet<String>,
+    /// Every listed object carrying the drain label, with its shard.
+    draining: DrainsSeen,
+    /// [`uid_hash`]es of the objects this sync drained.
+    drained_now: HashSet<u64>,
     /// Whether the "rebalance started" Event went out.
     announced: bool,
     /// Hash of each listed main object's key → hash of its shard label (0 without one), for
@@ -734,7 +734,7 @@ async fn sync_list(
                             let shard = current.unwrap_or_default();
                             ctx.observed
                                 .drain_sent(&ring, &uid, &shard, std::time::Instant::now());
-                            tally.drained_now.insert(uid);
+                            tally.drained_now.insert(uid_hash(&uid));
                         }
                         RebalanceDecision::Move => stats.moved += 1,
                         RebalanceDecision::Keep => {}
