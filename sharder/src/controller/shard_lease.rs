@@ -184,11 +184,38 @@ impl Triggers {
     }
 }
 
+/// Timers fire on multiples of this after [`Boundaries::epoch`]. With 1,000 shards about 100
+/// boundaries pass each second, and a timer of its own for each would wake the process 100 times
+/// a second; on a tick they are handled together, at most 4 times a second, for at most 250 ms of
+/// delay on a state label (and on what follows from it, a shard leaving the ring when its Lease
+/// expired), next to Lease durations of seconds.
+const BOUNDARY_TICK: Duration = Duration::from_millis(250);
+
 /// The next state boundary of each Lease, as timers.
-#[derive(Default)]
 struct Boundaries {
     queue: DelayQueue<ObjectRef<Lease>>,
     keys: HashMap<ObjectRef<Lease>, delay_queue::Key>,
+    /// Where the ticks count from.
+    epoch: tokio::time::Instant,
+}
+
+impl Default for Boundaries {
+    fn default() -> Self {
+        Self {
+            queue: DelayQueue::new(),
+            keys: HashMap::new(),
+            epoch: tokio::time::Instant::now(),
+        }
+    }
+}
+
+/// `deadline` moved up to the next tick of [`BOUNDARY_TICK`] after `epoch`.
+fn on_tick(epoch: tokio::time::Instant, deadline: tokio::time::Instant) -> tokio::time::Instant {
+    let since = deadline.saturating_duration_since(epoch);
+    let tick = BOUNDARY_TICK.as_nanos();
+    let ticks = since.as_nanos().div_ceil(tick);
+    let nanos = u64::try_from(ticks.saturating_mul(tick)).unwrap_or(u64::MAX);
+    epoch + Duration::from_nanos(nanos)
 }
 
 impl Boundaries {
@@ -206,10 +233,11 @@ impl Boundaries {
                     .min(MAX_REQUEUE)
                     + Duration::from_millis(1)
             });
-        match (wait, self.keys.get(lease)) {
-            (Some(wait), Some(key)) => self.queue.reset(key, wait),
-            (Some(wait), None) => {
-                let key = self.queue.insert(lease.clone(), wait);
+        let deadline = wait.map(|wait| on_tick(self.epoch, tokio::time::Instant::now() + wait));
+        match (deadline, self.keys.get(lease)) {
+            (Some(deadline), Some(key)) => self.queue.reset_at(key, deadline),
+            (Some(deadline), None) => {
+                let key = self.queue.insert_at(lease.clone(), deadline);
                 self.keys.insert(lease.clone(), key);
             }
             (None, Some(_)) => {
@@ -519,6 +547,49 @@ mod tests {
             tokio::time::timeout(Duration::from_millis(100), boundaries.next_due())
                 .await
                 .is_err()
+        );
+    }
+
+    #[test]
+    fn deadlines_move_up_to_the_next_tick() {
+        let epoch = tokio::time::Instant::now();
+        let at = |ms: u64| epoch + Duration::from_millis(ms);
+        assert_eq!(on_tick(epoch, at(0)), at(0));
+        assert_eq!(on_tick(epoch, at(1)), at(250));
+        assert_eq!(on_tick(epoch, at(250)), at(250));
+        assert_eq!(on_tick(epoch, at(251)), at(500));
+        assert_eq!(on_tick(epoch, at(9_999)), at(10_000));
+        // A deadline before the epoch cannot be earlier than the epoch.
+        assert_eq!(on_tick(at(100), epoch), at(100));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn boundaries_within_one_tick_fire_together() {
+        let (store, mut writer) = reflector::store();
+        let names = ["a", "b", "c"];
+        for name in names {
+            writer.apply_watcher_event(&watcher::Event::Apply(lease(name, Some(1))));
+        }
+        let mut boundaries = Boundaries::default();
+        for name in names {
+            // Renewed at slightly different moments: the boundaries are milliseconds apart.
+            tokio::time::advance(Duration::from_millis(7)).await;
+            boundaries.schedule(&ObjectRef::new(name).within("ns"), &store);
+        }
+        let deadlines: std::collections::BTreeSet<_> = boundaries
+            .keys
+            .values()
+            .map(|key| boundaries.queue.deadline(key))
+            .collect();
+        assert_eq!(
+            deadlines.len(),
+            1,
+            "one timer deadline for the three Leases"
+        );
+        let first = deadlines.first().copied().expect("a deadline");
+        assert_eq!(
+            first.duration_since(boundaries.epoch).as_nanos() % BOUNDARY_TICK.as_nanos(),
+            0
         );
     }
 }
