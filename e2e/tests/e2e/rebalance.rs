@@ -23,11 +23,15 @@ use sharder::core::ring::Ring;
 use sharding_crds::labels;
 use sharding_crds::{ClusterRingSpec, GroupResource, RingKind, RingRef, RingResource};
 
-/// Lease duration of the shards in these tests, in seconds (that of [`ShardTiming::FAST`]).
+/// Lease duration of a shard these tests kill, in seconds (that of [`ShardTiming::FAST`]): its
+/// objects move once the sharder took its Lease over, twice this after its last renewal.
 const LEASE_SECONDS: u32 = 3;
 
+/// Starts a shard that stays: with relaxed timing, so that a busy machine (CI runs many tests at
+/// once) never costs it its Lease; a shard that lost its Lease stops, and the objects it should
+/// take would wait for nobody.
 fn start_shard(ring: &RingRef, namespace: &str, shard: &str) -> anyhow::Result<Process> {
-    start_checksum_shard_of(ring, namespace, shard, ShardTiming::FAST)
+    start_checksum_shard_of(ring, namespace, shard, ShardTiming::RELAXED)
 }
 
 /// A ClusterRing named `name`.
@@ -358,7 +362,12 @@ async fn crash(kind: RingKind) -> anyhow::Result<()> {
     let ring = RingRef::new(kind, unique_name("crash"));
     create_ring_of(&client, &ring, ring_spec(&ns)).await?;
     let names = ["shard-0", "shard-1", "shard-2"];
-    let mut shards = start_shards(&ring, &ns, &names)?;
+    let mut shards = start_shards(&ring, &ns, &["shard-0", "shard-2"])?;
+    // The one to be killed, with a short Lease, so that the takeover comes within seconds.
+    shards.insert(
+        "shard-1",
+        start_checksum_shard_of(&ring, &ns, "shard-1", ShardTiming::FAST)?,
+    );
     populate(&client, &ns, &ring, &names, 60).await?;
 
     let mut crashed = shards.remove("shard-1").context("shard-1")?;
