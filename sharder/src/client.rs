@@ -11,14 +11,17 @@ use sharding_crds::config::SharderConfig;
 
 use self::requests::{ApiRequests, CountLayer};
 
-/// The sharder's clients: one for everything, throttled as configured, and one for leader
+/// The sharder's clients: one for the controllers, throttled as configured; one for leader
 /// election only, never throttled, so that a burst of sync patches waiting for their turn can
-/// never delay a renewal of the leader Lease past its deadline.
+/// never delay a renewal of the leader Lease past its deadline; and one for the caches' lists and
+/// watches (a few requests an hour), whose connections live on the caches' own thread.
 pub(crate) struct Clients {
-    /// Caches, controllers, webhook configuration, events.
+    /// Controllers, webhook configuration, events.
     pub(crate) main: Client,
     /// Renewals of the leader-election Lease.
     pub(crate) leader_election: Client,
+    /// Lists and watches of the caches.
+    pub(crate) caches: Client,
 }
 
 /// Builds the clients described by `clientConnection`, counting their requests into `requests`.
@@ -30,6 +33,10 @@ pub(crate) async fn build_clients(
     let leader_election = kube::client::ClientBuilder::try_from(kube_config.clone())
         .context("failed to build API client")?
         .with_layer(&CountLayer::new(requests.clone(), "leader_election"))
+        .build();
+    let caches = kube::client::ClientBuilder::try_from(kube_config.clone())
+        .context("failed to build API client")?
+        .with_layer(&CountLayer::new(requests.clone(), "caches"))
         .build();
     let builder = kube::client::ClientBuilder::try_from(kube_config)
         .context("failed to build API client")?
@@ -50,6 +57,7 @@ pub(crate) async fn build_clients(
     Ok(Clients {
         main,
         leader_election,
+        caches,
     })
 }
 

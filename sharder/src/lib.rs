@@ -11,7 +11,8 @@
 //! | [`server`] | the HTTPS webhook server with certificate reload, the health and metrics servers |
 //! | [`metrics`] | counters and the state metrics read from the caches |
 //! | `leader_election` | runs the controllers on the elected leader only |
-//! | `client`, `context` | the throttled API client; what the tasks share |
+//! | `client`, `context` | the API clients (controllers, leader election, caches); what the tasks share |
+//! | `cache_thread` | the single-threaded runtime the caches' watches run on |
 //! | `events`, `observed` | rate-limited Events; what the leader learned about each ring's objects |
 //! | [`reachability`] | whether the API server reaches each ring's webhook; moves stop while it does not |
 //!
@@ -19,6 +20,7 @@
 //! rules (shard states, expiry, takeover, timing) are shared with the shard library in
 //! [`sharding_crds::lease`].
 
+mod cache_thread;
 pub mod cli;
 pub mod client;
 mod context;
@@ -53,6 +55,7 @@ use tokio::sync::Notify;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
+use crate::cache_thread::CacheThread;
 use crate::context::Context;
 use crate::events::Events;
 use crate::lease_index::LeaseIndex;
@@ -77,6 +80,13 @@ pub async fn run(
     let metrics = Metrics::default();
     let clients = client::build_clients(&config, &metrics.api_requests).await?;
     let client = clients.main;
+    // The caches' watches run on a thread of their own (see `cache_thread`); it stops when `run`
+    // returns, after the tasks below were joined.
+    let cache_thread = CacheThread::start().context("failed to start the caches' thread")?;
+    let caches = Caches {
+        client: clients.caches,
+        runtime: cache_thread.handle().clone(),
+    };
     let readiness = Arc::new(Readiness::default());
     let changed = Arc::new(Notify::new());
     let mut tasks = JoinSet::new();
@@ -94,7 +104,8 @@ pub async fn run(
     };
     let cluster_rings = spawn_reflector(
         &mut tasks,
-        Api::<ClusterRing>::all(client.clone()),
+        &caches,
+        Api::<ClusterRing>::all(caches.client.clone()),
         watcher::Config::default(),
         {
             let on_ring_change = on_ring_change.clone();
@@ -104,7 +115,8 @@ pub async fn run(
     );
     let controller_rings = spawn_reflector(
         &mut tasks,
-        Api::<ControllerRing>::all(client.clone()),
+        &caches,
+        Api::<ControllerRing>::all(caches.client.clone()),
         watcher::Config::default(),
         move |_: &watcher::Event<ControllerRing>| on_ring_change(),
         &shutdown,
@@ -119,8 +131,9 @@ pub async fn run(
         let lease_changes = lease_changes.clone();
         spawn_reflector_into(
             &mut tasks,
+            &caches,
             writer,
-            Api::<Lease>::all(client.clone()),
+            Api::<Lease>::all(caches.client.clone()),
             watcher::Config::default().labels(kind.lease_label()),
             move |event: &watcher::Event<Lease>| {
                 if observer.observe(event, Timestamp::now()) {
@@ -133,7 +146,8 @@ pub async fn run(
     });
     let namespaces = spawn_reflector(
         &mut tasks,
-        Api::<Namespace>::all(client.clone()),
+        &caches,
+        Api::<Namespace>::all(caches.client.clone()),
         watcher::Config::default(),
         |_: &watcher::Event<Namespace>| {},
         &shutdown,
@@ -263,6 +277,7 @@ pub async fn run(
 /// shutdown, handing every event to `observe` after the cache applied it; returns the cache.
 fn spawn_reflector<K>(
     tasks: &mut JoinSet<()>,
+    caches: &Caches,
     api: Api<K>,
     config: watcher::Config,
     observe: impl FnMut(&watcher::Event<K>) + Send + 'static,
@@ -273,13 +288,14 @@ where
     K::DynamicType: Default + Eq + std::hash::Hash + Clone + Send + Sync,
 {
     let (store, writer) = reflector::store();
-    spawn_reflector_into(tasks, writer, api, config, observe, shutdown);
+    spawn_reflector_into(tasks, caches, writer, api, config, observe, shutdown);
     store
 }
 
 /// Like [`spawn_reflector`], filling the cache behind `writer`.
 fn spawn_reflector_into<K>(
     tasks: &mut JoinSet<()>,
+    caches: &Caches,
     writer: reflector::store::Writer<K>,
     api: Api<K>,
     config: watcher::Config,
@@ -290,7 +306,7 @@ fn spawn_reflector_into<K>(
     K::DynamicType: Default + Eq + std::hash::Hash + Clone + Send + Sync,
 {
     let shutdown = shutdown.clone();
-    tasks.spawn(async move {
+    let task = async move {
         let stream = reflector::reflector(writer, watcher(api, config)).default_backoff();
         futures::pin_mut!(stream);
         loop {
@@ -305,7 +321,14 @@ fn spawn_reflector_into<K>(
                 },
             }
         }
-    });
+    };
+    tasks.spawn_on(task, &caches.runtime);
+}
+
+/// Where the caches' watches run: their own client, on the caches' thread.
+struct Caches {
+    client: kube::Client,
+    runtime: tokio::runtime::Handle,
 }
 
 /// Marks the process ready for probes once every cache has synced.

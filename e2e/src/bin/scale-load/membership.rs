@@ -101,10 +101,10 @@ struct Replica {
     cpu_percent: f64,
     /// Resident set size at the end of the window, in MiB.
     rss_mib: f64,
-    /// Requests of its main client (everything but its own leader election), by
+    /// Requests of its clients but the leader-election one (controllers and caches), by
     /// `client,verb,resource`.
     requests: Vec<(String, f64)>,
-    /// Requests of its main client in all.
+    /// Requests of its controllers' and caches' clients in all.
     main_requests: f64,
     /// Requests of its leader-election client (its own Lease).
     leader_election_requests: f64,
@@ -393,7 +393,7 @@ async fn measure(
         let before_samples = samples(&b.metrics, API_REQUESTS);
         let requests = samples(&a.metrics, API_REQUESTS)
             .into_iter()
-            .filter(|(labels, _)| labels.contains("client=\"main\""))
+            .filter(|(labels, _)| !labels.contains("client=\"leader_election\""))
             .map(|(labels, value)| {
                 let old = before_samples
                     .iter()
@@ -408,7 +408,8 @@ async fn measure(
             cpu_percent: (a.cpu - b.cpu) / seconds * 100.0,
             rss_mib: rss_kib(pid)? as f64 / 1024.0,
             requests,
-            main_requests: delta(&b.metrics, &a.metrics, &[("client", "main")]),
+            main_requests: delta(&b.metrics, &a.metrics, &[("client", "main")])
+                + delta(&b.metrics, &a.metrics, &[("client", "caches")]),
             leader_election_requests: delta(
                 &b.metrics,
                 &a.metrics,
