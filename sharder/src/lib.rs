@@ -307,23 +307,57 @@ fn spawn_reflector_into<K>(
 {
     let shutdown = shutdown.clone();
     let task = async move {
-        let stream = reflector::reflector(writer, watcher(api, config)).default_backoff();
+        // Nothing reads the managed fields of a cached object: dropping them before the cache
+        // copies an object saves the copy its largest part.
+        let events =
+            watcher(api, config).modify(|obj| kube::ResourceExt::managed_fields_mut(obj).clear());
+        let stream = reflector::reflector(writer, events).default_backoff();
         futures::pin_mut!(stream);
+        let mut handle = |item: Option<Result<watcher::Event<K>, watcher::Error>>| match item {
+            None => false,
+            Some(Ok(event)) => {
+                observe(&event);
+                true
+            }
+            Some(Err(error)) => {
+                tracing::warn!(%error, "watch failed, retrying with backoff");
+                true
+            }
+        };
         loop {
+            let item = tokio::select! {
+                () = shutdown.cancelled() => return,
+                item = stream.next() => item,
+            };
+            if !handle(item) {
+                return;
+            }
+            // Everything that arrived with it, then a pause (see `CACHE_READ_PAUSE`). The
+            // connection task hands over one event each time it runs, so a read that is not ready
+            // at once is given a moment before the batch counts as done.
+            while let Ok(item) = tokio::time::timeout(CACHE_BATCH_GAP, stream.next()).await {
+                if !handle(item) {
+                    return;
+                }
+            }
             tokio::select! {
                 () = shutdown.cancelled() => return,
-                item = stream.next() => match item {
-                    None => return,
-                    Some(Ok(event)) => observe(&event),
-                    Some(Err(error)) => {
-                        tracing::warn!(%error, "watch failed, retrying with backoff");
-                    }
-                },
+                () = tokio::time::sleep(CACHE_READ_PAUSE) => {}
             }
         }
     };
     tasks.spawn_on(task, &caches.runtime);
 }
+
+/// How long a cache's task waits after applying the events at hand before it reads again. With
+/// 1,000 shards 500 Lease renewals a second arrive one by one; read as they come, each costs a
+/// wake-up, a poll of the socket and a read of it, more than applying the event. Read every
+/// 100 ms they come in batches of about 50, for at most 100 ms more before the caches (and the
+/// ring views built from them) see a change; the first event after a quiet spell is read at once.
+const CACHE_READ_PAUSE: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// How long a batch of cache events waits for its next event before it counts as done.
+const CACHE_BATCH_GAP: std::time::Duration = std::time::Duration::from_millis(1);
 
 /// Where the caches' watches run: their own client, on the caches' thread.
 struct Caches {
