@@ -40,6 +40,7 @@ pub mod latency;
 pub mod logs;
 pub mod process;
 pub mod prometheus;
+pub mod renewals;
 pub mod sharder;
 pub mod trivial_webhook;
 

@@ -30,9 +30,11 @@ use clap::Parser;
 use e2e::fixtures::{create_lease, create_ring, ring_spec, wait_status, wait_webhook};
 use e2e::latency::Latencies;
 use e2e::process::poll_until;
+use e2e::renewals::{RenewalCounters, renew};
 use e2e::sharder::shared;
 use e2e::trivial_webhook::{self, FIXED_LABEL};
 use e2e::{Cluster, cluster, unique_name};
+use futures::StreamExt;
 use k8s_openapi::ByteString;
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
 use k8s_openapi::api::core::v1::{Namespace, Secret};
@@ -41,6 +43,7 @@ use kube::{Client, ResourceExt};
 use serde_json::{Value, json};
 use sharding_crds::ClusterRing;
 use sharding_crds::labels;
+use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
 
 /// Shards of the ring in setup (c).
@@ -56,10 +59,19 @@ struct Args {
     /// Secrets created per setup before measuring (connections, caches), not counted.
     #[arg(long, default_value_t = 20)]
     warmup: usize,
+    /// Give the ring of (c) this many shard Leases (10 s duration), each renewed by the tool every
+    /// 2 s for the whole run, instead of three that are never renewed: the webhook's latency
+    /// while renewals flow (issue 13 asks for 1,000).
+    #[arg(long, default_value_t = 0)]
+    renewing_shards: usize,
     /// Print the report as JSON instead of text.
     #[arg(long)]
     json: bool,
 }
+
+/// Renewal period and Lease duration of `--renewing-shards`, as shards run by default.
+const RENEW_PERIOD: Duration = Duration::from_secs(2);
+const RENEWING_LEASE_SECONDS: i32 = 10;
 
 /// The three setups, in the order of the report.
 #[derive(Clone, Copy, Debug)]
@@ -116,6 +128,8 @@ fn main() -> anyhow::Result<()> {
 /// What the run measured.
 struct Report {
     stats: Vec<(Setup, Latencies)>,
+    /// With `--renewing-shards`: renewals per second and failed renewals while measuring.
+    renewals: Option<(f64, u64)>,
 }
 
 impl Report {
@@ -158,6 +172,12 @@ impl Report {
             ));
         }
         let (b_a, c_b) = self.ratios();
+        if let Some((per_second, failed)) = self.renewals {
+            out.push_str(&format!(
+                "\nwhile measuring: {} shard Leases of (c)'s ring renewed, {per_second:.1} renewals/s, {failed} failed\n",
+                args.renewing_shards
+            ));
+        }
         out.push_str(&format!("\n(b)/(a) at the median: {b_a:.3}\n"));
         out.push_str(&format!(
             "(c)/(b) at the median: {c_b:.3} (goal ≤ 1.1: {})\n",
@@ -176,6 +196,9 @@ impl Report {
         json!({
             "count": args.count,
             "warmup": args.warmup,
+            "renewing_shards": args.renewing_shards,
+            "renewals_per_second": self.renewals.map(|(r, _)| r),
+            "renewal_failures": self.renewals.map(|(_, f)| f),
             "setups": setups,
             "ratios_at_median": {
                 "trivial_over_no_webhook": b_a,
@@ -235,12 +258,13 @@ async fn measure(
     listener.set_nonblocking(true)?;
     let addr = listener.local_addr()?;
     let app = trivial_webhook::router()?;
-    let stop = stop.clone();
+    let serving = stop.clone();
     webhook_runtime.spawn(async move {
         // The listener joins the reactor of the runtime that serves it.
         match tokio::net::TcpListener::from_std(listener) {
             Ok(listener) => {
-                sharder::server::serve_tls(listener, tls, app, stop, Duration::from_secs(1)).await
+                sharder::server::serve_tls(listener, tls, app, serving, Duration::from_secs(1))
+                    .await
             }
             Err(error) => eprintln!("trivial webhook failed to listen: {error}"),
         }
@@ -297,11 +321,35 @@ async fn measure(
     created
         .webhook_configurations
         .push(labels::webhook_configuration_name(&ring));
-    for shard in SHARDS {
-        create_lease(client, &namespaces[2], &ring, shard, 24 * 3600).await?;
-    }
-    wait_status(client, &ring, 3, 3).await?;
-    wait_webhook(client, &namespaces[2], &ring, &SHARDS).await?;
+    let renewing: Vec<String> = (0..args.renewing_shards)
+        .map(|i| format!("shard-{i:05}"))
+        .collect();
+    let counters = Arc::new(RenewalCounters::default());
+    let shards: Vec<&str> = if renewing.is_empty() {
+        for shard in SHARDS {
+            create_lease(client, &namespaces[2], &ring, shard, 24 * 3600).await?;
+        }
+        SHARDS.to_vec()
+    } else {
+        futures::stream::iter(&renewing)
+            .map(|shard| create_lease(client, &namespaces[2], &ring, shard, RENEWING_LEASE_SECONDS))
+            .buffer_unordered(50)
+            .collect::<Vec<_>>()
+            .await
+            .into_iter()
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        let (api, names, counters, stop) = (
+            Api::namespaced(client.clone(), &namespaces[2]),
+            renewing.clone(),
+            counters.clone(),
+            stop.clone(),
+        );
+        tokio::spawn(async move { renew(api, names, RENEW_PERIOD, 64, &counters, stop).await });
+        renewing.iter().map(String::as_str).collect()
+    };
+    let members = i32::try_from(shards.len())?;
+    wait_status(client, &ring, members, members).await?;
+    wait_webhook(client, &namespaces[2], &ring, &shards).await?;
     let shard_label = labels::shard_label(&ring);
 
     let apis: Vec<Api<Secret>> = namespaces
@@ -329,6 +377,7 @@ async fn measure(
     };
 
     let mut samples: Vec<Vec<Duration>> = (0..3).map(|_| Vec::with_capacity(args.count)).collect();
+    let mut renewals_at_start = (counters.renewals(), counters.failures(), Instant::now());
     for round in 0..args.warmup + args.count {
         let measured = round >= args.warmup;
         let name = if measured {
@@ -348,17 +397,28 @@ async fn measure(
                 .with_context(|| format!("{}: failed to create {name}", setup.title()))?;
             let elapsed = start.elapsed();
             check(setup, &created)?;
+            if round == args.warmup && offset == 0 {
+                // Renewals count from the first measured create on.
+                renewals_at_start = (counters.renewals(), counters.failures(), start);
+            }
             if measured {
                 samples[index].push(elapsed);
             }
         }
     }
 
+    let renewals = (!renewing.is_empty()).then(|| {
+        let (renewed, failed, since) = renewals_at_start;
+        (
+            (counters.renewals() - renewed) as f64 / since.elapsed().as_secs_f64(),
+            counters.failures() - failed,
+        )
+    });
     let mut stats = Vec::new();
     for (setup, mut s) in Setup::ALL.into_iter().zip(samples) {
         stats.push((setup, Latencies::of(&mut s)?));
     }
-    Ok(Report { stats })
+    Ok(Report { stats, renewals })
 }
 
 /// A Secret as the run creates it: a label (so both webhooks' patches are one `add`) and a

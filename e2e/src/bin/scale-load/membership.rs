@@ -10,11 +10,10 @@ use anyhow::Context as _;
 use e2e::Cluster;
 use e2e::fixtures::{create_lease, create_ring, ring_spec, wait_status};
 use e2e::process::{Process, rss_kib};
+use e2e::renewals::{RenewalCounters, renew};
 use e2e::sharder::{SharderFiles, SharderSettings};
 use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
-use k8s_openapi::jiff::Timestamp;
 use kube::Client;
 use kube::api::{Api, DeleteParams, Patch, PatchParams};
 use serde::Serialize;
@@ -184,14 +183,17 @@ pub(crate) async fn run(args: &Args, cluster: &Cluster) -> anyhow::Result<()> {
     progress(started, &format!("{} Leases created", args.shards));
     let stop = CancellationToken::new();
     let counters = Arc::new(Counters::default());
-    let renewer = tokio::spawn(renew(
-        Api::namespaced(client.clone(), &namespace),
-        names.clone(),
-        Duration::from_secs_f64(args.renew_period),
-        args.writers,
-        counters.clone(),
-        stop.clone(),
-    ));
+    let renewer = tokio::spawn({
+        let (api, names, counters, stop) = (
+            Api::namespaced(client.clone(), &namespace),
+            names.clone(),
+            counters.clone(),
+            stop.clone(),
+        );
+        let period = Duration::from_secs_f64(args.renew_period);
+        let writers = args.writers;
+        async move { renew(api, names, period, writers, &counters.renewal, stop).await }
+    });
     for (i, ring) in rings.iter().enumerate() {
         let members = names.iter().skip(i).step_by(args.rings).count();
         let members = i32::try_from(members)?;
@@ -236,7 +238,7 @@ pub(crate) async fn run(args: &Args, cluster: &Cluster) -> anyhow::Result<()> {
         progress(started, "second window done");
     }
     stop.cancel();
-    renewer.await??;
+    renewer.await?;
 
     let report = Report {
         shards: args.shards,
@@ -266,52 +268,16 @@ pub(crate) async fn run(args: &Args, cluster: &Cluster) -> anyhow::Result<()> {
 /// Renewals and membership changes done by the tool.
 #[derive(Debug, Default)]
 struct Counters {
-    renewals: AtomicU64,
-    renewal_failures: AtomicU64,
+    renewal: RenewalCounters,
     changes: AtomicU64,
-    requests: AtomicU64,
+    change_requests: AtomicU64,
 }
 
-/// Renews every Lease once per `period`, spread evenly over the period, with at most `writers`
-/// renewals in flight, until `stop` fires.
-async fn renew(
-    api: Api<Lease>,
-    names: Vec<String>,
-    period: Duration,
-    writers: usize,
-    counters: Arc<Counters>,
-    stop: CancellationToken,
-) -> anyhow::Result<()> {
-    let gap = period.div_f64(names.len() as f64);
-    let start = tokio::time::Instant::now();
-    let schedule = futures::stream::iter(0u64..).then(|n| {
-        let at = start + gap.mul_f64(n as f64);
-        async move {
-            tokio::time::sleep_until(at).await;
-            n
-        }
-    });
-    schedule
-        .take_until(stop.cancelled())
-        .map(|n| {
-            let name = &names[(n % names.len() as u64) as usize];
-            let (api, counters) = (&api, &counters);
-            async move {
-                let patch = serde_json::json!({"spec": {"renewTime": MicroTime(Timestamp::now())}});
-                counters.requests.fetch_add(1, Ordering::Relaxed);
-                match api
-                    .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
-                    .await
-                {
-                    Ok(_) => counters.renewals.fetch_add(1, Ordering::Relaxed),
-                    Err(_) => counters.renewal_failures.fetch_add(1, Ordering::Relaxed),
-                };
-            }
-        })
-        .buffer_unordered(writers)
-        .collect::<()>()
-        .await;
-    Ok(())
+impl Counters {
+    /// Requests the tool sent for renewals and membership changes.
+    fn requests(&self) -> u64 {
+        self.renewal.requests.load(Ordering::Relaxed) + self.change_requests.load(Ordering::Relaxed)
+    }
 }
 
 /// Membership changes during a window: every `every`, the next Lease flips its weight between 1
@@ -340,7 +306,7 @@ impl Churn<'_> {
             };
             let patch =
                 serde_json::json!({"metadata": {"annotations": {ANNOTATION_WEIGHT: weight}}});
-            counters.requests.fetch_add(1, Ordering::Relaxed);
+            counters.change_requests.fetch_add(1, Ordering::Relaxed);
             self.leases
                 .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
                 .await?;
@@ -366,10 +332,10 @@ async fn measure(
         Sample::take(&processes[1], &files[1])?,
     ];
     let server_before = apiserver_metrics(client).await?;
-    let renewals_before = counters.renewals.load(Ordering::Relaxed);
-    let failures_before = counters.renewal_failures.load(Ordering::Relaxed);
+    let renewals_before = counters.renewal.renewals();
+    let failures_before = counters.renewal.failures();
     let changes_before = counters.changes.load(Ordering::Relaxed);
-    let requests_before = counters.requests.load(Ordering::Relaxed);
+    let requests_before = counters.requests();
     let t0 = Instant::now();
     match &churn {
         Some(churn) => {
@@ -422,9 +388,8 @@ async fn measure(
     Ok(Window {
         name,
         seconds,
-        renewals_per_second: (counters.renewals.load(Ordering::Relaxed) - renewals_before) as f64
-            / seconds,
-        renewal_failures: counters.renewal_failures.load(Ordering::Relaxed) - failures_before,
+        renewals_per_second: (counters.renewal.renewals() - renewals_before) as f64 / seconds,
+        renewal_failures: counters.renewal.failures() - failures_before,
         membership_changes: counters.changes.load(Ordering::Relaxed) - changes_before,
         leader: replica(leader)?,
         follower: replica(follower)?,
@@ -432,7 +397,7 @@ async fn measure(
             - sum(&server_before, APISERVER_REQUESTS, &[]),
         apiserver_other_requests: other_requests(&server_before, &server_after),
         // The two reads of the API server's /metrics count too.
-        tool_requests: (counters.requests.load(Ordering::Relaxed) - requests_before) as f64 + 2.0,
+        tool_requests: (counters.requests() - requests_before) as f64 + 2.0,
     })
 }
 
