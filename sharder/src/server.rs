@@ -130,6 +130,12 @@ pub async fn serve_tls(
                 }
             },
         };
+        // An answer leaves in several small writes (TLS records, HTTP/2 frames); with Nagle's
+        // algorithm a later one waits for the client's ACK of the first, which a client may delay
+        // by 40 ms. Go's clients, the API server's included, set this on their side already.
+        if let Err(error) = stream.set_nodelay(true) {
+            tracing::debug!(%error, %peer, "failed to set TCP_NODELAY");
+        }
         let tls = tls.clone();
         let service = TowerToHyperService::new(app.clone());
         let watcher = graceful.watcher();

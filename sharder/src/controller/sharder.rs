@@ -296,7 +296,14 @@ fn tally_object(
         let key_hash = crate::core::ring::hash(key);
         let shard_hash = current.map_or(0, crate::core::ring::hash);
         if resource.is_main() {
-            tally.owner_shards.insert(key_hash, shard_hash);
+            // Only a controller that is not where the ring wants it can hold a controlled object
+            // back (see `waits_for_owner`); one in place needs no entry, which keeps the map empty
+            // in a sync that moves nothing, however large the ring.
+            if placement.desired == current {
+                tally.owner_shards.remove(&key_hash);
+            } else {
+                tally.owner_shards.insert(key_hash, shard_hash);
+            }
         } else if placement.decision == RebalanceDecision::Move
             && waits_for_owner(
                 current,
@@ -487,8 +494,8 @@ struct Tally {
     /// Whether the "rebalance started" Event went out.
     announced: bool,
     /// Hash of each listed main object's key → hash of its shard label (0 without one), for
-    /// controlled objects that must wait for their controller; hashes keep this at 16 bytes an
-    /// object on big rings.
+    /// controlled objects that must wait for their controller: only main objects not on the
+    /// shard the ring wants (the others cannot hold anything back), as hashes, 16 bytes each.
     owner_shards: HashMap<u64, u64>,
     /// Controlled objects held back because their controller has not left their shard yet.
     waiting_for_owner: usize,
