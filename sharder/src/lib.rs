@@ -109,7 +109,10 @@ pub async fn run(
         watcher::Config::default(),
         {
             let on_ring_change = on_ring_change.clone();
-            move |_: &watcher::Event<ClusterRing>| on_ring_change()
+            move |_: &watcher::Event<ClusterRing>| {
+                on_ring_change();
+                true
+            }
         },
         &shutdown,
     );
@@ -118,7 +121,10 @@ pub async fn run(
         &caches,
         Api::<ControllerRing>::all(caches.client.clone()),
         watcher::Config::default(),
-        move |_: &watcher::Event<ControllerRing>| on_ring_change(),
+        move |_: &watcher::Event<ControllerRing>| {
+            on_ring_change();
+            true
+        },
         &shutdown,
     );
     // Lease changes that matter for membership (not renewals) update the ring statuses.
@@ -136,9 +142,11 @@ pub async fn run(
             Api::<Lease>::all(caches.client.clone()),
             watcher::Config::default().labels(kind.lease_label()),
             move |event: &watcher::Event<Lease>| {
-                if observer.observe(event, Timestamp::now()) {
+                let changed = observer.observe(event, Timestamp::now());
+                if changed {
                     lease_changes.send_modify(|c| *c = c.wrapping_add(1));
                 }
+                changed
             },
             &shutdown,
         );
@@ -149,7 +157,7 @@ pub async fn run(
         &caches,
         Api::<Namespace>::all(caches.client.clone()),
         watcher::Config::default(),
-        |_: &watcher::Event<Namespace>| {},
+        |_: &watcher::Event<Namespace>| true,
         &shutdown,
     );
     let ctx = Context {
@@ -274,13 +282,14 @@ pub async fn run(
 }
 
 /// Starts a task in `tasks` that keeps a cache of the objects `api` and `config` select until
-/// shutdown, handing every event to `observe` after the cache applied it; returns the cache.
+/// shutdown, handing every event to `observe` after the cache applied it (`observe` answers whether
+/// the event changed something others act on, see `CACHE_READ_PAUSE`); returns the cache.
 fn spawn_reflector<K>(
     tasks: &mut JoinSet<()>,
     caches: &Caches,
     api: Api<K>,
     config: watcher::Config,
-    observe: impl FnMut(&watcher::Event<K>) + Send + 'static,
+    observe: impl FnMut(&watcher::Event<K>) -> bool + Send + 'static,
     shutdown: &CancellationToken,
 ) -> Store<K>
 where
@@ -299,7 +308,7 @@ fn spawn_reflector_into<K>(
     writer: reflector::store::Writer<K>,
     api: Api<K>,
     config: watcher::Config,
-    mut observe: impl FnMut(&watcher::Event<K>) + Send + 'static,
+    mut observe: impl FnMut(&watcher::Event<K>) -> bool + Send + 'static,
     shutdown: &CancellationToken,
 ) where
     K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
@@ -313,15 +322,14 @@ fn spawn_reflector_into<K>(
             watcher(api, config).modify(|obj| kube::ResourceExt::managed_fields_mut(obj).clear());
         let stream = reflector::reflector(writer, events).default_backoff();
         futures::pin_mut!(stream);
+        // What an item asks for: stop (the stream ended), read on at once (something changed
+        // that others act on, or the watch failed), or nothing.
         let mut handle = |item: Option<Result<watcher::Event<K>, watcher::Error>>| match item {
-            None => false,
-            Some(Ok(event)) => {
-                observe(&event);
-                true
-            }
+            None => None,
+            Some(Ok(event)) => Some(observe(&event)),
             Some(Err(error)) => {
                 tracing::warn!(%error, "watch failed, retrying with backoff");
-                true
+                Some(true)
             }
         };
         loop {
@@ -329,16 +337,25 @@ fn spawn_reflector_into<K>(
                 () = shutdown.cancelled() => return,
                 item = stream.next() => item,
             };
-            if !handle(item) {
+            let Some(mut changed) = handle(item) else {
                 return;
-            }
-            // Everything that arrived with it, then a pause (see `CACHE_READ_PAUSE`). The
-            // connection task hands over one event each time it runs, so a read that is not ready
-            // at once is given a moment before the batch counts as done.
-            while let Ok(item) = tokio::time::timeout(CACHE_BATCH_GAP, stream.next()).await {
-                if !handle(item) {
+            };
+            // Everything that arrived with it. The connection task hands over one event each time
+            // it runs, so a read that is not ready at once is given a moment before the batch
+            // counts as done.
+            while !shutdown.is_cancelled()
+                && let Ok(item) = tokio::time::timeout(CACHE_BATCH_GAP, stream.next()).await
+            {
+                let Some(item_changed) = handle(item) else {
                     return;
-                }
+                };
+                changed |= item_changed;
+            }
+            // A batch that changed something may be the start of more (Leases created one after
+            // the other, then their ring): read on at once, so that no view is built from half
+            // of them. A batch of renewals only is followed by a pause (see `CACHE_READ_PAUSE`).
+            if changed {
+                continue;
             }
             tokio::select! {
                 () = shutdown.cancelled() => return,
@@ -349,11 +366,13 @@ fn spawn_reflector_into<K>(
     tasks.spawn_on(task, &caches.runtime);
 }
 
-/// How long a cache's task waits after applying the events at hand before it reads again. With
-/// 1,000 shards 500 Lease renewals a second arrive one by one; read as they come, each costs a
-/// wake-up, a poll of the socket and a read of it, more than applying the event. Read every
-/// 100 ms they come in batches of about 50, for at most 100 ms more before the caches (and the
-/// ring views built from them) see a change; the first event after a quiet spell is read at once.
+/// How long a cache's task waits after applying a batch of events that changed nothing others act
+/// on (Lease renewals) before it reads again. With 1,000 shards 500 renewals a second arrive one
+/// by one; read as they come, each costs a wake-up, a poll of the socket and a read of it, more
+/// than applying the event. Read every 100 ms they come in batches of about 50. The first event
+/// after a pause is read at once, and a batch that changed membership, a ring or a namespace is
+/// followed by no pause, so a change arriving during a pause is seen at most 100 ms later and
+/// changes in a row are seen as they come.
 const CACHE_READ_PAUSE: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// How long a batch of cache events waits for its next event before it counts as done.
