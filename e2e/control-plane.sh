@@ -4,11 +4,20 @@
 #
 #   control-plane.sh provision            build and cache etcd, kube-apiserver,
 #                                         kube-controller-manager and kubectl (idempotent)
-#   control-plane.sh start DIR [OWNER]    start the control plane with state in DIR, write
+#   control-plane.sh start DIR [OWNER] [--node]
+#                                         start the control plane with state in DIR, write
 #                                         DIR/kubeconfig and DIR/etcd-endpoint (etcd's client
 #                                         URL), wait until ready; with OWNER (a PID), stop
-#                                         everything by itself once that process is gone
-#   control-plane.sh stop DIR             stop every process of it and remove DIR
+#                                         everything by itself once that process is gone; with
+#                                         --node (root only), also a node: containerd, kubelet,
+#                                         kube-proxy and kube-scheduler, pods on a bridge of its
+#                                         own (e2e/node.sh)
+#   control-plane.sh load-images DIR ARCHIVE...
+#                                         import OCI image archives into the node's containerd
+#   control-plane.sh node-support         print why a node cannot run here and exit 1, or exit 0
+#   control-plane.sh stop DIR             stop every process of it and remove everything it made
+#                                         (with a node: mounts, the bridge, iptables rules,
+#                                         cgroups) and DIR
 #   control-plane.sh bin-dir              print the directory holding the cached binaries
 #
 # KUBE_APISERVER_EXTRA_ARGS adds flags to kube-apiserver (split on whitespace), for a test that
@@ -33,12 +42,16 @@ ETCD_VERSION=${ETCD_VERSION:-3.6.16}
 # what KUBE_VERSION's go.mod asks for.
 GO_TOOLCHAIN_VERSION=${GO_TOOLCHAIN_VERSION:-1.26.8}
 # Bump BUILD_REVISION whenever the build recipe changes, so cached binaries are rebuilt.
-BUILD_REVISION=1
+BUILD_REVISION=2
 
 CACHE_DIR=${CONTROLLER_SHARDING_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/controller-sharding}
 BIN_DIR=$CACHE_DIR/bin/kubernetes-v$KUBE_VERSION-etcd-v$ETCD_VERSION-r$BUILD_REVISION
 GO_DIR=$CACHE_DIR/go
-BINARIES=(etcd kube-apiserver kube-controller-manager kubectl)
+SERVICE_RANGE=10.0.0.0/24
+BINARIES=(etcd kube-apiserver kube-controller-manager kubectl kube-scheduler kubelet kube-proxy)
+
+# shellcheck source=e2e/node.sh
+. "$(dirname "${BASH_SOURCE[0]}")/node.sh"
 
 log() { echo "control-plane: $*" >&2; }
 die() { log "error: $*"; exit 1; }
@@ -149,11 +162,14 @@ build_kubernetes() {
     ldflags+=" -X $p.gitVersion=v$KUBE_VERSION -X $p.gitMajor=1 -X $p.gitMinor=$minor"
     ldflags+=" -X $p.gitTreeState=clean -X $p.buildDate=1970-01-01T00:00:00Z"
   done
-  log "building kube-apiserver, kube-controller-manager and kubectl v$KUBE_VERSION with $("$go" version | awk '{print $3}') (first time: 10-20 minutes)"
+  log "building kube-apiserver, kube-controller-manager, kubectl and the node's kube-scheduler, kubelet and kube-proxy v$KUBE_VERSION with $("$go" version | awk '{print $3}') (first time: 10-20 minutes)"
   (cd "$work" && "$go" build -trimpath -ldflags "-s -w$ldflags" -o "$out/" \
     k8s.io/kubernetes/cmd/kube-apiserver \
     k8s.io/kubernetes/cmd/kube-controller-manager \
-    k8s.io/kubernetes/cmd/kubectl >&2)
+    k8s.io/kubernetes/cmd/kubectl \
+    k8s.io/kubernetes/cmd/kube-scheduler \
+    k8s.io/kubernetes/cmd/kubelet \
+    k8s.io/kubernetes/cmd/kube-proxy >&2)
 }
 
 build_etcd() {
@@ -192,6 +208,8 @@ binaries_work() {
 
 provision() {
   ensure_packages openssl curl ca-certificates
+  # The node's packages when we may install them; without root there is no node to run.
+  if [ "$(id -u)" = 0 ]; then node_packages; fi
   if binaries_work; then
     log "using cached binaries in $BIN_DIR"
     return
@@ -235,19 +253,24 @@ client_cert() {
     -days 3650 -extfile "$d/client.ext" -out "$d/$name.crt" 2>/dev/null
 }
 
+# The CA, the API server's serving certificate (valid for 127.0.0.1 and the SANs in $2, comma
+# separated) and the clients' certificates.
 gen_certs() {
-  local d=$1
+  local d=$1 extra_sans=${2:-}
   openssl req -x509 -newkey rsa:2048 -nodes -days 3650 -subj "/CN=controller-sharding-test-ca" \
     -keyout "$d/ca.key" -out "$d/ca.crt" 2>/dev/null
   openssl req -newkey rsa:2048 -nodes -subj "/CN=kube-apiserver" \
     -keyout "$d/serving.key" -out "$d/serving.csr" 2>/dev/null
-  printf 'subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n' >"$d/serving.ext"
+  printf 'subjectAltName=IP:127.0.0.1,DNS:localhost%s\nextendedKeyUsage=serverAuth\n' \
+    "${extra_sans:+,$extra_sans}" >"$d/serving.ext"
   openssl x509 -req -in "$d/serving.csr" -CA "$d/ca.crt" -CAkey "$d/ca.key" -CAcreateserial \
     -days 3650 -extfile "$d/serving.ext" -out "$d/serving.crt" 2>/dev/null
   client_cert "$d" admin admin system:masters
   # kube-controller-manager runs every controller under its own identity; system:masters spares a
   # test cluster the per-controller service accounts a production install sets up.
   client_cert "$d" controller-manager system:kube-controller-manager system:masters
+  # kube-apiserver's identity towards kubelets (logs, exec).
+  client_cert "$d" apiserver-kubelet-client kube-apiserver-kubelet-client system:masters
   openssl genrsa -out "$d/sa.key" 2048 2>/dev/null
   openssl rsa -in "$d/sa.key" -pubout -out "$d/sa.pub" 2>/dev/null
 }
@@ -290,12 +313,26 @@ check_alive() {
 }
 
 start() {
-  local dir=${1:?usage: start DIR [OWNER_PID]} owner=${2:-}
+  local args=() node=false a
+  for a in "$@"; do
+    if [ "$a" = --node ]; then node=true; else args+=("$a"); fi
+  done
+  local dir=${args[0]:?usage: start DIR [OWNER_PID] [--node]} owner=${args[1]:-}
   binaries_work || die "no cached binaries in $BIN_DIR; run '$0 provision' first"
   mkdir -p "$dir"
   dir=$(cd "$dir" && pwd)
   [ ! -e "$dir/pids" ] || die "$dir already holds a control plane; stop it first"
-  gen_certs "$dir"
+  local address=127.0.0.1 sans=""
+  if $node; then
+    local reason
+    reason=$(node_unsupported_reason)
+    [ -z "$reason" ] || die "$reason"
+    address=$NODE_IP
+    # The `kubernetes` Service's ClusterIP and names, for pods' in-cluster clients.
+    sans="IP:$NODE_IP,IP:${SERVICE_RANGE%.*}.1,DNS:kubernetes,DNS:kubernetes.default"
+    sans+=",DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local"
+  fi
+  gen_certs "$dir" "$sans"
   : >"$dir/pids"
 
   if [ -n "$owner" ]; then
@@ -331,26 +368,45 @@ start() {
 
   local extra_args=()
   read -r -a extra_args <<<"${KUBE_APISERVER_EXTRA_ARGS:-}"
+  if $node; then
+    # Before the API server: it listens on the node's bridge address.
+    node_network_up "$dir"
+    # As in a real cluster: kubelets authorized by the Node authorizer and NodeRestriction,
+    # ServiceAccount tokens mounted into pods, the `kubernetes` Service's endpoints kept by the
+    # API server, and kube-apiserver calling kubelets with a client certificate.
+    extra_args+=(
+      --authorization-mode Node,RBAC
+      --enable-admission-plugins NodeRestriction
+      --endpoint-reconciler-type lease
+      --kubelet-client-certificate "$dir/apiserver-kubelet-client.crt"
+      --kubelet-client-key "$dir/apiserver-kubelet-client.key"
+      --kubelet-certificate-authority "$dir/ca.crt"
+      --kubelet-preferred-address-types InternalIP
+    )
+  else
+    # The ServiceAccount admission plugin is off: no controller here creates the default service
+    # accounts it insists on, and nothing runs pods.
+    extra_args+=(
+      --authorization-mode RBAC
+      --endpoint-reconciler-type none
+      --disable-admission-plugins ServiceAccount
+    )
+  fi
 
-  # The ServiceAccount admission plugin is off: no controller here creates the default service
-  # accounts it insists on, and nothing in the tests runs pods.
   "$BIN_DIR/kube-apiserver" \
     --etcd-servers "http://127.0.0.1:$etcd_port" \
-    --bind-address 127.0.0.1 --advertise-address 127.0.0.1 --secure-port "$api_port" \
+    --bind-address "$address" --advertise-address "$address" --secure-port "$api_port" \
     --tls-cert-file "$dir/serving.crt" --tls-private-key-file "$dir/serving.key" \
     --client-ca-file "$dir/ca.crt" \
     --service-account-key-file "$dir/sa.pub" \
     --service-account-signing-key-file "$dir/sa.key" \
     --service-account-issuer https://kubernetes.default.svc \
-    --authorization-mode RBAC \
-    --endpoint-reconciler-type none \
-    --service-cluster-ip-range 10.0.0.0/24 \
-    --disable-admission-plugins ServiceAccount \
+    --service-cluster-ip-range "$SERVICE_RANGE" \
     "${extra_args[@]}" \
     >"$dir/kube-apiserver.log" 2>&1 &
   echo $! >>"$dir/pids"
 
-  local server="https://127.0.0.1:$api_port"
+  local server="https://$address:$api_port"
   write_kubeconfig "$dir/kubeconfig" "$server" admin
   write_kubeconfig "$dir/controller-manager.kubeconfig" "$server" controller-manager
 
@@ -368,21 +424,36 @@ start() {
   done
 
   # Only the controllers whose effects the tests rely on: the garbage collector (owner references)
-  # and namespace lifecycle (deleting a namespace's content). No serving port, no leader election.
+  # and namespace lifecycle (deleting a namespace's content); with a node, also what Deployments,
+  # Services, ServiceAccount tokens and PodDisruptionBudgets need. No serving port, no leader
+  # election.
+  local controllers=garbage-collector-controller,namespace-controller
+  if $node; then
+    controllers+=,deployment-controller,replicaset-controller,endpointslice-controller
+    controllers+=,serviceaccount-controller,root-ca-certificate-publisher-controller
+    controllers+=,disruption-controller,node-lifecycle-controller
+  fi
   "$BIN_DIR/kube-controller-manager" \
     --kubeconfig "$dir/controller-manager.kubeconfig" \
-    --controllers garbage-collector-controller,namespace-controller \
+    --controllers "$controllers" --root-ca-file "$dir/ca.crt" \
     --secure-port 0 --leader-elect=false \
     >"$dir/kube-controller-manager.log" 2>&1 &
   echo $! >>"$dir/pids"
   sleep 0.5
   check_alive "$dir"
+  if $node && ! node_start "$dir" "$server"; then
+    stop "$dir"
+    exit 1
+  fi
   log "ready at $server (kubeconfig: $dir/kubeconfig)"
 }
 
 stop() {
   local dir=${1:?usage: stop DIR}
   [ -d "$dir" ] || return 0
+  # The node first: its pods and processes need the API server no longer, and containerd must
+  # outlive kubelet to kill the containers.
+  node_stop "$dir"
   if [ -f "$dir/pids" ]; then
     # Reverse order: controller manager, then kube-apiserver, then etcd.
     local pids
@@ -401,6 +472,11 @@ case "${1:-}" in
   provision) provision ;;
   start) shift; start "$@" ;;
   stop) shift; stop "$@" ;;
+  load-images) shift; node_load_images "$@" ;;
+  node-support)
+    reason=$(node_unsupported_reason)
+    if [ -n "$reason" ]; then echo "$reason"; exit 1; fi
+    ;;
   bin-dir) echo "$BIN_DIR" ;;
-  *) echo "usage: $0 provision | start DIR [OWNER_PID] | stop DIR | bin-dir" >&2; exit 2 ;;
+  *) echo "usage: $0 provision | start DIR [OWNER_PID] [--node] | load-images DIR ARCHIVE... | node-support | stop DIR | bin-dir" >&2; exit 2 ;;
 esac
