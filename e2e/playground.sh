@@ -8,6 +8,8 @@
 #   e2e/playground.sh add-shard NAME     start another shard
 #   e2e/playground.sh remove-shard NAME  stop a shard (it releases its Lease on the way out)
 #   e2e/playground.sh down               stop a running `up` from another terminal
+#   e2e/playground.sh --cluster [COMMAND] the same example in a real cluster: a node, images,
+#                                        `kubectl apply -k` (e2e/playground-cluster.sh; root)
 #
 # The other commands talk to the `up` running in another terminal through the state directory
 # ${TMPDIR:-/tmp}/controller-sharding-playground (override with CONTROLLER_SHARDING_PLAYGROUND);
@@ -23,6 +25,10 @@
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
+if [ "${1:-}" = --cluster ]; then
+  shift
+  exec bash "$ROOT/e2e/playground-cluster.sh" "$@"
+fi
 SCRIPT="$ROOT/e2e/playground.sh"
 STATE=${CONTROLLER_SHARDING_PLAYGROUND:-${TMPDIR:-/tmp}/controller-sharding-playground}
 HEALTH_PORT=${PLAYGROUND_HEALTH_PORT:-8081}

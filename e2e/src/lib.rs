@@ -29,12 +29,14 @@
 //! | [`IndependentRing`] | a hash ring written from the protocol's description, to check the sharder's answers against |
 //! | [`trivial_webhook`] | a webhook that answers every review with one constant patch, served like the sharder's over TLS on loopback ([`trivial_webhook::loopback_tls`]) |
 //! | [`latency::Latencies`] | nearest-rank percentiles of latency samples |
+//! | [`in_cluster::in_cluster`] | a control plane with a node, the product images loaded, for tests that install the product as users do |
 //! | [`apiserver::ApiServer`] | restarting kube-apiserver of a control plane the harness started (a [`sharder::DedicatedCluster`], never the shared one) |
 
 pub mod apiserver;
 pub mod etcd;
 pub mod fixtures;
 pub mod gate;
+pub mod in_cluster;
 mod independent_ring;
 pub mod latency;
 pub mod logs;

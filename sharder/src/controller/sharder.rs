@@ -100,6 +100,10 @@ pub(crate) enum Error {
         /// Moves not sent.
         held: usize,
     },
+    /// A newer view of the ring superseded this sync, which stopped before its next page; the
+    /// patches it had sent completed and were counted.
+    #[error("superseded by a newer view of the ring")]
+    Superseded,
     /// Some patches failed (conflicts included); the others went through.
     #[error("failed to patch {failed} of {attempted} objects")]
     Patches {
@@ -134,7 +138,8 @@ pub(crate) async fn run(ctx: Context, shutdown: CancellationToken) {
     // The sync each ring runs now, by a number unique per started sync: a sync stopped just as
     // it finished must not be taken for its successor.
     let mut started_syncs = 0u64;
-    let mut handles: HashMap<String, (u64, tokio::task::AbortHandle)> = HashMap::new();
+    // Running syncs by ring, with the token that stops one when a newer view supersedes it.
+    let mut handles: HashMap<String, (u64, CancellationToken)> = HashMap::new();
     let mut missed = MissedAssignments::default();
     let mut announcer = Announcer::default();
     let mut drain_check = tokio::time::interval(DRAIN_CHECK_PERIOD);
@@ -149,8 +154,11 @@ pub(crate) async fn run(ctx: Context, shutdown: CancellationToken) {
         // A sync must not go on with an outdated view (shards came or went, the spec or ring
         // changed): stop it and start over below with the current one.
         for key in schedule.superseded(keyed.iter().map(|(key, v)| (key.as_str(), v.revision))) {
-            if let Some((_, handle)) = handles.remove(&key) {
-                handle.abort();
+            // Stopped, not aborted: a sync stops before its next page, so the patches in flight
+            // complete and are counted. The next sync of the ring may start meanwhile; both
+            // write only labels towards the ring's current wishes, and the newer one decides.
+            if let Some((_, stop)) = handles.remove(&key) {
+                stop.cancel();
             }
             schedule.abandoned(&key, now);
             if let Some(view) = keyed.get(&key) {
@@ -178,8 +186,10 @@ pub(crate) async fn run(ctx: Context, shutdown: CancellationToken) {
             let task_key = key.clone();
             started_syncs += 1;
             let id = started_syncs;
-            let handle = running.spawn(async move { (task_key, id, sync_ring(&ctx, &view).await) });
-            handles.insert(key, (id, handle));
+            let stop = shutdown.child_token();
+            let task_stop = stop.clone();
+            running.spawn(async move { (task_key, id, sync_ring(&ctx, &view, task_stop).await) });
+            handles.insert(key, (id, stop));
         }
         missed.reconcile(&ctx, &views);
         announcer.membership(&ctx, &views).await;
@@ -190,7 +200,7 @@ pub(crate) async fn run(ctx: Context, shutdown: CancellationToken) {
             _ = drain_check.tick() => announcer.stuck_drains(&ctx).await,
             () = tokio::time::sleep_until(schedule.next_wake(now)) => {}
             Some(joined) = running.join_next(), if !running.is_empty() => {
-                // A stopped (superseded) sync ends as cancelled; it was accounted for already.
+                // A superseded sync was accounted for when it was stopped.
                 let Ok((name, id, result)) = joined else { continue };
                 if handles.get(&name).is_none_or(|(current, _)| *current != id) {
                     continue;
@@ -250,14 +260,8 @@ pub(super) fn decide_object(
     view.placement(&gr.group, resource, meta).decision
 }
 
-/// What became of one patch of a sync: the object's UID, its shard before, the decision and
-/// the result.
-type PatchOutcome = (
-    String,
-    Option<String>,
-    RebalanceDecision,
-    Result<(), PatchError>,
-);
+/// What became of one patch of a sync: the object's UID, the decision and the result.
+type PatchOutcome = (String, RebalanceDecision, Result<(), PatchError>);
 
 /// Counts one listed object of `view` into `tally` and returns its decision.
 fn tally_object(
@@ -499,22 +503,37 @@ struct Tally {
     owner_shards: HashMap<u64, u64>,
     /// Controlled objects held back because their controller has not left their shard yet.
     waiting_for_owner: usize,
+    /// Fires when a newer view supersedes this sync.
+    stop: CancellationToken,
 }
 
 /// Syncs every resource of one ring, records what it saw for the metrics and publishes the
 /// rebalance Events.
 #[tracing::instrument(skip_all, fields(ring = %view.ring_ref()))]
-async fn sync_ring(ctx: &Context, view: &RingView) -> Result<SyncStats, Error> {
+async fn sync_ring(
+    ctx: &Context,
+    view: &RingView,
+    stop: CancellationToken,
+) -> Result<SyncStats, Error> {
     let ring = view.ring_ref();
     let started = Instant::now();
     tracing::info!(%ring, shards = view.ring.len(), "{SYNC_STARTED}");
     let mut stats = SyncStats::default();
-    let mut tally = Tally::default();
+    let mut tally = Tally {
+        stop,
+        ..Tally::default()
+    };
     let mut first_error = None;
     for (gr, resource) in sync_order(view) {
+        if tally.stop.is_cancelled() {
+            return Err(Error::Superseded);
+        }
         if let Err(error) = sync_resource(ctx, view, gr, resource, &mut stats, &mut tally).await {
             first_error.get_or_insert(error);
         }
+    }
+    if tally.stop.is_cancelled() {
+        return Err(Error::Superseded);
     }
     let duration = started.elapsed();
     tracing::info!(
@@ -657,7 +676,11 @@ async fn sync_list(
     let checkpoint = (stats.listed, tally.objects.clone(), tally.waiting_for_owner);
     let mut pager = Pager::new(api);
     loop {
-        let page = match pager.next_page().await {
+        let next = tokio::select! {
+            () = tally.stop.cancelled() => return Err(Error::Superseded),
+            next = pager.next_page() => next,
+        };
+        let page = match next {
             Ok(Some(page)) => page,
             Ok(None) => return Ok(()),
             Err(source) => {
@@ -719,34 +742,43 @@ async fn sync_list(
                     .await;
             }
         }
+        let ring = &ring;
         let results: Vec<PatchOutcome> = futures::stream::iter(actions)
             .map(|(obj, decision)| async move {
                 let result = patch(ctx, view, gr, ar, obj.meta(), decision).await;
-                if let Err(error) = &result {
-                    tracing::debug!(%error, object = %obj.name_any(), ?decision, "patch failed");
+                let uid = obj.uid().unwrap_or_default();
+                match &result {
+                    // Counted and tracked as each patch lands, not when the batch is done: a
+                    // sync superseded by a newer view is aborted mid-batch, and the patches it
+                    // sent must still count and their drains still be watched for stuck ones.
+                    Ok(()) => {
+                        count(ctx, view, gr, decision);
+                        if decision == RebalanceDecision::Drain {
+                            let shard = obj.labels().get(&view.shard_label);
+                            let shard = shard.map(String::as_str).unwrap_or_default();
+                            ctx.observed
+                                .drain_sent(ring, &uid, shard, std::time::Instant::now());
+                        }
+                    }
+                    Err(error) => {
+                        tracing::debug!(%error, object = %obj.name_any(), ?decision, "patch failed");
+                    }
                 }
-                let current = obj.labels().get(&view.shard_label).cloned();
-                (obj.uid().unwrap_or_default(), current, decision, result)
+                (uid, decision, result)
             })
             .buffer_unordered(concurrency)
             .collect()
             .await;
-        for (uid, current, decision, result) in results {
+        for (uid, decision, result) in results {
             match result {
-                Ok(()) => {
-                    count(ctx, view, gr, decision);
-                    match decision {
-                        RebalanceDecision::Drain => {
-                            stats.drained += 1;
-                            let shard = current.unwrap_or_default();
-                            ctx.observed
-                                .drain_sent(&ring, &uid, &shard, std::time::Instant::now());
-                            tally.drained_now.insert(uid_hash(&uid));
-                        }
-                        RebalanceDecision::Move => stats.moved += 1,
-                        RebalanceDecision::Keep => {}
+                Ok(()) => match decision {
+                    RebalanceDecision::Drain => {
+                        stats.drained += 1;
+                        tally.drained_now.insert(uid_hash(&uid));
                     }
-                }
+                    RebalanceDecision::Move => stats.moved += 1,
+                    RebalanceDecision::Keep => {}
+                },
                 Err(PatchError::Held) => stats.held += 1,
                 Err(_) => stats.failed += 1,
             }

@@ -1,0 +1,837 @@
+//! The product in a real cluster, driven only with `kubectl` and the API as a user would: images
+//! built from the repository's Dockerfiles, installed with `kubectl apply -k`, the example ring
+//! scaled with `kubectl scale`, shard pods force-deleted, the sharder restarted and evicted. See
+//! [`e2e::in_cluster`] for the cluster (a control plane with a real node).
+//!
+//! The tests share one installation and take turns ([`TURN`]); each first brings the cluster to
+//! the state it starts from (installed, the example ring of a kind with a number of shards), so
+//! they pass in any order. Without root they print why and pass without checking anything.
+
+mod ownership;
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail, ensure};
+use e2e::IndependentRing;
+use e2e::in_cluster::{InCluster, OnFailure, eventually, in_cluster, workspace_root};
+use k8s_openapi::api::core::v1::{Namespace, Pod, Secret};
+use kube::Client;
+use kube::api::{Api, EvictParams, PostParams};
+use serde_json::{Value, json};
+use sharding_crds::RingKind;
+use tokio::sync::Mutex;
+
+use crate::ownership::ShardLogs;
+
+/// One test at a time: they share the installation.
+static TURN: Mutex<()> = Mutex::const_new(());
+static INSTALLED: AtomicBool = AtomicBool::new(false);
+
+const SYSTEM: &str = "sharding-system";
+const SHARDS_NAMESPACE: &str = "checksum-controller";
+const RING: &str = "checksum-controller";
+const SHARD_SELECTOR: &str = "app.kubernetes.io/name=checksum-controller";
+const SHARDER_SELECTOR: &str = "app.kubernetes.io/component=sharder";
+/// The example shards' Lease duration (checksum-controller's default).
+const LEASE_DURATION: Duration = Duration::from_secs(15);
+
+/// The shell block that follows `heading` in the README.
+fn readme_block(heading: &str) -> anyhow::Result<String> {
+    let readme = std::fs::read_to_string(workspace_root().join("README.md"))?;
+    let rest = readme
+        .split_once(&format!("\n{heading}\n"))
+        .with_context(|| format!("no heading {heading:?} in the README"))?
+        .1;
+    let block = rest
+        .split_once("```sh\n")
+        .and_then(|(_, b)| b.split_once("\n```"))
+        .with_context(|| format!("no sh block after {heading:?}"))?
+        .0;
+    Ok(block.to_string())
+}
+
+/// A scratch directory with `config/` and `deploy/` of the checkout, where README commands run
+/// as in a clone without leaving files in it.
+fn scratch_dir(name: &str) -> anyhow::Result<std::path::PathBuf> {
+    let dir = std::env::temp_dir().join(format!("in-cluster-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    for sub in ["config", "deploy"] {
+        let link = dir.join(sub);
+        if !link.exists() {
+            std::os::unix::fs::symlink(workspace_root().join(sub), &link)?;
+        }
+    }
+    Ok(dir)
+}
+
+/// Installs the sharder with the README's "Without cert-manager" commands, once.
+fn ensure_installed(c: &InCluster) -> anyhow::Result<()> {
+    if INSTALLED.load(Ordering::SeqCst) {
+        return Ok(());
+    }
+    let script = readme_block("### Without cert-manager")?;
+    c.shell(&script, &scratch_dir("install")?)?;
+    c.kubectl(&[
+        "-n",
+        SYSTEM,
+        "rollout",
+        "status",
+        "deployment",
+        "sharder",
+        "--timeout=120s",
+    ])?;
+    INSTALLED.store(true, Ordering::SeqCst);
+    Ok(())
+}
+
+/// The example directory of a ring kind.
+fn example_dir(kind: RingKind) -> &'static str {
+    match kind {
+        RingKind::ClusterRing => "deploy",
+        RingKind::ControllerRing => "deploy/controllerring",
+    }
+}
+
+fn ring_resource(kind: RingKind) -> &'static str {
+    match kind {
+        RingKind::ClusterRing => "clusterring",
+        RingKind::ControllerRing => "controllerring",
+    }
+}
+
+/// The example of `kind` installed with `kubectl apply -k`, the other kind's removed, scaled to
+/// `replicas` shards, all available in the ring.
+async fn ensure_example(c: &InCluster, kind: RingKind, replicas: u32) -> anyhow::Result<()> {
+    let other = match kind {
+        RingKind::ClusterRing => RingKind::ControllerRing,
+        RingKind::ControllerRing => RingKind::ClusterRing,
+    };
+    // Both examples share the shards' namespace and Deployment: drop only the other ring, and
+    // apply this example (which rolls the shards over to this kind when they ran the other).
+    c.kubectl(&[
+        "delete",
+        ring_resource(other),
+        RING,
+        "--ignore-not-found",
+        "--wait=true",
+    ])?;
+    c.kubectl(&["apply", "-k", example_dir(kind)])?;
+    c.kubectl(&[
+        "-n",
+        SHARDS_NAMESPACE,
+        "scale",
+        "deployment",
+        "checksum-controller",
+        &format!("--replicas={replicas}"),
+    ])?;
+    c.kubectl(&[
+        "-n",
+        SHARDS_NAMESPACE,
+        "rollout",
+        "status",
+        "deployment",
+        "checksum-controller",
+        "--timeout=120s",
+    ])?;
+    wait_ring(c, kind, replicas).await
+}
+
+/// Waits until the ring is Ready with `available` available shards and exactly that many running
+/// shard pods.
+async fn wait_ring(c: &InCluster, kind: RingKind, available: u32) -> anyhow::Result<()> {
+    eventually(
+        &format!(
+            "{} {RING} Ready with {available} available shards",
+            ring_resource(kind)
+        ),
+        Duration::from_secs(60),
+        || {
+            let ring = c.kubectl_json(&["get", ring_resource(kind), RING])?;
+            let ready = ring["status"]["conditions"].as_array().is_some_and(|cs| {
+                cs.iter()
+                    .any(|c| c["type"] == "Ready" && c["status"] == "True")
+            });
+            let count = ring["status"]["availableShards"]
+                .as_u64()
+                .unwrap_or_default();
+            let pods = shard_pods(c)?;
+            Ok(
+                (ready && count == u64::from(available) && pods.len() == available as usize)
+                    .then_some(()),
+            )
+        },
+    )
+    .await
+}
+
+/// Names of the shard pods that run and are not terminating.
+fn shard_pods(c: &InCluster) -> anyhow::Result<Vec<String>> {
+    let list = c.kubectl_json(&["-n", SHARDS_NAMESPACE, "get", "pods", "-l", SHARD_SELECTOR])?;
+    Ok(pods_running(&list))
+}
+
+fn pods_running(list: &Value) -> Vec<String> {
+    list["items"]
+        .as_array()
+        .map(|items| {
+            items
+                .iter()
+                .filter(|p| p["metadata"]["deletionTimestamp"].is_null())
+                .filter(|p| p["status"]["phase"] == "Running")
+                .filter_map(|p| p["metadata"]["name"].as_str().map(str::to_string))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// A namespace of the ring (labelled for its selector) with `count` Secrets created through the
+/// API; returns its name and whether every create's response already carried a shard label (set
+/// in admission by the webhook).
+async fn namespace_with_secrets(
+    client: &Client,
+    kind: RingKind,
+    prefix: &str,
+    count: usize,
+) -> anyhow::Result<(String, usize)> {
+    let name = e2e::unique_name(prefix);
+    let namespaces: Api<Namespace> = Api::all(client.clone());
+    let ns: Namespace = serde_json::from_value(json!({
+        "metadata": {"name": name, "labels": {"checksum-controller": "enabled"}}
+    }))?;
+    namespaces.create(&PostParams::default(), &ns).await?;
+    let labelled = create_secrets(client, kind, &name, 0..count).await?;
+    Ok((name, labelled))
+}
+
+/// Creates Secrets `s-<i>` in `namespace`; how many came back from the API server labelled.
+async fn create_secrets(
+    client: &Client,
+    kind: RingKind,
+    namespace: &str,
+    range: std::ops::Range<usize>,
+) -> anyhow::Result<usize> {
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), namespace);
+    let label = kind.shard_label(RING);
+    let mut labelled = 0;
+    for i in range {
+        let secret: Secret = serde_json::from_value(json!({
+            "metadata": {"name": format!("s-{i}")},
+            "stringData": {"value": format!("secret {i}")},
+        }))?;
+        let created = secrets
+            .create(&PostParams::default(), &secret)
+            .await
+            .with_context(|| format!("failed to create Secret {namespace}/s-{i}"))?;
+        if created
+            .metadata
+            .labels
+            .is_some_and(|l| l.contains_key(&label))
+        {
+            labelled += 1;
+        }
+    }
+    Ok(labelled)
+}
+
+/// Waits until every Secret in `namespace` carries the shard the independent ring of the running
+/// shard pods gives it, no drain label, and its checksum ConfigMap exists on the same shard;
+/// returns the assignment (Secret name to shard).
+async fn wait_converged(
+    c: &InCluster,
+    kind: RingKind,
+    namespace: &str,
+    timeout: Duration,
+) -> anyhow::Result<BTreeMap<String, String>> {
+    let shard_label = kind.shard_label(RING);
+    let drain_label = kind.drain_label(RING);
+    eventually(
+        &format!("every Secret in {namespace} on its shard with its ConfigMap"),
+        timeout,
+        || {
+            let pods = shard_pods(c)?;
+            let ring = IndependentRing::unweighted(pods.iter().map(String::as_str));
+            let secrets = c.kubectl_json(&["-n", namespace, "get", "secrets"])?;
+            let config_maps = c.kubectl_json(&["-n", namespace, "get", "configmaps"])?;
+            let cm_shards: BTreeMap<&str, &str> = items(&config_maps)
+                .iter()
+                .filter_map(|cm| {
+                    Some((
+                        cm["metadata"]["name"].as_str()?,
+                        cm["metadata"]["labels"][&shard_label]
+                            .as_str()
+                            .unwrap_or_default(),
+                    ))
+                })
+                .collect();
+            let mut assignment = BTreeMap::new();
+            for secret in items(&secrets) {
+                let name = secret["metadata"]["name"].as_str().unwrap_or_default();
+                let labels = &secret["metadata"]["labels"];
+                let shard = labels[&shard_label].as_str().unwrap_or_default();
+                let expected = ring.shard_for(&format!("/Secret/{namespace}/{name}"));
+                if shard != expected
+                    || !labels[&drain_label].is_null()
+                    || cm_shards.get(format!("checksums-{name}").as_str()) != Some(&expected)
+                {
+                    return Ok(None);
+                }
+                assignment.insert(name.to_string(), shard.to_string());
+            }
+            Ok(Some(assignment))
+        },
+    )
+    .await
+}
+
+fn items(list: &Value) -> &[Value] {
+    list["items"]
+        .as_array()
+        .map(Vec::as_slice)
+        .unwrap_or_default()
+}
+
+/// Sum of a counter over every sharder replica, scraped from the pods' own addresses.
+fn sharder_counter(c: &InCluster, metric: &str) -> anyhow::Result<f64> {
+    let pods = c.kubectl_json(&["-n", SYSTEM, "get", "pods", "-l", SHARDER_SELECTOR])?;
+    let mut total = 0.0;
+    for pod in items(&pods) {
+        if !pod["metadata"]["deletionTimestamp"].is_null() || pod["status"]["phase"] != "Running" {
+            continue;
+        }
+        let Some(ip) = pod["status"]["podIP"].as_str() else {
+            continue;
+        };
+        let text = e2e::sharder::curl(&[
+            "-sf",
+            "--max-time",
+            "5",
+            &format!("http://{ip}:8080/metrics"),
+        ])?;
+        total += e2e::prometheus::sum(&text, metric, &[]);
+    }
+    Ok(total)
+}
+
+/// The API server's own metric `name` for the sharder's webhook (every ring's webhook has the
+/// same name; the tests have one ring at a time).
+async fn webhook_metric(client: &Client, name: &str) -> anyhow::Result<f64> {
+    let text = e2e::prometheus::apiserver_metrics(client).await?;
+    Ok(e2e::prometheus::sum(
+        &text,
+        name,
+        &[("name", sharding_crds::labels::WEBHOOK_NAME)],
+    ))
+}
+
+/// The holder of the sharder's leader-election Lease (`<pod>_<...>`).
+fn leader(c: &InCluster) -> anyhow::Result<String> {
+    let lease = c.kubectl_json(&["-n", SYSTEM, "get", "lease", "sharder"])?;
+    Ok(lease["spec"]["holderIdentity"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string())
+}
+
+macro_rules! cluster_or_skip {
+    () => {
+        match in_cluster() {
+            Some(c) => c,
+            None => return Ok(()),
+        }
+    };
+}
+
+#[tokio::test]
+async fn install_with_kustomize() -> anyhow::Result<()> {
+    let c = cluster_or_skip!();
+    let _turn = TURN.lock().await;
+    let mut guard = OnFailure::new(c);
+    ensure_installed(c)?;
+    let deployment = c.kubectl_json(&["-n", SYSTEM, "get", "deployment", "sharder"])?;
+    ensure!(
+        deployment["status"]["readyReplicas"] == 2,
+        "the sharder Deployment is not 2/2 Ready: {}",
+        deployment["status"]
+    );
+    // Ready through the kubelet's calls of the real readiness probe.
+    let pods = c.kubectl_json(&["-n", SYSTEM, "get", "pods", "-l", SHARDER_SELECTOR])?;
+    for pod in items(&pods) {
+        let probe = &pod["spec"]["containers"][0]["readinessProbe"]["httpGet"];
+        ensure!(
+            probe["path"] == "/readyz",
+            "no readiness probe on /readyz: {probe}"
+        );
+        let ready = pod["status"]["conditions"].as_array().is_some_and(|cs| {
+            cs.iter()
+                .any(|c| c["type"] == "Ready" && c["status"] == "True")
+        });
+        ensure!(ready, "pod {} is not Ready", pod["metadata"]["name"]);
+        ensure!(
+            pod["spec"]["securityContext"]["runAsUser"] == 65532,
+            "the sharder does not run as 65532"
+        );
+    }
+    let pdb = c.kubectl_json(&["-n", SYSTEM, "get", "poddisruptionbudget", "sharder"])?;
+    ensure!(
+        pdb["spec"]["maxUnavailable"] == 1,
+        "unexpected PDB: {}",
+        pdb["spec"]
+    );
+    eventually(
+        "the PDB to count two healthy pods",
+        Duration::from_secs(30),
+        || {
+            let pdb = c.kubectl_json(&["-n", SYSTEM, "get", "poddisruptionbudget", "sharder"])?;
+            Ok(
+                (pdb["status"]["currentHealthy"] == 2 && pdb["status"]["disruptionsAllowed"] == 1)
+                    .then_some(()),
+            )
+        },
+    )
+    .await?;
+    guard.passed();
+    Ok(())
+}
+
+/// The README's example steps, then 200 Secrets, each labelled in admission by the webhook
+/// reached through its Service, each with its checksum ConfigMap.
+async fn example_ring(kind: RingKind, readme: bool, count: usize) -> anyhow::Result<()> {
+    let c = cluster_or_skip!();
+    let _turn = TURN.lock().await;
+    let mut guard = OnFailure::new(c);
+    ensure_installed(c)?;
+    let client = c.client().await?;
+    if readme {
+        // From a state without either example, as a reader starts.
+        for dir in ["deploy/controllerring", "deploy"] {
+            c.kubectl(&[
+                "delete",
+                "-k",
+                dir,
+                "--ignore-not-found",
+                "--wait=true",
+                "--timeout=120s",
+            ])?;
+        }
+        let dir = scratch_dir("example")?;
+        let out = c.shell(&readme_block("### The example ring")?, &dir)?;
+        let shard_label = kind.shard_label(RING);
+        ensure!(
+            out.contains(&shard_label) || out.contains("checksum-controller-"),
+            "the README's steps did not show a shard label:\n{out}"
+        );
+        let demo = c.kubectl_json(&["-n", "default", "get", "secret", "demo"])?;
+        let shard = demo["metadata"]["labels"][&shard_label]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
+        ensure!(
+            shard_pods(c)?.contains(&shard),
+            "demo is on {shard:?}, not a running shard"
+        );
+        c.kubectl(&["-n", "default", "delete", "secret", "demo"])?;
+    }
+    ensure_example(c, kind, 3).await?;
+    let requests = "apiserver_admission_webhook_admission_duration_seconds_count";
+    let fail_open = "apiserver_admission_webhook_fail_open_count";
+    let (calls_before, fail_open_before) = (
+        webhook_metric(&client, requests).await?,
+        webhook_metric(&client, fail_open).await?,
+    );
+    let (namespace, labelled) = namespace_with_secrets(&client, kind, "example", count).await?;
+    ensure!(
+        labelled == count,
+        "{labelled} of {count} Secrets came back from their CREATE with a shard label"
+    );
+    let calls = webhook_metric(&client, requests).await? - calls_before;
+    let failed_open = webhook_metric(&client, fail_open).await? - fail_open_before;
+    ensure!(
+        calls >= count as f64,
+        "the API server called the webhook {calls} times for {count} CREATEs"
+    );
+    ensure!(
+        failed_open == 0.0,
+        "{failed_open} admission calls failed open"
+    );
+    wait_converged(c, kind, &namespace, Duration::from_secs(60)).await?;
+    c.kubectl(&["delete", "namespace", &namespace, "--wait=false"])?;
+    guard.passed();
+    Ok(())
+}
+
+#[tokio::test]
+async fn example_clusterring_assigns_through_the_service() -> anyhow::Result<()> {
+    example_ring(RingKind::ClusterRing, true, 200).await
+}
+
+#[tokio::test]
+async fn example_controllerring_assigns_through_the_service() -> anyhow::Result<()> {
+    example_ring(RingKind::ControllerRing, false, 100).await
+}
+
+#[tokio::test]
+async fn kubectl_scale_rebalances_through_drains() -> anyhow::Result<()> {
+    let c = cluster_or_skip!();
+    let _turn = TURN.lock().await;
+    let mut guard = OnFailure::new(c);
+    ensure_installed(c)?;
+    let kind = RingKind::ClusterRing;
+    ensure_example(c, kind, 3).await?;
+    let client = c.client().await?;
+    let logs = ShardLogs::follow(client.clone(), SHARDS_NAMESPACE, SHARD_SELECTOR);
+    let (namespace, _) = namespace_with_secrets(&client, kind, "scale", 150).await?;
+    let before = wait_converged(c, kind, &namespace, Duration::from_secs(60)).await?;
+    let drains_before = sharder_counter(c, "controller_sharding_drains_total")?;
+    let moves_before = sharder_counter(c, "controller_sharding_movements_total")?;
+
+    // Out: 3 → 5. Objects leave live shards only through drains.
+    c.kubectl(&[
+        "-n",
+        SHARDS_NAMESPACE,
+        "scale",
+        "deployment",
+        "checksum-controller",
+        "--replicas=5",
+    ])?;
+    wait_ring(c, kind, 5).await?;
+    let after_out = wait_converged(c, kind, &namespace, Duration::from_secs(60)).await?;
+    let moved: Vec<&String> = before
+        .iter()
+        .filter(|(name, shard)| after_out.get(*name) != Some(shard))
+        .map(|(name, _)| name)
+        .collect();
+    ensure!(!moved.is_empty(), "scaling out moved no Secret");
+    let drains = sharder_counter(c, "controller_sharding_drains_total")? - drains_before;
+    ensure!(
+        drains >= moved.len() as f64,
+        "{} Secrets moved but the sharder counted {drains} drains",
+        moved.len()
+    );
+    let records = logs.records();
+    for name in &moved {
+        let object = format!("{namespace}/{name}");
+        let old = &before[*name];
+        ensure!(
+            records.iter().any(|r| r.event == "drain"
+                && &r.pod == old
+                && r.object.as_deref() == Some(&object)),
+            "{object} moved from {old} without {old} logging a drain acknowledgement"
+        );
+    }
+
+    // In: 5 → 2. Terminating shards release their Leases; their objects move at once.
+    let started = Instant::now();
+    c.kubectl(&[
+        "-n",
+        SHARDS_NAMESPACE,
+        "scale",
+        "deployment",
+        "checksum-controller",
+        "--replicas=2",
+    ])?;
+    wait_ring(c, kind, 2).await?;
+    wait_converged(c, kind, &namespace, LEASE_DURATION).await?;
+    let took = started.elapsed();
+    ensure!(
+        took < LEASE_DURATION,
+        "scaling in took {took:?}, not less than the Lease duration {LEASE_DURATION:?}"
+    );
+    let moves = sharder_counter(c, "controller_sharding_movements_total")? - moves_before;
+    ensure!(moves > 0.0, "no move counted after scaling in");
+    let records = logs.stop().await;
+    let remaining = shard_pods(c)?;
+    let gone: Vec<&String> = after_out
+        .values()
+        .filter(|s| !remaining.contains(s))
+        .collect();
+    for pod in gone {
+        ensure!(
+            records
+                .iter()
+                .any(|r| &r.pod == pod && r.event == "lease_released"),
+            "{pod} was scaled away without logging that it released its Lease"
+        );
+    }
+    let violations = ownership::violations(&records);
+    ensure!(
+        violations.is_empty(),
+        "ownership overlapped:\n{}",
+        violations.join("\n")
+    );
+    eprintln!(
+        "scale: 3→5 moved {} Secrets through {drains} drains; 5→2 converged in {took:?}; {} records checked",
+        moved.len(),
+        records.len()
+    );
+    c.kubectl(&["delete", "namespace", &namespace, "--wait=false"])?;
+    guard.passed();
+    Ok(())
+}
+
+#[tokio::test]
+async fn force_deleted_shard_pod_is_taken_over() -> anyhow::Result<()> {
+    let c = cluster_or_skip!();
+    let _turn = TURN.lock().await;
+    let mut guard = OnFailure::new(c);
+    ensure_installed(c)?;
+    let kind = RingKind::ClusterRing;
+    ensure_example(c, kind, 3).await?;
+    let client = c.client().await?;
+    let (namespace, _) = namespace_with_secrets(&client, kind, "force", 60).await?;
+    let assignment = wait_converged(c, kind, &namespace, Duration::from_secs(60)).await?;
+    let victim = assignment
+        .values()
+        .next()
+        .context("no Secret assigned")?
+        .clone();
+    let started = Instant::now();
+    c.kubectl(&[
+        "-n",
+        SHARDS_NAMESPACE,
+        "delete",
+        "pod",
+        &victim,
+        "--grace-period=0",
+        "--force",
+    ])?;
+    let label = kind.shard_label(RING);
+    let bound = LEASE_DURATION * 2 + Duration::from_secs(5);
+    eventually(&format!("no Secret left on {victim}"), bound, || {
+        let secrets = c.kubectl_json(&[
+            "-n",
+            &namespace,
+            "get",
+            "secrets",
+            "-l",
+            &format!("{label}={victim}"),
+        ])?;
+        Ok(items(&secrets).is_empty().then_some(()))
+    })
+    .await?;
+    let took = started.elapsed();
+    wait_ring(c, kind, 3).await?;
+    wait_converged(c, kind, &namespace, Duration::from_secs(60)).await?;
+    eprintln!("force delete: the objects of {victim} left it after {took:?} (bound {bound:?})");
+    c.kubectl(&["delete", "namespace", &namespace, "--wait=false"])?;
+    guard.passed();
+    Ok(())
+}
+
+/// A shard that crashes (SIGKILL: no release of its Lease) loses its objects once the sharder
+/// takes its expired Lease over: not before the Lease expires, and within two Lease durations.
+#[tokio::test]
+async fn crashed_shard_pod_is_taken_over() -> anyhow::Result<()> {
+    let c = cluster_or_skip!();
+    let _turn = TURN.lock().await;
+    let mut guard = OnFailure::new(c);
+    ensure_installed(c)?;
+    let kind = RingKind::ClusterRing;
+    ensure_example(c, kind, 3).await?;
+    let client = c.client().await?;
+    let (namespace, _) = namespace_with_secrets(&client, kind, "crash", 60).await?;
+    let assignment = wait_converged(c, kind, &namespace, Duration::from_secs(60)).await?;
+    let victim = assignment
+        .values()
+        .next()
+        .context("no Secret assigned")?
+        .clone();
+    let pod = c.kubectl_json(&["-n", SHARDS_NAMESPACE, "get", "pod", &victim])?;
+    let container = pod["status"]["containerStatuses"][0]["containerID"]
+        .as_str()
+        .context("the shard pod has no container ID")?
+        .to_string();
+    c.kill_container(&container)?;
+    let started = Instant::now();
+    // Gone for good, so kubelet does not restart it under the same shard name.
+    c.kubectl(&[
+        "-n",
+        SHARDS_NAMESPACE,
+        "delete",
+        "pod",
+        &victim,
+        "--grace-period=0",
+        "--force",
+    ])?;
+    let label = kind.shard_label(RING);
+    let bound = LEASE_DURATION * 2 + Duration::from_secs(5);
+    eventually(&format!("no Secret left on {victim}"), bound, || {
+        let secrets = c.kubectl_json(&[
+            "-n",
+            &namespace,
+            "get",
+            "secrets",
+            "-l",
+            &format!("{label}={victim}"),
+        ])?;
+        Ok(items(&secrets).is_empty().then_some(()))
+    })
+    .await?;
+    let took = started.elapsed();
+    ensure!(
+        took >= LEASE_DURATION / 2,
+        "the objects left {victim} after {took:?}, before its Lease could expire: it was not a crash"
+    );
+    wait_ring(c, kind, 3).await?;
+    wait_converged(c, kind, &namespace, Duration::from_secs(60)).await?;
+    eprintln!("crash: the objects of {victim} left it after {took:?} (bound {bound:?})");
+    c.kubectl(&["delete", "namespace", &namespace, "--wait=false"])?;
+    guard.passed();
+    Ok(())
+}
+
+#[tokio::test]
+async fn rollout_restart_of_the_sharder_refuses_no_write() -> anyhow::Result<()> {
+    let c = cluster_or_skip!();
+    let _turn = TURN.lock().await;
+    let mut guard = OnFailure::new(c);
+    ensure_installed(c)?;
+    let kind = RingKind::ClusterRing;
+    ensure_example(c, kind, 3).await?;
+    let client = c.client().await?;
+    let (namespace, _) = namespace_with_secrets(&client, kind, "restart", 0).await?;
+    let leader_before = leader(c)?;
+    let old_pods = c.kubectl_json(&["-n", SYSTEM, "get", "pods", "-l", SHARDER_SELECTOR])?;
+    let old_pods = pods_running(&old_pods);
+
+    // Secrets created steadily, one every 100 ms, while the sharder rolls.
+    let stop = tokio_util::sync::CancellationToken::new();
+    let writer = {
+        let (client, namespace, stop) = (client.clone(), namespace.clone(), stop.clone());
+        tokio::spawn(async move {
+            let (mut created, mut labelled, mut errors) = (0, 0, Vec::new());
+            while !stop.is_cancelled() {
+                match create_secrets(&client, kind, &namespace, created..created + 1).await {
+                    Ok(n) => labelled += n,
+                    Err(e) => errors.push(format!("{e:#}")),
+                }
+                created += 1;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            (created, labelled, errors)
+        })
+    };
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    c.kubectl(&["-n", SYSTEM, "rollout", "restart", "deployment", "sharder"])?;
+    c.kubectl(&[
+        "-n",
+        SYSTEM,
+        "rollout",
+        "status",
+        "deployment",
+        "sharder",
+        "--timeout=180s",
+    ])?;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    stop.cancel();
+    let (created, labelled, errors) = writer.await?;
+    ensure!(
+        errors.is_empty(),
+        "{} of {created} creates failed: {errors:?}",
+        errors.len()
+    );
+    wait_converged(c, kind, &namespace, Duration::from_secs(30)).await?;
+    let new_leader = eventually(
+        "a leader among the new pods",
+        Duration::from_secs(60),
+        || {
+            let holder = leader(c)?;
+            Ok(
+                (!holder.is_empty() && !old_pods.iter().any(|p| holder.starts_with(p.as_str())))
+                    .then_some(holder),
+            )
+        },
+    )
+    .await?;
+    ensure!(new_leader != leader_before, "the leader did not move");
+    eprintln!(
+        "rollout restart: {created} Secrets created, {labelled} labelled in admission, 0 refused; \
+         leader {leader_before} → {new_leader}"
+    );
+    c.kubectl(&["delete", "namespace", &namespace, "--wait=false"])?;
+    guard.passed();
+    Ok(())
+}
+
+/// What `kubectl drain` of the node does to the sharder: with the node cordoned no replacement
+/// can start, so after one sharder pod is evicted the PDB refuses to evict the last one.
+#[tokio::test]
+async fn pdb_refuses_the_eviction_that_would_leave_no_sharder() -> anyhow::Result<()> {
+    let c = cluster_or_skip!();
+    let _turn = TURN.lock().await;
+    let mut guard = OnFailure::new(c);
+    ensure_installed(c)?;
+    c.kubectl(&[
+        "-n",
+        SYSTEM,
+        "rollout",
+        "status",
+        "deployment",
+        "sharder",
+        "--timeout=120s",
+    ])?;
+    let client = c.client().await?;
+    eventually(
+        "the PDB to allow one disruption",
+        Duration::from_secs(60),
+        || {
+            let pdb = c.kubectl_json(&["-n", SYSTEM, "get", "poddisruptionbudget", "sharder"])?;
+            Ok((pdb["status"]["disruptionsAllowed"] == 1).then_some(()))
+        },
+    )
+    .await?;
+    let pods = c.kubectl_json(&["-n", SYSTEM, "get", "pods", "-l", SHARDER_SELECTOR])?;
+    let pods = pods_running(&pods);
+    ensure!(pods.len() == 2, "expected two sharder pods, found {pods:?}");
+    let node = "controller-sharding-node";
+    c.kubectl(&["cordon", node])?;
+    let outcome = async {
+        let api: Api<Pod> = Api::namespaced(client.clone(), SYSTEM);
+        api.evict(&pods[0], &EvictParams::default())
+            .await
+            .with_context(|| format!("the first eviction ({}) was refused", pods[0]))?;
+        match api.evict(&pods[1], &EvictParams::default()).await {
+            Ok(_) => bail!("the PDB let the last running sharder pod be evicted"),
+            Err(kube::Error::Api(status)) if status.code == 429 => {
+                ensure!(
+                    status.message.contains("disruption budget"),
+                    "refused for another reason: {}",
+                    status.message
+                );
+            }
+            Err(e) => bail!("the second eviction failed otherwise than by the PDB: {e}"),
+        }
+        // The webhook is still served: the last replica is Ready.
+        let deployment = c.kubectl_json(&["-n", SYSTEM, "get", "deployment", "sharder"])?;
+        ensure!(
+            deployment["status"]["readyReplicas"] == 1,
+            "expected one Ready sharder while the node is cordoned: {}",
+            deployment["status"]
+        );
+        Ok(())
+    }
+    .await;
+    c.kubectl(&["uncordon", node])?;
+    outcome?;
+    c.kubectl(&[
+        "-n",
+        SYSTEM,
+        "rollout",
+        "status",
+        "deployment",
+        "sharder",
+        "--timeout=120s",
+    ])?;
+    guard.passed();
+    Ok(())
+}
+
+#[test]
+fn readme_blocks_are_found() -> anyhow::Result<()> {
+    for heading in ["### Without cert-manager", "### The example ring"] {
+        let block = readme_block(heading)?;
+        ensure!(block.contains("kubectl apply -k"), "{heading}: {block}");
+    }
+    Ok(())
+}

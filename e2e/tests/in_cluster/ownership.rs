@@ -1,0 +1,268 @@
+//! The shards' own log records, streamed from their pods through the API (`kubectl logs -f`'s
+//! request) from the moment each pod runs, and the exclusive-ownership rule checked on them.
+//!
+//! The rule, for every object: when shard B reconciles it after shard A did, A must have let go
+//! in between, by acknowledging a drain of that object or by releasing or losing its Lease, and A
+//! logs no reconcile of it after letting go unless it got the object back the same way. Records
+//! of all pods carry the node's one clock, so their timestamps compare; a letting-go record may
+//! trail the next shard's reconcile by [`LOG_SLACK`], since it is written after the write it
+//! reports.
+
+use std::collections::{BTreeMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::{AsyncBufReadExt, TryStreamExt};
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::jiff::{SignedDuration, Timestamp};
+use kube::Client;
+use kube::api::{Api, ListParams, LogParams};
+use serde_json::Value;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+/// How much later than the next shard's reconcile a letting-go record may be written.
+const LOG_SLACK: SignedDuration = SignedDuration::from_secs(2);
+
+/// One JSON record of a shard pod.
+#[derive(Clone, Debug)]
+pub struct Record {
+    pub pod: String,
+    pub at: Timestamp,
+    pub event: String,
+    /// `namespace/name` of the object, for `reconcile` and `drain`.
+    pub object: Option<String>,
+}
+
+/// Follows the logs of every pod matching a label selector until dropped or [`Self::stop`]ped.
+pub struct ShardLogs {
+    records: Arc<Mutex<Vec<Record>>>,
+    stop: CancellationToken,
+    tasks: JoinSet<()>,
+}
+
+impl ShardLogs {
+    /// Starts following the pods of `selector` in `namespace`, those running now and those that
+    /// start later.
+    pub fn follow(client: Client, namespace: &str, selector: &str) -> Self {
+        let records = Arc::new(Mutex::new(Vec::new()));
+        let stop = CancellationToken::new();
+        let mut tasks = JoinSet::new();
+        let pods: Api<Pod> = Api::namespaced(client, namespace);
+        let (selector, records_, stop_) = (selector.to_string(), records.clone(), stop.clone());
+        tasks.spawn(async move {
+            let mut followed = HashSet::new();
+            let mut streams = JoinSet::new();
+            while !stop_.is_cancelled() {
+                if let Ok(list) = pods.list(&ListParams::default().labels(&selector)).await {
+                    for pod in list {
+                        let name = pod.metadata.name.clone().unwrap_or_default();
+                        let started = pod
+                            .status
+                            .as_ref()
+                            .and_then(|s| s.container_statuses.as_ref())
+                            .is_some_and(|cs| {
+                                cs.iter()
+                                    .any(|c| c.state.as_ref().is_some_and(|s| s.running.is_some()))
+                            });
+                        if started && followed.insert(name.clone()) {
+                            streams.spawn(stream(
+                                pods.clone(),
+                                name,
+                                records_.clone(),
+                                stop_.clone(),
+                            ));
+                        }
+                    }
+                }
+                tokio::select! {
+                    () = stop_.cancelled() => {}
+                    () = tokio::time::sleep(Duration::from_millis(300)) => {}
+                }
+            }
+            // Streams end with their containers; give the last lines a moment.
+            let _ = tokio::time::timeout(Duration::from_secs(2), async {
+                while streams.join_next().await.is_some() {}
+            })
+            .await;
+        });
+        Self {
+            records,
+            stop,
+            tasks,
+        }
+    }
+
+    /// The records so far.
+    pub fn records(&self) -> Vec<Record> {
+        self.records.lock().map(|r| r.clone()).unwrap_or_default()
+    }
+
+    /// Stops following and returns every record.
+    pub async fn stop(mut self) -> Vec<Record> {
+        self.stop.cancel();
+        while self.tasks.join_next().await.is_some() {}
+        self.records()
+    }
+}
+
+async fn stream(
+    pods: Api<Pod>,
+    pod: String,
+    records: Arc<Mutex<Vec<Record>>>,
+    stop: CancellationToken,
+) {
+    let params = LogParams {
+        follow: true,
+        ..LogParams::default()
+    };
+    let Ok(reader) = pods.log_stream(&pod, &params).await else {
+        return;
+    };
+    let mut lines = reader.lines();
+    loop {
+        let line = tokio::select! {
+            () = stop.cancelled() => {
+                // Whatever is already buffered still counts.
+                match tokio::time::timeout(Duration::from_millis(500), lines.try_next()).await {
+                    Ok(Ok(Some(line))) => line,
+                    _ => return,
+                }
+            }
+            next = lines.try_next() => match next {
+                Ok(Some(line)) => line,
+                _ => return,
+            },
+        };
+        if let Some(record) = parse(&pod, &line)
+            && let Ok(mut all) = records.lock()
+        {
+            all.push(record);
+        }
+    }
+}
+
+fn parse(pod: &str, line: &str) -> Option<Record> {
+    let value: Value = serde_json::from_str(line).ok()?;
+    let at = value["timestamp"].as_str()?.parse().ok()?;
+    let event = value["event"].as_str().unwrap_or_default().to_string();
+    let object = match (value["namespace"].as_str(), value["name"].as_str()) {
+        (Some(ns), Some(name)) if event == "reconcile" || event == "drain" => {
+            Some(format!("{ns}/{name}"))
+        }
+        _ => None,
+    };
+    Some(Record {
+        pod: pod.to_string(),
+        at,
+        event,
+        object,
+    })
+}
+
+/// Every breach of the rule in `records`, described; empty when ownership never overlapped.
+pub fn violations(records: &[Record]) -> Vec<String> {
+    let mut out = Vec::new();
+    // When each pod let go of everything (released or lost its Lease, stopped).
+    let mut ended: BTreeMap<&str, Timestamp> = BTreeMap::new();
+    for r in records {
+        if matches!(
+            r.event.as_str(),
+            "lease_released" | "lease_lost" | "shard_stopped"
+        ) {
+            let at = ended.entry(&r.pod).or_insert(r.at);
+            *at = (*at).min(r.at);
+        }
+    }
+    let mut by_object: BTreeMap<&str, Vec<&Record>> = BTreeMap::new();
+    for r in records {
+        if let Some(object) = &r.object {
+            by_object.entry(object).or_default().push(r);
+        }
+    }
+    for (object, mut events) in by_object {
+        events.sort_by_key(|r| r.at);
+        let reconciles: Vec<&&Record> = events.iter().filter(|r| r.event == "reconcile").collect();
+        for pair in reconciles.windows(2) {
+            let (a, b) = (pair[0], pair[1]);
+            if a.pod == b.pod {
+                continue;
+            }
+            let let_go = |at: Timestamp| at > a.at && at <= b.at + LOG_SLACK;
+            let drained = events
+                .iter()
+                .any(|r| r.event == "drain" && r.pod == a.pod && let_go(r.at));
+            let stopped = ended.get(a.pod.as_str()).is_some_and(|at| let_go(*at));
+            if !drained && !stopped {
+                out.push(format!(
+                    "{object}: reconciled by {} at {} and by {} at {} without {} letting go in between",
+                    a.pod, a.at, b.pod, b.at, a.pod
+                ));
+            }
+        }
+    }
+    for r in records {
+        if r.event == "reconcile"
+            && let Some(end) = ended.get(r.pod.as_str())
+            && r.at > *end
+        {
+            out.push(format!(
+                "{}: {} reconciled it at {} after its Lease ended at {end}",
+                r.object.as_deref().unwrap_or_default(),
+                r.pod,
+                r.at
+            ));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(pod: &str, seconds: i64, event: &str, object: Option<&str>) -> Record {
+        Record {
+            pod: pod.into(),
+            at: Timestamp::from_second(seconds).expect("timestamp"),
+            event: event.into(),
+            object: object.map(str::to_string),
+        }
+    }
+
+    #[test]
+    fn a_handover_needs_a_drain_or_an_end_in_between() {
+        let overlap = [
+            record("a", 10, "reconcile", Some("ns/x")),
+            record("b", 20, "reconcile", Some("ns/x")),
+        ];
+        assert_eq!(violations(&overlap).len(), 1);
+        let drained = [
+            record("a", 10, "reconcile", Some("ns/x")),
+            record("a", 15, "drain", Some("ns/x")),
+            record("b", 20, "reconcile", Some("ns/x")),
+        ];
+        assert!(violations(&drained).is_empty());
+        let released = [
+            record("a", 10, "reconcile", Some("ns/x")),
+            record("a", 15, "lease_released", None),
+            record("b", 20, "reconcile", Some("ns/x")),
+        ];
+        assert!(violations(&released).is_empty());
+        let drained_other = [
+            record("a", 10, "reconcile", Some("ns/x")),
+            record("a", 15, "drain", Some("ns/y")),
+            record("b", 20, "reconcile", Some("ns/x")),
+        ];
+        assert_eq!(violations(&drained_other).len(), 1);
+    }
+
+    #[test]
+    fn nothing_after_the_end() {
+        let late = [
+            record("a", 10, "lease_released", None),
+            record("a", 11, "reconcile", Some("ns/x")),
+        ];
+        assert_eq!(violations(&late).len(), 1);
+    }
+}
