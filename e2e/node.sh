@@ -94,9 +94,13 @@ node_network_up() {
   local reason
   reason=$(node_unsupported_reason)
   [ -z "$reason" ] || die "$reason"
-  if ip link show "$NODE_BRIDGE" >/dev/null 2>&1; then
-    die "the bridge $NODE_BRIDGE exists: another node is running ($(cat /run/controller-sharding-node 2>/dev/null || echo 'owner unknown')); stop it first, or remove the bridge"
-  fi
+  # A node whose test run just ended may still be stopping (its watchdog notices within a second).
+  local deadline=$((SECONDS + 30))
+  while ip link show "$NODE_BRIDGE" >/dev/null 2>&1; do
+    [ $SECONDS -lt $deadline ] ||
+      die "the bridge $NODE_BRIDGE exists: another node is running ($(cat /run/controller-sharding-node 2>/dev/null || echo 'owner unknown')); stop it first, or remove the bridge"
+    sleep 0.5
+  done
   node_clean_iptables
   mkdir -p "$dir/node"
   echo "$dir" >/run/controller-sharding-node
