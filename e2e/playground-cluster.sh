@@ -91,7 +91,10 @@ up() {
   (
     cd "$work"
     export KUBECONFIG=$KUBECONFIG_FILE PATH="$(dirname "$KUBECTL"):$PATH"
-    bash -euo pipefail -c "$(readme_block '### Without cert-manager')" >/dev/null
+    if ! bash -euo pipefail -c "$(readme_block '### Without cert-manager')" >install.log 2>&1; then
+      cat install.log >&2
+      die "the README's install steps failed"
+    fi
     kubectl -n sharding-system rollout status deployment sharder --timeout=180s
     kubectl apply -k deploy >/dev/null
     kubectl -n checksum-controller rollout status deployment checksum-controller --timeout=180s

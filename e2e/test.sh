@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The project's test command: provisions the local control plane (first run: builds and caches
-# etcd and Kubernetes from Go modules, 10-20 minutes), builds the binaries the end-to-end tests
-# start as processes, and runs every test of the workspace. Extra arguments go to `cargo test`.
+# The project's test command: provisions the local control plane and node (first run: builds and
+# caches etcd and Kubernetes from Go modules, 8-20 minutes; as root, installs the Debian packages
+# the tests need), builds the binaries the end-to-end tests start as processes, and runs every test
+# of the workspace, the in-cluster tests (images built offline, a real node) included. Extra
+# arguments go to `cargo test`.
 # With KUBECONFIG set, the end-to-end tests use that cluster instead of starting one.
 #
 # Without arguments and without KUBECONFIG it then runs the chaos soak (docs/chaos.md) twice,
@@ -10,14 +12,26 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ -z "${KUBECONFIG:-}" ]; then
+  # As root this also installs the node's Debian packages for the in-cluster tests.
   bash e2e/control-plane.sh provision
 fi
 # The monitoring tests run promtool and a Prometheus server of their own (Debian's package).
 if ! command -v "${PROMTOOL:-promtool}" >/dev/null 2>&1 ||
   ! command -v "${PROMETHEUS:-prometheus}" >/dev/null 2>&1; then
-  echo "promtool or prometheus not found: install Debian's prometheus package" \
-    "(sudo apt-get install prometheus), or set PROMTOOL and PROMETHEUS" >&2
-  exit 1
+  if [ "$(id -u)" = 0 ]; then
+    echo "installing Debian's prometheus package (promtool and the server)" >&2
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+  else
+    echo "promtool or prometheus not found: install Debian's prometheus package" \
+      "(sudo apt-get install prometheus), or set PROMTOOL and PROMETHEUS" >&2
+    exit 1
+  fi
+fi
+if reason=$(bash e2e/control-plane.sh node-support); then
+  echo "the in-cluster tests (e2e/tests/in_cluster) run on a node of their own"
+else
+  echo "the in-cluster tests (e2e/tests/in_cluster) will be skipped: $reason" >&2
 fi
 cargo build --workspace --bins
 cargo test --workspace "$@"

@@ -129,10 +129,13 @@ impl InCluster {
     pub async fn client(&self) -> anyhow::Result<Client> {
         let kubeconfig = Kubeconfig::read_from(&self.kubeconfig)
             .with_context(|| format!("failed to read {}", self.kubeconfig.display()))?;
-        let config =
+        let mut config =
             kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
                 .await
                 .context("failed to load kubeconfig")?;
+        // The tests must see a 429 (a PodDisruptionBudget refusing an eviction), not have the
+        // client retry it for minutes.
+        config.default_retry = false;
         Ok(Client::try_from(config)?)
     }
 
