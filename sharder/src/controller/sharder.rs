@@ -260,8 +260,9 @@ pub(super) fn decide_object(
     view.placement(&gr.group, resource, meta).decision
 }
 
-/// What became of one patch of a sync: the object's UID, the decision and the result.
-type PatchOutcome = (String, RebalanceDecision, Result<(), PatchError>);
+/// What became of one patch of a sync: the object's UID, the decision and the result (`None`:
+/// not sent, the sync was superseded first).
+type PatchOutcome = (String, RebalanceDecision, Option<Result<(), PatchError>>);
 
 /// Counts one listed object of `view` into `tally` and returns its decision.
 fn tally_object(
@@ -743,10 +744,16 @@ async fn sync_list(
             }
         }
         let ring = &ring;
+        let stop = &tally.stop;
         let results: Vec<PatchOutcome> = futures::stream::iter(actions)
             .map(|(obj, decision)| async move {
-                let result = patch(ctx, view, gr, ar, obj.meta(), decision).await;
                 let uid = obj.uid().unwrap_or_default();
+                // Checked as each patch is about to start (the stream starts one per free
+                // slot): a superseded sync sends nothing more.
+                if stop.is_cancelled() {
+                    return (uid, decision, None);
+                }
+                let result = patch(ctx, view, gr, ar, obj.meta(), decision).await;
                 match &result {
                     // Counted and tracked as each patch lands, not when the batch is done: a
                     // sync superseded by a newer view is aborted mid-batch, and the patches it
@@ -764,12 +771,13 @@ async fn sync_list(
                         tracing::debug!(%error, object = %obj.name_any(), ?decision, "patch failed");
                     }
                 }
-                (uid, decision, result)
+                (uid, decision, Some(result))
             })
             .buffer_unordered(concurrency)
             .collect()
             .await;
         for (uid, decision, result) in results {
+            let Some(result) = result else { continue };
             match result {
                 Ok(()) => match decision {
                     RebalanceDecision::Drain => {
