@@ -230,6 +230,7 @@ pub async fn run(
         listener,
         tls,
         app,
+        server::ConnectionLimits::default(),
         shutdown.clone(),
         config.graceful_shutdown.0,
     ));

@@ -13,17 +13,51 @@ use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::get;
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
 use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
 use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 
 /// How long a client may take for the TLS handshake before its connection is dropped.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long the accept loop pauses after a failed `accept` (out of file descriptors, say), so a
+/// persistent error does not spin a core.
+const ACCEPT_ERROR_PAUSE: Duration = Duration::from_millis(100);
+
+/// Bounds on the webhook server's connections, so that slow, idle or numerous clients cannot
+/// hold the server's memory or file descriptors. The API server opens a few long-lived HTTP/2
+/// connections per replica and sends each review at once, so none of these touch it.
+#[derive(Clone, Copy, Debug)]
+pub struct ConnectionLimits {
+    /// Connections open at once; a connection beyond this is closed as soon as it is accepted.
+    pub max_connections: usize,
+    /// How long an HTTP/1 client may take to send a request's headers, counted from the
+    /// connection's start or the previous answer: an idle keep-alive connection is closed after
+    /// this long too.
+    pub header_timeout: Duration,
+    /// Interval of HTTP/2 keep-alive pings; a client that leaves one unanswered for
+    /// `header_timeout` is disconnected.
+    pub keep_alive_interval: Duration,
+    /// Concurrent HTTP/2 streams (requests) per connection.
+    pub max_concurrent_streams: u32,
+}
+
+impl Default for ConnectionLimits {
+    fn default() -> Self {
+        Self {
+            max_connections: 1000,
+            header_timeout: Duration::from_secs(10),
+            keep_alive_interval: Duration::from_secs(30),
+            max_concurrent_streams: 250,
+        }
+    }
+}
 
 /// Readiness of the process: ready once caches synced and the certificate is loaded, and never
 /// again once shutdown began.
@@ -109,16 +143,18 @@ pub(crate) async fn serve_plain(listener: TcpListener, app: Router, shutdown: Ca
     }
 }
 
-/// Serves `app` over TLS on `listener` until `shutdown` fires, then lets open requests finish for
-/// at most `drain`.
+/// Serves `app` over TLS on `listener` within `limits` until `shutdown` fires, then lets open
+/// requests finish for at most `drain`.
 pub async fn serve_tls(
     listener: TcpListener,
     tls: TlsAcceptor,
     app: Router,
+    limits: ConnectionLimits,
     shutdown: CancellationToken,
     drain: Duration,
 ) {
     let graceful = GracefulShutdown::new();
+    let open = Arc::new(Semaphore::new(limits.max_connections));
     loop {
         let (stream, peer) = tokio::select! {
             () = shutdown.cancelled() => break,
@@ -126,9 +162,14 @@ pub async fn serve_tls(
                 Ok(conn) => conn,
                 Err(error) => {
                     tracing::warn!(%error, "failed to accept webhook connection");
+                    tokio::time::sleep(ACCEPT_ERROR_PAUSE).await;
                     continue;
                 }
             },
+        };
+        let Ok(permit) = open.clone().try_acquire_owned() else {
+            tracing::debug!(%peer, max = limits.max_connections, "too many webhook connections; closing the new one");
+            continue;
         };
         // An answer leaves in several small writes (TLS records, HTTP/2 frames); with Nagle's
         // algorithm a later one waits for the client's ACK of the first, which a client may delay
@@ -140,6 +181,7 @@ pub async fn serve_tls(
         let service = TowerToHyperService::new(app.clone());
         let watcher = graceful.watcher();
         tokio::spawn(async move {
+            let _permit = permit;
             let stream = match tokio::time::timeout(HANDSHAKE_TIMEOUT, tls.accept(stream)).await {
                 Ok(Ok(stream)) => stream,
                 Ok(Err(error)) => {
@@ -151,7 +193,27 @@ pub async fn serve_tls(
                     return;
                 }
             };
-            let builder = auto::Builder::new(TokioExecutor::new());
+            // The protocol the handshake agreed on. Left to itself, the builder would wait for a
+            // client's first bytes to tell the protocols apart, and a client that sends nothing
+            // would never meet a timeout.
+            let http2 = stream.get_ref().1.alpn_protocol() == Some(b"h2");
+            let mut builder = auto::Builder::new(TokioExecutor::new());
+            // hyper applies its timeouts only with a timer.
+            builder
+                .http1()
+                .timer(TokioTimer::new())
+                .header_read_timeout(limits.header_timeout);
+            builder
+                .http2()
+                .timer(TokioTimer::new())
+                .keep_alive_interval(limits.keep_alive_interval)
+                .keep_alive_timeout(limits.header_timeout)
+                .max_concurrent_streams(limits.max_concurrent_streams);
+            let builder = if http2 {
+                builder.http2_only()
+            } else {
+                builder.http1_only()
+            };
             let conn = builder.serve_connection(TokioIo::new(stream), service);
             if let Err(error) = watcher.watch(conn.into_owned()).await {
                 tracing::debug!(%error, %peer, "webhook connection ended with an error");

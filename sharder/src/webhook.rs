@@ -9,8 +9,8 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use axum::Router;
-use axum::body::Bytes;
-use axum::extract::{DefaultBodyLimit, Path, State};
+use axum::body::Body;
+use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
@@ -34,6 +34,15 @@ pub(crate) const ROUTE: &str = "/webhooks/sharder/{kind}/{ring}";
 /// Body of the 404 answer for any other path.
 const NOT_FOUND: &str = "not found: the webhook path is /webhooks/sharder/clusterring/<ring> or /webhooks/sharder/controllerring/<ring>\n";
 
+/// Body of the 404 answer for a ring this sharder does not know.
+const UNKNOWN_RING: &str = "not found: no such ring\n";
+
+/// Body of the 413 answer.
+const TOO_LARGE: &str = "request body too large\n";
+
+/// Longest ring name in a path: ring names are object names, at most 253 characters.
+const MAX_RING_NAME: usize = 253;
+
 /// What the webhook handler needs.
 #[derive(Clone, Debug)]
 pub struct WebhookState {
@@ -43,11 +52,11 @@ pub struct WebhookState {
     pub metrics: Metrics,
 }
 
-/// The webhook router: the ring route, 404 elsewhere, bodies capped at 3 MiB (`MAX_BODY_BYTES`).
+/// The webhook router: the ring route, 404 elsewhere and for rings the sharder does not know,
+/// bodies capped at 3 MiB (`MAX_BODY_BYTES`).
 pub fn router(state: WebhookState) -> Router {
     Router::new()
         .route(ROUTE, post(handle))
-        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .fallback(|| async { (StatusCode::NOT_FOUND, NOT_FOUND) })
         .with_state(state)
 }
@@ -157,13 +166,26 @@ impl AdmissionDecision {
 async fn handle(
     State(state): State<WebhookState>,
     Path((kind, ring)): Path<(String, String)>,
-    body: Bytes,
+    body: Body,
 ) -> Result<Response, Response> {
     let Some(kind) = RingKind::from_path_segment(&kind) else {
         return Err((StatusCode::NOT_FOUND, NOT_FOUND).into_response());
     };
+    // Whoever reaches the port chooses the path: only rings this sharder knows are answered, and
+    // only their answers measured, before the body is read. A metric series per path would let
+    // any caller grow the sharder's memory without bound.
+    if ring.len() > MAX_RING_NAME {
+        return Err((StatusCode::NOT_FOUND, UNKNOWN_RING).into_response());
+    }
     let ring = RingRef::new(kind, ring);
+    if state.rings.get(&ring).is_none() {
+        tracing::debug!("webhook called for a ring the sharder does not know (yet)");
+        return Err((StatusCode::NOT_FOUND, UNKNOWN_RING).into_response());
+    }
     let started = std::time::Instant::now();
+    let Ok(body) = axum::body::to_bytes(body, MAX_BODY_BYTES).await else {
+        return Err((StatusCode::PAYLOAD_TOO_LARGE, TOO_LARGE).into_response());
+    };
     let (outcome, result) = match review(&state, &ring, &body) {
         Ok((decision, response)) => (decision.outcome(), Ok(response)),
         Err(bad) => ("invalid", Err(bad.into_response())),
@@ -182,13 +204,18 @@ fn review(
     ring: &RingRef,
     body: &[u8],
 ) -> Result<(AdmissionDecision, Response), BadRequest> {
-    let review: Review = serde_json::from_slice(body)
-        .map_err(|e| BadRequest(format!("failed to decode AdmissionReview: {e}")))?;
+    // Answers name what is wrong, never the request's content (serde's messages quote values).
+    let review: Review = serde_json::from_slice(body).map_err(|e| {
+        BadRequest(format!(
+            "failed to decode AdmissionReview: invalid JSON or fields at line {} column {}",
+            e.line(),
+            e.column()
+        ))
+    })?;
     if review.api_version != "admission.k8s.io/v1" || review.kind != "AdmissionReview" {
-        return Err(BadRequest(format!(
-            "expected an admission.k8s.io/v1 AdmissionReview, got {}/{}",
-            review.api_version, review.kind
-        )));
+        return Err(BadRequest(
+            "expected an admission.k8s.io/v1 AdmissionReview".into(),
+        ));
     }
     let request = review
         .request
@@ -256,7 +283,7 @@ fn decide(state: &WebhookState, ring: &RingRef, request: &Request) -> AdmissionD
     };
     let meta = &object.metadata;
     let Some(view) = state.rings.get(ring) else {
-        tracing::warn!(%ring, "webhook called for a ring the sharder does not know (yet); allowing unchanged");
+        // Gone between the router's check and here.
         return AdmissionDecision::Allow("unknown ring");
     };
     if meta

@@ -263,8 +263,15 @@ async fn measure(
         // The listener joins the reactor of the runtime that serves it.
         match tokio::net::TcpListener::from_std(listener) {
             Ok(listener) => {
-                sharder::server::serve_tls(listener, tls, app, serving, Duration::from_secs(1))
-                    .await
+                sharder::server::serve_tls(
+                    listener,
+                    tls,
+                    app,
+                    sharder::server::ConnectionLimits::default(),
+                    serving,
+                    Duration::from_secs(1),
+                )
+                .await
             }
             Err(error) => eprintln!("trivial webhook failed to listen: {error}"),
         }

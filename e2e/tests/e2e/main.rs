@@ -15,3 +15,4 @@ mod ring_kinds;
 mod shard;
 mod sharder;
 mod sync_lists;
+mod webhook_server;

@@ -246,18 +246,46 @@ async fn allows_unchanged_when_nothing_to_do() {
     let response = admit(state(&["shard-a"]), review("pods", "Pod", object.clone())).await;
     assert_eq!(response["allowed"], true);
     assert!(response.get("patch").is_none());
-    // Unknown ring.
-    let body = review("secrets", "Secret", object).to_string();
-    let (status, body) = call(
-        state(&["shard-a"]),
-        "/webhooks/sharder/clusterring/nope",
-        body,
-    )
-    .await;
-    assert_eq!(status, StatusCode::OK);
-    let body: Value = serde_json::from_slice(&body).expect("json");
-    assert_eq!(body["response"]["allowed"], true);
-    assert!(body["response"].get("patch").is_none());
+}
+
+/// A path names a ring the sharder does not know: 404 before the body is read (a body over the
+/// limit is not even looked at), and no metric series for the made-up name; the same for a name
+/// longer than any ring's.
+#[tokio::test]
+async fn unknown_rings_are_not_found_and_not_measured() {
+    let state = state(&["shard-a"]);
+    let metrics = state.metrics.clone();
+    let long = format!("/webhooks/sharder/clusterring/{}", "x".repeat(300));
+    for path in ["/webhooks/sharder/clusterring/nope", long.as_str()] {
+        let (status, body) = call(
+            state.clone(),
+            path,
+            Body::from(vec![b' '; MAX_BODY_BYTES + 1]),
+        )
+        .await;
+        assert_eq!(status, StatusCode::NOT_FOUND, "{path}");
+        assert_eq!(String::from_utf8_lossy(&body), UNKNOWN_RING);
+    }
+    let mut registry = prometheus_client::registry::Registry::default();
+    metrics.register(&mut registry);
+    let text = crate::metrics::render(&registry).expect("render");
+    assert!(!text.contains("nope") && !text.contains("xxxx"), "{text}");
+}
+
+/// A 400 names what is wrong without repeating the request's content.
+#[tokio::test]
+async fn bad_request_answers_do_not_echo_the_request() {
+    let state = state(&["shard-a"]);
+    for body in [
+        r#"{"apiVersion": "SECRET-VALUE", "kind": "AdmissionReview"}"#,
+        r#"{"apiVersion": 7, "kind": "SECRET-VALUE"}"#,
+        r#"{"apiVersion": "admission.k8s.io/v1", "kind": "SECRET-VALUE"}"#,
+    ] {
+        let (status, answer) = call(state.clone(), PATH, body).await;
+        let text = String::from_utf8_lossy(&answer);
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{text}");
+        assert!(!text.contains("SECRET"), "{text}");
+    }
 }
 
 #[tokio::test]

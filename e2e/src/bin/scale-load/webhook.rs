@@ -249,6 +249,7 @@ impl OneCoreServer {
                             listener,
                             tls,
                             app,
+                            sharder::server::ConnectionLimits::default(),
                             token,
                             Duration::from_secs(1),
                         ));
