@@ -11,11 +11,11 @@ use k8s_openapi::ByteString;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, LabelSelectorRequirement};
 use serde::{Deserialize, Serialize};
 
-use crate::RingKind;
 use crate::duration::Duration;
 use crate::labels::{self, NAMESPACE_SYSTEM};
 use crate::lease::LeaseTiming;
 use crate::selector::validate_label_selector;
+use crate::{GroupResource, RingKind};
 
 /// `apiVersion` of the configuration file.
 pub const CONFIG_API_VERSION: &str = "config.sharding.timebertt.dev/v1alpha1";
@@ -305,6 +305,11 @@ pub struct WebhookConfig {
     pub client_config: WebhookClientConfig,
     /// Namespaces covered by rings that have no selector of their own.
     pub namespace_selector: LabelSelector,
+    /// Protected resources rings may cover nevertheless. Without an entry here, a ring over pods,
+    /// Events, Leases or any resource of the admission registration, authentication,
+    /// authorization, RBAC or sharding API groups is refused (its `Ready` condition says why):
+    /// the sharder would stand in front of every write to them.
+    pub allowed_protected_resources: Vec<GroupResource>,
 }
 
 impl Default for WebhookConfig {
@@ -313,6 +318,7 @@ impl Default for WebhookConfig {
             annotations: BTreeMap::new(),
             client_config: WebhookClientConfig::default(),
             namespace_selector: default_namespace_selector(),
+            allowed_protected_resources: Vec::new(),
         }
     }
 }
@@ -692,6 +698,25 @@ shutdownDelay: 2s
             Some(ByteString(b"foo".to_vec()))
         );
         assert_eq!(config.webhook.config.client_config.service, None);
+    }
+
+    #[test]
+    fn allowed_protected_resources_parse() {
+        let config = parse(
+            "webhook:\n  config:\n    allowedProtectedResources:\n    - {group: \"\", resource: pods}\n",
+        )
+        .expect("valid");
+        assert_eq!(
+            config.webhook.config.allowed_protected_resources,
+            vec![GroupResource::new("", "pods")]
+        );
+        assert!(
+            SharderConfig::default()
+                .webhook
+                .config
+                .allowed_protected_resources
+                .is_empty()
+        );
     }
 
     #[test]

@@ -8,7 +8,8 @@ use kube::Client;
 use kube::runtime::reflector::{ObjectRef, Store};
 use sharding_crds::config::SharderConfig;
 use sharding_crds::{
-    ClusterRing, ClusterRingSpec, ClusterRingStatus, ControllerRing, RingKind, RingObject, RingRef,
+    ClusterRing, ClusterRingSpec, ClusterRingStatus, ControllerRing, GroupResource, RingKind,
+    RingObject, RingRef,
 };
 
 use crate::core::validation::validate_ring;
@@ -153,11 +154,12 @@ impl AnyRing {
         }
     }
 
-    /// Describes the first invariant the ring violates (see [`validate_ring`]).
-    pub(crate) fn validate(&self) -> Result<(), String> {
+    /// Describes the first invariant the ring violates (see [`validate_ring`]); `allowed` lists
+    /// the protected resources rings may cover.
+    pub(crate) fn validate(&self, allowed: &[GroupResource]) -> Result<(), String> {
         match self {
-            Self::Cluster(r) => validate_ring(r.as_ref()),
-            Self::Controller(r) => validate_ring(r.as_ref()),
+            Self::Cluster(r) => validate_ring(r.as_ref(), allowed),
+            Self::Controller(r) => validate_ring(r.as_ref(), allowed),
         }
     }
 

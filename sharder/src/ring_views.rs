@@ -417,7 +417,10 @@ pub(crate) async fn refresh(ctx: &Context, scope: Scope) {
     let mut keep = BTreeSet::new();
     for ring in rings {
         let ring_ref = ring.ring_ref();
-        if ring.validate().is_err() {
+        if ring
+            .validate(&ctx.config.webhook.config.allowed_protected_resources)
+            .is_err()
+        {
             // A broken ring is not acted on; the ring controller reports why.
             continue;
         }

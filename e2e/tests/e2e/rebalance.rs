@@ -16,7 +16,7 @@ use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::ByteString;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{ConfigMap, Secret};
-use k8s_openapi::api::rbac::v1::ClusterRole;
+use k8s_openapi::api::scheduling::v1::PriorityClass;
 use kube::api::{Api, ListParams, ObjectMeta, PostParams};
 use kube::{Client, ResourceExt};
 use sharder::core::ring::Ring;
@@ -437,17 +437,19 @@ async fn cluster_scoped_resources_are_assigned() -> anyhow::Result<()> {
     let cluster = cluster();
     let client = cluster.client().await?;
     let ns = cluster.namespace(&client, "clusterscoped").await?;
-    let roles = Api::<ClusterRole>::all(client.clone());
-    let prefix = unique_name("sharded-role");
+    // PriorityClasses: cluster-scoped, and no pod here uses them.
+    let roles = Api::<PriorityClass>::all(client.clone());
+    let prefix = unique_name("sharded-class");
     for i in 0..5 {
-        let role = ClusterRole {
+        let class = PriorityClass {
             metadata: ObjectMeta {
                 name: Some(format!("{prefix}-{i}")),
                 ..Default::default()
             },
+            value: 1000,
             ..Default::default()
         };
-        roles.create(&PostParams::default(), &role).await?;
+        roles.create(&PostParams::default(), &class).await?;
     }
     let ring = unique_name("clusterscoped");
     for shard in ["shard-a", "shard-b", "shard-c"] {
@@ -455,8 +457,8 @@ async fn cluster_scoped_resources_are_assigned() -> anyhow::Result<()> {
     }
     let spec = ClusterRingSpec {
         resources: vec![RingResource {
-            group: "rbac.authorization.k8s.io".into(),
-            resource: "clusterroles".into(),
+            group: "scheduling.k8s.io".into(),
+            resource: "priorityclasses".into(),
             controlled_resources: vec![GroupResource::new("", "configmaps")],
         }],
         namespace_selector: ring_spec(&ns).namespace_selector,
@@ -465,7 +467,7 @@ async fn cluster_scoped_resources_are_assigned() -> anyhow::Result<()> {
     create_ring(&client, &ring, spec).await?;
     let key = labels::shard_label(&ring);
     let predicted = Ring::new(["shard-a", "shard-b", "shard-c"]);
-    poll_until("ClusterRoles assigned", Duration::from_secs(20), || {
+    poll_until("PriorityClasses assigned", Duration::from_secs(20), || {
         let (roles, key, predicted, prefix) = (
             roles.clone(),
             key.clone(),
@@ -478,7 +480,7 @@ async fn cluster_scoped_resources_are_assigned() -> anyhow::Result<()> {
                 let name = format!("{prefix}-{i}");
                 let role = roles.get(&name).await?;
                 let expected =
-                    predicted.shard_for(&format!("rbac.authorization.k8s.io/ClusterRole//{name}"));
+                    predicted.shard_for(&format!("scheduling.k8s.io/PriorityClass//{name}"));
                 ok &= role.labels().get(&key).map(String::as_str) == expected;
             }
             Ok(ok.then_some(()))

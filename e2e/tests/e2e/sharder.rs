@@ -20,8 +20,8 @@ use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, ObjectMeta, Patch, PatchParams, PostParams};
 use serde_json::json;
 use sharder::core::ring::Ring;
-use sharding_crds::ClusterRing;
 use sharding_crds::labels;
+use sharding_crds::{ClusterRing, GroupResource, RingResource};
 
 #[tokio::test]
 async fn webhook_assigns_in_the_create_response() -> anyhow::Result<()> {
@@ -410,7 +410,41 @@ async fn invalid_rings_are_reported_and_not_acted_on() -> anyhow::Result<()> {
         match_labels: None,
     });
     create_ring(&client, &bad_selector, spec).await?;
-    cases.push((bad_selector, "Invalid spec.namespaceSelector"));
+    cases.push((bad_selector, "Invalid spec.namespaceSelector".to_string()));
+    // Resources the sharder must never stand in front of, and wildcards.
+    for (group, resource, controlled, message) in [
+        (
+            "",
+            "pods",
+            None,
+            "Resource pods in spec.resources[0] is refused: it is protected",
+        ),
+        (
+            "",
+            "secrets",
+            Some(("coordination.k8s.io", "leases")),
+            "controlledResources[0] is refused: it is protected",
+        ),
+        (
+            "rbac.authorization.k8s.io",
+            "clusterroles",
+            None,
+            "is refused: it is protected",
+        ),
+        ("", "*", None, "is refused: wildcards are not supported"),
+    ] {
+        let ring = unique_name("refused");
+        let mut spec = ring_spec(&ns);
+        spec.resources = vec![RingResource {
+            group: group.into(),
+            resource: resource.into(),
+            controlled_resources: controlled
+                .map(|(g, r)| vec![GroupResource::new(g, r)])
+                .unwrap_or_default(),
+        }];
+        create_ring(&client, &ring, spec).await?;
+        cases.push((ring, message.to_string()));
+    }
     for (ring, message) in &cases {
         let r = poll_until(&format!("ring {ring} Ready=False"), WAIT, || {
             let rings = rings.clone();
@@ -424,7 +458,10 @@ async fn invalid_rings_are_reported_and_not_acted_on() -> anyhow::Result<()> {
         .await?;
         let condition = r.ready_condition().context("no Ready condition")?;
         ensure!(condition.reason == "ReconciliationFailed", "{condition:?}");
-        ensure!(condition.message.contains(message), "{condition:?}");
+        ensure!(
+            condition.message.contains(message.as_str()),
+            "{condition:?}"
+        );
         ensure!(
             configs
                 .get_opt(&labels::webhook_configuration_name(ring))

@@ -6,13 +6,53 @@
 
 use std::collections::HashSet;
 
-use sharding_crds::RingObject;
 use sharding_crds::cluster_ring::MAX_NAME_LEN;
 use sharding_crds::crd::name_length_message;
 use sharding_crds::selector::validate_label_selector;
+use sharding_crds::{GroupResource, RingObject};
+
+/// API groups none of whose resources a ring may cover unless the sharder's configuration allows
+/// them (`webhook.config.allowedProtectedResources`): a mutating webhook in front of them, or
+/// the sharder patching them, would put the sharder in the path of authentication,
+/// authorization, admission and its own API.
+const PROTECTED_GROUPS: &[&str] = &[
+    "admissionregistration.k8s.io",
+    "authentication.k8s.io",
+    "authorization.k8s.io",
+    "rbac.authorization.k8s.io",
+    sharding_crds::labels::GROUP,
+];
+
+/// Single resources a ring may not cover unless allowed: pods (every workload's start would pass
+/// the webhook), Events (written by every controller, and by the sharder itself), Leases (leader
+/// election and shard membership, the sharder's own included).
+const PROTECTED_RESOURCES: &[(&str, &str)] = &[
+    ("", "pods"),
+    ("", "events"),
+    ("events.k8s.io", "events"),
+    ("coordination.k8s.io", "leases"),
+];
+
+/// Why a ring must not cover `gr`, if it must not: a wildcard or a subresource never, a protected
+/// resource unless `allowed` names it.
+fn refused_resource(gr: &GroupResource, allowed: &[GroupResource]) -> Option<&'static str> {
+    if gr.resource.contains('*') || gr.group.contains('*') {
+        return Some("wildcards are not supported");
+    }
+    if gr.resource.contains('/') {
+        return Some("subresources are not supported");
+    }
+    let protected = PROTECTED_GROUPS.contains(&gr.group.as_str())
+        || PROTECTED_RESOURCES.contains(&(gr.group.as_str(), gr.resource.as_str()));
+    (protected && !allowed.contains(gr)).then_some(
+        "it is protected: a ring may cover it only when the sharder's configuration lists it in \
+         webhook.config.allowedProtectedResources",
+    )
+}
 
 /// Describes the first invariant `ring` violates, as a capitalised sentence for its status.
-pub fn validate_ring<R: RingObject>(ring: &R) -> Result<(), String> {
+/// `allowed` lists the protected resources the sharder's configuration lets rings cover.
+pub fn validate_ring<R: RingObject>(ring: &R, allowed: &[GroupResource]) -> Result<(), String> {
     let name = ring.ring_ref().name;
     if name.len() > MAX_NAME_LEN {
         return Err(name_length_message(R::KIND));
@@ -23,6 +63,12 @@ pub fn validate_ring<R: RingObject>(ring: &R) -> Result<(), String> {
         if resource.resource.is_empty() {
             return Err(format!(
                 "Resource spec.resources[{i}].resource must not be empty"
+            ));
+        }
+        if let Some(why) = refused_resource(&resource.group_resource(), allowed) {
+            return Err(format!(
+                "Resource {} in spec.resources[{i}] is refused: {why}",
+                resource.group_resource()
             ));
         }
         if !main_resources.insert(resource.group_resource()) {
@@ -36,6 +82,11 @@ pub fn validate_ring<R: RingObject>(ring: &R) -> Result<(), String> {
             if c.resource.is_empty() {
                 return Err(format!(
                     "Resource spec.resources[{i}].controlledResources[{j}].resource must not be empty"
+                ));
+            }
+            if let Some(why) = refused_resource(c, allowed) {
+                return Err(format!(
+                    "Resource {c} in spec.resources[{i}].controlledResources[{j}] is refused: {why}"
                 ));
             }
             if !controlled.insert(c.clone()) {
@@ -83,7 +134,7 @@ mod tests {
 
     #[test]
     fn accepts_valid_rings() {
-        assert_eq!(validate_ring(&ring("a", vec![])), Ok(()));
+        assert_eq!(validate_ring(&ring("a", vec![]), &[]), Ok(()));
         let r = ring(
             &"x".repeat(63),
             vec![
@@ -95,12 +146,12 @@ mod tests {
                 ),
             ],
         );
-        assert_eq!(validate_ring(&r), Ok(()));
+        assert_eq!(validate_ring(&r, &[]), Ok(()));
     }
 
     #[test]
     fn rejects_long_names() {
-        let err = validate_ring(&ring(&"x".repeat(64), vec![])).unwrap_err();
+        let err = validate_ring(&ring(&"x".repeat(64), vec![]), &[]).unwrap_err();
         assert_eq!(
             err,
             "ClusterRing name must not be longer than 63 characters"
@@ -109,32 +160,72 @@ mod tests {
 
     #[test]
     fn rejects_duplicates_and_empty_resources() {
-        let err = validate_ring(&ring(
-            "a",
-            vec![res("", "secrets", &[]), res("", "secrets", &[])],
-        ))
+        let err = validate_ring(
+            &ring("a", vec![res("", "secrets", &[]), res("", "secrets", &[])]),
+            &[],
+        )
         .unwrap_err();
         assert_eq!(
             err,
             "Resource secrets is listed more than once in spec.resources"
         );
-        let err = validate_ring(&ring("a", vec![res("apps", "", &[])])).unwrap_err();
+        let err = validate_ring(&ring("a", vec![res("apps", "", &[])]), &[]).unwrap_err();
         assert!(
             err.contains("spec.resources[0].resource must not be empty"),
             "{err}"
         );
-        let err = validate_ring(&ring(
-            "a",
-            vec![res(
-                "",
-                "secrets",
-                &[("", "configmaps"), ("", "configmaps")],
-            )],
-        ))
+        let err = validate_ring(
+            &ring(
+                "a",
+                vec![res(
+                    "",
+                    "secrets",
+                    &[("", "configmaps"), ("", "configmaps")],
+                )],
+            ),
+            &[],
+        )
         .unwrap_err();
         assert!(err.contains("configmaps is listed more than once"), "{err}");
-        let err = validate_ring(&ring("a", vec![res("", "secrets", &[("", "")])])).unwrap_err();
+        let err =
+            validate_ring(&ring("a", vec![res("", "secrets", &[("", "")])]), &[]).unwrap_err();
         assert!(err.contains("controlledResources[0].resource"), "{err}");
+    }
+
+    #[test]
+    fn refuses_protected_resources_unless_allowed_and_wildcards_always() {
+        for (group, resource) in [
+            ("", "pods"),
+            ("", "events"),
+            ("coordination.k8s.io", "leases"),
+            ("rbac.authorization.k8s.io", "clusterroles"),
+            (
+                "admissionregistration.k8s.io",
+                "mutatingwebhookconfigurations",
+            ),
+            ("authentication.k8s.io", "tokenreviews"),
+            ("authorization.k8s.io", "subjectaccessreviews"),
+            ("sharding.timebertt.dev", "clusterrings"),
+        ] {
+            let main = ring("example", vec![res(group, resource, &[])]);
+            let message = validate_ring(&main, &[]).expect_err(resource);
+            assert!(message.contains("protected"), "{message}");
+            let controlled = ring("example", vec![res("", "secrets", &[(group, resource)])]);
+            assert!(validate_ring(&controlled, &[]).is_err(), "{resource}");
+            let allowed = [GroupResource::new(group, resource)];
+            assert_eq!(validate_ring(&main, &allowed), Ok(()), "{resource}");
+        }
+        let pods = [GroupResource::new("", "pods")];
+        for (group, resource) in [("", "*"), ("*", "secrets"), ("", "pods/status")] {
+            let message = validate_ring(&ring("example", vec![res(group, resource, &[])]), &pods)
+                .expect_err(resource);
+            assert!(message.contains("not supported"), "{message}");
+        }
+        let ordinary = ring(
+            "example",
+            vec![res("apps", "deployments", &[("", "configmaps")])],
+        );
+        assert_eq!(validate_ring(&ordinary, &[]), Ok(()));
     }
 
     #[test]
@@ -148,7 +239,7 @@ mod tests {
             }]),
             match_labels: None,
         });
-        let err = validate_ring(&r).unwrap_err();
+        let err = validate_ring(&r, &[]).unwrap_err();
         assert!(err.starts_with("Invalid spec.namespaceSelector: "), "{err}");
         assert!(err.contains("Equals"), "{err}");
     }
