@@ -9,7 +9,7 @@ use std::collections::HashSet;
 use sharding_crds::cluster_ring::MAX_NAME_LEN;
 use sharding_crds::crd::name_length_message;
 use sharding_crds::selector::validate_label_selector;
-use sharding_crds::{GroupResource, RingObject};
+use sharding_crds::{GroupResource, RingKind, RingObject};
 
 /// API groups none of whose resources a ring may cover unless the sharder's configuration allows
 /// them (`webhook.config.allowedProtectedResources`): a mutating webhook in front of them, or
@@ -50,12 +50,27 @@ fn refused_resource(gr: &GroupResource, allowed: &[GroupResource]) -> Option<&'s
     )
 }
 
+/// Whether a ControllerRing's `name` has the form of a ClusterRing's label-key suffix
+/// (`clusterring-<8 hex digits>-<ring>`), so that the two kinds' keys would be equal.
+fn aliases_cluster_ring(name: &str) -> bool {
+    name.strip_prefix("clusterring-")
+        .and_then(|rest| rest.get(..9))
+        .is_some_and(|hash| hash.ends_with('-') && hash[..8].bytes().all(|b| b.is_ascii_hexdigit()))
+}
+
 /// Describes the first invariant `ring` violates, as a capitalised sentence for its status.
 /// `allowed` lists the protected resources the sharder's configuration lets rings cover.
 pub fn validate_ring<R: RingObject>(ring: &R, allowed: &[GroupResource]) -> Result<(), String> {
     let name = ring.ring_ref().name;
     if name.len() > MAX_NAME_LEN {
         return Err(name_length_message(R::KIND));
+    }
+    if R::KIND == RingKind::ControllerRing && aliases_cluster_ring(&name) {
+        return Err(format!(
+            "Name {name} is refused: a ControllerRing named clusterring-<8 hex digits>-<name> \
+             would carry the label keys of ClusterRing <name>, and the two rings would move each \
+             other's objects"
+        ));
     }
     let spec = ring.ring_spec();
     let mut main_resources = HashSet::new();
@@ -226,6 +241,25 @@ mod tests {
             vec![res("apps", "deployments", &[("", "configmaps")])],
         );
         assert_eq!(validate_ring(&ordinary, &[]), Ok(()));
+    }
+
+    #[test]
+    fn refuses_controller_rings_named_like_a_cluster_ring_key() {
+        let named = |name: &str| {
+            let mut ring = sharding_crds::ControllerRing::new(name, Default::default());
+            ring.spec.0.resources = vec![res("", "secrets", &[])];
+            ring
+        };
+        let alias = sharding_crds::labels::shard_label("example");
+        let alias = alias.rsplit('/').next().expect("a key with a prefix");
+        assert!(alias.starts_with("clusterring-"), "{alias}");
+        let message = validate_ring(&named(alias), &[]).expect_err(alias);
+        assert!(message.contains("label keys of ClusterRing"), "{message}");
+        for fine in ["example", "clusterring-example", "clusterring-0123456z-x"] {
+            assert_eq!(validate_ring(&named(fine), &[]), Ok(()), "{fine}");
+        }
+        // The same name is fine for a ClusterRing: its keys carry a hash of the name.
+        assert_eq!(validate_ring(&ring(alias, vec![]), &[]), Ok(()));
     }
 
     #[test]
