@@ -730,7 +730,7 @@ fn example_grants(objects: &[Value], ring_kind: &str) -> anyhow::Result<()> {
     }
     ensure!(!needed.is_empty(), "the example ring has no resources");
     for (group, resource) in &needed {
-        for verb in ["list", "watch", "patch"] {
+        for verb in ["get", "list", "watch", "patch"] {
             ensure!(
                 granted.contains(&(group.clone(), resource.clone(), verb.into())),
                 "{role_name} lacks {verb} on {group}/{resource}"

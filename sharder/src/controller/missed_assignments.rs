@@ -290,6 +290,17 @@ async fn assign(
         {
             Ok(Some(current)) => meta = current.metadata,
             Ok(None) => return,
+            Err(kube::Error::Api(status)) if status.code == 403 => {
+                // Retrying with what we read before would conflict forever: leave the object
+                // to the periodic sync, which lists instead.
+                tracing::warn!(
+                    %ring,
+                    resource = %gr,
+                    "the sharder may not get objects of this resource (grant get in the ring's \
+                     ClusterRole); leaving an unassigned object to the periodic sync"
+                );
+                return;
+            }
             Err(error) => {
                 tracing::debug!(%error, "failed to read an unassigned object, retrying");
             }
