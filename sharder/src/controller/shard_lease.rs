@@ -23,6 +23,7 @@ use tokio_util::time::{DelayQueue, delay_queue};
 
 use crate::context::{AnyRing, Context};
 use crate::core::membership::{Exclusion, ring_members};
+use crate::core::webhook_config::FIELD_MANAGER;
 use crate::lease_index::{LeaseChange, LeaseIndex, state_label_is_stale};
 
 /// Reason of the Normal Event on a ring when the sharder declares one of its shards dead.
@@ -350,7 +351,11 @@ async fn reconcile(lease: Arc<Lease>, state: Arc<State>) -> Result<Action, Error
                 .labels_mut()
                 .insert(LABEL_STATE.into(), ShardState::Dead.as_str().into());
             taken.metadata.managed_fields = None;
-            api.replace(&name, &PostParams::default(), &taken)
+            let params = PostParams {
+                field_manager: Some(FIELD_MANAGER.into()),
+                ..Default::default()
+            };
+            api.replace(&name, &params, &taken)
                 .await
                 .map_err(write_err("take over"))?;
             tracing::info!(ring = %ring, shard = %name, "took over the Lease of an unresponsive shard");
@@ -386,9 +391,16 @@ async fn reconcile(lease: Arc<Lease>, state: Arc<State>) -> Result<Action, Error
                     "resourceVersion": lease.resource_version(),
                     "labels": {LABEL_STATE: state.as_str()},
                 }});
-                api.patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
-                    .await
-                    .map_err(write_err("label"))?;
+                api.patch(
+                    &name,
+                    &PatchParams {
+                        field_manager: Some(FIELD_MANAGER.into()),
+                        ..Default::default()
+                    },
+                    &Patch::Merge(&patch),
+                )
+                .await
+                .map_err(write_err("label"))?;
             }
             // The next boundary is watched by `triggers`.
             Ok(Action::await_change())

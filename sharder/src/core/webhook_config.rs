@@ -15,7 +15,8 @@ use sharding_crds::config::{SharderConfig, WebhookConfig};
 use sharding_crds::labels::{APP_NAME, LABEL_APP_NAME, WEBHOOK_NAME};
 use sharding_crds::{GroupResource, RingObject};
 
-/// Field manager of the sharder's server-side applies.
+/// Field manager of every write the sharder makes: server-side applies and label, status and
+/// Lease patches.
 pub const FIELD_MANAGER: &str = "sharder";
 
 /// Builds the desired webhook configuration of `ring`. `ca_bundle` is the PEM bundle resolved from
