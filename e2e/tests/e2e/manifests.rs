@@ -228,7 +228,7 @@ fn every_kustomization_renders() -> anyhow::Result<()> {
     let listed: BTreeSet<String> = KUSTOMIZATIONS.iter().map(|d| d.to_string()).collect();
     let missing: Vec<_> = found
         .difference(&listed)
-        .filter(|d| *d != "config/certificate")
+        .filter(|d| !["config/certificate", "config/network-policy"].contains(&d.as_str()))
         .collect();
     ensure!(missing.is_empty(), "kustomizations not tested: {missing:?}");
     Ok(())
@@ -252,12 +252,61 @@ fn collect_kustomizations(
     Ok(())
 }
 
+/// An overlay of `config/overlays/no-cert-manager` with the `config/network-policy` component, as
+/// a user adds it, written under `target/` (kustomize takes no absolute paths); its directory
+/// relative to the workspace root.
+fn network_policy_overlay() -> anyhow::Result<&'static str> {
+    const DIR: &str = "target/e2e-network-policy-overlay";
+    let dir = workspace_root().join(DIR);
+    std::fs::create_dir_all(&dir)?;
+    std::fs::write(
+        dir.join("kustomization.yaml"),
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources:\n\
+         - ../../config/overlays/no-cert-manager\ncomponents:\n- ../../config/network-policy\n",
+    )?;
+    Ok(DIR)
+}
+
+/// The optional NetworkPolicy selects the sharder's pods and names ports its container has.
+#[test]
+fn network_policy_fits_the_sharder() -> anyhow::Result<()> {
+    let objects = render(network_policy_overlay()?)?;
+    let policy = only(&objects, "NetworkPolicy")?;
+    let deployment = find(&objects, "Deployment", SHARDER)?;
+    let pod_labels = &deployment["spec"]["template"]["metadata"]["labels"];
+    for (key, value) in policy["spec"]["podSelector"]["matchLabels"]
+        .as_object()
+        .context("no podSelector.matchLabels")?
+    {
+        ensure!(
+            &pod_labels[key] == value,
+            "the policy selects {key}={value}, the pods are {pod_labels}"
+        );
+    }
+    let container = container(deployment, SHARDER)?;
+    for rule in policy["spec"]["ingress"]
+        .as_array()
+        .context("no ingress rules")?
+    {
+        for port in rule["ports"].as_array().into_iter().flatten() {
+            let port = str_at(port, "/port");
+            ensure!(
+                container_port(container, port).is_some(),
+                "the policy names port {port}, which the container lacks"
+            );
+        }
+    }
+    Ok(())
+}
+
 #[tokio::test]
 async fn rendered_objects_pass_server_side_dry_run() -> anyhow::Result<()> {
     let cluster = cluster();
     let client = cluster.client().await?;
+    let with_policy = network_policy_overlay()?;
     let rendered: Vec<(&str, Vec<Value>)> = KUSTOMIZATIONS
         .iter()
+        .chain([&with_policy])
         .map(|dir| Ok((*dir, render(dir)?)))
         .collect::<anyhow::Result<_>>()?;
 
