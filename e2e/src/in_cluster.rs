@@ -24,6 +24,10 @@ use kube::config::{KubeConfigOptions, Kubeconfig};
 
 use crate::control_plane_script;
 
+/// File name of the API server's audit log in the state directory: every write the sharder's
+/// ServiceAccount sends, one JSON event per line.
+pub const AUDIT_LOG: &str = "audit.log";
+
 /// The cluster with a node, its state directory and kubeconfig.
 #[derive(Debug)]
 pub struct InCluster {
@@ -97,12 +101,22 @@ impl InCluster {
             "controller-sharding-in-cluster-{}",
             std::process::id()
         ));
+        // The API server logs every write of the sharder's ServiceAccount (e2e/node/
+        // audit-policy.yaml), so a test can read what the sharder sent.
+        let audit = format!(
+            "--audit-policy-file {} --audit-log-path {} --audit-log-format json",
+            workspace_root()
+                .join("e2e/node/audit-policy.yaml")
+                .display(),
+            dir.join(AUDIT_LOG).display()
+        );
         run(Command::new("bash")
             .arg(&script)
             .arg("start")
             .arg(&dir)
             .arg(std::process::id().to_string())
-            .arg("--node"))?;
+            .arg("--node")
+            .env("KUBE_APISERVER_EXTRA_ARGS", audit))?;
         run(Command::new("bash")
             .arg(&script)
             .arg("load-images")

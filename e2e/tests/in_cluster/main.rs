@@ -703,6 +703,98 @@ async fn crashed_shard_pod_is_taken_over() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Every write the sharder sends to a ring's objects during rebalancing (3 → 4 → 3 shards) is a
+/// merge patch of the ring's two labels (and the resourceVersion it is conditioned on), with the
+/// sharder's field manager: read from the API server's audit log, where the sharder writes under
+/// its own ServiceAccount.
+#[tokio::test]
+async fn the_sharder_writes_only_its_own_labels() -> anyhow::Result<()> {
+    let c = cluster_or_skip!();
+    let _turn = TURN.lock().await;
+    let mut guard = OnFailure::new(c);
+    ensure_installed(c)?;
+    let kind = RingKind::ClusterRing;
+    ensure_example(c, kind, 3).await?;
+    let client = c.client().await?;
+    let (namespace, _) = namespace_with_secrets(&client, kind, "writes", 100).await?;
+    wait_converged(c, kind, &namespace, Duration::from_secs(60)).await?;
+    for replicas in [4, 3] {
+        c.kubectl(&[
+            "-n",
+            SHARDS_NAMESPACE,
+            "scale",
+            "deployment",
+            "checksum-controller",
+            &format!("--replicas={replicas}"),
+        ])?;
+        wait_ring(c, kind, replicas).await?;
+        wait_converged(c, kind, &namespace, Duration::from_secs(60)).await?;
+    }
+    let log = std::fs::read_to_string(c.state_dir().join(e2e::in_cluster::AUDIT_LOG))?;
+    let sharder = "system:serviceaccount:sharding-system:sharder";
+    let allowed_labels = [kind.shard_label(RING), kind.drain_label(RING)];
+    let mut checked = 0;
+    let mut other_writes: BTreeMap<String, usize> = BTreeMap::new();
+    for line in log.lines() {
+        let event: Value = serde_json::from_str(line)?;
+        if event["user"]["username"] != sharder || event["stage"] != "ResponseComplete" {
+            continue;
+        }
+        let object = &event["objectRef"];
+        let resource = object["resource"].as_str().unwrap_or_default();
+        if object["namespace"] != namespace.as_str() {
+            *other_writes
+                .entry(format!(
+                    "{} {resource}",
+                    event["verb"].as_str().unwrap_or_default()
+                ))
+                .or_default() += 1;
+            continue;
+        }
+        let what = format!("{} {resource}/{}", event["verb"], object["name"]);
+        ensure!(event["verb"] == "patch", "{what}: not a patch");
+        let uri = event["requestURI"].as_str().unwrap_or_default();
+        ensure!(
+            uri.contains("fieldManager=sharder"),
+            "{what}: no field manager in {uri}"
+        );
+        let body = &event["requestObject"];
+        let top: Vec<&String> = body
+            .as_object()
+            .map(|o| o.keys().collect())
+            .unwrap_or_default();
+        ensure!(
+            top == ["metadata"],
+            "{what}: writes more than metadata: {body}"
+        );
+        for (key, value) in body["metadata"].as_object().into_iter().flatten() {
+            match key.as_str() {
+                "resourceVersion" => {}
+                "labels" => {
+                    for label in value.as_object().into_iter().flatten().map(|(k, _)| k) {
+                        ensure!(
+                            allowed_labels.contains(label),
+                            "{what}: writes the label {label}: {body}"
+                        );
+                    }
+                }
+                _ => bail!("{what}: writes metadata.{key}: {body}"),
+            }
+        }
+        checked += 1;
+    }
+    ensure!(
+        checked > 0,
+        "the audit log holds no write of the sharder to {namespace}"
+    );
+    eprintln!(
+        "writes: {checked} sharder patches of the ring's objects checked; its other writes: {other_writes:?}"
+    );
+    c.kubectl(&["delete", "namespace", &namespace, "--wait=false"])?;
+    guard.passed();
+    Ok(())
+}
+
 #[tokio::test]
 async fn rollout_restart_of_the_sharder_refuses_no_write() -> anyhow::Result<()> {
     let c = cluster_or_skip!();
