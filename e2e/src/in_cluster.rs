@@ -22,7 +22,7 @@ use anyhow::{Context, bail};
 use kube::Client;
 use kube::config::{KubeConfigOptions, Kubeconfig};
 
-use crate::control_plane_script;
+use crate::{control_plane_script, run};
 
 /// File name of the API server's audit log in the state directory: every write the sharder's
 /// ServiceAccount sends, one JSON event per line.
@@ -336,14 +336,4 @@ pub async fn eventually<T>(
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
-}
-
-fn run(cmd: &mut Command) -> anyhow::Result<()> {
-    let status = cmd
-        .status()
-        .with_context(|| format!("failed to run {cmd:?}"))?;
-    if !status.success() {
-        bail!("{cmd:?} failed with {status}");
-    }
-    Ok(())
 }

@@ -290,7 +290,8 @@ pub fn kubectl() -> PathBuf {
         .clone()
 }
 
-fn run(cmd: &mut Command) -> anyhow::Result<()> {
+/// Runs `cmd`, failing with its exit status.
+pub(crate) fn run(cmd: &mut Command) -> anyhow::Result<()> {
     let status = cmd
         .status()
         .with_context(|| format!("failed to run {cmd:?}"))?;

@@ -16,10 +16,20 @@ pub(crate) mod ring;
 pub(crate) mod shard_lease;
 pub mod sharder;
 
+use kube::api::PatchParams;
 use sharding_crds::{ClusterRing, ControllerRing};
 use tokio_util::sync::CancellationToken;
 
 use crate::context::Context;
+use crate::core::webhook_config::FIELD_MANAGER;
+
+/// Parameters of the controllers' merge patches: the sharder's field manager.
+pub(crate) fn patch_params() -> PatchParams {
+    PatchParams {
+        field_manager: Some(FIELD_MANAGER.into()),
+        ..Default::default()
+    }
+}
 
 /// Runs every controller until `shutdown` fires (or until dropped, on lost leadership).
 pub(crate) async fn run_all(ctx: Context, shutdown: CancellationToken) {

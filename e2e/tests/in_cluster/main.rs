@@ -592,8 +592,22 @@ async fn kubectl_scale_rebalances_through_drains() -> anyhow::Result<()> {
     Ok(())
 }
 
-#[tokio::test]
-async fn force_deleted_shard_pod_is_taken_over() -> anyhow::Result<()> {
+/// How a shard pod goes away in [`shard_pod_gone`].
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Gone {
+    /// `kubectl delete pod --grace-period=0 --force`: kubelet still stops the container with
+    /// SIGTERM, so the shard may release its Lease on the way out.
+    ForceDeleted,
+    /// SIGKILL of the shard's process through the node's containerd (as the OOM killer or a
+    /// crash would: no handler runs, the Lease is not released), then the force delete, so kubelet
+    /// does not restart it under the same shard name.
+    Crashed,
+}
+
+/// A shard pod of the example (3 shards, 60 Secrets) goes away as `how` says; its objects must
+/// have left it within two Lease durations and 5 s, after a crash not before its Lease could
+/// expire; the ring then converges on the replacement pod.
+async fn shard_pod_gone(how: Gone) -> anyhow::Result<()> {
     let c = cluster_or_skip!();
     let _turn = TURN.lock().await;
     let mut guard = OnFailure::new(c);
@@ -601,13 +615,20 @@ async fn force_deleted_shard_pod_is_taken_over() -> anyhow::Result<()> {
     let kind = RingKind::ClusterRing;
     ensure_example(c, kind, 3).await?;
     let client = c.client().await?;
-    let (namespace, _) = namespace_with_secrets(&client, kind, "force", 60).await?;
+    let (namespace, _) = namespace_with_secrets(&client, kind, "gone", 60).await?;
     let assignment = wait_converged(c, kind, &namespace, Duration::from_secs(60)).await?;
     let victim = assignment
         .values()
         .next()
         .context("no Secret assigned")?
         .clone();
+    if how == Gone::Crashed {
+        let pod = c.kubectl_json(&["-n", SHARDS_NAMESPACE, "get", "pod", &victim])?;
+        let container = pod["status"]["containerStatuses"][0]["containerID"]
+            .as_str()
+            .context("the shard pod has no container ID")?;
+        c.kill_container(container)?;
+    }
     let started = Instant::now();
     c.kubectl(&[
         "-n",
@@ -633,74 +654,28 @@ async fn force_deleted_shard_pod_is_taken_over() -> anyhow::Result<()> {
     })
     .await?;
     let took = started.elapsed();
+    if how == Gone::Crashed {
+        ensure!(
+            took >= LEASE_DURATION / 2,
+            "the objects left {victim} after {took:?}, before its Lease could expire: it was not a crash"
+        );
+    }
     wait_ring(c, kind, 3).await?;
     wait_converged(c, kind, &namespace, Duration::from_secs(60)).await?;
-    eprintln!("force delete: the objects of {victim} left it after {took:?} (bound {bound:?})");
+    eprintln!("{how:?}: the objects of {victim} left it after {took:?} (bound {bound:?})");
     c.kubectl(&["delete", "namespace", &namespace, "--wait=false"])?;
     guard.passed();
     Ok(())
 }
 
-/// A shard that crashes (SIGKILL: no release of its Lease) loses its objects once the sharder
-/// takes its expired Lease over: not before the Lease expires, and within two Lease durations.
+#[tokio::test]
+async fn force_deleted_shard_pod_is_taken_over() -> anyhow::Result<()> {
+    shard_pod_gone(Gone::ForceDeleted).await
+}
+
 #[tokio::test]
 async fn crashed_shard_pod_is_taken_over() -> anyhow::Result<()> {
-    let c = cluster_or_skip!();
-    let _turn = TURN.lock().await;
-    let mut guard = OnFailure::new(c);
-    ensure_installed(c)?;
-    let kind = RingKind::ClusterRing;
-    ensure_example(c, kind, 3).await?;
-    let client = c.client().await?;
-    let (namespace, _) = namespace_with_secrets(&client, kind, "crash", 60).await?;
-    let assignment = wait_converged(c, kind, &namespace, Duration::from_secs(60)).await?;
-    let victim = assignment
-        .values()
-        .next()
-        .context("no Secret assigned")?
-        .clone();
-    let pod = c.kubectl_json(&["-n", SHARDS_NAMESPACE, "get", "pod", &victim])?;
-    let container = pod["status"]["containerStatuses"][0]["containerID"]
-        .as_str()
-        .context("the shard pod has no container ID")?
-        .to_string();
-    c.kill_container(&container)?;
-    let started = Instant::now();
-    // Gone for good, so kubelet does not restart it under the same shard name.
-    c.kubectl(&[
-        "-n",
-        SHARDS_NAMESPACE,
-        "delete",
-        "pod",
-        &victim,
-        "--grace-period=0",
-        "--force",
-    ])?;
-    let label = kind.shard_label(RING);
-    let bound = LEASE_DURATION * 2 + Duration::from_secs(5);
-    eventually(&format!("no Secret left on {victim}"), bound, || {
-        let secrets = c.kubectl_json(&[
-            "-n",
-            &namespace,
-            "get",
-            "secrets",
-            "-l",
-            &format!("{label}={victim}"),
-        ])?;
-        Ok(items(&secrets).is_empty().then_some(()))
-    })
-    .await?;
-    let took = started.elapsed();
-    ensure!(
-        took >= LEASE_DURATION / 2,
-        "the objects left {victim} after {took:?}, before its Lease could expire: it was not a crash"
-    );
-    wait_ring(c, kind, 3).await?;
-    wait_converged(c, kind, &namespace, Duration::from_secs(60)).await?;
-    eprintln!("crash: the objects of {victim} left it after {took:?} (bound {bound:?})");
-    c.kubectl(&["delete", "namespace", &namespace, "--wait=false"])?;
-    guard.passed();
-    Ok(())
+    shard_pod_gone(Gone::Crashed).await
 }
 
 /// Every write the sharder sends to a ring's objects during rebalancing (3 → 4 → 3 shards) is a

@@ -195,19 +195,12 @@ async fn reconcile<R: RingObject>(ring: Arc<R>, state: Arc<State>) -> Result<Act
     if ring.ring_status() != Some(&status) {
         let api: Api<R> = Api::all(ctx.client.clone());
         let patch = serde_json::json!({"status": status});
-        api.patch_status(
-            &name,
-            &PatchParams {
-                field_manager: Some(FIELD_MANAGER.into()),
-                ..Default::default()
-            },
-            &Patch::Merge(&patch),
-        )
-        .await
-        .map_err(|source| Error::Api {
-            action: "update ring status",
-            source,
-        })?;
+        api.patch_status(&name, &super::patch_params(), &Patch::Merge(&patch))
+            .await
+            .map_err(|source| Error::Api {
+                action: "update ring status",
+                source,
+            })?;
     }
     // The sharder controller publishes the Events about an unreachable webhook itself.
     if let Some((REASON_RECONCILIATION_FAILED, message)) = &failure {

@@ -10,7 +10,7 @@ use std::time::Duration;
 use futures::{Stream, StreamExt};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions};
+use kube::api::{Api, DeleteParams, Patch, PostParams, Preconditions};
 use kube::runtime::controller::{self, Action, applier};
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Resource, ResourceExt};
@@ -391,16 +391,9 @@ async fn reconcile(lease: Arc<Lease>, state: Arc<State>) -> Result<Action, Error
                     "resourceVersion": lease.resource_version(),
                     "labels": {LABEL_STATE: state.as_str()},
                 }});
-                api.patch(
-                    &name,
-                    &PatchParams {
-                        field_manager: Some(FIELD_MANAGER.into()),
-                        ..Default::default()
-                    },
-                    &Patch::Merge(&patch),
-                )
-                .await
-                .map_err(write_err("label"))?;
+                api.patch(&name, &super::patch_params(), &Patch::Merge(&patch))
+                    .await
+                    .map_err(write_err("label"))?;
             }
             // The next boundary is watched by `triggers`.
             Ok(Action::await_change())

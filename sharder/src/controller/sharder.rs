@@ -31,7 +31,6 @@ use crate::core::key::KeyOutcome;
 use crate::core::list_scope::{ListScope, list_scope};
 use crate::core::rebalance::{RebalanceDecision, waits_for_owner};
 use crate::core::sync_schedule::SyncSchedule;
-use crate::core::webhook_config::FIELD_MANAGER;
 use crate::metrics::{Metrics, OutcomeLabels, RingLabel};
 use crate::observed::{DrainsSeen, RingObjects, uid_hash};
 use crate::reachability::{MoveGate, REASON_WEBHOOK_REACHABLE, REASON_WEBHOOK_UNREACHABLE};
@@ -375,8 +374,7 @@ pub(super) async fn patch(
                 // object: if the webhook assigns it, moves may go again.
                 let params = PatchParams {
                     dry_run: true,
-                    field_manager: Some(FIELD_MANAGER.into()),
-                    ..Default::default()
+                    ..super::patch_params()
                 };
                 match api
                     .patch_metadata(name, &params, &Patch::Merge(&body))
@@ -394,14 +392,7 @@ pub(super) async fn patch(
         }
     }
     match api
-        .patch_metadata(
-            name,
-            &PatchParams {
-                field_manager: Some(FIELD_MANAGER.into()),
-                ..Default::default()
-            },
-            &Patch::Merge(&body),
-        )
+        .patch_metadata(name, &super::patch_params(), &Patch::Merge(&body))
         .await
     {
         Ok(updated) => {
