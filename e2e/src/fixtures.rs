@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use ::sharder::core::ring::Ring;
+use ::sharder::core::hash_ring::HashRing;
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::api::core::v1::{Event, Secret};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, MicroTime};
@@ -172,7 +172,7 @@ pub async fn create_secrets(
 /// spelled out here rather than taken from the sharder's key code, so a test checks it.
 ///
 /// Takes the ring rather than the shard names: callers that predict many objects build it once.
-pub fn expected_shard<'r>(ring: &'r Ring, namespace: &str, name: &str) -> Option<&'r str> {
+pub fn expected_shard<'r>(ring: &'r HashRing, namespace: &str, name: &str) -> Option<&'r str> {
     ring.shard_for(&format!("/Secret/{namespace}/{name}"))
 }
 
@@ -282,7 +282,7 @@ pub async fn wait_webhook_of(
 ) -> anyhow::Result<()> {
     let api = Api::<Secret>::namespaced(client.clone(), namespace);
     let key = ring.shard_label();
-    let expected = expected_shard(&Ring::new(shards), namespace, "probe").map(str::to_string);
+    let expected = expected_shard(&HashRing::new(shards), namespace, "probe").map(str::to_string);
     poll_until(
         &format!("webhook of ring {ring} to assign like {shards:?}"),
         WAIT,

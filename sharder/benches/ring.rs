@@ -6,7 +6,7 @@
 use std::hint::black_box;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use sharder::core::ring::Ring;
+use sharder::core::hash_ring::HashRing;
 
 const SHARD_COUNTS: [usize; 4] = [3, 10, 100, 1000];
 const KEYS: usize = 1000;
@@ -20,7 +20,7 @@ fn build(c: &mut Criterion) {
     for count in SHARD_COUNTS {
         let names = shard_names(count);
         group.bench_with_input(BenchmarkId::from_parameter(count), &names, |b, names| {
-            b.iter(|| Ring::new(black_box(names)));
+            b.iter(|| HashRing::new(black_box(names)));
         });
     }
     group.finish();
@@ -33,7 +33,7 @@ fn lookup(c: &mut Criterion) {
     let mut group = c.benchmark_group("ring_lookup_1000_keys");
     group.throughput(Throughput::Elements(KEYS as u64));
     for count in SHARD_COUNTS {
-        let ring = Ring::new(shard_names(count));
+        let ring = HashRing::new(shard_names(count));
         group.bench_with_input(BenchmarkId::from_parameter(count), &ring, |b, ring| {
             b.iter(|| {
                 for key in &keys {

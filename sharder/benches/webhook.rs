@@ -17,7 +17,7 @@ use http_body_util::BodyExt;
 use kube::api::ObjectMeta;
 use serde_json::{Value, json};
 use sharder::metrics::Metrics;
-use sharder::ring_views::{ResourceInfo, RingViews, build_view};
+use sharder::views::{ResourceInfo, Views, build_view};
 use sharder::webhook::{WebhookState, router};
 use sharding_crds::labels;
 use sharding_crds::{ClusterRing, ClusterRingSpec, GroupResource, RingResource};
@@ -51,7 +51,7 @@ fn state(shards: usize) -> WebhookState {
         (GroupResource::new("", "configmaps"), info("ConfigMap")),
     ]);
     let shards: BTreeMap<String, u32> = (0..shards).map(|i| (format!("shard-{i}"), 1)).collect();
-    let rings = Arc::new(RingViews::default());
+    let rings = Arc::new(Views::default());
     rings.insert(build_view(&ring, &shards, &discovered, &Default::default()));
     WebhookState {
         rings,

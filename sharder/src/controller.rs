@@ -4,14 +4,8 @@
 //! |---|---|
 //! | `ring` | the ring controller (one per ring kind): validates each ring, applies its webhook configuration, writes its status |
 //! | `shard_lease` | the shard-lease controller (one per ring kind): keeps shard states current, takes over and deletes Leases |
-//! | [`sharder`] | the sharder controller: syncs every ring, draining and moving objects |
-//! | `missed_assignments` | the sharder controller's fast path for objects the webhook missed |
-//! | `announce` | the sharder controller's Events about membership changes and stuck drains |
-//! | `patch_limit` | the bound on the sharder controller's patches in flight across every ring |
+//! | [`sharder`] | the sharder controller: syncs every ring, draining and moving objects; assigns objects the webhook missed; announces membership changes and stuck drains |
 
-pub(crate) mod announce;
-pub(crate) mod missed_assignments;
-pub(crate) mod patch_limit;
 pub(crate) mod ring;
 pub(crate) mod shard_lease;
 pub mod sharder;

@@ -15,11 +15,13 @@
 //! The Lease rules (shard states, expiry, takeover) are shared with the shard library and live
 //! in [`sharding_crds::lease`].
 
+pub(crate) mod any_ring;
+pub mod hash_ring;
 pub(crate) mod key;
-pub(crate) mod list_scope;
+pub mod list_scope;
 pub(crate) mod membership;
+pub(crate) mod owner_wait;
 pub(crate) mod rebalance;
-pub mod ring;
 pub(crate) mod sync_schedule;
 pub(crate) mod validation;
 pub(crate) mod webhook_config;

@@ -1,4 +1,5 @@
-//! Events the sharder publishes about rings and shard Leases, rate-limited.
+//! Events the sharder publishes about rings and shard Leases, rate-limited, and every reason
+//! they carry besides the shard-exclusion reasons of `core::membership`.
 //!
 //! A shard that flaps (joins, leaves, joins…) or a ring whose syncs keep failing must not flood
 //! the API server with Events. Two limits apply: one Event per subject (the object, the reason and
@@ -21,6 +22,28 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, ObjectMeta, PostParams};
 use prometheus_client::metrics::counter::Counter;
+
+/// Reason of the Normal Event when a sync starts draining or moving objects of a ring.
+pub const REASON_REBALANCE_STARTED: &str = "RebalanceStarted";
+/// Reason of the Normal Event when a sync that drained or moved objects finished.
+pub const REASON_REBALANCE_FINISHED: &str = "RebalanceFinished";
+/// Reason of the Warning Event when a sync failed.
+pub const REASON_SYNC_FAILED: &str = "SyncFailed";
+/// Reason of the Normal Event when a shard joins a ring (becomes available).
+pub const REASON_SHARD_JOINED: &str = "ShardJoined";
+/// Reason of the Normal Event when a shard leaves a ring (is no longer available).
+pub const REASON_SHARD_LEFT: &str = "ShardLeft";
+/// Reason of the Warning Event when a shard has not acknowledged drains for `drainTimeout`.
+pub const REASON_DRAIN_NOT_ACKNOWLEDGED: &str = "DrainNotAcknowledged";
+/// Reason of the `Ready=False` condition, the Warning Event and the log record of a ring whose
+/// webhook the API server does not reach.
+pub const REASON_WEBHOOK_UNREACHABLE: &str = "WebhookUnreachable";
+/// Reason of the Normal Event when the webhook answers again.
+pub const REASON_WEBHOOK_REACHABLE: &str = "WebhookReachable";
+/// Reason of the Normal Event on a ring when the sharder declares one of its shards dead.
+pub const REASON_SHARD_DEAD: &str = "ShardDead";
+/// Reason of the Warning Event about a weight annotation that is not a valid weight.
+pub const REASON_INVALID_WEIGHT: &str = "InvalidShardWeight";
 
 /// `reportingController` of our Events.
 const REPORTING_CONTROLLER: &str = "sharder";

@@ -6,7 +6,7 @@
 //! |---|---|
 //! | [`core`] | the pure core: hash ring, hash keys, rebalance decision, sync schedule, ring validation, desired webhook configuration |
 //! | `controller` | the leader's controllers, one module each: rings, shard Leases, the sharder's sync and its missed-assignment path |
-//! | [`ring_views`] | the ring-view registry the webhook and the sync read, and the task that keeps it current |
+//! | [`views`] | the ring-view registry the webhook and the sync read, and the task that keeps it current |
 //! | [`webhook`] | the admission webhook that assigns objects |
 //! | [`server`] | the HTTPS webhook server with certificate reload, the health and metrics servers |
 //! | [`metrics`] | counters and the state metrics read from the caches |
@@ -20,49 +20,38 @@
 //! rules (shard states, expiry, takeover, timing) are shared with the shard library in
 //! [`sharding_crds::lease`].
 
-mod cache_thread;
+mod caches;
 pub mod cli;
 pub mod client;
 mod context;
 pub mod controller;
 pub mod core;
-mod events;
+pub mod events;
 mod leader_election;
-mod lease_index;
 pub mod metrics;
 mod observed;
 pub mod reachability;
-pub mod ring_views;
 pub mod server;
+mod state_source;
+pub mod views;
 pub mod webhook;
 
-use std::fmt::Debug;
 use std::sync::Arc;
 
 use anyhow::Context as _;
-use futures::StreamExt;
-use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::Namespace;
-use k8s_openapi::jiff::Timestamp;
-use kube::runtime::reflector::{self, Store};
-use kube::runtime::{WatchStreamExt, watcher};
-use kube::{Api, Resource};
 use prometheus_client::registry::Registry;
-use serde::de::DeserializeOwned;
 use sharding_crds::config::SharderConfig;
-use sharding_crds::{ClusterRing, ControllerRing, RingKind};
-use tokio::sync::Notify;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use crate::cache_thread::CacheThread;
+use crate::caches::{CacheThread, Caches, Changes};
 use crate::context::Context;
 use crate::events::Events;
-use crate::lease_index::LeaseIndex;
-use crate::metrics::{CacheState, Metrics, StateCollector};
-use crate::ring_views::{Discovery, RingViews};
+use crate::metrics::{Metrics, StateCollector};
 use crate::server::Readiness;
 use crate::server::tls::CertReloader;
+use crate::state_source::CacheState;
+use crate::views::{Discovery, Views};
 
 /// Runs the sharder until `signal` fires, then stops everything within the configured
 /// `gracefulShutdown`: first it reports not ready while still serving the webhook for
@@ -80,95 +69,28 @@ pub async fn run(
     let metrics = Metrics::default();
     let clients = client::build_clients(&config, &metrics.api_requests).await?;
     let client = clients.main;
-    // The caches' watches run on a thread of their own (see `cache_thread`); it stops when `run`
-    // returns, after the tasks below were joined.
-    let cache_thread = CacheThread::start().context("failed to start the caches' thread")?;
-    let caches = Caches {
-        client: clients.caches,
-        runtime: cache_thread.handle().clone(),
-    };
     let readiness = Arc::new(Readiness::default());
-    let changed = Arc::new(Notify::new());
     let mut tasks = JoinSet::new();
 
-    // Caches on every replica: the webhook and the metrics need them, not only the leader.
-    // Changes of rings rebuild every ring view; membership changes of Leases rebuild the views of
-    // their rings (`ring_views::maintain` follows the Lease indexes).
-    let ring_changes = tokio::sync::watch::Sender::new(0u64);
-    let on_ring_change = {
-        let (changed, ring_changes) = (changed.clone(), ring_changes.clone());
-        move || {
-            changed.notify_one();
-            ring_changes.send_modify(|c| *c = c.wrapping_add(1));
-        }
-    };
-    let cluster_rings = spawn_reflector(
+    // Caches on every replica: the webhook and the metrics need them, not only the leader. Their
+    // watches run on a thread of their own (see `caches::CacheThread`), which stops when `run`
+    // returns, after the tasks below were joined.
+    let cache_thread = CacheThread::start().context("failed to start the caches' thread")?;
+    let changes = Arc::new(Changes::default());
+    // Subscribed before the watches start, so that no ring change goes unseen.
+    let ring_changes = changes.rings();
+    let caches = Caches::start(
+        clients.caches,
+        &cache_thread,
+        changes,
         &mut tasks,
-        &caches,
-        Api::<ClusterRing>::all(caches.client.clone()),
-        watcher::Config::default(),
-        {
-            let on_ring_change = on_ring_change.clone();
-            move |_: &watcher::Event<ClusterRing>| {
-                on_ring_change();
-                true
-            }
-        },
-        &shutdown,
-    );
-    let controller_rings = spawn_reflector(
-        &mut tasks,
-        &caches,
-        Api::<ControllerRing>::all(caches.client.clone()),
-        watcher::Config::default(),
-        move |_: &watcher::Event<ControllerRing>| {
-            on_ring_change();
-            true
-        },
-        &shutdown,
-    );
-    // Lease changes that matter for membership (not renewals) update the ring statuses.
-    let lease_changes = tokio::sync::watch::Sender::new(0u64);
-    // A label selector cannot say "either label", so each kind's Leases have a cache of their own.
-    let [cluster_ring_leases, controller_ring_leases] = RingKind::ALL.map(|kind| {
-        let (store, writer) = reflector::store();
-        let index = Arc::new(LeaseIndex::new(kind, store));
-        let observer = index.clone();
-        let lease_changes = lease_changes.clone();
-        spawn_reflector_into(
-            &mut tasks,
-            &caches,
-            writer,
-            Api::<Lease>::all(caches.client.clone()),
-            watcher::Config::default().labels(kind.lease_label()),
-            move |event: &watcher::Event<Lease>| {
-                let changed = observer.observe(event, Timestamp::now());
-                if changed {
-                    lease_changes.send_modify(|c| *c = c.wrapping_add(1));
-                }
-                changed
-            },
-            &shutdown,
-        );
-        index
-    });
-    let namespaces = spawn_reflector(
-        &mut tasks,
-        &caches,
-        Api::<Namespace>::all(caches.client.clone()),
-        watcher::Config::default(),
-        |_: &watcher::Event<Namespace>| true,
         &shutdown,
     );
     let ctx = Context {
         client: client.clone(),
         config: config.clone(),
-        cluster_rings,
-        controller_rings,
-        cluster_ring_leases,
-        controller_ring_leases,
-        namespaces,
-        ring_views: Arc::new(RingViews::default()),
+        caches,
+        views: Arc::new(Views::default()),
         discovery: Arc::new(Discovery::new(client.clone())),
         events: Arc::new(Events::new(
             client.clone(),
@@ -177,27 +99,30 @@ pub async fn run(
         )),
         observed: Arc::default(),
         reachability: Arc::default(),
-        lease_changes,
-        ring_changes,
-        patch_limit: Arc::new(controller::patch_limit::PatchLimit::new(
-            config.controller.sharder.max_patches_in_flight,
-            metrics.patches_in_flight.clone(),
-        )),
         metrics,
     };
     // Refused leader-election settings stop the process here, before it serves anything.
     let election = leader_election::Election::new(&ctx, clients.leader_election, identity.clone())?;
+    // Ring views on every replica, rebuilt when rings or their shards change.
+    let view_sources = views::ViewSources {
+        caches: ctx.caches.clone(),
+        discovery: ctx.discovery.clone(),
+        views: ctx.views.clone(),
+        allowed_protected: config.webhook.config.allowed_protected_resources.clone(),
+        default_selector: config.webhook.config.namespace_selector.clone(),
+        ring_calculations: ctx.metrics.ring_calculations.clone(),
+    };
+    tasks.spawn(views::maintain(
+        view_sources.clone(),
+        ring_changes,
+        shutdown.clone(),
+    ));
     // Fires once the caches have their first listing and the ring views are built.
     let synced = CancellationToken::new();
     tasks.spawn(report_caches_synced(
-        ctx.clone(),
+        view_sources.clone(),
         readiness.clone(),
         synced.clone(),
-        shutdown.clone(),
-    ));
-    tasks.spawn(ring_views::maintain(
-        ctx.clone(),
-        changed.clone(),
         shutdown.clone(),
     ));
 
@@ -223,7 +148,7 @@ pub async fn run(
     let listener = server::bind(webhook_addr).await?;
     tracing::info!(address = %listener.local_addr()?, "serving webhook");
     let app = webhook::router(webhook::WebhookState {
-        rings: ctx.ring_views.clone(),
+        rings: ctx.views.clone(),
         metrics: ctx.metrics.clone(),
     });
     tasks.spawn(server::serve_tls(
@@ -238,7 +163,11 @@ pub async fn run(
     // Admin servers.
     let mut registry = Registry::default();
     ctx.metrics.register(&mut registry);
-    registry.register_collector(Box::new(StateCollector(Arc::new(CacheState(ctx.clone())))));
+    registry.register_collector(Box::new(StateCollector(Arc::new(CacheState {
+        caches: ctx.caches.clone(),
+        observed: ctx.observed.clone(),
+        reachability: ctx.reachability.clone(),
+    }))));
     if let Some(addr) = config.metrics.socket_addr().map_err(anyhow::Error::msg)? {
         let listener = server::bind(addr).await?;
         tracing::info!(address = %listener.local_addr()?, "serving metrics");
@@ -282,131 +211,22 @@ pub async fn run(
     Ok(())
 }
 
-/// Starts a task in `tasks` that keeps a cache of the objects `api` and `config` select until
-/// shutdown, handing every event to `observe` after the cache applied it (`observe` answers whether
-/// the event changed something others act on, see `CACHE_READ_PAUSE`); returns the cache.
-fn spawn_reflector<K>(
-    tasks: &mut JoinSet<()>,
-    caches: &Caches,
-    api: Api<K>,
-    config: watcher::Config,
-    observe: impl FnMut(&watcher::Event<K>) -> bool + Send + 'static,
-    shutdown: &CancellationToken,
-) -> Store<K>
-where
-    K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
-    K::DynamicType: Default + Eq + std::hash::Hash + Clone + Send + Sync,
-{
-    let (store, writer) = reflector::store();
-    spawn_reflector_into(tasks, caches, writer, api, config, observe, shutdown);
-    store
-}
-
-/// Like [`spawn_reflector`], filling the cache behind `writer`.
-fn spawn_reflector_into<K>(
-    tasks: &mut JoinSet<()>,
-    caches: &Caches,
-    writer: reflector::store::Writer<K>,
-    api: Api<K>,
-    config: watcher::Config,
-    mut observe: impl FnMut(&watcher::Event<K>) -> bool + Send + 'static,
-    shutdown: &CancellationToken,
-) where
-    K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
-    K::DynamicType: Default + Eq + std::hash::Hash + Clone + Send + Sync,
-{
-    let shutdown = shutdown.clone();
-    let task = async move {
-        // Nothing reads the managed fields of a cached object: dropping them before the cache
-        // copies an object saves the copy its largest part.
-        let events =
-            watcher(api, config).modify(|obj| kube::ResourceExt::managed_fields_mut(obj).clear());
-        let stream = reflector::reflector(writer, events).default_backoff();
-        futures::pin_mut!(stream);
-        // What an item asks for: stop (the stream ended), read on at once (something changed
-        // that others act on, or the watch failed), or nothing.
-        let mut handle = |item: Option<Result<watcher::Event<K>, watcher::Error>>| match item {
-            None => None,
-            Some(Ok(event)) => Some(observe(&event)),
-            Some(Err(error)) => {
-                tracing::warn!(%error, "watch failed, retrying with backoff");
-                Some(true)
-            }
-        };
-        loop {
-            let item = tokio::select! {
-                () = shutdown.cancelled() => return,
-                item = stream.next() => item,
-            };
-            let Some(mut changed) = handle(item) else {
-                return;
-            };
-            // Everything that arrived with it. The connection task hands over one event each time
-            // it runs, so a read that is not ready at once is given a moment before the batch
-            // counts as done.
-            while !shutdown.is_cancelled()
-                && let Ok(item) = tokio::time::timeout(CACHE_BATCH_GAP, stream.next()).await
-            {
-                let Some(item_changed) = handle(item) else {
-                    return;
-                };
-                changed |= item_changed;
-            }
-            // A batch that changed something may be the start of more (Leases created one after
-            // the other, then their ring): read on at once, so that no view is built from half
-            // of them. A batch of renewals only is followed by a pause (see `CACHE_READ_PAUSE`).
-            if changed {
-                continue;
-            }
-            tokio::select! {
-                () = shutdown.cancelled() => return,
-                () = tokio::time::sleep(CACHE_READ_PAUSE) => {}
-            }
-        }
-    };
-    tasks.spawn_on(task, &caches.runtime);
-}
-
-/// How long a cache's task waits after applying a batch of events that changed nothing others act
-/// on (Lease renewals) before it reads again. With 1,000 shards 500 renewals a second arrive one
-/// by one; read as they come, each costs a wake-up, a poll of the socket and a read of it, more
-/// than applying the event. Read every 100 ms they come in batches of about 50. The first event
-/// after a pause is read at once, and a batch that changed membership, a ring or a namespace is
-/// followed by no pause, so a change arriving during a pause is seen at most 100 ms later and
-/// changes in a row are seen as they come.
-const CACHE_READ_PAUSE: std::time::Duration = std::time::Duration::from_millis(100);
-
-/// How long a batch of cache events waits for its next event before it counts as done.
-const CACHE_BATCH_GAP: std::time::Duration = std::time::Duration::from_millis(1);
-
-/// Where the caches' watches run: their own client, on the caches' thread.
-struct Caches {
-    client: kube::Client,
-    runtime: tokio::runtime::Handle,
-}
-
 /// Marks the process ready for probes once every cache has synced.
 async fn report_caches_synced(
-    ctx: Context,
+    sources: views::ViewSources,
     readiness: Arc<Readiness>,
     synced: CancellationToken,
     shutdown: CancellationToken,
 ) {
     tokio::select! {
         () = shutdown.cancelled() => {}
-        result = async {
-            ctx.cluster_rings.wait_until_ready().await?;
-            ctx.controller_rings.wait_until_ready().await?;
-            ctx.cluster_ring_leases.store().wait_until_ready().await?;
-            ctx.controller_ring_leases.store().wait_until_ready().await?;
-            ctx.namespaces.wait_until_ready().await
-        } => match result {
+        result = sources.caches.wait_until_ready() => match result {
             Ok(()) => {
                 // Ready only once the webhook can answer from complete caches: build the views of
                 // every ring now rather than waiting for the next change to trigger it.
-                ring_views::refresh(
-                    &ctx,
-                    ring_views::Scope::All {
+                views::refresh(
+                    &sources,
+                    views::Scope::All {
                         retry_unresolved: false,
                     },
                 )

@@ -32,7 +32,7 @@ struct Draining {
 /// 36-character string (plus the shard's name) keeps the leader's peak memory flat. Two UIDs of
 /// one ring sharing a 64-bit hash would merge two drains in a metric, nothing more.
 pub(crate) fn uid_hash(uid: &str) -> u64 {
-    crate::core::ring::hash(uid)
+    crate::core::hash_ring::hash(uid)
 }
 
 /// Shard names by the hash the drain bookkeeping stores instead of the name.
@@ -42,7 +42,7 @@ struct ShardNames(HashMap<u64, String>);
 impl ShardNames {
     /// The hash standing for `shard`, remembering its name.
     fn intern(&mut self, shard: &str) -> u64 {
-        let hash = crate::core::ring::hash(shard);
+        let hash = crate::core::hash_ring::hash(shard);
         self.0.entry(hash).or_insert_with(|| shard.to_string());
         hash
     }

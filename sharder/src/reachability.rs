@@ -22,12 +22,6 @@ pub(crate) const PROBE_INITIAL: Duration = Duration::from_secs(1);
 /// assigned within seconds of it answering again.
 pub(crate) const PROBE_MAX: Duration = Duration::from_secs(5);
 
-/// Reason of the `Ready=False` condition, the Warning Event and the log record of a ring whose
-/// webhook the API server does not reach.
-pub const REASON_WEBHOOK_UNREACHABLE: &str = "WebhookUnreachable";
-/// Reason of the Normal Event when the webhook answers again.
-pub const REASON_WEBHOOK_REACHABLE: &str = "WebhookReachable";
-
 /// What is known about a ring whose webhook is unreachable.
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct Unreachable {

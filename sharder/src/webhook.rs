@@ -22,7 +22,7 @@ use sharding_crds::{GroupResource, RingKind, RingRef};
 
 use crate::core::key::{KeyOutcome, ObjectInfo};
 use crate::metrics::{Metrics, OutcomeLabels};
-use crate::ring_views::RingViews;
+use crate::views::Views;
 
 /// Largest request body accepted; the API server caps objects at 3 MiB, so a larger review is not
 /// from it.
@@ -47,7 +47,7 @@ const MAX_RING_NAME: usize = 253;
 #[derive(Clone, Debug)]
 pub struct WebhookState {
     /// Current views of the rings.
-    pub rings: Arc<RingViews>,
+    pub rings: Arc<Views>,
     /// Counters to increment on assignments.
     pub metrics: Metrics,
 }
@@ -314,7 +314,7 @@ fn decide(state: &WebhookState, ring: &RingRef, request: &Request) -> AdmissionD
         }
         Err(error) => return AdmissionDecision::Deny(error.to_string()),
     };
-    match view.ring.shard_for(&key) {
+    match view.hash_ring.shard_for(&key) {
         None => AdmissionDecision::Allow("there is no available shard"),
         Some(shard) => AdmissionDecision::Assign {
             label: view.shard_label.clone(),

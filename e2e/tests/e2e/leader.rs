@@ -20,7 +20,7 @@ use kube::api::{Api, ObjectMeta, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
-use sharder::core::ring::Ring;
+use sharder::core::hash_ring::HashRing;
 use sharding_crds::labels;
 
 const SHARDS: [&str; 3] = ["shard-a", "shard-b", "shard-c"];
@@ -129,7 +129,7 @@ async fn create_and_check(
     let created = Api::<Secret>::namespaced(client.clone(), namespace)
         .create(&PostParams::default(), &secret(name))
         .await?;
-    let predicted = Ring::new(SHARDS);
+    let predicted = HashRing::new(SHARDS);
     let expected = expected_shard(&predicted, namespace, name);
     let got = created.labels().get(&labels::shard_label(ring));
     ensure!(
@@ -206,7 +206,7 @@ async fn two_sharders_elect_one_leader_and_hand_over_on_sigterm() -> anyhow::Res
     // Both replicas answer webhooks with the same assignment: every replica keeps the rings view.
     for (i, f) in files.iter().enumerate() {
         for name in ["direct-0", "direct-1", "direct-2"] {
-            let expected = expected_shard(&Ring::new(SHARDS), &ns, name).map(str::to_string);
+            let expected = expected_shard(&HashRing::new(SHARDS), &ns, name).map(str::to_string);
             let got = poll_until(&format!("replica {i} to assign {name}"), STARTUP, || {
                 let got = assigned_by_replica(f, &ring, &ns, name);
                 async move { got }
@@ -333,7 +333,7 @@ async fn sharder_and_three_checksum_shards_split_a_ring() -> anyhow::Result<()> 
     wait_webhook(&client, &ns, &ring, &SHARDS).await?;
 
     let key = labels::shard_label(&ring);
-    let predicted = Ring::new(SHARDS);
+    let predicted = HashRing::new(SHARDS);
     let secrets = Api::<Secret>::namespaced(client.clone(), &ns);
     let count = 30;
     let mut expected = BTreeMap::new();

@@ -19,7 +19,7 @@ use k8s_openapi::api::core::v1::{ConfigMap, Secret};
 use k8s_openapi::api::scheduling::v1::PriorityClass;
 use kube::api::{Api, ListParams, ObjectMeta, PostParams};
 use kube::{Client, ResourceExt};
-use sharder::core::ring::Ring;
+use sharder::core::hash_ring::HashRing;
 use sharding_crds::labels;
 use sharding_crds::{ClusterRingSpec, GroupResource, RingKind, RingRef, RingResource};
 
@@ -145,7 +145,7 @@ async fn wait_converged(
     count: usize,
     timeout: Duration,
 ) -> anyhow::Result<BTreeMap<String, String>> {
-    let predicted = Ring::new(shards);
+    let predicted = HashRing::new(shards);
     poll_until(
         &format!("{count} Secrets and ConfigMaps on {shards:?}"),
         timeout,
@@ -183,7 +183,7 @@ async fn wait_all_assigned(
     timeout: Duration,
 ) -> anyhow::Result<()> {
     let key = ring.shard_label();
-    let predicted = Ring::new(shards);
+    let predicted = HashRing::new(shards);
     let secrets = Api::<Secret>::namespaced(client.clone(), namespace);
     poll_until("all Secrets assigned", timeout, || async {
         let list = secrets.list_metadata(&ListParams::default()).await?;
@@ -466,7 +466,7 @@ async fn cluster_scoped_resources_are_assigned() -> anyhow::Result<()> {
     };
     create_ring(&client, &ring, spec).await?;
     let key = labels::shard_label(&ring);
-    let predicted = Ring::new(["shard-a", "shard-b", "shard-c"]);
+    let predicted = HashRing::new(["shard-a", "shard-b", "shard-c"]);
     poll_until("PriorityClasses assigned", Duration::from_secs(20), || {
         let (roles, key, predicted, prefix) = (
             roles.clone(),

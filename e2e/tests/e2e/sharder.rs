@@ -19,7 +19,7 @@ use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, ObjectMeta, Patch, PatchParams, PostParams};
 use serde_json::json;
-use sharder::core::ring::Ring;
+use sharder::core::hash_ring::HashRing;
 use sharding_crds::labels;
 use sharding_crds::{ClusterRing, GroupResource, RingResource};
 
@@ -39,7 +39,7 @@ async fn webhook_assigns_in_the_create_response() -> anyhow::Result<()> {
     wait_status(&client, &ring, 3, 3).await?;
     wait_webhook(&client, &ns, &ring, &shards).await?;
     let key = labels::shard_label(&ring);
-    let predicted = Ring::new(shards);
+    let predicted = HashRing::new(shards);
     let secrets = Api::<Secret>::namespaced(client.clone(), &ns);
     let mut seen = std::collections::BTreeSet::new();
     for i in 0..20 {

@@ -18,10 +18,10 @@ use sharding_crds::selector::selector_matches;
 use sharding_crds::{ClusterRing, ControllerRing, GroupResource, RingKind, RingObject, RingRef};
 
 use super::{ConnectionArgs, Error};
-use crate::context::AnyRing;
-use crate::controller::sharder::PAGE_SIZE;
+use crate::core::any_ring::AnyRing;
+use crate::core::list_scope::PAGE_SIZE;
 use crate::core::membership::available_shards;
-use crate::ring_views::{ResourceInfo, RingView, build_view};
+use crate::views::{ResourceInfo, RingView, build_view};
 
 /// A client and the namespace of the kubeconfig context.
 pub(crate) struct Connection {

@@ -18,7 +18,7 @@ use super::resources::Catalog;
 use super::status::hash_key_name;
 use crate::core::key::{ControllerKind, KeyError, KeyOutcome, ResourceRole, Unassigned};
 use crate::core::membership::ring_members;
-use crate::ring_views::{Placement, ResolvedResource};
+use crate::views::{Placement, ResolvedResource};
 
 /// What `explain` prints.
 #[derive(Debug, Serialize)]

@@ -11,9 +11,9 @@ use sharding_crds::labels::ANNOTATION_WEIGHT;
 use sharding_crds::{ClusterRing, ClusterRingSpec, GroupResource, RingKind, RingResource};
 
 use super::cluster::{LoadedRing, SelectorSource};
-use crate::context::AnyRing;
+use crate::core::any_ring::AnyRing;
 use crate::core::membership::available_shards;
-use crate::ring_views::{ResourceInfo, RingView, build_view};
+use crate::views::{ResourceInfo, RingView, build_view};
 
 /// The tests' "now".
 pub(crate) fn now() -> Timestamp {
@@ -90,7 +90,7 @@ fn info(kind: &str) -> ResourceInfo {
 pub(crate) fn names_on(view: &RingView, shard: &str, n: usize) -> Vec<String> {
     (0..10_000)
         .map(|i| format!("s-{i}"))
-        .filter(|name| view.ring.shard_for(&format!("/Secret/ns/{name}")) == Some(shard))
+        .filter(|name| view.hash_ring.shard_for(&format!("/Secret/ns/{name}")) == Some(shard))
         .take(n)
         .collect()
 }

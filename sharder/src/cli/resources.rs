@@ -11,7 +11,7 @@ use sharding_crds::GroupResource;
 
 use super::Error;
 use super::cluster::api_error;
-use crate::ring_views::ResourceInfo;
+use crate::views::ResourceInfo;
 
 /// One resource served by the API server, at its preferred version.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -19,9 +19,9 @@ use super::cluster::{self, Connection};
 use super::output::{Table, imbalance, or_dash, ratio};
 use super::resources::Catalog;
 use super::{Error, ring_not_found};
+use crate::core::hash_ring::HashRing;
 use crate::core::key::KeyOutcome;
-use crate::core::ring::Ring;
-use crate::ring_views::RingView;
+use crate::views::RingView;
 
 /// A shard that joins a simulated ring, or an available shard that gets another weight:
 /// `NAME` (weight 1) or `NAME:WEIGHT`.
@@ -162,7 +162,7 @@ pub(crate) struct Move {
 /// Counts of a simulation, fed one object at a time.
 #[derive(Debug)]
 pub(crate) struct Simulation {
-    after: Ring,
+    after: HashRing,
     before_counts: BTreeMap<String, usize>,
     after_counts: BTreeMap<String, usize>,
     moves: BTreeMap<(Option<String>, Option<String>), usize>,
@@ -176,7 +176,7 @@ impl Simulation {
     /// A simulation of the ring over the shards `after`.
     pub(crate) fn new(after: &BTreeMap<String, u32>) -> Self {
         Self {
-            after: Ring::weighted(after.iter().map(|(name, weight)| (name, *weight))),
+            after: HashRing::weighted(after.iter().map(|(name, weight)| (name, *weight))),
             before_counts: BTreeMap::new(),
             after_counts: BTreeMap::new(),
             moves: BTreeMap::new(),
@@ -315,7 +315,7 @@ pub(crate) async fn run(
     let ring_ref = ring.ring.ring_ref();
     let before: BTreeMap<String, u32> = ring
         .view
-        .ring
+        .hash_ring
         .members()
         .map(|(shard, weight)| (shard.to_string(), weight))
         .collect();
@@ -475,8 +475,8 @@ mod tests {
         simulation.observe(view, &configmaps, &object("orphan", &[], None));
         let report = simulation.report(&ring_ref(), &before, &add, &["a".into()], None);
 
-        let old = Ring::new(["a", "b"]);
-        let new = Ring::weighted([("b", 1), ("c", 2)]);
+        let old = HashRing::new(["a", "b"]);
+        let new = HashRing::weighted([("b", 1), ("c", 2)]);
         let mut expected: BTreeMap<(String, String), usize> = BTreeMap::new();
         for name in &names {
             let key = format!("/Secret/ns/{name}");

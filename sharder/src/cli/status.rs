@@ -18,7 +18,7 @@ use super::resources::Catalog;
 use super::{Error, ring_not_found};
 use crate::core::key::KeyOutcome;
 use crate::core::membership::ring_members;
-use crate::ring_views::RingView;
+use crate::views::RingView;
 
 /// What `status` prints.
 #[derive(Debug, Serialize)]
@@ -251,7 +251,7 @@ pub(crate) fn ring_status(ring: &LoadedRing, tally: Tally, now: Timestamp) -> Ri
     members.sort_by(|a, b| (&a.name, &a.namespace).cmp(&(&b.name, &b.namespace)));
 
     let available: Vec<usize> = view
-        .ring
+        .hash_ring
         .members()
         .map(|(shard, _)| tally.shard(shard).1)
         .collect();

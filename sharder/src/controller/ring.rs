@@ -26,7 +26,7 @@ use crate::context::Context;
 use crate::core::membership::ring_members;
 use crate::core::validation::validate_ring;
 use crate::core::webhook_config::{FIELD_MANAGER, desired_webhook_configuration};
-use crate::reachability::REASON_WEBHOOK_UNREACHABLE;
+use crate::events::REASON_WEBHOOK_UNREACHABLE;
 
 /// Errors of one reconciliation.
 #[derive(Debug, thiserror::Error)]
@@ -117,7 +117,7 @@ pub(crate) async fn run<R: RingObject>(ctx: Context, shutdown: CancellationToken
 
 /// Fires when a shard Lease changed in a way membership depends on.
 fn lease_changes(ctx: &Context) -> impl futures::Stream<Item = ()> + Send + 'static {
-    let receiver = ctx.lease_changes.subscribe();
+    let receiver = ctx.caches.changes.leases();
     futures::stream::unfold(receiver, |mut receiver| async move {
         receiver.changed().await.ok()?;
         Some(((), receiver))
@@ -165,7 +165,7 @@ async fn reconcile<R: RingObject>(ring: Arc<R>, state: Arc<State>) -> Result<Act
     let ctx = &state.ctx;
     let result = apply_webhook_configuration(ring.as_ref(), ctx, &state.configs).await;
     let name = ring.name_any();
-    let leases = ctx.ring_leases(&ring.ring_ref());
+    let leases = ctx.caches.ring_leases(&ring.ring_ref());
     let members = ring_members(R::KIND, &name, leases.iter().map(AsRef::as_ref));
     let shards = i32::try_from(members.len()).unwrap_or(i32::MAX);
     // Leases kept out of the ring (invalid or duplicate names) count as shards, not as available.

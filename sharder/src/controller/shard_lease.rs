@@ -21,16 +21,12 @@ use tokio::sync::broadcast::error::RecvError;
 use tokio_util::sync::CancellationToken;
 use tokio_util::time::{DelayQueue, delay_queue};
 
-use crate::context::{AnyRing, Context};
+use crate::caches::{LeaseChange, LeaseIndex, state_label_is_stale};
+use crate::context::Context;
+use crate::core::any_ring::AnyRing;
 use crate::core::membership::{Exclusion, ring_members};
 use crate::core::webhook_config::FIELD_MANAGER;
-use crate::lease_index::{LeaseChange, LeaseIndex, state_label_is_stale};
-
-/// Reason of the Normal Event on a ring when the sharder declares one of its shards dead.
-pub const REASON_SHARD_DEAD: &str = "ShardDead";
-
-/// Reason of the Warning Event about a weight annotation that is not a valid weight.
-const REASON_INVALID_WEIGHT: &str = "InvalidShardWeight";
+use crate::events::{REASON_INVALID_WEIGHT, REASON_SHARD_DEAD};
 
 /// Longest requeue; far-away boundaries (absurd durations) are re-evaluated at least this often.
 const MAX_REQUEUE: Duration = Duration::from_secs(3600);
@@ -62,7 +58,7 @@ pub(crate) enum Error {
 /// evaluation) about once per Lease duration.
 pub(crate) async fn run<R: RingObject>(ctx: Context, shutdown: CancellationToken) {
     let kind = R::KIND;
-    let index = ctx.lease_index(kind).clone();
+    let index = ctx.caches.lease_index(kind).clone();
     let store = index.store().clone();
     let queue = triggers(ctx.clone(), index).take_until(shutdown.cancelled_owned());
     let state = Arc::new(State {
@@ -102,7 +98,7 @@ fn triggers(
     let state = Triggers {
         kind: index.kind(),
         changes: index.subscribe(),
-        rings: ctx.ring_changes.subscribe(),
+        rings: ctx.caches.changes.rings(),
         known_rings: ring_names(&ctx, index.kind()),
         boundaries: Boundaries::default(),
         ctx,
@@ -267,7 +263,8 @@ impl Boundaries {
 
 /// The names of the cached rings of `kind`.
 fn ring_names(ctx: &Context, kind: RingKind) -> BTreeSet<String> {
-    ctx.rings()
+    ctx.caches
+        .rings()
         .iter()
         .map(AnyRing::ring_ref)
         .filter(|r| r.kind == kind)
@@ -313,7 +310,7 @@ async fn reconcile(lease: Arc<Lease>, state: Arc<State>) -> Result<Action, Error
         return Ok(Action::await_change());
     };
     let ring_ref = RingRef::new(kind, ring.clone());
-    let Some(ring_object) = ctx.ring(&ring_ref) else {
+    let Some(ring_object) = ctx.caches.ring(&ring_ref) else {
         // Leases of rings that do not exist are not ours to manage.
         return Ok(Action::await_change());
     };
@@ -405,7 +402,7 @@ async fn reconcile(lease: Arc<Lease>, state: Arc<State>) -> Result<Action, Error
 /// ring: a reconcile at a Lease's state boundary (about once per Lease duration per shard) must
 /// not cost work proportional to the ring's size.
 fn ring_problems(state: &State, ring: &RingRef) -> Arc<ProblemsByUid> {
-    let index = state.ctx.lease_index(ring.kind);
+    let index = state.ctx.caches.lease_index(ring.kind);
     let version = index.ring_version(&ring.name);
     if let Ok(cache) = state.problems.lock()
         && let Some((cached, problems)) = cache.get(ring)

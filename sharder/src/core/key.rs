@@ -8,6 +8,7 @@
 //! (`secrets`) to kinds (`Secret`) through API discovery before asking for a key.
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+use sharding_crds::HashKey;
 
 /// The message the webhook denies a main object's CREATE with when the object has no name yet.
 pub const GENERATE_NAME_NOT_SUPPORTED: &str =
@@ -155,7 +156,31 @@ pub enum KeyError {
     GenerateNameNotSupported,
 }
 
-/// Computes the hash key of `object`, whose resource plays `role` in the ring.
+/// Computes the hash key of `object`, whose resource plays `role` in a ring that hashes by
+/// `by` (SPEC §6, §16).
+///
+/// With `hashKey: Namespace` a namespaced object, main or controlled, is keyed by its namespace
+/// as the Namespace object would be as a main object; so it needs neither a name nor a
+/// controller. Cluster-scoped objects keep their own key.
+///
+/// # Errors
+///
+/// As [`hash_key`].
+pub(crate) fn ring_key(
+    by: HashKey,
+    object: &ObjectInfo<'_>,
+    role: &ResourceRole,
+) -> Result<KeyOutcome, KeyError> {
+    match (by, object.namespace.filter(|ns| !ns.is_empty())) {
+        (HashKey::Namespace, Some(namespace)) => {
+            Ok(KeyOutcome::Key(format_key("", "Namespace", "", namespace)))
+        }
+        _ => hash_key(object, role),
+    }
+}
+
+/// Computes the hash key of `object`, whose resource plays `role` in the ring, from the object's
+/// own identity or its controller's.
 ///
 /// # Errors
 ///
@@ -220,6 +245,48 @@ fn controlled_key(object: &ObjectInfo<'_>, controllers: &[ControllerKind]) -> Ke
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn namespace_keys_cover_namespaced_objects_only() {
+        let unnamed = ObjectInfo {
+            group: "",
+            kind: "Secret",
+            namespace: Some("team-a"),
+            name: None,
+            owner_references: &[],
+        };
+        let namespace_key = Ok(KeyOutcome::Key("/Namespace//team-a".to_string()));
+        assert_eq!(
+            ring_key(HashKey::Namespace, &unnamed, &ResourceRole::Main),
+            namespace_key
+        );
+        let orphan = ObjectInfo {
+            kind: "ConfigMap",
+            name: Some("cm"),
+            ..unnamed
+        };
+        let controlled = ResourceRole::Controlled {
+            controllers: vec![ControllerKind::new("", "Secret", true)],
+        };
+        assert_eq!(
+            ring_key(HashKey::Namespace, &orphan, &controlled),
+            namespace_key
+        );
+        let cluster_scoped = ObjectInfo {
+            namespace: None,
+            name: Some("s"),
+            ..unnamed
+        };
+        assert_eq!(
+            ring_key(HashKey::Namespace, &cluster_scoped, &ResourceRole::Main),
+            Ok(KeyOutcome::Key("/Secret//s".to_string()))
+        );
+        // With object keys the same unnamed main object has no key.
+        assert_eq!(
+            ring_key(HashKey::Object, &unnamed, &ResourceRole::Main),
+            Err(KeyError::GenerateNameNotSupported)
+        );
+    }
 
     fn owner(
         api_version: &str,

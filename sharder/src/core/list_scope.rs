@@ -1,5 +1,8 @@
 //! Whether a sync lists a namespaced resource namespace by namespace or across the cluster.
 
+/// Page size of the sync's lists and of the kubectl plugin's.
+pub const PAGE_SIZE: u32 = 500;
+
 /// Most namespaces a ring may select for a sync to list its namespaced resources one namespace
 /// at a time.
 pub(crate) const MAX_NAMESPACE_LISTS: usize = 50;

@@ -11,9 +11,9 @@ use sharding_crds::{
 use tower::ServiceExt;
 
 use super::*;
-use crate::core::ring::Ring;
+use crate::core::hash_ring::HashRing;
 use crate::metrics::Metrics;
-use crate::ring_views::{ResourceInfo, build_view};
+use crate::views::{ResourceInfo, build_view};
 
 const SHARD_LABEL: &str = "shard.alpha.sharding.timebertt.dev/clusterring-50d858e0-example";
 
@@ -40,7 +40,7 @@ fn state(shards: &[&str]) -> WebhookState {
         (GroupResource::new("", "configmaps"), info("ConfigMap")),
     ]);
     let shards: BTreeMap<String, u32> = shards.iter().map(|s| (s.to_string(), 1)).collect();
-    let rings = Arc::new(RingViews::default());
+    let rings = Arc::new(Views::default());
     let selector = Default::default();
     // A ControllerRing of the same name, hashing by namespace, beside the ClusterRing.
     let mut controller_spec = ring.spec.clone();
@@ -181,7 +181,7 @@ async fn assignment_removes_a_stale_drain_label() {
 #[tokio::test]
 async fn controlled_object_follows_its_controller() {
     let state = state(&["shard-a", "shard-b", "shard-c"]);
-    let expected = Ring::new(["shard-a", "shard-b", "shard-c"])
+    let expected = HashRing::new(["shard-a", "shard-b", "shard-c"])
         .shard_for("/Secret/default/foo")
         .map(str::to_string);
     let object = json!({"metadata": {
@@ -380,7 +380,7 @@ fn pointer_escaping() {
 async fn controller_ring_path_uses_its_label_and_namespace_keys() {
     let state = state(&["shard-a", "shard-b", "shard-c"]);
     let metrics = state.metrics.clone();
-    let expected = Ring::new(["shard-a", "shard-b", "shard-c"])
+    let expected = HashRing::new(["shard-a", "shard-b", "shard-c"])
         .shard_for("/Namespace//default")
         .expect("a shard")
         .to_string();

@@ -4,7 +4,7 @@
 //! shards, for `--objects` Secrets (each with the checksum ConfigMap its shard writes):
 //!
 //! 1. **convergence**: the time from starting the 4th shard until every Secret and ConfigMap
-//!    carries the shard the 4-shard ring (`sharder::core::ring::Ring`, key `/Secret/<ns>/<name>`)
+//!    carries the shard the 4-shard ring (`sharder::core::hash_ring::Ring`, key `/Secret/<ns>/<name>`)
 //!    predicts and no drain label is left. Placements are followed with metadata-only watches, so
 //!    the time is that of the watch event that completed convergence (which then has to hold for
 //!    `--settle` seconds), and measuring does not load the API server with repeated lists;

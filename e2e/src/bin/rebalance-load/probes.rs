@@ -10,7 +10,8 @@ use e2e::sharder::{SharderFiles, counter};
 use kube::Client;
 use kube::api::ListParams;
 
-use sharder::controller::sharder::{PAGE_SIZE, SYNC_FINISHED};
+use sharder::controller::sharder::SYNC_FINISHED;
+use sharder::core::list_scope::PAGE_SIZE;
 use sharder::metrics::{DRAINS, MOVEMENTS};
 use sharding_crds::{RingKind, RingRef};
 

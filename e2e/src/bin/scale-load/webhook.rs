@@ -11,7 +11,7 @@
 //!   CPU time (`/proc/self/task/<tid>/stat`) is the server's whole cost. One serves the trivial
 //!   webhook of `e2e::trivial_webhook` (one constant patch); the other serves the sharder's
 //!   `webhook::router` with rings of 3 and 100 available shards, their views built with
-//!   `ring_views::build_view` and inserted directly, as the sharder's benches do.
+//!   `views::build_view` and inserted directly, as the sharder's benches do.
 //! - **Clients.** A multi-threaded runtime of its own (`--client-threads`, by default one fewer
 //!   than the machine's cores, so the server keeps a core), opening `--connections` persistent TLS
 //!   connections that speak **HTTP/2** (ALPN `h2`), as kube-apiserver calls webhooks. Each
@@ -52,9 +52,9 @@ use k8s_openapi::ByteString;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, ServerName};
 use serde_json::{Value, json};
-use sharder::core::ring::Ring;
+use sharder::core::hash_ring::HashRing;
 use sharder::metrics::Metrics;
-use sharder::ring_views::{ResourceInfo, RingViews, build_view};
+use sharder::views::{ResourceInfo, Views, build_view};
 use sharder::webhook::WebhookState;
 use sharding_crds::{ClusterRing, GroupResource, labels};
 use tokio::task::JoinSet;
@@ -180,7 +180,7 @@ fn sharder_state(shard_counts: &[usize]) -> (WebhookState, Vec<(usize, ExpectedR
         (GroupResource::new("", "secrets"), info("Secret")),
         (GroupResource::new("", "configmaps"), info("ConfigMap")),
     ]);
-    let views = Arc::new(RingViews::default());
+    let views = Arc::new(Views::default());
     let mut rings = Vec::new();
     for &count in shard_counts {
         let name = format!("load-{count}");
@@ -188,7 +188,7 @@ fn sharder_state(shard_counts: &[usize]) -> (WebhookState, Vec<(usize, ExpectedR
         let ring = ClusterRing::new(&name, ring_spec(NAMESPACE));
         views.insert(build_view(&ring, &shards, &discovered, &Default::default()));
         let expected = ExpectedRing {
-            ring: Ring::new(shards.keys()),
+            ring: HashRing::new(shards.keys()),
             label: labels::shard_label(&name),
             name,
         };
@@ -205,7 +205,7 @@ fn sharder_state(shard_counts: &[usize]) -> (WebhookState, Vec<(usize, ExpectedR
 struct ExpectedRing {
     name: String,
     label: String,
-    ring: Ring,
+    ring: HashRing,
 }
 
 /// A webhook served on one core: a tokio `current_thread` runtime on a dedicated OS thread, so
@@ -321,7 +321,7 @@ struct Target {
     /// The label the webhook's patch must set.
     label: String,
     /// The ring whose assignment the label's value must be; `None`: the value is `yes`.
-    ring: Option<Ring>,
+    ring: Option<HashRing>,
     review: ReviewTemplate,
 }
 

@@ -15,7 +15,7 @@
 use kube::api::{Api, DynamicObject, ListParams};
 use kube::core::PartialObjectMeta;
 
-use super::PAGE_SIZE;
+use crate::core::list_scope::PAGE_SIZE;
 
 /// How often one list may start over from its first page (410 Gone with no token to resume
 /// from) before the sync gives up on it.

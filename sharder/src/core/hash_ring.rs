@@ -34,7 +34,7 @@ pub(crate) fn hash(data: &str) -> u64 {
 /// every sharder replica computes the same assignment; with 64-bit hashes it practically never
 /// applies.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Ring {
+pub struct HashRing {
     /// Distinct shard names, sorted ascending.
     names: Vec<String>,
     /// `weights[i]` is the weight of `names[i]`.
@@ -46,7 +46,7 @@ pub struct Ring {
     owners: Vec<usize>,
 }
 
-impl Ring {
+impl HashRing {
     /// Builds a ring from shard names. Order does not matter and duplicates count once.
     #[must_use]
     pub fn new<I, S>(shards: I) -> Self
@@ -162,7 +162,7 @@ mod tests {
 
     #[test]
     fn assigns_spec_examples() {
-        let ring = Ring::new(["shard-a", "shard-b", "shard-c"]);
+        let ring = HashRing::new(["shard-a", "shard-b", "shard-c"]);
         for (key, shard) in [
             ("apps/Deployment/bar/foo", "shard-b"),
             ("/ConfigMap/default/foo", "shard-b"),
@@ -178,7 +178,7 @@ mod tests {
 
     #[test]
     fn splits_spec_thousand_keys() {
-        let ring = Ring::new(["shard-a", "shard-b", "shard-c"]);
+        let ring = HashRing::new(["shard-a", "shard-b", "shard-c"]);
         let mut counts = BTreeMap::<&str, usize>::new();
         for i in 0..1000 {
             let shard = ring.shard_for(&format!("/ConfigMap/default/foo-{i}"));
@@ -192,7 +192,7 @@ mod tests {
 
     #[test]
     fn empty_ring_assigns_nothing() {
-        let ring = Ring::new(Vec::<String>::new());
+        let ring = HashRing::new(Vec::<String>::new());
         assert_eq!(ring.len(), 0);
         assert_eq!(ring.len(), 0);
         assert_eq!(ring.shard_for("/ConfigMap/default/foo"), None);
@@ -201,7 +201,7 @@ mod tests {
 
     #[test]
     fn single_shard_takes_everything() {
-        let ring = Ring::new(["solo"]);
+        let ring = HashRing::new(["solo"]);
         for key_hash in [0, 1, u64::MAX / 2, u64::MAX] {
             assert_eq!(ring.shard_for_hash(key_hash), Some("solo"));
         }
@@ -209,7 +209,7 @@ mod tests {
 
     #[test]
     fn wraps_around_past_the_largest_token() {
-        let ring = Ring::new(["shard-a", "shard-b", "shard-c"]);
+        let ring = HashRing::new(["shard-a", "shard-b", "shard-c"]);
         let (&first, &last) = (
             ring.tokens.first().expect("tokens"),
             ring.tokens.last().expect("tokens"),
@@ -223,7 +223,7 @@ mod tests {
 
     #[test]
     fn tokens_are_sorted_and_owned_by_the_right_shard() {
-        let ring = Ring::new(["shard-b", "shard-a"]);
+        let ring = HashRing::new(["shard-b", "shard-a"]);
         assert_eq!(ring.tokens.len(), 2 * TOKENS_PER_SHARD);
         assert!(ring.tokens.windows(2).all(|w| w[0] < w[1]));
         // A key equal to a token maps to that token's shard (first token >= hash).
@@ -233,20 +233,20 @@ mod tests {
 
     #[test]
     fn duplicates_count_once_and_shards_are_sorted() {
-        let ring = Ring::new(["shard-b", "shard-a", "shard-b"]);
+        let ring = HashRing::new(["shard-b", "shard-a", "shard-b"]);
         assert_eq!(ring.len(), 2);
         assert_eq!(ring.names, ["shard-a", "shard-b"]);
         assert_eq!(ring.tokens.len(), 2 * TOKENS_PER_SHARD);
         assert!(ring.contains("shard-a"));
         assert!(!ring.contains("shard-c"));
-        assert_eq!(ring, Ring::new(["shard-a", "shard-b"]));
+        assert_eq!(ring, HashRing::new(["shard-a", "shard-b"]));
     }
 
     #[test]
     fn colliding_tokens_go_to_the_smaller_name() {
         let names = vec!["shard-a".to_owned(), "shard-b".to_owned()];
         // Forced collisions, since real XXH64 collisions are impractical to find.
-        let ring = Ring::from_tokens(
+        let ring = HashRing::from_tokens(
             names,
             vec![1, 1],
             vec![(10, 1), (5, 1), (5, 0), (10, 0), (20, 1)],
@@ -288,7 +288,7 @@ mod tests {
 
         assert!(!vectors.cases.is_empty(), "no ring cases");
         for case in &vectors.cases {
-            let ring = Ring::new(&case.shards);
+            let ring = HashRing::new(&case.shards);
             assert!(!case.assignments.is_empty(), "no assignments");
             for (key, expected) in &case.assignments {
                 assert_eq!(
@@ -303,10 +303,14 @@ mod tests {
 
     #[test]
     fn weights_multiply_tokens_and_weight_one_is_the_plain_ring() {
-        let plain = Ring::new(["a", "b"]);
-        assert_eq!(Ring::weighted([("a", 1), ("b", 1)]), plain);
-        assert_eq!(Ring::weighted([("b", 0), ("a", 1)]), plain, "0 counts as 1");
-        let ring = Ring::weighted([("a", 3), ("b", 1), ("a", 2)]);
+        let plain = HashRing::new(["a", "b"]);
+        assert_eq!(HashRing::weighted([("a", 1), ("b", 1)]), plain);
+        assert_eq!(
+            HashRing::weighted([("b", 0), ("a", 1)]),
+            plain,
+            "0 counts as 1"
+        );
+        let ring = HashRing::weighted([("a", 3), ("b", 1), ("a", 2)]);
         assert_eq!(ring.members().collect::<Vec<_>>(), [("a", 3), ("b", 1)]);
         let owned_by_a = ring.owners.iter().filter(|&&o| o == 0).count();
         assert_eq!(owned_by_a, 300);
@@ -314,7 +318,7 @@ mod tests {
     }
 
     /// The exact share of the hash space each shard of `ring` owns (keys are assumed uniform).
-    fn exact_shares(ring: &Ring) -> Vec<f64> {
+    fn exact_shares(ring: &HashRing) -> Vec<f64> {
         let mut owned = vec![0u128; ring.names.len()];
         let space = 2f64.powi(64);
         for (i, &token) in ring.tokens.iter().enumerate() {
@@ -361,7 +365,7 @@ mod tests {
             let mut sums = [0.0f64; 3];
             for _ in 0..SETS {
                 let names = [names_from(&mut seed), names_from(&mut seed), names_from(&mut seed)];
-                let ring = Ring::weighted(names.iter().zip([1, 2, 3]));
+                let ring = HashRing::weighted(names.iter().zip([1, 2, 3]));
                 let shares = exact_shares(&ring);
                 for (w, name) in names.iter().enumerate() {
                     let index = ring.names.binary_search(name).expect("member");
@@ -390,8 +394,8 @@ mod tests {
         ) {
             let names: Vec<&String> = shards.keys().collect();
             let changed = names[changed.index(names.len())].clone();
-            let before = Ring::weighted(shards.iter().map(|(n, w)| (n, *w)));
-            let after = Ring::weighted(
+            let before = HashRing::weighted(shards.iter().map(|(n, w)| (n, *w)));
+            let after = HashRing::weighted(
                 shards.iter().map(|(n, w)| (n, if *n == changed { new_weight } else { *w })),
             );
             for key in &keys {
@@ -412,8 +416,8 @@ mod tests {
             keys in keys(),
         ) {
             prop_assume!(!shards.contains(&new_shard));
-            let before = Ring::new(&shards);
-            let after = Ring::new(shards.iter().chain([&new_shard]));
+            let before = HashRing::new(&shards);
+            let after = HashRing::new(shards.iter().chain([&new_shard]));
             for key in &keys {
                 let (old, new) = (before.shard_for(key), after.shard_for(key));
                 prop_assert!(old.is_some());
@@ -431,8 +435,8 @@ mod tests {
         ) {
             let names: Vec<&String> = shards.iter().collect();
             let removed = names[removed.index(names.len())];
-            let before = Ring::new(&shards);
-            let after = Ring::new(shards.iter().filter(|name| *name != removed));
+            let before = HashRing::new(&shards);
+            let after = HashRing::new(shards.iter().filter(|name| *name != removed));
             for key in &keys {
                 let (old, new) = (before.shard_for(key), after.shard_for(key));
                 if old != new {
@@ -449,8 +453,8 @@ mod tests {
             keys in keys(),
         ) {
             let (ordered, shuffled) = shards;
-            let a = Ring::new(&ordered);
-            let b = Ring::new(&shuffled);
+            let a = HashRing::new(&ordered);
+            let b = HashRing::new(&shuffled);
             prop_assert_eq!(&a, &b);
             for key in &keys {
                 prop_assert_eq!(a.shard_for(key), b.shard_for(key));

@@ -1,33 +1,14 @@
-//! The ring-view registry: what the sharder knows about each ring, its resources resolved to
-//! kinds and scopes, and the hash ring of its available shards.
-//!
-//! Views are rebuilt from the watch caches when a ring's spec or its set of available shards
-//! changes (`maintain`, on every replica), never per request: the webhook and the sync read an
-//! `Arc<RingView>` without locking anything for longer than a map lookup.
+//! One ring's view: its resources resolved, the hash ring of its available shards, and where
+//! one object stands in it.
 
-mod discovery;
-
-use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, RwLock};
-use std::time::Duration;
+use std::collections::{BTreeMap, HashMap};
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use sharding_crds::{GroupResource, HashKey, RingKind, RingObject, RingRef};
-use tokio::sync::Notify;
-use tokio_util::sync::CancellationToken;
 
-pub(crate) use self::discovery::Discovery;
-use crate::context::{AnyRing, Context};
+use crate::core::hash_ring::HashRing;
 use crate::core::key::{self, ControllerKind, KeyError, KeyOutcome, ObjectInfo, ResourceRole};
-use crate::core::membership::available_shards;
 use crate::core::rebalance::{ObjectState, RebalanceDecision, decide};
-use crate::core::ring::Ring;
-use crate::lease_index::LeaseChange;
-use crate::metrics::RingLabel;
-
-/// How often rings with unresolved resources (e.g. a CRD installed later) are resolved again.
-const UNRESOLVED_RETRY: Duration = Duration::from_secs(10);
 
 /// Kind and scope of a resource, from API discovery.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -80,7 +61,7 @@ pub struct RingView {
     /// The ring's drain label key.
     pub(crate) drain_label: String,
     /// Hash ring over the available shards.
-    pub(crate) ring: Ring,
+    pub(crate) hash_ring: HashRing,
     /// What objects are hashed by.
     pub(crate) hash_key: HashKey,
     /// Namespaces whose objects belong to the ring: its selector, else the configured default.
@@ -95,7 +76,7 @@ pub struct RingView {
     /// [`Discovery::generation`] when this view was built: a newer one means a resource's
     /// version may have changed, and the view is rebuilt.
     pub(crate) discovery_generation: u64,
-    /// Increases with every rebuild of any view; set by [`RingViews::insert`]. The sharder
+    /// Increases with every rebuild of any view; set by [`Views::insert`]. The sharder
     /// controller syncs a ring again when its view's revision changed.
     pub(crate) revision: u64,
 }
@@ -106,25 +87,14 @@ impl RingView {
         RingRef::new(self.kind, &self.name)
     }
 
-    /// The hash key of `object`, whose resource plays `role` in the ring (SPEC §6, §16).
-    ///
-    /// With `hashKey: Namespace` a namespaced object, main or controlled, is keyed by its
-    /// namespace as the Namespace object would be as a main object; so it needs neither a name
-    /// nor a controller.
+    /// The hash key of `object`, whose resource plays `role` in the ring (see
+    /// [`key::ring_key`]).
     pub(crate) fn key(
         &self,
         object: &ObjectInfo<'_>,
         role: &ResourceRole,
     ) -> Result<KeyOutcome, KeyError> {
-        match (self.hash_key, object.namespace.filter(|ns| !ns.is_empty())) {
-            (HashKey::Namespace, Some(namespace)) => Ok(KeyOutcome::Key(key::format_key(
-                "",
-                "Namespace",
-                "",
-                namespace,
-            ))),
-            _ => key::hash_key(object, role),
-        }
+        key::ring_key(self.hash_key, object, role)
     }
 
     /// Where an object of `resource` (group `group`) with metadata `meta` stands in this ring:
@@ -141,7 +111,7 @@ impl RingView {
             &resource.role,
         );
         let desired = match &key {
-            Ok(KeyOutcome::Key(key)) => self.ring.shard_for(key),
+            Ok(KeyOutcome::Key(key)) => self.hash_ring.shard_for(key),
             _ => None,
         };
         let labels = meta.labels.as_ref();
@@ -154,7 +124,7 @@ impl RingView {
             main: resource.is_main(),
         };
         Placement {
-            decision: decide(object, desired, |shard| self.ring.contains(shard)),
+            decision: decide(object, desired, |shard| self.hash_ring.contains(shard)),
             key,
             desired,
             object,
@@ -234,7 +204,7 @@ pub fn build_view<R: RingObject>(
         shard_label: kind.shard_label(&name),
         drain_label: kind.drain_label(&name),
         name,
-        ring: Ring::weighted(shards.iter().map(|(name, weight)| (name, *weight))),
+        hash_ring: HashRing::weighted(shards.iter().map(|(name, weight)| (name, *weight))),
         hash_key: spec.hash_key(),
         namespace_selector: spec
             .namespace_selector
@@ -245,249 +215,6 @@ pub fn build_view<R: RingObject>(
         generation: ring.meta().generation,
         discovery_generation: 0,
         revision: 0,
-    }
-}
-
-/// The current view of every ring, shared between the webhook and the controllers.
-#[derive(Debug)]
-pub struct RingViews {
-    views: RwLock<HashMap<RingRef, Arc<RingView>>>,
-    revision: AtomicU64,
-    changed: tokio::sync::watch::Sender<u64>,
-}
-
-impl Default for RingViews {
-    fn default() -> Self {
-        Self {
-            views: RwLock::default(),
-            revision: AtomicU64::new(0),
-            changed: tokio::sync::watch::Sender::new(0),
-        }
-    }
-}
-
-impl RingViews {
-    /// The current view of `ring`, if the ring is known.
-    pub(crate) fn get(&self, ring: &RingRef) -> Option<Arc<RingView>> {
-        self.views.read().ok()?.get(ring).cloned()
-    }
-
-    /// Every current view.
-    pub(crate) fn all(&self) -> Vec<Arc<RingView>> {
-        self.views
-            .read()
-            .map(|v| v.values().cloned().collect())
-            .unwrap_or_default()
-    }
-
-    /// Replaces the view of a ring, giving it a new revision.
-    pub fn insert(&self, mut view: RingView) {
-        let revision = self.revision.fetch_add(1, Ordering::SeqCst) + 1;
-        view.revision = revision;
-        if let Ok(mut views) = self.views.write() {
-            views.insert(view.ring_ref(), Arc::new(view));
-        }
-        self.changed.send_replace(revision);
-    }
-
-    /// Forgets every ring not in `keep`.
-    pub(crate) fn retain(&self, keep: &BTreeSet<RingRef>) {
-        let removed = self.views.write().is_ok_and(|mut views| {
-            let before = views.len();
-            views.retain(|name, _| keep.contains(name));
-            views.len() != before
-        });
-        if removed {
-            let revision = self.revision.fetch_add(1, Ordering::SeqCst) + 1;
-            self.changed.send_replace(revision);
-        }
-    }
-
-    /// A receiver that is notified whenever a view is inserted or removed.
-    pub(crate) fn subscribe(&self) -> tokio::sync::watch::Receiver<u64> {
-        self.changed.subscribe()
-    }
-}
-
-/// Which rings a [`refresh`] looks at.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) enum Scope {
-    /// Every ring; with `retry_unresolved`, rings with resources not served before are resolved
-    /// again. Views of rings that are gone or invalid are forgotten.
-    All {
-        /// Resolve rings with unresolved resources again.
-        retry_unresolved: bool,
-    },
-    /// These rings only (their Leases changed).
-    Rings(BTreeSet<RingRef>),
-}
-
-impl Scope {
-    /// The scope covering both.
-    fn merge(self, other: Self) -> Self {
-        match (self, other) {
-            (Self::Rings(mut a), Self::Rings(b)) => {
-                a.extend(b);
-                Self::Rings(a)
-            }
-            (
-                Self::All {
-                    retry_unresolved: a,
-                },
-                Self::All {
-                    retry_unresolved: b,
-                },
-            ) => Self::All {
-                retry_unresolved: a || b,
-            },
-            (all @ Self::All { .. }, Self::Rings(_)) | (Self::Rings(_), all @ Self::All { .. }) => {
-                all
-            }
-        }
-    }
-
-    /// The rings a change among the Leases of `kind` concerns.
-    fn of_lease_change(
-        kind: RingKind,
-        change: Result<LeaseChange, tokio::sync::broadcast::error::RecvError>,
-    ) -> Self {
-        match change {
-            Ok(LeaseChange::Membership { rings, .. }) => Self::Rings(
-                rings
-                    .into_iter()
-                    .map(|name| RingRef::new(kind, name))
-                    .collect(),
-            ),
-            // The state label is not part of membership.
-            Ok(LeaseChange::State(_)) => Self::Rings(BTreeSet::new()),
-            // Relisted, or fell behind: anything may have changed.
-            Ok(LeaseChange::All) | Err(_) => Self::All {
-                retry_unresolved: false,
-            },
-        }
-    }
-}
-
-/// Rebuilds ring views until `shutdown` fires: every view when a ring changes (`changed` is
-/// notified by the ring watches), the views of the rings a Lease membership change concerns
-/// (renewals concern none), and rings with unresolved resources every few seconds.
-pub(crate) async fn maintain(ctx: Context, changed: Arc<Notify>, shutdown: CancellationToken) {
-    let mut retry = tokio::time::interval(UNRESOLVED_RETRY);
-    let [mut cluster_leases, mut controller_leases] =
-        RingKind::ALL.map(|kind| ctx.lease_index(kind).subscribe());
-    loop {
-        let mut scope = tokio::select! {
-            () = shutdown.cancelled() => return,
-            () = changed.notified() => Scope::All { retry_unresolved: false },
-            _ = retry.tick() => Scope::All { retry_unresolved: true },
-            change = cluster_leases.recv() => Scope::of_lease_change(RingKind::ClusterRing, change),
-            change = controller_leases.recv() => Scope::of_lease_change(RingKind::ControllerRing, change),
-        };
-        // Take in what else arrived meanwhile: a burst of joins rebuilds each ring once.
-        for (kind, receiver) in [
-            (RingKind::ClusterRing, &mut cluster_leases),
-            (RingKind::ControllerRing, &mut controller_leases),
-        ] {
-            loop {
-                match receiver.try_recv() {
-                    Ok(change) => scope = scope.merge(Scope::of_lease_change(kind, Ok(change))),
-                    Err(tokio::sync::broadcast::error::TryRecvError::Lagged(_)) => {
-                        scope = scope.merge(Scope::All {
-                            retry_unresolved: false,
-                        });
-                    }
-                    Err(_) => break,
-                }
-            }
-        }
-        if scope != Scope::Rings(BTreeSet::new()) {
-            refresh(&ctx, scope).await;
-        }
-    }
-}
-
-/// Rebuilds the views in `scope` whose ring's spec or set of available shards changed (and, when
-/// asked, those with resources not served before); a refresh of every ring also forgets deleted
-/// and invalid rings.
-pub(crate) async fn refresh(ctx: &Context, scope: Scope) {
-    let (rings, retry_unresolved) = match &scope {
-        Scope::All { retry_unresolved } => (ctx.rings(), *retry_unresolved),
-        Scope::Rings(rings) => (rings.iter().filter_map(|r| ctx.ring(r)).collect(), false),
-    };
-    let mut keep = BTreeSet::new();
-    for ring in rings {
-        let ring_ref = ring.ring_ref();
-        if ring
-            .validate(&ctx.config.webhook.config.allowed_protected_resources)
-            .is_err()
-        {
-            // A broken ring is not acted on; the ring controller reports why.
-            continue;
-        }
-        keep.insert(ring_ref.clone());
-        let leases = ctx.ring_leases(&ring_ref);
-        let shards = available_shards(
-            ring_ref.kind,
-            &ring_ref.name,
-            leases.iter().map(AsRef::as_ref),
-        );
-        let current = ctx.ring_views.get(&ring_ref);
-        let shards_changed = current.as_ref().is_none_or(|v| {
-            !v.ring
-                .members()
-                .eq(shards.iter().map(|(n, w)| (n.as_str(), *w)))
-        });
-        let spec_changed = current
-            .as_ref()
-            .is_none_or(|v| v.generation != ring.meta().generation);
-        let discovery_generation = ctx.discovery.generation();
-        let retry = retry_unresolved
-            && current.as_ref().is_some_and(|v| {
-                !v.unresolved.is_empty() || v.discovery_generation != discovery_generation
-            });
-        if !(shards_changed || spec_changed || retry) {
-            continue;
-        }
-        let resources: Vec<_> = ring
-            .spec()
-            .resources
-            .iter()
-            .flat_map(|r| {
-                std::iter::once(r.group_resource()).chain(r.controlled_resources.iter().cloned())
-            })
-            .collect();
-        let discovered = ctx.discovery.resolve(&resources).await;
-        let default_selector = &ctx.config.webhook.config.namespace_selector;
-        let mut view = match &ring {
-            AnyRing::Cluster(r) => build_view(r.as_ref(), &shards, &discovered, default_selector),
-            AnyRing::Controller(r) => {
-                build_view(r.as_ref(), &shards, &discovered, default_selector)
-            }
-        };
-        view.discovery_generation = discovery_generation;
-        if !(shards_changed || spec_changed)
-            && current
-                .as_ref()
-                .is_some_and(|v| v.unresolved == view.unresolved && v.resources == view.resources)
-        {
-            // A retry that resolved nothing new: keep the view and its revision, so the ring is
-            // not synced again for nothing.
-            continue;
-        }
-        if shards_changed {
-            ctx.metrics
-                .ring_calculations
-                .get_or_create(&RingLabel(ring_ref.clone()))
-                .inc();
-            tracing::info!(ring = %ring_ref, shards = ?shards, "rebuilt hash ring");
-        }
-        if !view.unresolved.is_empty() {
-            tracing::warn!(ring = %ring_ref, unresolved = ?view.unresolved, "some ring resources are not served by the API server (yet)");
-        }
-        ctx.ring_views.insert(view);
-    }
-    if matches!(scope, Scope::All { .. }) {
-        ctx.ring_views.retain(&keep);
     }
 }
 
@@ -543,7 +270,7 @@ mod tests {
         let view = build_view(&ring, &shards, &discovered, &LabelSelector::default());
         assert_eq!(view.shard_label, sharding_crds::labels::shard_label("r"));
         assert_eq!(view.kind, RingKind::ClusterRing);
-        assert_eq!(view.ring.members().collect::<Vec<_>>(), [("s1", 1)]);
+        assert_eq!(view.hash_ring.members().collect::<Vec<_>>(), [("s1", 1)]);
         assert_eq!(
             view.unresolved,
             [GroupResource::new("example.com", "unknowns")]
@@ -591,7 +318,7 @@ mod tests {
         assert_eq!(view.drain_label, "drain.alpha.sharding.timebertt.dev/r");
         assert_eq!(view.namespace_selector, selector, "the default applies");
         assert_eq!(
-            view.ring.members().collect::<Vec<_>>(),
+            view.hash_ring.members().collect::<Vec<_>>(),
             [("a", 1), ("b", 2)]
         );
 

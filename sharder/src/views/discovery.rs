@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use kube::Client;
 use sharding_crds::GroupResource;
 
-use crate::ring_views::ResourceInfo;
+use crate::views::ResourceInfo;
 
 /// Discovery of resources, cached (a resource that is not served yet is looked up again next
 /// time). An entry is forgotten when a request with its version answers 404: a CRD that stopped

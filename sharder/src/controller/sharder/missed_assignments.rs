@@ -20,10 +20,9 @@ use sharding_crds::{GroupResource, RingRef};
 use tokio::sync::Semaphore;
 use tokio::task::{AbortHandle, JoinSet};
 
-use super::sharder::{PatchError, api_resource, count, decide_object, namespace_selected, patch};
-use crate::context::Context;
+use super::patch::{PatchError, Patcher, api_resource};
 use crate::core::rebalance::RebalanceDecision;
-use crate::ring_views::RingView;
+use crate::views::RingView;
 
 /// Concurrent patches per watched resource.
 const CONCURRENCY: usize = 16;
@@ -40,7 +39,7 @@ const HELD_WAIT: Duration = Duration::from_millis(500);
 /// The running watches, one per ring resource. They are tasks of a `JoinSet` this value owns, so
 /// dropping it (the sharder controller stopped, or dropped on lost leadership) stops them all.
 #[derive(Debug, Default)]
-pub(crate) struct MissedAssignments {
+pub(super) struct MissedAssignments {
     tasks: JoinSet<()>,
     /// By ring, resource and the version watched: a new version means a new watch.
     running: HashMap<(RingRef, GroupResource, String), AbortHandle>,
@@ -48,7 +47,7 @@ pub(crate) struct MissedAssignments {
 
 impl MissedAssignments {
     /// Starts a watch for every resource of every ring and stops those no longer needed.
-    pub(crate) fn reconcile(&mut self, ctx: &Context, views: &[Arc<RingView>]) {
+    pub(super) fn reconcile(&mut self, patcher: &Patcher, views: &[Arc<RingView>]) {
         // A watch ends on its own only when its ring or resource went away; reap it.
         while self.tasks.try_join_next().is_some() {}
         let wanted: HashSet<(RingRef, GroupResource, String)> = views
@@ -70,15 +69,17 @@ impl MissedAssignments {
             if self.running.contains_key(&key) {
                 continue;
             }
-            let task =
-                self.tasks
-                    .spawn(watch_unassigned(ctx.clone(), key.0.clone(), key.1.clone()));
+            let task = self.tasks.spawn(watch_unassigned(
+                patcher.clone(),
+                key.0.clone(),
+                key.1.clone(),
+            ));
             self.running.insert(key, task);
         }
     }
 
     /// Stops every watch.
-    pub(crate) fn stop(&mut self) {
+    pub(super) fn stop(&mut self) {
         self.running.clear();
         self.tasks.abort_all();
     }
@@ -92,8 +93,9 @@ impl MissedAssignments {
 /// conflict) is retried with backoff until the object is assigned or gone: objects missed during a
 /// webhook outage are assigned within seconds of its end, not at the next periodic sync. Objects of
 /// the initial listing count as well: after a re-list they are exactly those missed meanwhile.
-async fn watch_unassigned(ctx: Context, ring: RingRef, gr: GroupResource) {
-    let Some(view) = ctx.ring_views.get(&ring) else {
+async fn watch_unassigned(patcher: Patcher, ring: RingRef, gr: GroupResource) {
+    let ctx = &patcher.ctx;
+    let Some(view) = ctx.views.get(&ring) else {
         return;
     };
     let Some(resource) = view.resources.get(&gr) else {
@@ -158,15 +160,15 @@ async fn watch_unassigned(ctx: Context, ring: RingRef, gr: GroupResource) {
             continue;
         }
         backlog.set(i64::try_from(pending.len()).unwrap_or(i64::MAX));
-        let (ctx, ring, gr, ar, limit) = (
-            ctx.clone(),
+        let (patcher, ring, gr, ar, limit) = (
+            patcher.clone(),
             ring.clone(),
             gr.clone(),
             ar.clone(),
             limit.clone(),
         );
         assigning.spawn(async move {
-            assign(&ctx, &ring, &gr, &ar, &limit, obj.metadata).await;
+            assign(&patcher, &ring, &gr, &ar, &limit, obj.metadata).await;
             key
         });
     }
@@ -227,17 +229,18 @@ struct ObjectKey {
 /// Moves one unassigned object until the webhook has assigned it, it is gone, or it needs no
 /// move any more, retrying with [`RetryBackoff`].
 async fn assign(
-    ctx: &Context,
+    patcher: &Patcher,
     ring: &RingRef,
     gr: &GroupResource,
     ar: &ApiResource,
     limit: &Semaphore,
     mut meta: ObjectMeta,
 ) {
+    let ctx = &patcher.ctx;
     let mut backoff = RetryBackoff::default();
     loop {
         // Always decide with the current view: shards may have changed meanwhile.
-        let Some(view) = ctx.ring_views.get(ring) else {
+        let Some(view) = ctx.views.get(ring) else {
             return;
         };
         let Some(resource) = view.resources.get(gr) else {
@@ -247,11 +250,11 @@ async fn assign(
             && !meta
                 .namespace
                 .as_deref()
-                .is_some_and(|ns| namespace_selected(ctx, &view, ns))
+                .is_some_and(|ns| ctx.caches.namespace_selected(&view.namespace_selector, ns))
         {
             return;
         }
-        let decision = decide_object(&view, gr, resource, &meta);
+        let decision = view.placement(&gr.group, resource, &meta).decision;
         if decision == RebalanceDecision::Keep {
             return;
         }
@@ -259,11 +262,11 @@ async fn assign(
             let Ok(_permit) = limit.acquire().await else {
                 return;
             };
-            patch(ctx, &view, gr, ar, &meta, decision).await
+            patcher.patch(&view, gr, ar, &meta, decision).await
         };
         let delay = match result {
             Ok(()) => {
-                count(ctx, &view, gr, decision);
+                patcher.count(&view, gr, decision);
                 return;
             }
             Err(PatchError::Held) => {

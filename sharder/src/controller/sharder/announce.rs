@@ -11,16 +11,16 @@ use std::time::Duration;
 
 use sharding_crds::RingRef;
 
-use super::sharder::{REASON_DRAIN_NOT_ACKNOWLEDGED, REASON_SHARD_JOINED, REASON_SHARD_LEFT};
 use crate::context::Context;
-use crate::ring_views::RingView;
+use crate::events::{REASON_DRAIN_NOT_ACKNOWLEDGED, REASON_SHARD_JOINED, REASON_SHARD_LEFT};
+use crate::views::RingView;
 
 /// How often pending drains are compared with `drainTimeout`.
-pub(crate) const DRAIN_CHECK_PERIOD: Duration = Duration::from_secs(5);
+pub(super) const DRAIN_CHECK_PERIOD: Duration = Duration::from_secs(5);
 
 /// What was announced already.
 #[derive(Debug, Default)]
-pub(crate) struct Announcer {
+pub(super) struct Announcer {
     /// Available shards with weights per ring, as last seen.
     members: HashMap<RingRef, BTreeMap<String, u32>>,
     /// Shards warned about stuck drains; warned again only after their drains cleared.
@@ -28,7 +28,7 @@ pub(crate) struct Announcer {
 }
 
 /// The shards that joined and left between `before` and `after`.
-pub(crate) fn membership_changes(
+pub(super) fn membership_changes(
     before: &BTreeMap<String, u32>,
     after: &BTreeMap<String, u32>,
 ) -> (Vec<String>, Vec<String>) {
@@ -47,18 +47,18 @@ pub(crate) fn membership_changes(
 
 impl Announcer {
     /// Publishes an Event for every shard that joined or left a ring since the last call.
-    pub(crate) async fn membership(&mut self, ctx: &Context, views: &[Arc<RingView>]) {
+    pub(super) async fn membership(&mut self, ctx: &Context, views: &[Arc<RingView>]) {
         let mut current = HashMap::new();
         for view in views {
             let ring = view.ring_ref();
             let members: BTreeMap<String, u32> = view
-                .ring
+                .hash_ring
                 .members()
                 .map(|(name, weight)| (name.to_string(), weight))
                 .collect();
             if let Some(before) = self.members.get(&ring)
                 && before != &members
-                && let Some(object) = ctx.ring(&ring)
+                && let Some(object) = ctx.caches.ring(&ring)
             {
                 let (joined, left) = membership_changes(before, &members);
                 let reference = object.object_ref();
@@ -87,7 +87,7 @@ impl Announcer {
     }
 
     /// Warns once per shard whose oldest pending drain is older than `drainTimeout`.
-    pub(crate) async fn stuck_drains(&mut self, ctx: &Context) {
+    pub(super) async fn stuck_drains(&mut self, ctx: &Context) {
         let timeout = ctx.config.controller.sharder.drain_timeout.0;
         let pending = ctx.observed.pending_drains(std::time::Instant::now());
         self.warned.retain(|key| pending.contains_key(key));
@@ -95,7 +95,7 @@ impl Announcer {
             if drains.oldest < timeout || self.warned.contains(&(ring.clone(), shard.clone())) {
                 continue;
             }
-            let Some(object) = ctx.ring(&ring) else {
+            let Some(object) = ctx.caches.ring(&ring) else {
                 continue;
             };
             let note = format!(

@@ -1,0 +1,538 @@
+//! One sync of one ring: every object of its resources listed metadata-only, page by page, each
+//! page's drains and moves sent before the next page is asked for.
+
+use std::collections::HashSet;
+
+use crate::context::Context;
+
+use futures::StreamExt;
+use kube::api::{Api, DynamicObject};
+use kube::core::PartialObjectMeta;
+use kube::{Resource, ResourceExt};
+use sharding_crds::selector::selector_matches;
+use sharding_crds::{GroupResource, HashKey};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use super::pager::{Pager, PagerError};
+use super::patch::{PatchError, Patcher, api_resource};
+use crate::core::key::KeyOutcome;
+use crate::core::list_scope::{ListScope, list_scope};
+use crate::core::owner_wait::OwnerWait;
+use crate::core::rebalance::RebalanceDecision;
+use crate::events::{REASON_REBALANCE_FINISHED, REASON_REBALANCE_STARTED, REASON_SYNC_FAILED};
+use crate::metrics::{Metrics, OutcomeLabels, RingLabel};
+use crate::observed::{DrainsSeen, RingObjects, uid_hash};
+use crate::views::{ResolvedResource, RingView};
+
+/// Message of the info record when a sync list's continue token expired (410 Gone) and the list
+/// goes on with the token of that answer, reading later pages at a newer revision; with the
+/// fields `ring` and `resource`.
+pub const LIST_CONTINUED_INCONSISTENTLY: &str =
+    "continue token expired (410 Gone); listing on from where it stopped, at the current revision";
+
+/// Message of the info record when a sync list's continue token expired (410 Gone) with no token
+/// to go on with, and the list starts over from its first page; with the fields `ring` and
+/// `resource`.
+pub const LIST_RESTARTED: &str = "continue token expired (410 Gone) with no token to go on with; listing again from the first page";
+/// Message of the log record at the start of every sync of a ring, with the fields `ring` and
+/// `shards`.
+pub const SYNC_STARTED: &str = "starting sync of ring";
+
+/// Message of the log record at the end of every sync of a ring, with the fields `ring`,
+/// `duration`, `listed`, `drained`, `moved`, `failed` and `held`.
+pub const SYNC_FINISHED: &str = "finished sync of ring";
+
+/// A failed sync; the ring is synced again after a backoff.
+#[derive(Debug, thiserror::Error)]
+pub(super) enum Error {
+    /// Listing a resource failed, or its continue tokens kept expiring.
+    #[error("failed to list {resource}: {source}")]
+    List {
+        /// The resource.
+        resource: GroupResource,
+        /// Underlying error.
+        #[source]
+        source: PagerError,
+    },
+    /// Controlled objects wait for their controllers to leave their shard (drain acknowledged);
+    /// the sync runs again soon, with backoff.
+    #[error("{waiting} controlled objects wait for their controllers to leave their shard")]
+    WaitingForOwners {
+        /// Controlled objects held back.
+        waiting: usize,
+    },
+    /// Moves were held back because the ring's webhook is unreachable.
+    #[error("held back {held} moves: the API server does not reach the ring's webhook")]
+    WebhookUnreachable {
+        /// Moves not sent.
+        held: usize,
+    },
+    /// A newer view of the ring superseded this sync, which stopped before its next page; the
+    /// patches it had sent completed and were counted.
+    #[error("superseded by a newer view of the ring")]
+    Superseded,
+    /// Some patches failed (conflicts included); the others went through.
+    #[error("failed to patch {failed} of {attempted} objects")]
+    Patches {
+        /// Failed patches.
+        failed: usize,
+        /// Attempted patches.
+        attempted: usize,
+    },
+}
+
+/// Counts of one sync.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(super) struct SyncStats {
+    /// Objects listed.
+    pub(crate) listed: usize,
+    /// Drain patches sent.
+    pub(crate) drained: usize,
+    /// Move patches sent.
+    pub(crate) moved: usize,
+    /// Patches that failed.
+    pub(crate) failed: usize,
+    /// Moves not sent because the ring's webhook is unreachable.
+    pub(crate) held: usize,
+}
+
+/// What became of one patch of a sync: the object's UID, the decision and the result (`None`:
+/// not sent, the sync was superseded first).
+type PatchOutcome = (String, RebalanceDecision, Option<Result<(), PatchError>>);
+
+/// Counts one listed object of `view` into `tally` and returns its decision.
+fn tally_object(
+    view: &RingView,
+    gr: &GroupResource,
+    resource: &ResolvedResource,
+    meta: &kube::api::ObjectMeta,
+    tally: &mut Tally,
+) -> RebalanceDecision {
+    let placement = view.placement(&gr.group, resource, meta);
+    let current = placement.object.current;
+    match current {
+        Some(shard) => {
+            *tally
+                .objects
+                .per_shard
+                .entry((shard.to_string(), gr.clone()))
+                .or_default() += 1;
+        }
+        None if matches!(placement.key, Ok(KeyOutcome::Key(_))) => {
+            *tally.objects.unassigned.entry(gr.clone()).or_default() += 1;
+        }
+        None => {}
+    }
+    if placement.object.draining {
+        tally.draining.insert(
+            meta.uid.as_deref().unwrap_or_default(),
+            current.unwrap_or_default(),
+        );
+    }
+    // With object keys, a controlled object's key is its controller's key: main resources are
+    // synced first, so the controller was seen already if it is listed.
+    if view.hash_key == HashKey::Object
+        && let Ok(KeyOutcome::Key(key)) = &placement.key
+    {
+        if resource.is_main() {
+            tally
+                .owner_wait
+                .main_listed(key, current, placement.desired);
+        } else if placement.decision == RebalanceDecision::Move
+            && tally
+                .owner_wait
+                .holds_back(key, current, placement.desired, |shard| {
+                    view.hash_ring.contains(shard)
+                })
+        {
+            return RebalanceDecision::Keep;
+        }
+    }
+    placement.decision
+}
+
+/// The ring's resources in the order a sync walks them: main resources first, then controlled
+/// ones, each by group and name.
+///
+/// Main objects must start draining before their controlled objects move: a controlled object
+/// moved while its owner still sits on the old shard is written back by that shard.
+fn sync_order(view: &RingView) -> Vec<(&GroupResource, &ResolvedResource)> {
+    let mut resources: Vec<_> = view.resources.iter().collect();
+    resources.sort_by_key(|(gr, resource)| {
+        (!resource.is_main(), gr.group.as_str(), gr.resource.as_str())
+    });
+    resources
+}
+
+/// What one sync learned besides its counts: objects per shard, unassigned and draining
+/// objects, drains sent, and whether a rebalance began.
+#[derive(Debug, Default)]
+struct Tally {
+    objects: RingObjects,
+    /// Every listed object carrying the drain label, with its shard.
+    draining: DrainsSeen,
+    /// [`uid_hash`]es of the objects this sync drained.
+    drained_now: HashSet<u64>,
+    /// Whether the "rebalance started" Event went out.
+    announced: bool,
+    /// Controlled objects held back because their controller has not left their shard yet.
+    owner_wait: OwnerWait,
+    /// Fires when a newer view supersedes this sync.
+    stop: CancellationToken,
+}
+
+/// Syncs every resource of one ring, records what it saw for the metrics and publishes the
+/// rebalance Events.
+#[tracing::instrument(skip_all, fields(ring = %view.ring_ref()))]
+pub(super) async fn sync_ring(
+    patcher: &Patcher,
+    view: &RingView,
+    stop: CancellationToken,
+) -> Result<SyncStats, Error> {
+    let ctx = &patcher.ctx;
+    let ring = view.ring_ref();
+    let started = Instant::now();
+    tracing::info!(%ring, shards = view.hash_ring.len(), "{SYNC_STARTED}");
+    let mut stats = SyncStats::default();
+    let mut tally = Tally {
+        stop,
+        ..Tally::default()
+    };
+    let mut first_error = None;
+    for (gr, resource) in sync_order(view) {
+        if tally.stop.is_cancelled() {
+            return Err(Error::Superseded);
+        }
+        if let Err(error) = sync_resource(patcher, view, gr, resource, &mut stats, &mut tally).await
+        {
+            first_error.get_or_insert(error);
+        }
+    }
+    if tally.stop.is_cancelled() {
+        return Err(Error::Superseded);
+    }
+    let duration = started.elapsed();
+    tracing::info!(
+        %ring,
+        ?duration,
+        listed = stats.listed,
+        drained = stats.drained,
+        moved = stats.moved,
+        failed = stats.failed,
+        held = stats.held,
+        "{SYNC_FINISHED}"
+    );
+    let reference = ctx.caches.ring(&ring).map(|r| r.object_ref());
+    if first_error.is_none() {
+        // Every resource was listed to the end: the counts are complete.
+        ctx.observed.sync_finished(
+            &ring,
+            std::mem::take(&mut tally.objects),
+            std::mem::take(&mut tally.draining),
+            &tally.drained_now,
+            std::time::Instant::now(),
+        );
+        ctx.metrics
+            .sync_duration
+            .get_or_create(&RingLabel(ring.clone()))
+            .observe(duration.as_secs_f64());
+    }
+    if let Some(reference) = &reference
+        && stats.drained + stats.moved > 0
+    {
+        let note = format!(
+            "Drained {} and moved {} of {} objects in {:.1}s ({} failed)",
+            stats.drained,
+            stats.moved,
+            stats.listed,
+            duration.as_secs_f64(),
+            stats.failed
+        );
+        ctx.events
+            .normal(reference, REASON_REBALANCE_FINISHED, "", note)
+            .await;
+    }
+    let result = match first_error {
+        Some(error) => Err(error),
+        None if stats.failed > 0 => Err(Error::Patches {
+            failed: stats.failed,
+            attempted: stats.drained + stats.moved + stats.failed,
+        }),
+        None if stats.held > 0 => Err(Error::WebhookUnreachable { held: stats.held }),
+        None if tally.owner_wait.waiting > 0 => Err(Error::WaitingForOwners {
+            waiting: tally.owner_wait.waiting,
+        }),
+        None => Ok(stats),
+    };
+    let outcome = match &result {
+        Ok(_) => "success",
+        Err(Error::WaitingForOwners { .. }) => "waiting",
+        Err(_) => "failure",
+    };
+    ctx.metrics
+        .syncs
+        .get_or_create(&OutcomeLabels::new(&ring, outcome))
+        .inc();
+    if let (Err(error), Some(reference)) = (&result, &reference)
+        && !matches!(error, Error::WaitingForOwners { .. })
+    {
+        let note = format!("Sync failed, retrying with backoff: {error}");
+        ctx.events
+            .warning(reference, REASON_SYNC_FAILED, "", note)
+            .await;
+    }
+    result
+}
+
+/// Syncs every object of one resource of a ring, listed page by page; each page's objects are
+/// patched before the next page is asked for.
+async fn sync_resource(
+    patcher: &Patcher,
+    view: &RingView,
+    gr: &GroupResource,
+    resource: &ResolvedResource,
+    stats: &mut SyncStats,
+    tally: &mut Tally,
+) -> Result<(), Error> {
+    for api in list_apis(&patcher.ctx, view, gr, resource) {
+        sync_list(patcher, view, gr, resource, api, stats, tally).await?;
+    }
+    Ok(())
+}
+
+/// What a sync lists `resource` of `view` through: the whole cluster, or each namespace the ring
+/// selects when it selects few of them (the rule is [`list_scope`]'s).
+fn list_apis(
+    ctx: &Context,
+    view: &RingView,
+    gr: &GroupResource,
+    resource: &ResolvedResource,
+) -> Vec<Api<DynamicObject>> {
+    let ar = api_resource(gr, &resource.info);
+    if !resource.info.namespaced {
+        return vec![Api::all_with(ctx.client.clone(), &ar)];
+    }
+    let namespaces = ctx.caches.namespaces.state();
+    let mut selected: Vec<String> = namespaces
+        .iter()
+        .filter(|ns| selector_matches(&view.namespace_selector, ns.labels()))
+        .map(|ns| ns.name_any())
+        .collect();
+    match list_scope(selected.len(), namespaces.len()) {
+        ListScope::Cluster => vec![Api::all_with(ctx.client.clone(), &ar)],
+        ListScope::Namespaces => {
+            selected.sort();
+            selected
+                .iter()
+                .map(|ns| Api::namespaced_with(ctx.client.clone(), ns, &ar))
+                .collect()
+        }
+    }
+}
+
+/// Lists what `api` reaches page by page and patches each page's objects before asking for the
+/// next page.
+async fn sync_list(
+    patcher: &Patcher,
+    view: &RingView,
+    gr: &GroupResource,
+    resource: &ResolvedResource,
+    api: Api<DynamicObject>,
+    stats: &mut SyncStats,
+    tally: &mut Tally,
+) -> Result<(), Error> {
+    let ctx = &patcher.ctx;
+    let info = &resource.info;
+    let ar = &api_resource(gr, info);
+    let ring = view.ring_ref();
+    let labels = Metrics::resource_labels(&ring, &gr.group, &gr.resource);
+    let concurrency = usize::try_from(ctx.config.controller.sharder.concurrent_moves)
+        .unwrap_or(1)
+        .max(1);
+    // What this list has counted is counted again when it starts over from the first page.
+    let checkpoint = (
+        stats.listed,
+        tally.objects.clone(),
+        tally.owner_wait.waiting,
+    );
+    let mut pager = Pager::new(api);
+    loop {
+        let next = tokio::select! {
+            () = tally.stop.cancelled() => return Err(Error::Superseded),
+            next = pager.next_page() => next,
+        };
+        let page = match next {
+            Ok(Some(page)) => page,
+            Ok(None) => return Ok(()),
+            Err(source) => {
+                if let PagerError::Api(kube::Error::Api(status)) = &source
+                    && status.code == 404
+                {
+                    // The version we know is not served any more (a CRD changed its versions):
+                    // look it up again; the view is rebuilt with the new one and the sync starts
+                    // over.
+                    ctx.discovery.forget(gr);
+                }
+                return Err(Error::List {
+                    resource: gr.clone(),
+                    source,
+                });
+            }
+        };
+        if page.inconsistent_continuations > 0 {
+            ctx.metrics
+                .list_inconsistent_continuations
+                .get_or_create(&labels)
+                .inc_by(u64::from(page.inconsistent_continuations));
+            tracing::info!(%ring, resource = %gr, "{LIST_CONTINUED_INCONSISTENTLY}");
+        }
+        if page.restarted {
+            ctx.metrics.list_restarts.get_or_create(&labels).inc();
+            tracing::info!(%ring, resource = %gr, "{LIST_RESTARTED}");
+            stats.listed = checkpoint.0;
+            tally.objects = checkpoint.1.clone();
+            tally.owner_wait.waiting = checkpoint.2;
+        }
+        stats.listed += page.items.len();
+        let actions: Vec<(PartialObjectMeta<DynamicObject>, RebalanceDecision)> = page
+            .items
+            .into_iter()
+            .filter(|obj| {
+                !info.namespaced
+                    || obj.metadata.namespace.as_deref().is_some_and(|ns| {
+                        ctx.caches.namespace_selected(&view.namespace_selector, ns)
+                    })
+            })
+            .map(|obj| {
+                let decision = tally_object(view, gr, resource, &obj.metadata, tally);
+                (obj, decision)
+            })
+            .filter(|(_, d)| *d != RebalanceDecision::Keep)
+            .collect();
+        if !actions.is_empty() && !tally.announced {
+            tally.announced = true;
+            if let Some(ring) = ctx.caches.ring(&ring) {
+                let note = format!(
+                    "Rebalancing onto {} available shards: objects whose shard changed are drained or moved",
+                    view.hash_ring.len()
+                );
+                ctx.events
+                    .normal(&ring.object_ref(), REASON_REBALANCE_STARTED, "", note)
+                    .await;
+            }
+        }
+        let ring = &ring;
+        let stop = &tally.stop;
+        let results: Vec<PatchOutcome> = futures::stream::iter(actions)
+            .map(|(obj, decision)| async move {
+                let uid = obj.uid().unwrap_or_default();
+                // Checked as each patch is about to start (the stream starts one per free
+                // slot): a superseded sync sends nothing more.
+                if stop.is_cancelled() {
+                    return (uid, decision, None);
+                }
+                let result = patcher.patch(view, gr, ar, obj.meta(), decision).await;
+                match &result {
+                    // Counted and tracked as each patch lands, not when the batch is done: a
+                    // sync superseded by a newer view is aborted mid-batch, and the patches it
+                    // sent must still count and their drains still be watched for stuck ones.
+                    Ok(()) => {
+                        patcher.count(view, gr, decision);
+                        if decision == RebalanceDecision::Drain {
+                            let shard = obj.labels().get(&view.shard_label);
+                            let shard = shard.map(String::as_str).unwrap_or_default();
+                            ctx.observed
+                                .drain_sent(ring, &uid, shard, std::time::Instant::now());
+                        }
+                    }
+                    Err(error) => {
+                        tracing::debug!(%error, object = %obj.name_any(), ?decision, "patch failed");
+                    }
+                }
+                (uid, decision, Some(result))
+            })
+            .buffer_unordered(concurrency)
+            .collect()
+            .await;
+        for (uid, decision, result) in results {
+            let Some(result) = result else { continue };
+            match result {
+                Ok(()) => match decision {
+                    RebalanceDecision::Drain => {
+                        stats.drained += 1;
+                        tally.drained_now.insert(uid_hash(&uid));
+                    }
+                    RebalanceDecision::Move => stats.moved += 1,
+                    RebalanceDecision::Keep => {}
+                },
+                Err(PatchError::Held) => stats.held += 1,
+                Err(_) => stats.failed += 1,
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn main_resources_sync_before_controlled_ones() {
+        use crate::views::{ResourceInfo, build_view};
+        use sharding_crds::{ClusterRing, ClusterRingSpec, RingResource};
+        use std::collections::BTreeMap;
+        use std::collections::HashMap;
+
+        let info = |kind: &str| ResourceInfo {
+            kind: kind.into(),
+            version: "v1".into(),
+            namespaced: true,
+        };
+        let ring = ClusterRing::new(
+            "r",
+            ClusterRingSpec {
+                resources: vec![
+                    RingResource {
+                        group: String::new(),
+                        resource: "secrets".into(),
+                        controlled_resources: vec![GroupResource::new("", "configmaps")],
+                    },
+                    RingResource {
+                        group: "apps".into(),
+                        resource: "deployments".into(),
+                        controlled_resources: vec![GroupResource::new("apps", "replicasets")],
+                    },
+                ],
+                namespace_selector: None,
+                hash_key: None,
+            },
+        );
+        let discovered = HashMap::from([
+            (GroupResource::new("", "secrets"), info("Secret")),
+            (GroupResource::new("", "configmaps"), info("ConfigMap")),
+            (
+                GroupResource::new("apps", "deployments"),
+                info("Deployment"),
+            ),
+            (
+                GroupResource::new("apps", "replicasets"),
+                info("ReplicaSet"),
+            ),
+        ]);
+        let view = build_view(&ring, &BTreeMap::new(), &discovered, &Default::default());
+        let order: Vec<String> = sync_order(&view)
+            .into_iter()
+            .map(|(gr, _)| gr.to_string())
+            .collect();
+        assert_eq!(
+            order,
+            [
+                "secrets",
+                "deployments.apps",
+                "configmaps",
+                "replicasets.apps"
+            ]
+        );
+    }
+}

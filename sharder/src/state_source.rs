@@ -1,0 +1,80 @@
+//! Where the state metrics come from on every replica: the caches, and what the leader observed
+//! about the rings' objects.
+
+use std::sync::Arc;
+
+use k8s_openapi::jiff::Timestamp;
+use kube::ResourceExt;
+use sharding_crds::lease::ShardLease;
+use sharding_crds::{RingKind, RingRef};
+
+use crate::caches::Caches;
+use crate::core::membership::{Exclusion, ring_members};
+use crate::metrics::{ObjectsSnapshot, RingSnapshot, ShardSnapshot, StateSource};
+use crate::observed::Observed;
+use crate::reachability::Reachability;
+
+/// State metrics read from the caches at scrape time.
+#[derive(Debug)]
+pub(crate) struct CacheState {
+    /// Rings and shard Leases.
+    pub(crate) caches: Caches,
+    /// What the leader observed about the rings' objects.
+    pub(crate) observed: Arc<Observed>,
+    /// Rings whose webhook the API server does not reach.
+    pub(crate) reachability: Arc<Reachability>,
+}
+
+impl StateSource for CacheState {
+    fn rings(&self) -> Vec<RingSnapshot> {
+        self.caches
+            .rings()
+            .iter()
+            .map(|r| {
+                let status = r.status().cloned().unwrap_or_default();
+                RingSnapshot {
+                    ring: r.ring_ref(),
+                    uid: r.meta().uid.clone().unwrap_or_default(),
+                    generation: r.meta().generation.unwrap_or_default(),
+                    observed_generation: status.observed_generation.unwrap_or_default(),
+                    shards: status.shards.into(),
+                    available_shards: status.available_shards.into(),
+                    ready: i64::from(status.conditions.iter().any(|c| {
+                        c.type_ == sharding_crds::cluster_ring::CONDITION_READY
+                            && c.status == "True"
+                    })),
+                }
+            })
+            .collect()
+    }
+
+    fn shards(&self) -> Vec<ShardSnapshot> {
+        let now = Timestamp::now();
+        let mut snapshots = Vec::new();
+        for kind in RingKind::ALL {
+            let index = self.caches.lease_index(kind);
+            for ring in index.rings() {
+                let leases = index.ring_leases(&ring);
+                let members = ring_members(kind, &ring, leases.iter().map(AsRef::as_ref));
+                snapshots.extend(members.into_iter().map(|m| ShardSnapshot {
+                    namespace: m.lease.namespace().unwrap_or_default(),
+                    shard: m.lease.name_any(),
+                    ring: RingRef::new(kind, ring.clone()),
+                    uid: m.lease.uid().unwrap_or_default(),
+                    state: ShardLease::from_lease(m.lease).state(now).as_str(),
+                    excluded: m.exclusion.as_ref().map(Exclusion::reason),
+                    weight: m.weight,
+                }));
+            }
+        }
+        snapshots
+    }
+
+    fn objects(&self) -> ObjectsSnapshot {
+        ObjectsSnapshot {
+            rings: self.observed.objects(),
+            pending_drains: self.observed.pending_drains(std::time::Instant::now()),
+            unreachable: self.reachability.unreachable(),
+        }
+    }
+}

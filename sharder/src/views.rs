@@ -1,0 +1,24 @@
+//! The ring-view registry: what the sharder knows about each ring, its resources resolved to
+//! kinds and scopes, and the hash ring of its available shards.
+//!
+//! Views are rebuilt from the watch caches when a ring's spec or its set of available shards
+//! changes (`maintain`, on every replica), never per request: the webhook and the sync read an
+//! `Arc<RingView>` without locking anything for longer than a map lookup.
+//!
+//! | module | what |
+//! |---|---|
+//! | `view` | one ring's view: its resources, hash ring and the placement of one object |
+//! | `registry` | the current view of every ring, shared by the webhook and the controllers |
+//! | `maintain` | the task that rebuilds views when rings, Leases or discovery change |
+//! | `discovery` | kinds and scopes of resources, from API discovery, cached |
+
+mod discovery;
+mod maintain;
+mod registry;
+mod view;
+
+pub(crate) use self::discovery::Discovery;
+pub(crate) use self::maintain::{Scope, ViewSources, maintain, refresh};
+pub use self::registry::Views;
+pub(crate) use self::view::{Placement, ResolvedResource};
+pub use self::view::{ResourceInfo, RingView, build_view};
