@@ -10,6 +10,7 @@
 //! | `explain` | `explain RESOURCE NAME`: one object in every ring covering it, and why it is where it is |
 //! | `simulate` | `simulate RING`: what adding or removing shards would move |
 //! | `output` | tables, ages, JSON and YAML |
+//! | `fixtures` | (tests only) rings, Leases and objects the tests of the plugin build on |
 //!
 //! The binary `kubectl-sharding` parses [`Cli`] and calls [`run`].
 

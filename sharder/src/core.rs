@@ -3,8 +3,10 @@
 //!
 //! | module | decides |
 //! |---|---|
-//! | [`ring`] | the consistent hash ring: which available shard a key belongs to (SPEC §5) |
+//! | [`hash_ring`] | the consistent hash ring: which available shard a key belongs to (SPEC §5) |
+//! | `any_ring` | a `ClusterRing` or a `ControllerRing`, read the same way |
 //! | `key` | the hash key of an object, from its own identity or its controller's (SPEC §6) |
+//! | `owner_wait` | which controlled objects a sync holds back until their controller has left their shard (SPEC §9) |
 //! | `list_scope` | whether a sync lists a namespaced resource per selected namespace or across the cluster (SPEC §9) |
 //! | `membership` | which shard Leases put their shard into the ring, and why others are kept out (SPEC §4, §18) |
 //! | `rebalance` | keep, drain or move one object (SPEC §9) |

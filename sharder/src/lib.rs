@@ -4,17 +4,21 @@
 //!
 //! | module | what |
 //! |---|---|
-//! | [`core`] | the pure core: hash ring, hash keys, rebalance decision, sync schedule, ring validation, desired webhook configuration |
-//! | `controller` | the leader's controllers, one module each: rings, shard Leases, the sharder's sync and its missed-assignment path |
-//! | [`views`] | the ring-view registry the webhook and the sync read, and the task that keeps it current |
-//! | [`webhook`] | the admission webhook that assigns objects |
-//! | [`server`] | the HTTPS webhook server with certificate reload, the health and metrics servers |
-//! | [`metrics`] | counters and the state metrics read from the caches |
-//! | `leader_election` | runs the controllers on the elected leader only |
-//! | `client`, `context` | the API clients (controllers, leader election, caches); what the tasks share |
-//! | `cache_thread` | the single-threaded runtime the caches' watches run on |
-//! | `events`, `observed` | rate-limited Events; what the leader learned about each ring's objects |
+//! | [`core`] | the pure core: hash ring, hash keys, rebalance decision, owner wait, sync schedule, ring validation, desired webhook configuration |
+//! | `caches` | the caches of rings and shard Leases: reflectors, batching, the Lease index, the thread their watches run on, and the `Changes` hub the views and controllers subscribe to |
+//! | [`views`] | the ring views the webhook and the sync read, and the task that keeps them current |
+//! | [`controller`] | the leader's controllers, one module each: rings, shard Leases, the sharder's sync |
+//! | `leader_election` | runs the controllers on the elected leader only; the process's identity |
+//! | [`webhook`] | the admission webhook that assigns objects, and its TLS server |
+//! | [`server`] | the HTTPS server with certificate reload, the health and metrics servers |
+//! | [`metrics`] | counters, and the state metrics rendered from a `StateSource` |
+//! | `state_source` | the state metrics' source: the caches, what was observed, reachability |
+//! | [`events`] | rate-limited Events and every Event reason |
+//! | `observed` | what the leader learned about each ring's objects in its latest sync |
 //! | [`reachability`] | whether the API server reaches each ring's webhook; moves stop while it does not |
+//! | [`client`] | the API clients (controllers, leader election, caches) |
+//! | `context` | what the leader's controllers share |
+//! | [`cli`] | the kubectl plugin (`kubectl sharding`): status, explain, simulate |
 //!
 //! [`run`] lists the tasks of the process and stops them all on one shutdown signal. The Lease
 //! rules (shard states, expiry, takeover, timing) are shared with the shard library in
@@ -36,6 +40,8 @@ mod state_source;
 pub mod views;
 pub mod webhook;
 
+pub use crate::leader_election::default_identity;
+
 use std::sync::Arc;
 
 use anyhow::Context as _;
@@ -49,7 +55,6 @@ use crate::context::Context;
 use crate::events::Events;
 use crate::metrics::{Metrics, StateCollector};
 use crate::server::Readiness;
-use crate::server::tls::CertReloader;
 use crate::state_source::CacheState;
 use crate::views::{Discovery, Views};
 
@@ -127,40 +132,19 @@ pub async fn run(
     ));
 
     // Webhook server on every replica, with its certificate reloaded from disk.
-    let server_config = &config.webhook.server;
-    let reloader = Arc::new(CertReloader::new(
-        server_config.cert_dir.join(&server_config.cert_name),
-        server_config.cert_dir.join(&server_config.key_name),
-    ));
-    tasks.spawn(server::tls::watch_certificate(
-        reloader.clone(),
+    webhook::serve(
+        &config,
+        webhook::WebhookState {
+            rings: ctx.views.clone(),
+            metrics: ctx.metrics.clone(),
+        },
         readiness.clone(),
-        shutdown.clone(),
-    ));
-    let tls = tokio_rustls::TlsAcceptor::from(Arc::new(
-        reloader
-            .server_config()
-            .context("failed to build TLS config")?,
-    ));
-    let webhook_addr = sharding_crds::config::parse_bind_address(&server_config.bind_address)
-        .map_err(anyhow::Error::msg)?
-        .context("webhook server address")?;
-    let listener = server::bind(webhook_addr).await?;
-    tracing::info!(address = %listener.local_addr()?, "serving webhook");
-    let app = webhook::router(webhook::WebhookState {
-        rings: ctx.views.clone(),
-        metrics: ctx.metrics.clone(),
-    });
-    tasks.spawn(server::serve_tls(
-        listener,
-        tls,
-        app,
-        server::ConnectionLimits::default(),
-        shutdown.clone(),
-        config.graceful_shutdown.0,
-    ));
+        &mut tasks,
+        &shutdown,
+    )
+    .await?;
 
-    // Admin servers.
+    // Admin servers: metrics (counters and the state read from the caches) and health probes.
     let mut registry = Registry::default();
     ctx.metrics.register(&mut registry);
     registry.register_collector(Box::new(StateCollector(Arc::new(CacheState {
@@ -168,24 +152,7 @@ pub async fn run(
         observed: ctx.observed.clone(),
         reachability: ctx.reachability.clone(),
     }))));
-    if let Some(addr) = config.metrics.socket_addr().map_err(anyhow::Error::msg)? {
-        let listener = server::bind(addr).await?;
-        tracing::info!(address = %listener.local_addr()?, "serving metrics");
-        tasks.spawn(server::serve_plain(
-            listener,
-            server::metrics_router(Arc::new(registry)),
-            shutdown.clone(),
-        ));
-    }
-    if let Some(addr) = config.health.socket_addr().map_err(anyhow::Error::msg)? {
-        let listener = server::bind(addr).await?;
-        tracing::info!(address = %listener.local_addr()?, "serving health probes");
-        tasks.spawn(server::serve_plain(
-            listener,
-            server::health_router(readiness.clone()),
-            shutdown.clone(),
-        ));
-    }
+    server::serve_admin(&config, registry, readiness.clone(), &mut tasks, &shutdown).await?;
 
     // The controllers, on the leader only.
     tasks.spawn(election.run(ctx.clone(), synced, shutdown.clone()));
@@ -238,24 +205,6 @@ async fn report_caches_synced(
             Err(error) => tracing::error!(%error, "caches failed to sync"),
         },
     }
-}
-
-/// A leader-election identity unique per process: host name, process id and start time.
-pub fn default_identity() -> String {
-    let host = std::env::var("HOSTNAME")
-        .ok()
-        .filter(|h| !h.is_empty())
-        .or_else(|| {
-            std::fs::read_to_string("/etc/hostname")
-                .ok()
-                .map(|h| h.trim().to_string())
-        })
-        .unwrap_or_else(|| "sharder".into());
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.subsec_nanos())
-        .unwrap_or_default();
-    format!("{host}_{}_{nanos:08x}", std::process::id())
 }
 
 /// Reads and validates a configuration file; without a path, the defaults apply.

@@ -18,8 +18,10 @@ use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
 use prometheus_client::registry::Registry;
+use sharding_crds::config::SharderConfig;
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
+use tokio::task::JoinSet;
 use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 
@@ -130,6 +132,36 @@ pub(crate) fn metrics_router(registry: Arc<Registry>) -> Router {
             }),
         )
         .with_state(registry)
+}
+
+/// Starts the admin servers the configuration enables: metrics from `registry`, and the health
+/// probes answering from `readiness`. A bind address of `0` disables a server.
+pub(crate) async fn serve_admin(
+    config: &SharderConfig,
+    registry: Registry,
+    readiness: Arc<Readiness>,
+    tasks: &mut JoinSet<()>,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<()> {
+    if let Some(addr) = config.metrics.socket_addr().map_err(anyhow::Error::msg)? {
+        let listener = bind(addr).await?;
+        tracing::info!(address = %listener.local_addr()?, "serving metrics");
+        tasks.spawn(serve_plain(
+            listener,
+            metrics_router(Arc::new(registry)),
+            shutdown.clone(),
+        ));
+    }
+    if let Some(addr) = config.health.socket_addr().map_err(anyhow::Error::msg)? {
+        let listener = bind(addr).await?;
+        tracing::info!(address = %listener.local_addr()?, "serving health probes");
+        tasks.spawn(serve_plain(
+            listener,
+            health_router(readiness),
+            shutdown.clone(),
+        ));
+    }
+    Ok(())
 }
 
 /// Serves `app` over plain HTTP on `listener` until `shutdown` fires.

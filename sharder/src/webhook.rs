@@ -8,6 +8,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use anyhow::Context as _;
 use axum::Router;
 use axum::body::Body;
 use axum::extract::{Path, State};
@@ -18,11 +19,57 @@ use k8s_openapi::ByteString;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use serde::Deserialize;
 use serde_json::{Value, json};
+use sharding_crds::config::SharderConfig;
 use sharding_crds::{GroupResource, RingKind, RingRef};
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
 
 use crate::core::key::{KeyOutcome, ObjectInfo};
 use crate::metrics::{Metrics, OutcomeLabels};
+use crate::server::tls::CertReloader;
+use crate::server::{self, Readiness};
 use crate::views::Views;
+
+/// Starts the webhook's TLS server on the configured address, with its certificate watched and
+/// reloaded from disk (readiness waits for the first load); it stops on `shutdown` and lets open
+/// requests finish within `gracefulShutdown`.
+pub(crate) async fn serve(
+    config: &SharderConfig,
+    state: WebhookState,
+    readiness: Arc<Readiness>,
+    tasks: &mut JoinSet<()>,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<()> {
+    let server_config = &config.webhook.server;
+    let reloader = Arc::new(CertReloader::new(
+        server_config.cert_dir.join(&server_config.cert_name),
+        server_config.cert_dir.join(&server_config.key_name),
+    ));
+    tasks.spawn(server::tls::watch_certificate(
+        reloader.clone(),
+        readiness,
+        shutdown.clone(),
+    ));
+    let tls = tokio_rustls::TlsAcceptor::from(Arc::new(
+        reloader
+            .server_config()
+            .context("failed to build TLS config")?,
+    ));
+    let addr = sharding_crds::config::parse_bind_address(&server_config.bind_address)
+        .map_err(anyhow::Error::msg)?
+        .context("webhook server address")?;
+    let listener = server::bind(addr).await?;
+    tracing::info!(address = %listener.local_addr()?, "serving webhook");
+    tasks.spawn(server::serve_tls(
+        listener,
+        tls,
+        router(state),
+        server::ConnectionLimits::default(),
+        shutdown.clone(),
+        config.graceful_shutdown.0,
+    ));
+    Ok(())
+}
 
 /// Largest request body accepted; the API server caps objects at 3 MiB, so a larger review is not
 /// from it.
