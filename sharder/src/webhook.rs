@@ -1,5 +1,5 @@
-//! The sharder's admission webhook (SPEC §7): assigns unassigned objects of a ring's resources to
-//! a shard in the admission response itself.
+//! The sharder's admission webhook (docs/protocol.md §7): assigns unassigned objects of a ring's
+//! resources to a shard in the admission response itself.
 //!
 //! Only the few fields the decision needs are decoded from the `AdmissionReview`, so large objects
 //! cost little. The sharder's own lag never blocks users: anything it cannot decide is allowed
