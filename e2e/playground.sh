@@ -17,8 +17,8 @@
 # health 8081, metrics 8080, webhook 9443 (override with PLAYGROUND_HEALTH_PORT,
 # PLAYGROUND_METRICS_PORT, PLAYGROUND_WEBHOOK_PORT).
 #
-# PLAYGROUND_RING_KIND=ControllerRing runs the example as a ControllerRing (SPEC §15) instead of a
-# ClusterRing; `up` records the kind in the state directory for the other commands.
+# PLAYGROUND_RING_KIND=ControllerRing runs the example as a ControllerRing (docs/protocol.md §15)
+# instead of a ClusterRing; `up` records the kind in the state directory for the other commands.
 #
 # The processes run with the control plane's admin credentials, so the RBAC of config/ and deploy/
 # plays no part here; the manifests test in the e2e suite checks those against the API server.
@@ -41,12 +41,12 @@ SECRETS=60
 RING_KIND=${PLAYGROUND_RING_KIND:-$(cat "$STATE/ring-kind" 2>/dev/null || echo ClusterRing)}
 case "$RING_KIND" in
   ClusterRing)
-    # The ring's label keys (SPEC §2); the ring name is short, so nothing is cut.
+    # The ring's label keys (docs/protocol.md §2); the ring name is short, so nothing is cut.
     SUFFIX="clusterring-$(printf %s "$RING" | sha256sum | cut -c1-8)-$RING"
     RING_FILE="$ROOT/deploy/clusterring.yaml"
     ;;
   ControllerRing)
-    # SPEC §15: the ring name itself.
+    # docs/protocol.md §15: the ring name itself.
     SUFFIX=$RING
     RING_FILE="$ROOT/deploy/controllerring/controllerring.yaml"
     ;;

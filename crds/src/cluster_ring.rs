@@ -1,4 +1,4 @@
-//! The `ClusterRing` API (SPEC §1).
+//! The `ClusterRing` API (docs/protocol.md §1).
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, LabelSelector};
 use kube::CustomResource;
@@ -55,15 +55,15 @@ pub struct ClusterRingSpec {
     #[schemars(extend("x-kubernetes-map-type" = "atomic"))]
     pub namespace_selector: Option<LabelSelector>,
 
-    /// What objects are hashed by (SPEC §16): `Object` (the default) hashes every object by its
-    /// own identity, or its controller's; `Namespace` hashes every namespaced object by its
-    /// namespace, so all of a namespace's objects of this ring land on one shard.
+    /// What objects are hashed by (docs/protocol.md §16): `Object` (the default) hashes every
+    /// object by its own identity, or its controller's; `Namespace` hashes every namespaced object
+    /// by its namespace, so all of a namespace's objects of this ring land on one shard.
     /// Cluster-scoped objects keep their own key. Changing it rebalances through drains.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hash_key: Option<HashKey>,
 }
 
-/// What a ring hashes objects by (SPEC §16).
+/// What a ring hashes objects by (docs/protocol.md §16).
 #[derive(Deserialize, Serialize, Clone, Copy, Debug, Default, PartialEq, Eq, Hash, JsonSchema)]
 pub enum HashKey {
     /// Each object by its own identity (a controlled object by its controller's).

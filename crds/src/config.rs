@@ -1,4 +1,4 @@
-//! The sharder's configuration file, `SharderConfig` (SPEC §11).
+//! The sharder's configuration file, `SharderConfig` (docs/protocol.md §11).
 //!
 //! Every field has a default, so an empty document with only `apiVersion` and `kind` is a valid
 //! configuration. Unknown fields and invalid values are rejected with the path of the field.

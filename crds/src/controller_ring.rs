@@ -1,4 +1,4 @@
-//! The `ControllerRing` API (SPEC §15): the Go project's ring kind from v0.9 on.
+//! The `ControllerRing` API (docs/protocol.md §15): the Go project's ring kind from v0.9 on.
 //!
 //! Its spec and status are those of `ClusterRing`; only the kind and the names derived from it
 //! differ ([`crate::RingKind`]). The spec is a transparent wrapper, so both kinds share one schema

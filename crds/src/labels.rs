@@ -1,4 +1,4 @@
-//! Well-known label keys, identities and names of the sharding wire protocol (SPEC §2).
+//! Well-known label keys, identities and names of the sharding wire protocol (docs/protocol.md §2).
 //!
 //! Everything here is byte-compatible with the original Go implementation, so shards written with
 //! other libraries can join rings served by our sharder.
@@ -13,10 +13,10 @@ pub const GROUP: &str = "sharding.timebertt.dev";
 pub const LABEL_CLUSTER_RING: &str = "alpha.sharding.timebertt.dev/clusterring";
 
 /// Label on shard Leases (and on a ring's webhook configuration) naming the ControllerRing they
-/// belong to (SPEC §15).
+/// belong to (docs/protocol.md §15).
 pub const LABEL_CONTROLLER_RING: &str = "alpha.sharding.timebertt.dev/controllerring";
 
-/// Annotation on a shard Lease with the shard's weight (SPEC §17): an integer from 1 to
+/// Annotation on a shard Lease with the shard's weight (docs/protocol.md §17): an integer from 1 to
 /// [`MAX_SHARD_WEIGHT`]; absent means 1.
 pub const ANNOTATION_WEIGHT: &str = "alpha.sharding.timebertt.dev/weight";
 
@@ -100,9 +100,9 @@ pub fn webhook_path(ring_name: &str) -> String {
     format!("{WEBHOOK_PATH_PREFIX}{ring_name}")
 }
 
-/// The weight a shard's Lease asks for through [`ANNOTATION_WEIGHT`] (SPEC §17): `Ok(1)` without
-/// the annotation, `Err` with what is wrong for a value that is not an integer from 1 to
-/// [`MAX_SHARD_WEIGHT`] (such a shard counts with weight 1).
+/// The weight a shard's Lease asks for through [`ANNOTATION_WEIGHT`] (docs/protocol.md §17):
+/// `Ok(1)` without the annotation, `Err` with what is wrong for a value that is not an integer from
+/// 1 to [`MAX_SHARD_WEIGHT`] (such a shard counts with weight 1).
 pub fn parse_weight(annotation: Option<&str>) -> Result<u32, String> {
     let Some(value) = annotation else {
         return Ok(1);

@@ -1,4 +1,5 @@
-//! The Lease protocol's pure rules, shared by the sharder and the shard library (SPEC §3, §4, §18).
+//! The Lease protocol's pure rules, shared by the sharder and the shard library
+//! (docs/protocol.md §3, §4, §18).
 //!
 //! - when a Lease expires ([`expiry`], [`is_expired`]), written once for both sides: a shard
 //!   taking a Lease back and the sharder computing a shard's state use the same instant;
@@ -19,7 +20,7 @@ use k8s_openapi::jiff::{SignedDuration, Timestamp};
 
 use crate::labels::{IDENTITY_SHARD_LEASE_CONTROLLER, is_valid_label_value};
 
-/// Default `leaseDurationSeconds` of a shard's or the sharder's Lease (SPEC §3, §11).
+/// Default `leaseDurationSeconds` of a shard's or the sharder's Lease (docs/protocol.md §3, §11).
 pub const DEFAULT_LEASE_DURATION: Duration = Duration::from_secs(15);
 /// Default time after the last successful renewal at which a holder gives the Lease up.
 pub const DEFAULT_RENEW_DEADLINE: Duration = Duration::from_secs(10);
@@ -27,15 +28,15 @@ pub const DEFAULT_RENEW_DEADLINE: Duration = Duration::from_secs(10);
 pub const DEFAULT_RETRY_PERIOD: Duration = Duration::from_secs(2);
 
 /// Lease duration assumed when a Lease lacks `acquireTime`, `renewTime` or a positive
-/// `leaseDurationSeconds` (SPEC §4).
+/// `leaseDurationSeconds` (docs/protocol.md §4).
 const MISSING_LEASE_DURATION: SignedDuration = SignedDuration::from_secs(15);
 
 /// How long a released or taken-over Lease stays `dead` after its expiry before it is `orphaned`
 /// and gets deleted.
 pub const ORPHAN_AFTER: SignedDuration = SignedDuration::from_secs(60);
 
-/// `E` and `D` of SPEC §4: when a Lease expires (`renewTime + leaseDurationSeconds`) and its
-/// duration.
+/// `E` and `D` of docs/protocol.md §4: when a Lease expires (`renewTime + leaseDurationSeconds`)
+/// and its duration.
 ///
 /// `None` when `acquireTime`, `renewTime` or a positive `leaseDurationSeconds` is missing: such a
 /// Lease counts as expiring at every `now`, with a duration of 15 s. The addition saturates at the
@@ -65,8 +66,8 @@ pub fn lease_expiry(spec: &LeaseSpec) -> Option<Timestamp> {
 }
 
 /// Whether the Lease with this spec has expired at `now`: `now ≥ renewTime +
-/// leaseDurationSeconds`, or it lacks timing fields (SPEC §4). A shard's Lease is `expired` from
-/// exactly that instant on, and from then on another candidate may take it.
+/// leaseDurationSeconds`, or it lacks timing fields (docs/protocol.md §4). A shard's Lease is
+/// `expired` from exactly that instant on, and from then on another candidate may take it.
 #[must_use]
 pub fn is_expired(spec: &LeaseSpec, now: Timestamp) -> bool {
     lease_expiry(spec).is_none_or(|expiry| now >= expiry)
@@ -74,7 +75,7 @@ pub fn is_expired(spec: &LeaseSpec, now: Timestamp) -> bool {
 
 /// Whether `name` can be a shard name: it is written as a label value on every object the shard
 /// owns, so it must be a non-empty label value (at most 63 characters of alphanumerics, `-`, `_`
-/// and `.`, starting and ending alphanumeric; SPEC §18).
+/// and `.`, starting and ending alphanumeric; docs/protocol.md §18).
 #[must_use]
 pub fn is_valid_shard_name(name: &str) -> bool {
     !name.is_empty() && is_valid_label_value(name)
@@ -303,7 +304,8 @@ impl<'a> ShardLease<'a> {
         self.lease_duration_seconds.filter(|&secs| secs > 0)
     }
 
-    /// `E` of SPEC §4; `None` when the Lease lacks timing fields, so it expires at every `now`.
+    /// `E` of docs/protocol.md §4; `None` when the Lease lacks timing fields, so it expires at
+    /// every `now`.
     #[must_use]
     pub fn expiry(&self) -> Option<Timestamp> {
         expiry(

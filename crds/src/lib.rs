@@ -6,7 +6,7 @@
 //! | module | what |
 //! |---|---|
 //! | [`cluster_ring`] | the `ClusterRing` API types (the spec and status both kinds share), condition reasons and name rule |
-//! | [`controller_ring`] | the `ControllerRing` API type (SPEC §15) |
+//! | [`controller_ring`] | the `ControllerRing` API type (docs/protocol.md §15) |
 //! | [`ring_kind`] | the two ring kinds and the names each derives (label keys, Lease label, webhook names) |
 //! | [`crd`] | the generated CustomResourceDefinition (`crdgen` writes it to `config/crds/`) |
 //! | [`labels`] | well-known labels, identities, the label-key derivation, label syntax checks |

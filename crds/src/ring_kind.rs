@@ -1,4 +1,5 @@
-//! The two ring kinds the protocol knows (SPEC §15) and the names each derives for a ring.
+//! The two ring kinds the protocol knows (docs/protocol.md §15) and the names each derives for a
+//! ring.
 //!
 //! `ClusterRing` is the protocol of the Go project before v0.9, `ControllerRing` the one from
 //! v0.9 on. Both rings work the same way; only the label keys, the Lease label, the webhook
@@ -19,9 +20,9 @@ use crate::labels;
 /// A kind of ring: which label keys, Lease label and webhook names its rings use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum RingKind {
-    /// `ClusterRing` (SPEC §1–§14).
+    /// `ClusterRing` (docs/protocol.md §1–§14).
     ClusterRing,
-    /// `ControllerRing` (SPEC §15).
+    /// `ControllerRing` (docs/protocol.md §15).
     ControllerRing,
 }
 

@@ -753,7 +753,7 @@ pub enum HeldRunEnd {
 
 impl HeldLease {
     /// Runs the work guarded by this Lease (a controller, say) until it ends, enforcing the
-    /// Lease contract (SPEC §3):
+    /// Lease contract (docs/protocol.md §3):
     ///
     /// - `work` gets a token that is cancelled when `shutdown` is: it should stop gracefully on
     ///   it (e.g. `Controller::graceful_shutdown_on(token.cancelled_owned())`). Once it has
@@ -1057,8 +1057,8 @@ mod tests {
         });
         let held = lock.acquire().await;
         let waited = Instant::now() - taken_at;
-        // Expired from exactly `renewTime + leaseDurationSeconds` on (SPEC §4), so the attempt
-        // at exactly 30 s takes it.
+        // Expired from exactly `renewTime + leaseDurationSeconds` on (docs/protocol.md §4), so the
+        // attempt at exactly 30 s takes it.
         assert!(waited >= Duration::from_secs(30), "waited {waited:?}");
         assert!(
             waited <= Duration::from_secs(30) + RETRY,

@@ -13,7 +13,7 @@ use crate::lease::LeaseLockConfig;
 /// its membership with a Lease in `lease_namespace`.
 ///
 /// [`Shard::new`] joins a `ClusterRing`; [`Shard::of_kind`] joins either kind, e.g. a
-/// `ControllerRing` (SPEC §15), whose label keys and Lease label differ.
+/// `ControllerRing` (docs/protocol.md §15), whose label keys and Lease label differ.
 ///
 /// ```
 /// let shard = shard::Shard::new("example", "shard-0", "default");
@@ -75,9 +75,9 @@ impl Shard {
         }
     }
 
-    /// The shard with weight `weight` (SPEC §17): it receives about `weight` times the share of
-    /// a shard of weight 1. The sharder accepts 1 to 10 ([`labels::MAX_SHARD_WEIGHT`]) and counts
-    /// any other value as 1, reporting it with an Event on the Lease.
+    /// The shard with weight `weight` (docs/protocol.md §17): it receives about `weight` times the
+    /// share of a shard of weight 1. The sharder accepts 1 to 10 ([`labels::MAX_SHARD_WEIGHT`]) and
+    /// counts any other value as 1, reporting it with an Event on the Lease.
     #[must_use]
     pub fn with_weight(mut self, weight: u32) -> Self {
         self.weight = Some(weight);

@@ -1,5 +1,5 @@
 //! The sharder's API client: from the configured kubeconfig (or the in-cluster config), with
-//! client-side throttling only when `clientConnection.qps` is set (SPEC §11).
+//! client-side throttling only when `clientConnection.qps` is set (docs/protocol.md §11).
 
 pub mod requests;
 mod throttle;
@@ -41,7 +41,7 @@ pub(crate) async fn build_clients(
     let builder = kube::client::ClientBuilder::try_from(kube_config)
         .context("failed to build API client")?
         .with_layer(&CountLayer::new(requests.clone(), "main"));
-    // No client-side throttling unless configured (SPEC §11).
+    // No client-side throttling unless configured (docs/protocol.md §11).
     let main = match config.client_connection.qps.filter(|qps| *qps > 0.0) {
         Some(qps) => {
             // Burst defaults to the rate itself, at least one request.

@@ -1,4 +1,5 @@
-//! The controllers, which run on the elected leader only (SPEC §4, §9, §10), one module each.
+//! The controllers, which run on the elected leader only (docs/protocol.md §4, §9, §10), one module
+//! each.
 //!
 //! | module | controller |
 //! |---|---|

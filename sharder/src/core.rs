@@ -3,16 +3,16 @@
 //!
 //! | module | decides |
 //! |---|---|
-//! | [`hash_ring`] | the consistent hash ring: which available shard a key belongs to (SPEC §5) |
+//! | [`hash_ring`] | the consistent hash ring: which available shard a key belongs to (docs/protocol.md §5) |
 //! | `any_ring` | a `ClusterRing` or a `ControllerRing`, read the same way |
-//! | `key` | the hash key of an object, from its own identity or its controller's (SPEC §6) |
-//! | `owner_wait` | which controlled objects a sync holds back until their controller has left their shard (SPEC §9) |
-//! | `list_scope` | whether a sync lists a namespaced resource per selected namespace or across the cluster (SPEC §9) |
-//! | `membership` | which shard Leases put their shard into the ring, and why others are kept out (SPEC §4, §18) |
-//! | `rebalance` | keep, drain or move one object (SPEC §9) |
-//! | `sync_schedule` | when each ring is synced: on change, periodically, with backoff (SPEC §9) |
-//! | `validation` | whether a ring is acted on at all (SPEC §1) |
-//! | `webhook_config` | the desired MutatingWebhookConfiguration of a ring (SPEC §8) |
+//! | `key` | the hash key of an object, from its own identity or its controller's (docs/protocol.md §6) |
+//! | `owner_wait` | which controlled objects a sync holds back until their controller has left their shard (docs/protocol.md §9) |
+//! | `list_scope` | whether a sync lists a namespaced resource per selected namespace or across the cluster (docs/protocol.md §9) |
+//! | `membership` | which shard Leases put their shard into the ring, and why others are kept out (docs/protocol.md §4, §18) |
+//! | `rebalance` | keep, drain or move one object (docs/protocol.md §9) |
+//! | `sync_schedule` | when each ring is synced: on change, periodically, with backoff (docs/protocol.md §9) |
+//! | `validation` | whether a ring is acted on at all (docs/protocol.md §1) |
+//! | `webhook_config` | the desired MutatingWebhookConfiguration of a ring (docs/protocol.md §8) |
 //!
 //! The Lease rules (shard states, expiry, takeover) are shared with the shard library and live
 //! in [`sharding_crds::lease`].

@@ -1,4 +1,5 @@
-//! Leader election among sharder replicas (SPEC §11): only the leader runs the controllers.
+//! Leader election among sharder replicas (docs/protocol.md §11): only the leader runs the
+//! controllers.
 //!
 //! The election is the shard library's Lease lock on `leaderElection.resourceNamespace/
 //! resourceName`, and the controllers run under [`HeldLease::run_while_held`]: dropped at once

@@ -1,4 +1,4 @@
-//! Prometheus metrics of the sharder (SPEC §12).
+//! Prometheus metrics of the sharder (docs/protocol.md §12).
 //!
 //! Counters are incremented where things happen. State metrics (`state`) are computed at scrape
 //! time from a `StateSource`, which reads the caches (`crate::state_source`), so every replica
@@ -36,7 +36,8 @@ pub const LIST_INCONSISTENT_CONTINUATIONS: &str =
 pub const LIST_RESTARTS: &str = "controller_sharding_list_restarts";
 
 /// The ring label of a series: `clusterring="<name>"` for a ClusterRing, `controllerring="<name>"`
-/// for a ControllerRing (SPEC §15), so each kind's series look as its own protocol's do.
+/// for a ControllerRing (docs/protocol.md §15), so each kind's series look as its own protocol's
+/// do.
 #[derive(Clone, Debug, Hash, PartialEq, Eq)]
 pub(crate) struct RingLabel(pub(crate) RingRef);
 

@@ -1,9 +1,10 @@
-//! The sharder's admission webhook (SPEC §7): assigns unassigned objects of a ring's resources to
-//! a shard in the admission response itself.
+//! The sharder's admission webhook (docs/protocol.md §7): assigns unassigned objects of a ring's
+//! resources to a shard in the admission response itself.
 //!
 //! Only the few fields the decision needs are decoded from the `AdmissionReview`, so large objects
 //! cost little. The sharder's own lag never blocks users: anything it cannot decide is allowed
 //! unchanged (the sync repairs it later); the only denial is `generateName` on a main resource.
+//! A request for a ring this sharder does not know is answered 404 (docs/protocol.md §19).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;

@@ -1,7 +1,7 @@
 //! The install manifests (`config/`, `deploy/`): every kustomization renders, the API server
 //! accepts every rendered object (server-side dry run), the shipped SharderConfigs are valid and
-//! fit the Deployment that mounts them, and the RBAC grants exactly what SPEC §14 lists (plus
-//! `clusterrings/finalizers` update, which owner references with `blockOwnerDeletion` need).
+//! fit the Deployment that mounts them, and the RBAC grants exactly what docs/protocol.md §14 lists
+//! (plus `clusterrings/finalizers` update, which owner references with `blockOwnerDeletion` need).
 //!
 //! Rendering uses `kubectl kustomize` of the kubectl built with the test control plane
 //! ([`e2e::kubectl`]).
@@ -722,8 +722,9 @@ fn sharder_cluster_role_is_exactly_the_spec_list() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// SPEC §14: per ring, the sharder may list and patch every main and controlled resource (and
-/// watch them, for assigning objects the webhook missed), through `sharding:clusterring:<ring>`.
+/// docs/protocol.md §14: per ring, the sharder may list and patch every main and controlled
+/// resource (and watch them, for assigning objects the webhook missed), through
+/// `sharding:clusterring:<ring>`.
 #[test]
 fn example_ring_grants_the_sharder_its_resources() -> anyhow::Result<()> {
     for (dir, ring_kind, other) in [

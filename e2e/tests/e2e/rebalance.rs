@@ -1,5 +1,6 @@
-//! Rebalancing with real checksum-controller shards (SPEC §9): scale out through drains, graceful
-//! scale in and crashes through moves, missed webhooks, existing objects, cluster-scoped resources.
+//! Rebalancing with real checksum-controller shards (docs/protocol.md §9): scale out through
+//! drains, graceful scale in and crashes through moves, missed webhooks, existing objects,
+//! cluster-scoped resources.
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;

@@ -1,5 +1,6 @@
-//! Beyond ClusterRing (SPEC §15–§17): ControllerRings beside ClusterRings, hashing by namespace,
-//! weighted shards, and the ControllerRing protocol driven from outside the project's code.
+//! Beyond ClusterRing (docs/protocol.md §15–§17): ControllerRings beside ClusterRings, hashing by
+//! namespace, weighted shards, and the ControllerRing protocol driven from outside the project's
+//! code.
 //!
 //! Assignments are checked against [`IndependentRing`], a hash ring written in the harness from
 //! the protocol's description (XXH64 tokens, 100 per unit of weight), not the sharder's ring code.
@@ -25,7 +26,7 @@ use kube::{Client, ResourceExt};
 use serde_json::json;
 use sharding_crds::{ControllerRing, HashKey, RingKind, RingRef};
 
-/// The ControllerRing label keys and Lease label, spelled out from SPEC §15.
+/// The ControllerRing label keys and Lease label, spelled out from docs/protocol.md §15.
 const CONTROLLER_RING_LEASE_LABEL: &str = "alpha.sharding.timebertt.dev/controllerring";
 const SHARD_PREFIX: &str = "shard.alpha.sharding.timebertt.dev/";
 const DRAIN_PREFIX: &str = "drain.alpha.sharding.timebertt.dev/";
@@ -309,8 +310,8 @@ async fn weighted_shards_follow_the_weighted_ring() -> anyhow::Result<()> {
 }
 
 /// The ControllerRing protocol played by the test with plain API calls and literal label keys
-/// (SPEC §3, §15): Leases, assignment on create, a drain on scale-out acknowledged by removing
-/// both labels, and reassignment to the new shard, all as the independent ring predicts.
+/// (docs/protocol.md §3, §15): Leases, assignment on create, a drain on scale-out acknowledged by
+/// removing both labels, and reassignment to the new shard, all as the independent ring predicts.
 #[tokio::test]
 async fn controller_ring_protocol_from_outside() -> anyhow::Result<()> {
     let sharder = shared();

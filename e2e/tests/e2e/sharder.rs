@@ -376,7 +376,7 @@ async fn garbage_leases_crash_nothing() -> anyhow::Result<()> {
         };
         api.create(&PostParams::default(), &lease).await?;
     }
-    // SPEC §4: missing times or duration count as expiring now.
+    // docs/protocol.md §4: missing times or duration count as expiring now.
     wait_lease_state(&api, "no-times", "expired", WAIT).await?;
     wait_lease_state(&api, "foreign-holder", "dead", WAIT).await?;
     wait_lease_state(&api, "huge-duration", "ready", WAIT).await?;

@@ -1,5 +1,5 @@
-//! `checksum-controller`: the example shard (SPEC §13), a package of its own so that the `shard`
-//! library does not carry the dependencies of a binary (flags, log output, hashing).
+//! `checksum-controller`: the example shard (docs/protocol.md §13), a package of its own so that
+//! the `shard` library does not carry the dependencies of a binary (flags, log output, hashing).
 //!
 //! Joins a ring whose main resource is `secrets` and controlled resource is `configmaps`. For each
 //! Secret it owns it applies a ConfigMap `checksums-<secret>`, controlled by the Secret, mapping

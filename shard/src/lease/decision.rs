@@ -223,8 +223,8 @@ mod tests {
                     expires_at: ts(1_001),
                 },
             ),
-            // Expired from exactly `renewTime + leaseDurationSeconds` on (SPEC §4), as the
-            // sharder's shard states have it.
+            // Expired from exactly `renewTime + leaseDurationSeconds` on (docs/protocol.md §4), as
+            // the sharder's shard states have it.
             (
                 "other, expires exactly now",
                 Some(spec(Some("other"), Some(985), Some(15))),

@@ -80,7 +80,7 @@ pub(crate) struct ShardStatus {
     pub(crate) name: String,
     /// Namespace of its Lease; `None` when objects name a shard that has no Lease.
     pub(crate) namespace: Option<String>,
-    /// Its state (SPEC §4) now; `None` without a Lease.
+    /// Its state (docs/protocol.md §4) now; `None` without a Lease.
     pub(crate) state: Option<&'static str>,
     /// The Lease's holder.
     pub(crate) holder: Option<String>,

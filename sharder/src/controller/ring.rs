@@ -1,6 +1,6 @@
-//! The ring controller (SPEC §10), run once per ring kind: validates each ring, keeps its
-//! MutatingWebhookConfiguration applied (restoring it within seconds after deletion or edits), and
-//! writes the ring's status.
+//! The ring controller (docs/protocol.md §10), run once per ring kind: validates each ring, keeps
+//! its MutatingWebhookConfiguration applied (restoring it within seconds after deletion or edits),
+//! and writes the ring's status.
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -1,6 +1,6 @@
-//! The shard-lease controller (SPEC §4): keeps each shard Lease's state label current, takes over
-//! `uncertain` Leases, deletes `orphaned` ones, and looks at each Lease again exactly at its next
-//! state boundary.
+//! The shard-lease controller (docs/protocol.md §4): keeps each shard Lease's state label current,
+//! takes over `uncertain` Leases, deletes `orphaned` ones, and looks at each Lease again exactly at
+//! its next state boundary.
 
 use std::collections::{BTreeSet, HashMap};
 use std::convert::Infallible;
@@ -316,8 +316,8 @@ async fn reconcile(lease: Arc<Lease>, state: Arc<State>) -> Result<Action, Error
     };
     let problems = report_problems(&state, &lease, &ring_object).await;
     if problems.exclusion == Some(Exclusion::BothRingKinds) {
-        // Used by neither kind's ring (SPEC §15), so neither controller labels, takes over or
-        // deletes it: it is not clear whose it is.
+        // Used by neither kind's ring (docs/protocol.md §15), so neither controller labels, takes
+        // over or deletes it: it is not clear whose it is.
         return Ok(Action::await_change());
     }
     let namespace = lease.namespace().unwrap_or_default();
@@ -431,8 +431,9 @@ fn ring_problems(state: &State, ring: &RingRef) -> Arc<ProblemsByUid> {
 }
 
 /// Publishes Warning Events about what is wrong with a shard Lease, once per Lease and problem:
-/// on the Lease and its ring when it is kept out of the ring (SPEC §15, §18), on the Lease when
-/// its weight annotation is invalid (SPEC §17). Returns the Lease's current problems.
+/// on the Lease and its ring when it is kept out of the ring (docs/protocol.md §15, §18), on the
+/// Lease when its weight annotation is invalid (docs/protocol.md §17). Returns the Lease's current
+/// problems.
 async fn report_problems(state: &State, lease: &Lease, ring: &AnyRing) -> Problems {
     let ctx = &state.ctx;
     let kind = state.kind;

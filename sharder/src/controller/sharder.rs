@@ -1,5 +1,5 @@
-//! The sharder controller (SPEC §9): on the leader, keeps every object of every ring on the shard
-//! the ring assigns it to.
+//! The sharder controller (docs/protocol.md §9): on the leader, keeps every object of every ring on
+//! the shard the ring assigns it to.
 //!
 //! | module | what |
 //! |---|---|

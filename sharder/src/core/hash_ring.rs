@@ -1,12 +1,12 @@
-//! The consistent-hash ring that maps hash keys to shards (SPEC §5).
+//! The consistent-hash ring that maps hash keys to shards (docs/protocol.md §5).
 //!
 //! Every available shard places `TOKENS_PER_SHARD` (100) tokens on a 64-bit ring; a key belongs to the
 //! shard owning the first token at or after the key's hash, wrapping around past the largest token.
 //! Adding or removing one shard therefore only moves the keys between that shard's tokens and their
 //! predecessors, which is what keeps rebalancing cheap.
 //!
-//! A shard of weight `w` (SPEC §17) places `w × 100` tokens, `XXH64(name + i)` for `i` below
-//! that; its first 100 tokens are those of weight 1, so a weight change only adds or removes
+//! A shard of weight `w` (docs/protocol.md §17) places `w × 100` tokens, `XXH64(name + i)` for `i`
+//! below that; its first 100 tokens are those of weight 1, so a weight change only adds or removes
 //! tokens of that one shard, and weight 1 everywhere is exactly the unweighted ring.
 
 use std::fmt::Write as _;
@@ -57,8 +57,8 @@ impl HashRing {
         Self::weighted(shards.into_iter().map(|s| (s, 1)))
     }
 
-    /// Builds a ring from shard names with weights (SPEC §17). Order does not matter; a name
-    /// given twice counts once, with its largest weight. Weights below 1 count as 1.
+    /// Builds a ring from shard names with weights (docs/protocol.md §17). Order does not matter; a
+    /// name given twice counts once, with its largest weight. Weights below 1 count as 1.
     #[must_use]
     pub fn weighted<I, S>(shards: I) -> Self
     where

@@ -1,4 +1,4 @@
-//! Hash keys: the string an object is placed on the ring by (SPEC §6).
+//! Hash keys: the string an object is placed on the ring by (docs/protocol.md §6).
 //!
 //! A main object is hashed by its own identity, `<group>/<Kind>/<namespace>/<name>`. A controlled
 //! object is hashed by the identity of its controller, so that an owner and everything it controls
@@ -157,7 +157,7 @@ pub enum KeyError {
 }
 
 /// Computes the hash key of `object`, whose resource plays `role` in a ring that hashes by
-/// `by` (SPEC §6, §16).
+/// `by` (docs/protocol.md §6, §16).
 ///
 /// With `hashKey: Namespace` a namespaced object, main or controlled, is keyed by its namespace
 /// as the Namespace object would be as a main object; so it needs neither a name nor a

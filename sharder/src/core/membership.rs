@@ -1,12 +1,13 @@
-//! Which shard Leases of a ring put their shard into the ring (SPEC §4, §18).
+//! Which shard Leases of a ring put their shard into the ring (docs/protocol.md §4, §18).
 //!
 //! A shard is available when its Lease is held by the shard itself, unless the Lease is kept out
 //! of the ring: a name that cannot be a label value would make the webhook return patches the API
 //! server rejects (users' writes would fail), one name in two namespaces of one ring would make
 //! two processes own the same objects, and a Lease labelled for a ClusterRing and a ControllerRing
-//! at once has no single ring it could serve (SPEC §15).
+//! at once has no single ring it could serve (docs/protocol.md §15).
 //!
-//! An available shard takes part with its weight (SPEC §17), read from its Lease's annotation.
+//! An available shard takes part with its weight (docs/protocol.md §17), read from its Lease's
+//! annotation.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -132,9 +133,9 @@ pub(crate) fn ring_members<'a>(
         .collect()
 }
 
-/// The available shards of ring `ring` of `kind` among `leases` (SPEC §4: ready, expired and
-/// uncertain Leases held by the shard itself), without the Leases kept out of the ring, each
-/// with its weight.
+/// The available shards of ring `ring` of `kind` among `leases` (docs/protocol.md §4: ready,
+/// expired and uncertain Leases held by the shard itself), without the Leases kept out of the ring,
+/// each with its weight.
 pub(crate) fn available_shards<'a>(
     kind: RingKind,
     ring: &str,

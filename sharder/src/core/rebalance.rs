@@ -1,5 +1,5 @@
-//! The rebalancing decision of the sharder controller (SPEC §9): what to do with one object given
-//! its labels and the ring's current assignment. Pure: no I/O, no time.
+//! The rebalancing decision of the sharder controller (docs/protocol.md §9): what to do with one
+//! object given its labels and the ring's current assignment. Pure: no I/O, no time.
 
 /// What the sharder does with an object.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

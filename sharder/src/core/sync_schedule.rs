@@ -1,5 +1,5 @@
-//! When the sharder controller syncs each ring (SPEC §9), as a state machine over plain data and
-//! time.
+//! When the sharder controller syncs each ring (docs/protocol.md §9), as a state machine over plain
+//! data and time.
 //!
 //! A ring is synced when it first appears and when its view changes (spec changed, a shard became
 //! available or unavailable), `syncPeriod` after a successful sync, and with exponential backoff

@@ -1,4 +1,4 @@
-//! The MutatingWebhookConfiguration the sharder maintains for each ring (SPEC §8).
+//! The MutatingWebhookConfiguration the sharder maintains for each ring (docs/protocol.md §8).
 
 use std::collections::BTreeMap;
 

@@ -99,7 +99,7 @@ impl RingView {
 
     /// Where an object of `resource` (group `group`) with metadata `meta` stands in this ring:
     /// its key, the shard the ring wants, the labels it carries and what the sharder does next
-    /// (SPEC §6, §9). Namespace selection is the caller's business.
+    /// (docs/protocol.md §6, §9). Namespace selection is the caller's business.
     pub(crate) fn placement<'a>(
         &'a self,
         group: &str,

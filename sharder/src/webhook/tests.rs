@@ -127,7 +127,7 @@ async fn assigns_main_object_to_predicted_shard() {
         json!({"metadata": {"name": "foo", "namespace": "default", "labels": {"app": "x"}}});
     let response = admit(state, review("secrets", "Secret", object)).await;
     assert_eq!(response["allowed"], true);
-    // SPEC §5 vector: /Secret/default/foo -> shard-a.
+    // docs/protocol.md §5 vector: /Secret/default/foo -> shard-a.
     assert_eq!(
         patch_of(&response),
         json!([{"op": "add", "path": format!("/metadata/labels/{}", SHARD_LABEL.replace('/', "~1")), "value": "shard-a"}])

@@ -2,8 +2,8 @@
 //! be a shard that stopped because it lost its Lease through something that takes Leases away:
 //! it was paused, the API server was restarting, or the API server took no write promptly during
 //! the whole renew deadline before the loss (every heartbeat of the tool's was slow or failed
-//! then). Stopping at once on losing the Lease is the shard contract (SPEC §3), not a crash;
-//! anything else is.
+//! then). Stopping at once on losing the Lease is the shard contract (docs/protocol.md §3), not a
+//! crash; anything else is.
 
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use serde::Serialize;

@@ -14,7 +14,7 @@ use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, ResourceExt};
 use tokio_util::sync::CancellationToken;
 
-/// Label every shard Lease of a ring carries (SPEC §2).
+/// Label every shard Lease of a ring carries (docs/protocol.md §2).
 const LABEL_CLUSTER_RING: &str = "alpha.sharding.timebertt.dev/clusterring";
 
 /// One change of a shard Lease's holder, as observed.

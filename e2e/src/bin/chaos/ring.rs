@@ -1,6 +1,6 @@
 //! The placement the objects must converge to, computed here from the wire protocol alone
-//! (SPEC §2, §4, §5, §6) and never through the sharder's or the shard library's code, so that a
-//! bug shared by both sides of the protocol cannot hide itself.
+//! (docs/protocol.md §2, §4, §5, §6) and never through the sharder's or the shard library's code,
+//! so that a bug shared by both sides of the protocol cannot hide itself.
 
 use std::collections::BTreeSet;
 
@@ -14,8 +14,8 @@ const TOKENS_PER_SHARD: usize = 100;
 /// Longest ring name whose label suffix is never cut (63 bytes minus the fixed part).
 const LONGEST_UNCUT_RING_NAME: usize = 42;
 
-/// The shard and drain label keys of a ring (SPEC §2), for ring names short enough that the
-/// suffix is never cut; the tool names its rings, so longer names are refused rather than cut.
+/// The shard and drain label keys of a ring (docs/protocol.md §2), for ring names short enough that
+/// the suffix is never cut; the tool names its rings, so longer names are refused rather than cut.
 #[derive(Clone, Debug)]
 pub(crate) struct LabelKeys {
     /// `shard.alpha.sharding.timebertt.dev/<suffix>`.
@@ -39,7 +39,7 @@ impl LabelKeys {
     }
 }
 
-/// A consistent-hash ring over a set of shard names (SPEC §5).
+/// A consistent-hash ring over a set of shard names (docs/protocol.md §5).
 #[derive(Clone, Debug)]
 pub(crate) struct HashRing {
     /// `(token, shard)` sorted by token.
@@ -74,13 +74,13 @@ impl HashRing {
     }
 }
 
-/// Hash key of a Secret (SPEC §6: core group, kind, namespace, name); the ConfigMaps a Secret
-/// controls share it.
+/// Hash key of a Secret (docs/protocol.md §6: core group, kind, namespace, name); the ConfigMaps a
+/// Secret controls share it.
 pub(crate) fn secret_key(namespace: &str, name: &str) -> String {
     format!("/Secret/{namespace}/{name}")
 }
 
-/// The shards whose Leases make them available (SPEC §4): a shard is ready, expired or
+/// The shards whose Leases make them available (docs/protocol.md §4): a shard is ready, expired or
 /// uncertain, all of them available, exactly as long as its Lease's holder is the Lease's own
 /// name; once released or taken over (holder empty or another name) it is dead or orphaned.
 pub(crate) fn available_shards(leases: &[Lease]) -> BTreeSet<String> {
@@ -100,7 +100,7 @@ mod tests {
     use k8s_openapi::api::coordination::v1::LeaseSpec;
     use kube::api::ObjectMeta;
 
-    /// SPEC §5's vectors: the hash itself, and the ring of three shards.
+    /// docs/protocol.md §5's vectors: the hash itself, and the ring of three shards.
     #[test]
     fn matches_the_protocol_vectors() {
         assert_eq!(format!("{:016x}", xxh64(b"", 0)), "ef46db3751d8e999");
@@ -135,7 +135,7 @@ mod tests {
         assert_eq!(HashRing::new([]).shard_for("/Secret/a/b"), None);
     }
 
-    /// SPEC §2's worked examples.
+    /// docs/protocol.md §2's worked examples.
     #[test]
     fn label_keys_match_the_protocol_examples() {
         let keys = LabelKeys::for_ring("example").expect("short name");

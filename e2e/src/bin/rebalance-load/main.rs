@@ -20,7 +20,8 @@
 //!    sync, once with `--small` objects in the ring and once with `--objects` (two sharder runs on
 //!    the same growing namespace; the later one also carries out the scale-out). Beside it, the
 //!    first page of the sync's list is requested twice: exactly as the sharder builds it, and with
-//!    `limit=500&resourceVersion=0` as SPEC §9 describes, to show which pages the server returns.
+//!    `limit=500&resourceVersion=0` as docs/protocol.md §9 describes, to show which pages the
+//!    server returns.
 //!
 //! Without `KUBECONFIG` it starts the local control plane of the test harness, which stops when
 //! the tool exits; with it, it uses that cluster, whose API server must reach the sharder's

@@ -111,9 +111,9 @@ pub(crate) fn memory(process: &Process) -> anyhow::Result<MemorySample> {
 }
 
 /// Requests the first page of a cluster-wide metadata list of `path`: with `raw_rv0`, with
-/// `limit=500&resourceVersion=0` as SPEC §9 describes; else built from the very `ListParams` the
-/// sharder's sync uses (`limit(500)` and `resource_version = "0"`), which kube-core turns into a
-/// query without `resourceVersion` (it drops `0` whenever a limit is set).
+/// `limit=500&resourceVersion=0` as docs/protocol.md §9 describes; else built from the very
+/// `ListParams` the sharder's sync uses (`limit(500)` and `resource_version = "0"`), which
+/// kube-core turns into a query without `resourceVersion` (it drops `0` whenever a limit is set).
 pub(crate) async fn probe_page(
     client: &Client,
     resource: &'static str,

@@ -1,5 +1,5 @@
-//! Events the leader publishes about ring membership and stuck drains (SPEC §12 and our own):
-//! a shard joined or left a ring, a shard has not acknowledged drains for `drainTimeout`.
+//! Events the leader publishes about ring membership and stuck drains (docs/protocol.md §12 and our
+//! own): a shard joined or left a ring, a shard has not acknowledged drains for `drainTimeout`.
 //!
 //! Membership changes are seen in the ring views, which every change of available shards
 //! rebuilds; the first views a new leader sees are its baseline, so a leader change announces

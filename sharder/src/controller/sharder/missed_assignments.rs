@@ -1,4 +1,4 @@
-//! The missed-assignment path of the sharder controller (SPEC §9, "fast path").
+//! The missed-assignment path of the sharder controller (docs/protocol.md §9, "fast path").
 //!
 //! The webhook uses `failurePolicy: Ignore`, so objects created while no sharder is reachable stay
 //! unassigned. A metadata-only watch per ring resource on objects *without* the shard label moves

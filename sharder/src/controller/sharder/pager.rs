@@ -86,9 +86,9 @@ impl Pager {
     /// The next page, or `None` after the last one.
     ///
     /// Pages are read from etcd, not from the watch cache (`resourceVersion=0`), deliberately
-    /// unlike SPEC §9: the API server ignores `limit` for `resourceVersion=0` and returns every
-    /// object in one page with no continue token (still so on 1.37), which would make the
-    /// sharder's memory grow with the ring. kube drops `resourceVersion=0` from limited lists
+    /// unlike docs/protocol.md §9: the API server ignores `limit` for `resourceVersion=0` and
+    /// returns every object in one page with no continue token (still so on 1.37), which would make
+    /// the sharder's memory grow with the ring. kube drops `resourceVersion=0` from limited lists
     /// for the same reason. Later pages pass only the continue token, as the API requires.
     pub(crate) async fn next_page(&mut self) -> Result<Option<Page>, PagerError> {
         let mut restarted = false;
