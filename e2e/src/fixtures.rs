@@ -4,13 +4,13 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use ::sharder::core::hash_ring::HashRing;
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::api::core::v1::{Event, Secret};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, MicroTime};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, ListParams, ObjectMeta, PostParams};
 use kube::{Client, ResourceExt};
+use sharder::core::hash_ring::HashRing;
 use sharding_crds::{
     ClusterRing, ClusterRingSpec, ControllerRing, GroupResource, RingKind, RingObject, RingRef,
     RingResource,

@@ -12,7 +12,7 @@ use e2e::fixtures::{
     wait_dry_run_label, wait_labelled, wait_status_of,
 };
 use e2e::process::{binary, poll_until};
-use e2e::sharder::shared;
+use e2e::shared_sharder::shared;
 use e2e::{FIELD_MANAGER, cluster, unique_name};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{ConfigMap, Secret};

@@ -7,7 +7,7 @@ use anyhow::ensure;
 use e2e::cluster;
 use e2e::fixtures::{WAIT, create_lease, ring_with_shards, secret, wait_status, wait_webhook};
 use e2e::process::poll_until;
-use e2e::sharder::shared;
+use e2e::shared_sharder::shared;
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Namespace, Secret};

@@ -6,13 +6,15 @@ use std::time::Duration;
 
 use anyhow::{Context, ensure};
 use e2e::apiserver::ApiServer;
+use e2e::dedicated::DedicatedCluster;
 use e2e::fixtures::{
     WAIT, create_lease, create_ring, expected_shard, lease_warnings, ring_spec, ring_with_shards,
     secret, secret_review, wait_status, wait_webhook,
 };
 use e2e::gate::{Balancer, TcpGate};
 use e2e::process::poll_until;
-use e2e::sharder::{DedicatedCluster, SharderFiles, SharderSettings, counter, shared};
+use e2e::sharder_process::{SharderFiles, SharderSettings, counter};
+use e2e::shared_sharder::shared;
 use e2e::{Cluster, cluster, unique_name};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Secret;
@@ -34,7 +36,7 @@ async fn gated_sharder(
     cluster: &Cluster,
     settings: SharderSettings,
 ) -> anyhow::Result<(TcpGate, SharderFiles, e2e::process::Process)> {
-    let webhook_port = e2e::sharder::free_port()?;
+    let webhook_port = e2e::net::free_port()?;
     let gate = TcpGate::start(([127, 0, 0, 1], webhook_port).into()).await?;
     let settings = SharderSettings {
         webhook_url: Some(format!("https://{}", gate.addr())),
@@ -760,7 +762,7 @@ async fn a_sync_stops_when_a_shard_joins_mid_sync() -> anyhow::Result<()> {
         "the outdated sync went on: {kept} kept, {drained} draining, {initially} were on shard-d"
     );
     let metrics = files.metrics()?;
-    let moves = e2e::sharder::counter(
+    let moves = e2e::sharder_process::counter(
         &metrics,
         "controller_sharding_movements_total",
         &ring,

@@ -5,12 +5,14 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use anyhow::{Context, ensure};
+use e2e::dedicated::DedicatedCluster;
 use e2e::fixtures::{
     ShardTiming, create_lease, create_ring, expected_shard, ring_spec, secret, secret_review,
     start_checksum_shard, wait_status, wait_webhook,
 };
 use e2e::process::{Process, poll_until};
-use e2e::sharder::{DedicatedCluster, SharderFiles, SharderSettings, shared};
+use e2e::sharder_process::{SharderFiles, SharderSettings};
+use e2e::shared_sharder::shared;
 use e2e::{cluster, unique_name};
 use k8s_openapi::ByteString;
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;

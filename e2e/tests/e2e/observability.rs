@@ -13,7 +13,7 @@ use e2e::fixtures::{
     WAIT, create_lease, create_ring, ring_spec, secret, wait_status, wait_webhook,
 };
 use e2e::process::poll_until;
-use e2e::sharder::shared;
+use e2e::shared_sharder::shared;
 use e2e::unique_name;
 use k8s_openapi::api::core::v1::{Event, Secret};
 use kube::api::{Api, DeleteParams, ListParams, PostParams};

@@ -5,12 +5,14 @@ use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
 use anyhow::{Context, ensure};
+use e2e::dedicated::DedicatedCluster;
 use e2e::fixtures::{
     ShardTiming, create_lease, create_ring, create_ring_of, expected_shard, ring_spec, secret,
     start_checksum_shard_of, wait_status_of, wait_webhook_of,
 };
 use e2e::process::{Process, poll_until};
-use e2e::sharder::{DedicatedCluster, SharderFiles, SharderSettings, shared};
+use e2e::sharder_process::{SharderFiles, SharderSettings};
+use e2e::shared_sharder::shared;
 use e2e::{cluster, unique_name};
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::ByteString;

@@ -9,7 +9,7 @@ use e2e::fixtures::{
     wait_webhook,
 };
 use e2e::process::poll_until;
-use e2e::sharder::shared;
+use e2e::shared_sharder::shared;
 use e2e::{cluster, unique_name};
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};

@@ -6,10 +6,11 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use anyhow::ensure;
+use e2e::dedicated::DedicatedCluster;
 use e2e::etcd::Compactor;
 use e2e::fixtures::{create_lease, create_ring, ring_spec};
 use e2e::process::poll_until;
-use e2e::sharder::{DedicatedCluster, SharderFiles, SharderSettings, counter};
+use e2e::sharder_process::{SharderFiles, SharderSettings, counter};
 use e2e::{IndependentRing, unique_name};
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::Secret;
