@@ -10,12 +10,12 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, MicroTime};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, ListParams, ObjectMeta, PostParams};
 use kube::{Client, ResourceExt};
-use sharder::core::hash_ring::HashRing;
 use sharding_crds::{
     ClusterRing, ClusterRingSpec, ControllerRing, GroupResource, RingKind, RingObject, RingRef,
     RingResource,
 };
 
+use crate::IndependentRing;
 use crate::process::poll_until;
 
 /// How long the waits of this module give the sharder.
@@ -167,13 +167,18 @@ pub async fn create_secrets(
     Ok(())
 }
 
-/// The shard a ring assigns Secret `name` in `namespace` to, predicted from the pure hash ring
-/// ([`Ring`] over the shards' names) and the Secret's hash key `/Secret/<namespace>/<name>`,
-/// spelled out here rather than taken from the sharder's key code, so a test checks it.
+/// The shard a ring assigns Secret `name` in `namespace` to, predicted from the
+/// [`IndependentRing`] over the shards' names (never the sharder's own ring, which would confirm
+/// its own bugs) and the Secret's hash key `/Secret/<namespace>/<name>`, spelled out here rather
+/// than taken from the sharder's key code, so a test checks it.
 ///
 /// Takes the ring rather than the shard names: callers that predict many objects build it once.
-pub fn expected_shard<'r>(ring: &'r HashRing, namespace: &str, name: &str) -> Option<&'r str> {
-    ring.shard_for(&format!("/Secret/{namespace}/{name}"))
+pub fn expected_shard<'r>(
+    ring: &'r IndependentRing,
+    namespace: &str,
+    name: &str,
+) -> Option<&'r str> {
+    ring.try_shard_for(&format!("/Secret/{namespace}/{name}"))
 }
 
 /// An `admission.k8s.io/v1` AdmissionReview as the API server sends it to a ring's webhook for
@@ -282,7 +287,8 @@ pub async fn wait_webhook_of(
 ) -> anyhow::Result<()> {
     let api = Api::<Secret>::namespaced(client.clone(), namespace);
     let key = ring.shard_label();
-    let expected = expected_shard(&HashRing::new(shards), namespace, "probe").map(str::to_string);
+    let expected = expected_shard(&IndependentRing::unweighted(shards), namespace, "probe")
+        .map(str::to_string);
     poll_until(
         &format!("webhook of ring {ring} to assign like {shards:?}"),
         WAIT,

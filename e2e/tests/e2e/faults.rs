@@ -15,7 +15,7 @@ use e2e::gate::{Balancer, TcpGate};
 use e2e::process::poll_until;
 use e2e::sharder_process::{SharderFiles, SharderSettings, counter};
 use e2e::shared_sharder::shared;
-use e2e::{Cluster, cluster, unique_name};
+use e2e::{Cluster, IndependentRing, cluster, unique_name};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
@@ -24,7 +24,6 @@ use kube::ResourceExt;
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use serde_json::json;
 use sharder::controller::sharder::{SYNC_FINISHED, SYNC_STARTED};
-use sharder::core::hash_ring::HashRing;
 use sharding_crds::labels;
 
 /// Generous bound for processes starting up and caches syncing on a busy machine.
@@ -254,7 +253,7 @@ async fn objects_missed_during_a_webhook_outage_are_assigned_once_it_ends() -> a
     gate.open();
     let reopened = std::time::Instant::now();
 
-    let predicted = HashRing::new(shards);
+    let predicted = IndependentRing::unweighted(shards);
     poll_until(
         "every missed object to be assigned",
         Duration::from_secs(10),
@@ -365,7 +364,7 @@ async fn the_missed_assignment_watch_survives_an_apiserver_restart() -> anyhow::
     gate.open();
     let reopened = std::time::Instant::now();
 
-    let predicted = HashRing::new(shards);
+    let predicted = IndependentRing::unweighted(shards);
     poll_until(
         "every missed object to be assigned",
         Duration::from_secs(10),
@@ -671,7 +670,7 @@ async fn a_ready_replica_assigns_at_once() -> anyhow::Result<()> {
     let decoded: k8s_openapi::ByteString =
         serde_json::from_value(response["response"]["patch"].clone())?;
     let decoded = String::from_utf8(decoded.0)?;
-    let predicted = HashRing::new(shards);
+    let predicted = IndependentRing::unweighted(shards);
     let want = expected_shard(&predicted, &ns, "first").unwrap_or_default();
     ensure!(
         decoded.contains(&format!("\"{want}\"")),
@@ -736,7 +735,7 @@ async fn a_sync_stops_when_a_shard_joins_mid_sync() -> anyhow::Result<()> {
 
     // Converged: every Secret is where the four shards want it, or draining towards it from a
     // live shard (the test plays the shards and never acknowledges).
-    let predicted = HashRing::new(shards);
+    let predicted = IndependentRing::unweighted(shards);
     let drain = labels::drain_label(&ring);
     let list = poll_until("Secrets settled on the four-shard ring", WAIT, || async {
         let list = secrets.list_metadata(&ListParams::default()).await?;
@@ -886,7 +885,7 @@ async fn a_ring_whose_webhook_is_unreachable_sends_no_moves() -> anyhow::Result<
     let reopened = std::time::Instant::now();
     let secrets = Api::<Secret>::namespaced(client.clone(), &broken_ns);
     let key = labels::shard_label(&broken);
-    let predicted = HashRing::new(shards);
+    let predicted = IndependentRing::unweighted(shards);
     poll_until(
         "every missed object assigned",
         Duration::from_secs(15),
@@ -970,7 +969,7 @@ async fn controlled_objects_follow_their_controller_only_after_it_left() -> anyh
 
     // shard-d joins: the Secrets that go to it are drained, and nobody acknowledges yet.
     create_lease(&client, &ns, &ring, "shard-d", 3600).await?;
-    let four = HashRing::new(["shard-a", "shard-b", "shard-c", "shard-d"]);
+    let four = IndependentRing::unweighted(["shard-a", "shard-b", "shard-c", "shard-d"]);
     let moving: Vec<usize> = (0..40)
         .filter(|i| expected_shard(&four, &ns, &format!("s-{i}")) == Some("shard-d"))
         .collect();
@@ -1141,7 +1140,7 @@ async fn a_crd_changing_its_served_version_is_discovered_again() -> anyhow::Resu
     .await?;
     // A shard joins: the sync must list the gadgets with v2 and drain those moving to it.
     create_lease(&client, &ns, &ring, "shard-c", 3600).await?;
-    let three = HashRing::new(["shard-a", "shard-b", "shard-c"]);
+    let three = IndependentRing::unweighted(["shard-a", "shard-b", "shard-c"]);
     let drain = labels::drain_label(&ring);
     poll_until(
         "gadgets moving to shard-c drained",
@@ -1152,7 +1151,8 @@ async fn a_crd_changing_its_served_version_is_discovered_again() -> anyhow::Resu
                 .items
                 .iter()
                 .all(|g| {
-                    let want = three.shard_for(&format!("{group}/Gadget/{ns}/{}", g.name_any()));
+                    let want =
+                        three.try_shard_for(&format!("{group}/Gadget/{ns}/{}", g.name_any()));
                     let have = g.labels().get(&key).map(String::as_str);
                     (have == want) != g.labels().contains_key(&drain)
                 })

@@ -13,7 +13,7 @@ use e2e::fixtures::{
 use e2e::process::{Process, poll_until};
 use e2e::sharder_process::{SharderFiles, SharderSettings};
 use e2e::shared_sharder::shared;
-use e2e::{cluster, unique_name};
+use e2e::{IndependentRing, cluster, unique_name};
 use k8s_openapi::ByteString;
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
 use k8s_openapi::api::coordination::v1::Lease;
@@ -22,7 +22,6 @@ use kube::api::{Api, ObjectMeta, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
-use sharder::core::hash_ring::HashRing;
 use sharding_crds::labels;
 
 const SHARDS: [&str; 3] = ["shard-a", "shard-b", "shard-c"];
@@ -131,7 +130,7 @@ async fn create_and_check(
     let created = Api::<Secret>::namespaced(client.clone(), namespace)
         .create(&PostParams::default(), &secret(name))
         .await?;
-    let predicted = HashRing::new(SHARDS);
+    let predicted = IndependentRing::unweighted(SHARDS);
     let expected = expected_shard(&predicted, namespace, name);
     let got = created.labels().get(&labels::shard_label(ring));
     ensure!(
@@ -208,7 +207,8 @@ async fn two_sharders_elect_one_leader_and_hand_over_on_sigterm() -> anyhow::Res
     // Both replicas answer webhooks with the same assignment: every replica keeps the rings view.
     for (i, f) in files.iter().enumerate() {
         for name in ["direct-0", "direct-1", "direct-2"] {
-            let expected = expected_shard(&HashRing::new(SHARDS), &ns, name).map(str::to_string);
+            let expected =
+                expected_shard(&IndependentRing::unweighted(SHARDS), &ns, name).map(str::to_string);
             let got = poll_until(&format!("replica {i} to assign {name}"), STARTUP, || {
                 let got = assigned_by_replica(f, &ring, &ns, name);
                 async move { got }
@@ -335,7 +335,7 @@ async fn sharder_and_three_checksum_shards_split_a_ring() -> anyhow::Result<()> 
     wait_webhook(&client, &ns, &ring, &SHARDS).await?;
 
     let key = labels::shard_label(&ring);
-    let predicted = HashRing::new(SHARDS);
+    let predicted = IndependentRing::unweighted(SHARDS);
     let secrets = Api::<Secret>::namespaced(client.clone(), &ns);
     let count = 30;
     let mut expected = BTreeMap::new();

@@ -13,7 +13,7 @@ use e2e::fixtures::{
 use e2e::process::{Process, poll_until};
 use e2e::sharder_process::{SharderFiles, SharderSettings};
 use e2e::shared_sharder::shared;
-use e2e::{cluster, unique_name};
+use e2e::{IndependentRing, cluster, unique_name};
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::ByteString;
 use k8s_openapi::api::coordination::v1::Lease;
@@ -21,7 +21,6 @@ use k8s_openapi::api::core::v1::{ConfigMap, Secret};
 use k8s_openapi::api::scheduling::v1::PriorityClass;
 use kube::api::{Api, ListParams, ObjectMeta, PostParams};
 use kube::{Client, ResourceExt};
-use sharder::core::hash_ring::HashRing;
 use sharding_crds::labels;
 use sharding_crds::{ClusterRingSpec, GroupResource, RingKind, RingRef, RingResource};
 
@@ -147,7 +146,7 @@ async fn wait_converged(
     count: usize,
     timeout: Duration,
 ) -> anyhow::Result<BTreeMap<String, String>> {
-    let predicted = HashRing::new(shards);
+    let predicted = IndependentRing::unweighted(shards);
     poll_until(
         &format!("{count} Secrets and ConfigMaps on {shards:?}"),
         timeout,
@@ -185,7 +184,7 @@ async fn wait_all_assigned(
     timeout: Duration,
 ) -> anyhow::Result<()> {
     let key = ring.shard_label();
-    let predicted = HashRing::new(shards);
+    let predicted = IndependentRing::unweighted(shards);
     let secrets = Api::<Secret>::namespaced(client.clone(), namespace);
     poll_until("all Secrets assigned", timeout, || async {
         let list = secrets.list_metadata(&ListParams::default()).await?;
@@ -468,7 +467,7 @@ async fn cluster_scoped_resources_are_assigned() -> anyhow::Result<()> {
     };
     create_ring(&client, &ring, spec).await?;
     let key = labels::shard_label(&ring);
-    let predicted = HashRing::new(["shard-a", "shard-b", "shard-c"]);
+    let predicted = IndependentRing::unweighted(["shard-a", "shard-b", "shard-c"]);
     poll_until("PriorityClasses assigned", Duration::from_secs(20), || {
         let (roles, key, predicted, prefix) = (
             roles.clone(),
@@ -482,7 +481,7 @@ async fn cluster_scoped_resources_are_assigned() -> anyhow::Result<()> {
                 let name = format!("{prefix}-{i}");
                 let role = roles.get(&name).await?;
                 let expected =
-                    predicted.shard_for(&format!("scheduling.k8s.io/PriorityClass//{name}"));
+                    predicted.try_shard_for(&format!("scheduling.k8s.io/PriorityClass//{name}"));
                 ok &= role.labels().get(&key).map(String::as_str) == expected;
             }
             Ok(ok.then_some(()))

@@ -10,7 +10,7 @@ use e2e::fixtures::{
 };
 use e2e::process::poll_until;
 use e2e::shared_sharder::shared;
-use e2e::{cluster, unique_name};
+use e2e::{IndependentRing, cluster, unique_name};
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::api::core::v1::{ConfigMap, Secret};
@@ -19,7 +19,6 @@ use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, ObjectMeta, Patch, PatchParams, PostParams};
 use serde_json::json;
-use sharder::core::hash_ring::HashRing;
 use sharding_crds::labels;
 use sharding_crds::{ClusterRing, GroupResource, RingResource};
 
@@ -39,7 +38,7 @@ async fn webhook_assigns_in_the_create_response() -> anyhow::Result<()> {
     wait_status(&client, &ring, 3, 3).await?;
     wait_webhook(&client, &ns, &ring, &shards).await?;
     let key = labels::shard_label(&ring);
-    let predicted = HashRing::new(shards);
+    let predicted = IndependentRing::unweighted(shards);
     let secrets = Api::<Secret>::namespaced(client.clone(), &ns);
     let mut seen = std::collections::BTreeSet::new();
     for i in 0..20 {

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use e2e::fixtures::{create_ring, wait_status};
 use e2e::process::poll_until;
-use e2e::{Cluster, LABEL_NAMESPACE_NAME};
+use e2e::{Cluster, IndependentRing, LABEL_NAMESPACE_NAME};
 use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, LabelSelectorRequirement};
 use k8s_openapi::jiff::SignedDuration;
@@ -29,7 +29,7 @@ use crate::ownership;
 use crate::plan::{self, FaultKind, round_ms};
 use crate::probes::{self, Rss};
 use crate::report::{Leaks, Report, Settings};
-use crate::ring::{HashRing, LabelKeys, secret_key};
+use crate::ring::{LabelKeys, secret_key};
 use crate::stalls::StallLog;
 use crate::versions::VersionLog;
 use crate::{Args, plan_timing, progress};
@@ -320,9 +320,9 @@ async fn wait_webhook(
     shards: &[String],
 ) -> anyhow::Result<()> {
     let api = Api::<Secret>::namespaced(client.clone(), namespace);
-    let ring = HashRing::new(shards.iter().map(String::as_str));
+    let ring = IndependentRing::unweighted(shards.iter().map(String::as_str));
     let expected = ring
-        .shard_for(&secret_key(namespace, "probe"))
+        .try_shard_for(&secret_key(namespace, "probe"))
         .map(str::to_string);
     poll_until("the webhook to assign like the ring", STARTUP, || {
         let (api, expected) = (api.clone(), expected.clone());
@@ -535,13 +535,13 @@ async fn create_probes(
     namespace: &str,
     shards: &[String],
 ) -> anyhow::Result<Vec<String>> {
-    let ring = HashRing::new(shards.iter().map(String::as_str));
+    let ring = IndependentRing::unweighted(shards.iter().map(String::as_str));
     let api = Api::<Secret>::namespaced(client.clone(), namespace);
     let mut names = Vec::new();
     for shard in shards {
         let name = (0..10_000)
             .map(|i| format!("probe-{shard}-{i}"))
-            .find(|name| ring.shard_for(&secret_key(namespace, name)) == Some(shard.as_str()))
+            .find(|name| ring.try_shard_for(&secret_key(namespace, name)) == Some(shard.as_str()))
             .with_context(|| format!("no probe name maps to {shard}"))?;
         let secret: Secret = serde_json::from_value(serde_json::json!({
             "metadata": {"name": name},
