@@ -25,11 +25,7 @@ pub const WAIT: Duration = Duration::from_secs(30);
 /// not label each other's objects.
 pub fn ring_spec(namespace: &str) -> ClusterRingSpec {
     ClusterRingSpec {
-        resources: vec![RingResource {
-            group: String::new(),
-            resource: "secrets".into(),
-            controlled_resources: vec![GroupResource::new("", "configmaps")],
-        }],
+        resources: vec![secrets_controlling_configmaps()],
         namespace_selector: Some(LabelSelector {
             match_labels: Some(BTreeMap::from([(
                 crate::LABEL_NAMESPACE_NAME.to_string(),
@@ -39,6 +35,12 @@ pub fn ring_spec(namespace: &str) -> ClusterRingSpec {
         }),
         hash_key: None,
     }
+}
+
+/// The ring resource most tests shard: Secrets, each controlling ConfigMaps (the
+/// checksum-controller's `checksums-<name>`), which go to their Secret's shard.
+pub fn secrets_controlling_configmaps() -> RingResource {
+    RingResource::controlling("", "secrets", [GroupResource::new("", "configmaps")])
 }
 
 /// Creates the ClusterRing `name`.

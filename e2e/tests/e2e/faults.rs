@@ -1085,11 +1085,7 @@ async fn a_crd_changing_its_served_version_is_discovered_again() -> anyhow::Resu
         create_lease(&client, &ns, &ring, shard, 3600).await?;
     }
     let mut spec = ring_spec(&ns);
-    spec.resources = vec![sharding_crds::RingResource {
-        group: group.clone(),
-        resource: "gadgets".into(),
-        controlled_resources: vec![],
-    }];
+    spec.resources = vec![sharding_crds::RingResource::new(group.clone(), "gadgets")];
     create_ring(&client, &ring, spec).await?;
     wait_status(&client, &ring, 2, 2).await?;
     let resource = |v: &str| {

@@ -457,11 +457,11 @@ async fn cluster_scoped_resources_are_assigned() -> anyhow::Result<()> {
         create_lease(&client, &ns, &ring, shard, 3600).await?;
     }
     let spec = ClusterRingSpec {
-        resources: vec![RingResource {
-            group: "scheduling.k8s.io".into(),
-            resource: "priorityclasses".into(),
-            controlled_resources: vec![GroupResource::new("", "configmaps")],
-        }],
+        resources: vec![RingResource::controlling(
+            "scheduling.k8s.io",
+            "priorityclasses",
+            [GroupResource::new("", "configmaps")],
+        )],
         namespace_selector: ring_spec(&ns).namespace_selector,
         hash_key: None,
     };

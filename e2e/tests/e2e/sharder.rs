@@ -434,13 +434,11 @@ async fn invalid_rings_are_reported_and_not_acted_on() -> anyhow::Result<()> {
     ] {
         let ring = unique_name("refused");
         let mut spec = ring_spec(&ns);
-        spec.resources = vec![RingResource {
-            group: group.into(),
-            resource: resource.into(),
-            controlled_resources: controlled
-                .map(|(g, r)| vec![GroupResource::new(g, r)])
-                .unwrap_or_default(),
-        }];
+        spec.resources = vec![RingResource::controlling(
+            group,
+            resource,
+            controlled.map(|(g, r)| GroupResource::new(g, r)),
+        )];
         create_ring(&client, &ring, spec).await?;
         cases.push((ring, message.to_string()));
     }

@@ -181,11 +181,7 @@ fn lists_of(cluster: &e2e::Cluster, resource: &str, scope: &str) -> anyhow::Resu
 /// A ClusterRing spec over the core `resource` alone, in the namespaces `selector` selects.
 fn spec_of(resource: &str, selector: LabelSelector) -> ClusterRingSpec {
     ClusterRingSpec {
-        resources: vec![RingResource {
-            group: String::new(),
-            resource: resource.into(),
-            controlled_resources: Vec::new(),
-        }],
+        resources: vec![RingResource::new("", resource)],
         namespace_selector: Some(selector),
         hash_key: None,
     }

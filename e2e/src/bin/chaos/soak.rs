@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use e2e::fixtures::{create_ring, wait_status};
+use e2e::fixtures::{create_ring, secrets_controlling_configmaps, wait_status};
 use e2e::process::poll_until;
 use e2e::{Cluster, IndependentRing, LABEL_NAMESPACE_NAME};
 use k8s_openapi::api::core::v1::Secret;
@@ -14,7 +14,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, LabelSelecto
 use k8s_openapi::jiff::SignedDuration;
 use kube::api::{Api, PostParams};
 use kube::{Client, ResourceExt};
-use sharding_crds::{ClusterRingSpec, GroupResource, RingResource};
+use sharding_crds::ClusterRingSpec;
 use tokio_util::sync::{CancellationToken, DropGuard};
 
 use crate::churn::{self, ChurnStats};
@@ -294,11 +294,7 @@ async fn start(scene: &Scene<'_>, timing: ShardTiming) -> anyhow::Result<Started
 /// The ring: Secrets controlling ConfigMaps, in exactly the tool's namespaces.
 fn ring_spec(namespaces: &[String]) -> ClusterRingSpec {
     ClusterRingSpec {
-        resources: vec![RingResource {
-            group: String::new(),
-            resource: "secrets".into(),
-            controlled_resources: vec![GroupResource::new("", "configmaps")],
-        }],
+        resources: vec![secrets_controlling_configmaps()],
         namespace_selector: Some(LabelSelector {
             match_labels: None,
             match_expressions: Some(vec![LabelSelectorRequirement {
