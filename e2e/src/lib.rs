@@ -21,6 +21,7 @@
 //! | [`net::free_port`] | a free port on loopback, never handed out twice |
 //! | [`process::Process`], [`process::poll_until`] | the workspace's binaries as child processes; waiting on a condition |
 //! | [`logs::DumpOnFailure`] | prints a log when a test fails (an early `?` or a panic); [`shared_sharder::SharedSharder::dump_on_failure`] for the shared sharder |
+//! | [`scenario::SharedScenario`], [`scenario::DedicatedScenario`] | the opening of a test: sharder, log guard, cluster, client, namespace |
 //! | [`fixtures::expected_shard`] | the shard a ring assigns a Secret to |
 //! | [`fixtures::secret_review`] | an `admission.k8s.io/v1` AdmissionReview of a Secret CREATE |
 //! | [`Cluster::apiserver_metric`] | a metric from the API server's own `/metrics` |
@@ -49,6 +50,7 @@ pub mod net;
 pub mod process;
 pub mod prometheus;
 pub mod renewals;
+pub mod scenario;
 pub mod sharder_process;
 pub mod shared_sharder;
 pub mod trivial_webhook;

@@ -6,15 +6,14 @@ use std::time::Duration;
 
 use anyhow::{Context, ensure};
 use e2e::apiserver::ApiServer;
-use e2e::dedicated::DedicatedCluster;
 use e2e::fixtures::{
     WAIT, create_lease, create_ring, expected_shard, lease_warnings, ring_spec, ring_with_shards,
     secret, secret_review, wait_status, wait_webhook,
 };
 use e2e::gate::{Balancer, TcpGate};
 use e2e::process::poll_until;
+use e2e::scenario::{DedicatedScenario, SharedScenario};
 use e2e::sharder_process::{SharderFiles, SharderSettings, counter};
-use e2e::shared_sharder::shared;
 use e2e::{Cluster, IndependentRing, cluster, unique_name};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Secret;
@@ -129,10 +128,12 @@ async fn wait_watches(
 /// watches included) at once, and winning it back starts exactly one set again.
 #[tokio::test]
 async fn leadership_loss_stops_every_controller_watch() -> anyhow::Result<()> {
-    let dedicated = DedicatedCluster::start().await?;
+    let DedicatedScenario {
+        dedicated,
+        client,
+        ns,
+    } = DedicatedScenario::in_namespace("flap").await?;
     let cluster = dedicated.cluster();
-    let client = cluster.client().await?;
-    let ns = cluster.namespace(&client, "flap").await?;
     let ring = unique_name("flap");
     create_ring(&client, &ring, ring_spec(&ns)).await?;
     create_lease(&client, &ns, &ring, "shard-a", 3600).await?;
@@ -216,9 +217,10 @@ async fn refused_leader_election_settings_stop_the_sharder_at_start() -> anyhow:
 /// of it becoming reachable again, without a restart.
 #[tokio::test]
 async fn objects_missed_during_a_webhook_outage_are_assigned_once_it_ends() -> anyhow::Result<()> {
-    let dedicated = DedicatedCluster::start().await?;
+    let DedicatedScenario {
+        dedicated, client, ..
+    } = DedicatedScenario::open().await?;
     let cluster = dedicated.cluster();
-    let client = cluster.client().await?;
     // The outage starts after the ring's first full sync, so that only the missed-assignment
     // path, not a sync that happens to run right after the outage, can assign the objects.
     let GatedRing {
@@ -290,9 +292,10 @@ fn records_with_message(process: &e2e::process::Process, message: &str) -> usize
 /// established anew, can have assigned them: neither a new term's fresh watch nor a sync.
 #[tokio::test]
 async fn the_missed_assignment_watch_survives_an_apiserver_restart() -> anyhow::Result<()> {
-    let dedicated = DedicatedCluster::start().await?;
+    let DedicatedScenario {
+        dedicated, client, ..
+    } = DedicatedScenario::open().await?;
     let cluster = dedicated.cluster();
-    let client = cluster.client().await?;
     let settings = SharderSettings {
         // Leadership outlasts the restart (the API server is down for about 10 s here): a new
         // term would start fresh watches and hide one that died with the old connection.
@@ -404,15 +407,17 @@ async fn the_missed_assignment_watch_survives_an_apiserver_restart() -> anyhow::
 /// never enter the ring: users' writes keep succeeding and the sharder says why.
 #[tokio::test]
 async fn invalid_and_duplicate_shard_names_stay_out_of_the_ring() -> anyhow::Result<()> {
-    let sharder = shared();
-    let cluster = cluster();
-    let client = cluster.client().await?;
-    let ns = cluster.namespace(&client, "names").await?;
+    let SharedScenario {
+        mut logs,
+        cluster,
+        client,
+        ns,
+        ..
+    } = SharedScenario::in_namespace("names").await?;
     let other_ns = cluster.namespace(&client, "names-dup").await?;
     let ring = unique_name("names");
     create_ring(&client, &ring, ring_spec(&ns)).await?;
     let long = format!("shard-{}", "x".repeat(64));
-    let mut logs = sharder.dump_on_failure();
     create_lease(&client, &ns, &ring, "shard-a", 3600).await?;
     create_lease(&client, &ns, &ring, &long, 3600).await?;
     wait_status(&client, &ring, 1, 2).await?;
@@ -475,10 +480,12 @@ async fn invalid_and_duplicate_shard_names_stay_out_of_the_ring() -> anyhow::Res
 /// object is assigned in its CREATE response.
 #[tokio::test]
 async fn a_sharder_rollout_refuses_no_admission_call() -> anyhow::Result<()> {
-    let dedicated = DedicatedCluster::start().await?;
+    let DedicatedScenario {
+        dedicated,
+        client,
+        ns,
+    } = DedicatedScenario::in_namespace("rollout").await?;
     let cluster = dedicated.cluster();
-    let client = cluster.client().await?;
-    let ns = cluster.namespace(&client, "rollout").await?;
     let ring = unique_name("rollout");
     let shards = ["shard-a", "shard-b"];
     let balancer = Balancer::start().await?;
@@ -567,9 +574,10 @@ async fn a_sharder_rollout_refuses_no_admission_call() -> anyhow::Result<()> {
 /// its own leader election, nor a hash ring rebuilt.
 #[tokio::test]
 async fn lease_renewals_cost_the_sharder_no_request() -> anyhow::Result<()> {
-    let dedicated = DedicatedCluster::start().await?;
+    let DedicatedScenario {
+        dedicated, client, ..
+    } = DedicatedScenario::open().await?;
     let cluster = dedicated.cluster();
-    let client = cluster.client().await?;
     let shards = ["shard-a", "shard-b", "shard-c", "shard-d", "shard-e"];
     let (ns, ring) = ring_with_shards(cluster, &client, "renewals", &shards).await?;
     let files = SharderFiles::create(cluster.kubeconfig(), &SharderSettings::default())?;
@@ -638,12 +646,14 @@ fn sent_and_rebuilt(metrics: &str) -> (u64, u64) {
 /// admission review it gets after `/readyz` turns 200 is assigned as the ring predicts.
 #[tokio::test]
 async fn a_ready_replica_assigns_at_once() -> anyhow::Result<()> {
-    let sharder = shared();
-    let cluster = cluster();
-    let client = cluster.client().await?;
+    let SharedScenario {
+        mut logs,
+        cluster,
+        client,
+        ..
+    } = SharedScenario::open().await?;
     let shards = ["shard-a", "shard-b", "shard-c"];
     let (ns, ring) = ring_with_shards(cluster, &client, "ready", &shards).await?;
-    let mut logs = sharder.dump_on_failure();
     // The shared sharder leads; this replica follows, serving the webhook and probes only.
     let files = SharderFiles::create(cluster.kubeconfig(), &SharderSettings::default())?;
     wait_status(&client, &ring, 3, 3).await?;
@@ -687,10 +697,12 @@ async fn a_ready_replica_assigns_at_once() -> anyhow::Result<()> {
 /// went on would patch every one of them for nothing: the webhook puts each back on the shard.)
 #[tokio::test]
 async fn a_sync_stops_when_a_shard_joins_mid_sync() -> anyhow::Result<()> {
-    let dedicated = DedicatedCluster::start().await?;
+    let DedicatedScenario {
+        dedicated,
+        client,
+        ns,
+    } = DedicatedScenario::in_namespace("midsync").await?;
     let cluster = dedicated.cluster();
-    let client = cluster.client().await?;
-    let ns = cluster.namespace(&client, "midsync").await?;
     let ring = unique_name("midsync");
     let shards = ["shard-a", "shard-b", "shard-c", "shard-d"];
     for shard in shards {
@@ -802,9 +814,10 @@ async fn ready_of(client: &kube::Client, ring: &str) -> anyhow::Result<(String, 
 /// assigned within seconds and the ring is Ready again.
 #[tokio::test]
 async fn a_ring_whose_webhook_is_unreachable_sends_no_moves() -> anyhow::Result<()> {
-    let dedicated = DedicatedCluster::start().await?;
+    let DedicatedScenario {
+        dedicated, client, ..
+    } = DedicatedScenario::open().await?;
     let cluster = dedicated.cluster();
-    let client = cluster.client().await?;
     let healthy_ns = cluster.namespace(&client, "healthy").await?;
     let broken_ns = cluster.namespace(&client, "broken").await?;
     let (healthy, broken) = (unique_name("healthy"), unique_name("broken"));
@@ -920,10 +933,12 @@ async fn a_ring_whose_webhook_is_unreachable_sends_no_moves() -> anyhow::Result<
 /// the ConfigMap follows within seconds. The test plays the shards.
 #[tokio::test]
 async fn controlled_objects_follow_their_controller_only_after_it_left() -> anyhow::Result<()> {
-    let sharder = shared();
-    let mut logs = sharder.dump_on_failure();
-    let cluster = cluster();
-    let client = cluster.client().await?;
+    let SharedScenario {
+        mut logs,
+        cluster,
+        client,
+        ..
+    } = SharedScenario::open().await?;
     let (ns, ring) = ring_with_shards(
         cluster,
         &client,
@@ -1045,10 +1060,12 @@ async fn a_crd_changing_its_served_version_is_discovered_again() -> anyhow::Resu
     use kube::api::{ApiResource, DynamicObject};
     use kube::runtime::wait::{await_condition, conditions};
 
-    let sharder = shared();
-    let mut logs = sharder.dump_on_failure();
-    let cluster = cluster();
-    let client = cluster.client().await?;
+    let SharedScenario {
+        mut logs,
+        cluster,
+        client,
+        ..
+    } = SharedScenario::open().await?;
     let group = format!("{}.example.com", unique_name("versions"));
     let crd_name = format!("gadgets.{group}");
     let version = |name: &str, served: bool, storage: bool| {

@@ -5,15 +5,14 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use anyhow::{Context, ensure};
-use e2e::dedicated::DedicatedCluster;
 use e2e::fixtures::{
     ShardTiming, create_lease, create_ring, expected_shard, ring_spec, secret, secret_review,
     start_checksum_shard, wait_status, wait_webhook,
 };
 use e2e::process::{Process, poll_until};
+use e2e::scenario::{DedicatedScenario, SharedScenario};
 use e2e::sharder_process::{SharderFiles, SharderSettings};
-use e2e::shared_sharder::shared;
-use e2e::{IndependentRing, cluster, unique_name};
+use e2e::{IndependentRing, unique_name};
 use k8s_openapi::ByteString;
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
 use k8s_openapi::api::coordination::v1::Lease;
@@ -144,10 +143,12 @@ async fn create_and_check(
 /// the leader hands over to the other within the lease duration.
 #[tokio::test]
 async fn two_sharders_elect_one_leader_and_hand_over_on_sigterm() -> anyhow::Result<()> {
-    let dedicated = DedicatedCluster::start().await?;
+    let DedicatedScenario {
+        dedicated,
+        client,
+        ns,
+    } = DedicatedScenario::in_namespace("leader").await?;
     let cluster = dedicated.cluster();
-    let client = cluster.client().await?;
-    let ns = cluster.namespace(&client, "leader").await?;
     let ring = unique_name("leader");
     create_ring(&client, &ring, ring_spec(&ns)).await?;
     for shard in SHARDS {
@@ -300,11 +301,12 @@ fn secret_data(i: usize) -> BTreeMap<String, String> {
 /// checksums ConfigMaps of its own Secrets, on the same shard.
 #[tokio::test]
 async fn sharder_and_three_checksum_shards_split_a_ring() -> anyhow::Result<()> {
-    let sharder = shared();
-    let mut logs = sharder.dump_on_failure();
-    let cluster = cluster();
-    let client = cluster.client().await?;
-    let ns = cluster.namespace(&client, "checksums").await?;
+    let SharedScenario {
+        mut logs,
+        client,
+        ns,
+        ..
+    } = SharedScenario::in_namespace("checksums").await?;
     let ring = unique_name("checksums");
     create_ring(&client, &ring, ring_spec(&ns)).await?;
     let mut shards = Vec::new();

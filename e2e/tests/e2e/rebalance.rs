@@ -5,15 +5,14 @@ use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
 use anyhow::{Context, ensure};
-use e2e::dedicated::DedicatedCluster;
 use e2e::fixtures::{
     ShardTiming, create_lease, create_ring, create_ring_of, expected_shard, ring_spec, secret,
     start_checksum_shard_of, wait_status_of, wait_webhook_of,
 };
 use e2e::process::{Process, poll_until};
+use e2e::scenario::{DedicatedScenario, SharedScenario};
 use e2e::sharder_process::{SharderFiles, SharderSettings};
-use e2e::shared_sharder::shared;
-use e2e::{IndependentRing, cluster, unique_name};
+use e2e::{IndependentRing, unique_name};
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::ByteString;
 use k8s_openapi::api::coordination::v1::Lease;
@@ -216,11 +215,13 @@ async fn controller_ring_scale_out_drains_exactly_the_moved_objects() -> anyhow:
 
 /// Scales a ring of `kind` out from three shards to four and checks the drain handshake.
 async fn scale_out(kind: RingKind) -> anyhow::Result<()> {
-    let sharder = shared();
-    let mut logs = sharder.dump_on_failure();
-    let cluster = cluster();
-    let client = cluster.client().await?;
-    let ns = cluster.namespace(&client, "scaleout").await?;
+    let SharedScenario {
+        sharder,
+        mut logs,
+        client,
+        ns,
+        ..
+    } = SharedScenario::in_namespace("scaleout").await?;
     let ring = RingRef::new(kind, unique_name("scaleout"));
     create_ring_of(&client, &ring, ring_spec(&ns)).await?;
     let names = ["shard-0", "shard-1", "shard-2", "shard-3"];
@@ -284,11 +285,13 @@ fn finish(processes: impl IntoIterator<Item = Process>) {
 
 #[tokio::test]
 async fn graceful_scale_in_moves_without_drains() -> anyhow::Result<()> {
-    let sharder = shared();
-    let mut logs = sharder.dump_on_failure();
-    let cluster = cluster();
-    let client = cluster.client().await?;
-    let ns = cluster.namespace(&client, "scalein").await?;
+    let SharedScenario {
+        sharder,
+        mut logs,
+        client,
+        ns,
+        ..
+    } = SharedScenario::in_namespace("scalein").await?;
     let ring = cluster_ring(unique_name("scalein"));
     create_ring_of(&client, &ring, ring_spec(&ns)).await?;
     let names = ["shard-0", "shard-1", "shard-2"];
@@ -355,11 +358,12 @@ async fn controller_ring_crashed_shard_objects_move_after_takeover() -> anyhow::
 
 /// Kills one of three shards of a ring of `kind` and checks its objects move after takeover.
 async fn crash(kind: RingKind) -> anyhow::Result<()> {
-    let sharder = shared();
-    let mut logs = sharder.dump_on_failure();
-    let cluster = cluster();
-    let client = cluster.client().await?;
-    let ns = cluster.namespace(&client, "crash").await?;
+    let SharedScenario {
+        mut logs,
+        client,
+        ns,
+        ..
+    } = SharedScenario::in_namespace("crash").await?;
     let ring = RingRef::new(kind, unique_name("crash"));
     create_ring_of(&client, &ring, ring_spec(&ns)).await?;
     let names = ["shard-0", "shard-1", "shard-2"];
@@ -397,11 +401,13 @@ async fn crash(kind: RingKind) -> anyhow::Result<()> {
 
 #[tokio::test]
 async fn existing_objects_are_assigned_and_unselected_namespaces_untouched() -> anyhow::Result<()> {
-    let sharder = shared();
-    let mut logs = sharder.dump_on_failure();
-    let cluster = cluster();
-    let client = cluster.client().await?;
-    let ns = cluster.namespace(&client, "existing").await?;
+    let SharedScenario {
+        mut logs,
+        cluster,
+        client,
+        ns,
+        ..
+    } = SharedScenario::in_namespace("existing").await?;
     let other = cluster.namespace(&client, "existing-other").await?;
     // Objects first, ring afterwards.
     create_secrets(&client, &ns, 30).await?;
@@ -433,11 +439,12 @@ async fn existing_objects_are_assigned_and_unselected_namespaces_untouched() -> 
 
 #[tokio::test]
 async fn cluster_scoped_resources_are_assigned() -> anyhow::Result<()> {
-    let sharder = shared();
-    let mut logs = sharder.dump_on_failure();
-    let cluster = cluster();
-    let client = cluster.client().await?;
-    let ns = cluster.namespace(&client, "clusterscoped").await?;
+    let SharedScenario {
+        mut logs,
+        client,
+        ns,
+        ..
+    } = SharedScenario::in_namespace("clusterscoped").await?;
     // PriorityClasses: cluster-scoped, and no pod here uses them.
     let roles = Api::<PriorityClass>::all(client.clone());
     let prefix = unique_name("sharded-class");
@@ -494,10 +501,12 @@ async fn cluster_scoped_resources_are_assigned() -> anyhow::Result<()> {
 
 #[tokio::test]
 async fn objects_created_while_no_sharder_runs_are_assigned_quickly() -> anyhow::Result<()> {
-    let dedicated = DedicatedCluster::start().await?;
+    let DedicatedScenario {
+        dedicated,
+        client,
+        ns,
+    } = DedicatedScenario::in_namespace("missed").await?;
     let cluster = dedicated.cluster();
-    let client = cluster.client().await?;
-    let ns = cluster.namespace(&client, "missed").await?;
     let ring = cluster_ring(unique_name("missed"));
     let shards = ["shard-a", "shard-b", "shard-c"];
     for shard in shards {
