@@ -302,15 +302,8 @@ up() {
 
   log "starting the sharder"
   local dir="$STATE/sharder"
-  (
-    cd "$dir"
-    openssl req -x509 -newkey rsa:2048 -nodes -days 30 -subj "/CN=playground-ca" \
-      -keyout ca.key -out ca.crt 2>/dev/null
-    openssl req -newkey rsa:2048 -nodes -subj "/CN=sharder" -keyout tls.key -out tls.csr 2>/dev/null
-    printf 'subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n' >tls.ext
-    openssl x509 -req -in tls.csr -CA ca.crt -CAkey ca.key -CAcreateserial -days 30 \
-      -extfile tls.ext -out tls.crt 2>/dev/null
-  )
+  # The same generator as the e2e harness's test sharders (e2e/src/certs.rs).
+  bash "$ROOT/e2e/certs.sh" "$dir" playground-ca 2>/dev/null
   cat >"$dir/config.yaml" <<EOF
 apiVersion: config.sharding.timebertt.dev/v1alpha1
 kind: SharderConfig

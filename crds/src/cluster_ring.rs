@@ -120,6 +120,26 @@ pub struct RingResource {
 }
 
 impl RingResource {
+    /// Main resource `resource` of API group `group` (empty for the core group), controlling
+    /// nothing.
+    pub fn new(group: impl Into<String>, resource: impl Into<String>) -> Self {
+        Self::controlling(group, resource, [])
+    }
+
+    /// Main resource `resource` of API group `group` whose objects control objects of the
+    /// `controlled` resources, e.g. Secrets controlling ConfigMaps.
+    pub fn controlling(
+        group: impl Into<String>,
+        resource: impl Into<String>,
+        controlled: impl IntoIterator<Item = GroupResource>,
+    ) -> Self {
+        Self {
+            group: group.into(),
+            resource: resource.into(),
+            controlled_resources: controlled.into_iter().collect(),
+        }
+    }
+
     /// The main resource as a group-resource pair.
     pub fn group_resource(&self) -> GroupResource {
         GroupResource::new(&self.group, &self.resource)

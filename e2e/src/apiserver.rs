@@ -1,5 +1,5 @@
 //! Restarting kube-apiserver of a control plane `e2e/control-plane.sh` started (the chaos tool's
-//! fault, and end-to-end tests against a [`DedicatedCluster`](crate::sharder::DedicatedCluster)),
+//! fault, and end-to-end tests against a [`DedicatedCluster`](crate::dedicated::DedicatedCluster)),
 //! which the script has no command for: stop the running process, start the same binary with the
 //! same flags (so ports, certificates and etcd stay), log to the same file, and put its new
 //! process id into the control plane's `pids` file so that `control-plane.sh stop` and the

@@ -4,7 +4,6 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use ::sharder::core::hash_ring::HashRing;
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::api::core::v1::{Event, Secret};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, MicroTime};
@@ -16,6 +15,7 @@ use sharding_crds::{
     RingResource,
 };
 
+use crate::IndependentRing;
 use crate::process::poll_until;
 
 /// How long the waits of this module give the sharder.
@@ -25,11 +25,7 @@ pub const WAIT: Duration = Duration::from_secs(30);
 /// not label each other's objects.
 pub fn ring_spec(namespace: &str) -> ClusterRingSpec {
     ClusterRingSpec {
-        resources: vec![RingResource {
-            group: String::new(),
-            resource: "secrets".into(),
-            controlled_resources: vec![GroupResource::new("", "configmaps")],
-        }],
+        resources: vec![secrets_controlling_configmaps()],
         namespace_selector: Some(LabelSelector {
             match_labels: Some(BTreeMap::from([(
                 crate::LABEL_NAMESPACE_NAME.to_string(),
@@ -39,6 +35,12 @@ pub fn ring_spec(namespace: &str) -> ClusterRingSpec {
         }),
         hash_key: None,
     }
+}
+
+/// The ring resource most tests shard: Secrets, each controlling ConfigMaps (the
+/// checksum-controller's `checksums-<name>`), which go to their Secret's shard.
+pub fn secrets_controlling_configmaps() -> RingResource {
+    RingResource::controlling("", "secrets", [GroupResource::new("", "configmaps")])
 }
 
 /// Creates the ClusterRing `name`.
@@ -167,13 +169,18 @@ pub async fn create_secrets(
     Ok(())
 }
 
-/// The shard a ring assigns Secret `name` in `namespace` to, predicted from the pure hash ring
-/// ([`Ring`] over the shards' names) and the Secret's hash key `/Secret/<namespace>/<name>`,
-/// spelled out here rather than taken from the sharder's key code, so a test checks it.
+/// The shard a ring assigns Secret `name` in `namespace` to, predicted from the
+/// [`IndependentRing`] over the shards' names (never the sharder's own ring, which would confirm
+/// its own bugs) and the Secret's hash key `/Secret/<namespace>/<name>`, spelled out here rather
+/// than taken from the sharder's key code, so a test checks it.
 ///
 /// Takes the ring rather than the shard names: callers that predict many objects build it once.
-pub fn expected_shard<'r>(ring: &'r HashRing, namespace: &str, name: &str) -> Option<&'r str> {
-    ring.shard_for(&format!("/Secret/{namespace}/{name}"))
+pub fn expected_shard<'r>(
+    ring: &'r IndependentRing,
+    namespace: &str,
+    name: &str,
+) -> Option<&'r str> {
+    ring.try_shard_for(&format!("/Secret/{namespace}/{name}"))
 }
 
 /// An `admission.k8s.io/v1` AdmissionReview as the API server sends it to a ring's webhook for
@@ -282,7 +289,8 @@ pub async fn wait_webhook_of(
 ) -> anyhow::Result<()> {
     let api = Api::<Secret>::namespaced(client.clone(), namespace);
     let key = ring.shard_label();
-    let expected = expected_shard(&HashRing::new(shards), namespace, "probe").map(str::to_string);
+    let expected = expected_shard(&IndependentRing::unweighted(shards), namespace, "probe")
+        .map(str::to_string);
     poll_until(
         &format!("webhook of ring {ring} to assign like {shards:?}"),
         WAIT,

@@ -14,25 +14,31 @@
 //!
 //! | helper | what |
 //! |---|---|
-//! | [`sharder::shared`], [`sharder::SharderFiles`] | the shared in-process sharder; files, ports and processes of sharders of their own |
-//! | [`sharder::generate_certificates`] | a test CA and a serving certificate for 127.0.0.1 |
+//! | [`shared_sharder::shared`] | the shared in-process sharder |
+//! | [`sharder_process::SharderFiles`] | files, ports and processes of sharders of their own |
+//! | [`dedicated::DedicatedCluster`] | a control plane of its own for one test |
+//! | [`certs::generate_certificates`] | a test CA and a serving certificate for 127.0.0.1 (the one generator, `e2e/certs.sh`) |
+//! | [`net::free_port`] | a free port on loopback, never handed out twice |
 //! | [`process::Process`], [`process::poll_until`] | the workspace's binaries as child processes; waiting on a condition |
-//! | [`logs::DumpOnFailure`] | prints a log when a test fails (an early `?` or a panic); [`sharder::SharedSharder::dump_on_failure`] for the shared sharder |
+//! | [`logs::DumpOnFailure`] | prints a log when a test fails (an early `?` or a panic); [`shared_sharder::SharedSharder::dump_on_failure`] for the shared sharder |
+//! | [`scenario::SharedScenario`], [`scenario::DedicatedScenario`] | the opening of a test: sharder, log guard, cluster, client, namespace |
 //! | [`fixtures::expected_shard`] | the shard a ring assigns a Secret to |
 //! | [`fixtures::secret_review`] | an `admission.k8s.io/v1` AdmissionReview of a Secret CREATE |
 //! | [`Cluster::apiserver_metric`] | a metric from the API server's own `/metrics` |
-//! | [`sharder::counter`] | a per-resource counter from the sharder's `/metrics` text |
+//! | [`sharder_process::counter`] | a per-resource counter from the sharder's `/metrics` text |
 //! | [`prometheus`] | sums and samples of any Prometheus text; the API server's whole `/metrics` |
-//! | [`sharder::curl`] | an HTTP request through curl (metrics, health, a Prometheus server's API) |
+//! | [`net::curl`] | an HTTP request through curl (metrics, health, a Prometheus server's API) |
 //! | [`fixtures`] | rings, shard Leases and Secrets; waits on a ring's status and webhook; checksum-controller shards |
 //! | [`etcd::Compactor`] | compacts a dedicated control plane's etcd again and again, so continue tokens expire |
 //! | [`IndependentRing`] | a hash ring written from the protocol's description, to check the sharder's answers against |
 //! | [`trivial_webhook`] | a webhook that answers every review with one constant patch, served like the sharder's over TLS on loopback ([`trivial_webhook::loopback_tls`]) |
 //! | [`latency::Latencies`] | nearest-rank percentiles of latency samples |
 //! | [`in_cluster::in_cluster`] | a control plane with a node, the product images loaded, for tests that install the product as users do |
-//! | [`apiserver::ApiServer`] | restarting kube-apiserver of a control plane the harness started (a [`sharder::DedicatedCluster`], never the shared one) |
+//! | [`apiserver::ApiServer`] | restarting kube-apiserver of a control plane the harness started (a [`dedicated::DedicatedCluster`], never the shared one) |
 
 pub mod apiserver;
+pub mod certs;
+pub mod dedicated;
 pub mod etcd;
 pub mod fixtures;
 pub mod gate;
@@ -40,10 +46,13 @@ pub mod in_cluster;
 mod independent_ring;
 pub mod latency;
 pub mod logs;
+pub mod net;
 pub mod process;
 pub mod prometheus;
 pub mod renewals;
-pub mod sharder;
+pub mod scenario;
+pub mod sharder_process;
+pub mod shared_sharder;
 pub mod trivial_webhook;
 
 use std::path::{Path, PathBuf};

@@ -3,7 +3,7 @@
 //! A [`DumpOnFailure`] guards one log file and prints it to stderr when it is dropped before
 //! [`DumpOnFailure::passed`] was called: by an early `?` return or a panic. A test body therefore
 //! uses `?` freely and calls `passed()` as its last step. Every [`crate::process::Process`] carries
-//! one for its own log; [`crate::sharder::SharedSharder::dump_on_failure`] hands one out for the
+//! one for its own log; [`crate::shared_sharder::SharedSharder::dump_on_failure`] hands one out for the
 //! shared sharder's log.
 
 use std::path::{Path, PathBuf};

@@ -31,7 +31,7 @@ use e2e::fixtures::{create_lease, create_ring, ring_spec, wait_status, wait_webh
 use e2e::latency::Latencies;
 use e2e::process::poll_until;
 use e2e::renewals::{RenewalCounters, renew};
-use e2e::sharder::shared;
+use e2e::shared_sharder::shared;
 use e2e::trivial_webhook::{self, FIXED_LABEL};
 use e2e::{Cluster, cluster, unique_name};
 use futures::StreamExt;

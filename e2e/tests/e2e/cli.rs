@@ -12,7 +12,7 @@ use e2e::fixtures::{
     wait_dry_run_label, wait_labelled, wait_status_of,
 };
 use e2e::process::{binary, poll_until};
-use e2e::sharder::shared;
+use e2e::scenario::SharedScenario;
 use e2e::{FIELD_MANAGER, cluster, unique_name};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{ConfigMap, Secret};
@@ -176,11 +176,12 @@ fn max_over_mean(counts: &[usize]) -> f64 {
 /// ConfigMap as not sharded, and the imbalance; the same with `--kind`, `-n` and `-o yaml`.
 #[tokio::test]
 async fn status_reports_rings_of_both_kinds() -> anyhow::Result<()> {
-    let sharder = shared();
-    let mut logs = sharder.dump_on_failure();
-    let cluster = cluster();
-    let client = cluster.client().await?;
-    let ns = cluster.namespace(&client, "cli-status").await?;
+    let SharedScenario {
+        mut logs,
+        client,
+        ns,
+        ..
+    } = SharedScenario::in_namespace("cli-status").await?;
     let name = unique_name("cli-status");
     let cluster_ring = RingRef::new(RingKind::ClusterRing, &name);
     let controller_ring = RingRef::new(RingKind::ControllerRing, &name);
@@ -344,10 +345,12 @@ async fn status_reports_rings_of_both_kinds() -> anyhow::Result<()> {
 /// generateName in a ring hashed by namespace.
 #[tokio::test]
 async fn explain_says_where_and_why() -> anyhow::Result<()> {
-    let sharder = shared();
-    let mut logs = sharder.dump_on_failure();
-    let cluster = cluster();
-    let client = cluster.client().await?;
+    let SharedScenario {
+        mut logs,
+        cluster,
+        client,
+        ..
+    } = SharedScenario::open().await?;
     let (ns, ring, three) = serving_ring(
         &client,
         RingKind::ClusterRing,
@@ -583,10 +586,9 @@ async fn explain_says_where_and_why() -> anyhow::Result<()> {
 /// every pair of shards equal the independent rings' difference, and nothing is written.
 #[tokio::test]
 async fn simulate_predicts_moves_without_writing() -> anyhow::Result<()> {
-    let sharder = shared();
-    let mut logs = sharder.dump_on_failure();
-    let cluster = cluster();
-    let client = cluster.client().await?;
+    let SharedScenario {
+        mut logs, client, ..
+    } = SharedScenario::open().await?;
     let (ns, ring, now) = serving_ring(
         &client,
         RingKind::ControllerRing,

@@ -4,10 +4,9 @@
 use std::time::Duration;
 
 use anyhow::ensure;
-use e2e::cluster;
 use e2e::fixtures::{WAIT, create_lease, ring_with_shards, secret, wait_status, wait_webhook};
 use e2e::process::poll_until;
-use e2e::sharder::shared;
+use e2e::scenario::SharedScenario;
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Namespace, Secret};
@@ -24,10 +23,12 @@ const GC_WAIT: Duration = Duration::from_secs(90);
 #[tokio::test]
 async fn deleting_a_ring_removes_its_webhook_configuration_and_keeps_labels() -> anyhow::Result<()>
 {
-    let sharder = shared();
-    let mut logs = sharder.dump_on_failure();
-    let cluster = cluster();
-    let client = cluster.client().await?;
+    let SharedScenario {
+        mut logs,
+        cluster,
+        client,
+        ..
+    } = SharedScenario::open().await?;
     let shards = ["shard-a", "shard-b"];
     let (ns, ring) = ring_with_shards(cluster, &client, "gc", &shards).await?;
     wait_status(&client, &ring, 2, 2).await?;
@@ -89,10 +90,13 @@ async fn deleting_a_ring_removes_its_webhook_configuration_and_keeps_labels() ->
 
 #[tokio::test]
 async fn deleting_a_rings_namespace_leaves_the_sharder_healthy() -> anyhow::Result<()> {
-    let sharder = shared();
-    let mut logs = sharder.dump_on_failure();
-    let cluster = cluster();
-    let client = cluster.client().await?;
+    let SharedScenario {
+        sharder,
+        mut logs,
+        cluster,
+        client,
+        ..
+    } = SharedScenario::open().await?;
     let shards = ["shard-a", "shard-b"];
     let (ns, ring) = ring_with_shards(cluster, &client, "nsdel", &shards).await?;
     wait_status(&client, &ring, 2, 2).await?;

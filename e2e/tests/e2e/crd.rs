@@ -1,5 +1,6 @@
 //! The generated ClusterRing CRD against a real API server.
 
+use e2e::fixtures::secrets_controlling_configmaps;
 use e2e::{cluster, unique_name};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, LabelSelector, Time};
@@ -40,16 +41,12 @@ async fn valid_ring_round_trips_with_status() -> anyhow::Result<()> {
     let name = unique_name("roundtrip");
     let spec = ClusterRingSpec {
         resources: vec![
-            RingResource {
-                group: String::new(),
-                resource: "secrets".into(),
-                controlled_resources: vec![GroupResource::new("", "configmaps")],
-            },
-            RingResource {
-                group: "apps".into(),
-                resource: "deployments".into(),
-                controlled_resources: vec![GroupResource::new("apps", "replicasets")],
-            },
+            secrets_controlling_configmaps(),
+            RingResource::controlling(
+                "apps",
+                "deployments",
+                [GroupResource::new("apps", "replicasets")],
+            ),
         ],
         namespace_selector: Some(LabelSelector {
             match_labels: Some([("team".to_string(), String::new())].into()),

@@ -12,8 +12,9 @@ use e2e::fixtures::{
 };
 use e2e::gate::{Balancer, TcpGate};
 use e2e::process::poll_until;
-use e2e::sharder::{DedicatedCluster, SharderFiles, SharderSettings, counter, shared};
-use e2e::{Cluster, cluster, unique_name};
+use e2e::scenario::{DedicatedScenario, SharedScenario};
+use e2e::sharder_process::{SharderFiles, SharderSettings, counter};
+use e2e::{Cluster, IndependentRing, cluster, unique_name};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
@@ -22,7 +23,6 @@ use kube::ResourceExt;
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use serde_json::json;
 use sharder::controller::sharder::{SYNC_FINISHED, SYNC_STARTED};
-use sharder::core::hash_ring::HashRing;
 use sharding_crds::labels;
 
 /// Generous bound for processes starting up and caches syncing on a busy machine.
@@ -34,7 +34,7 @@ async fn gated_sharder(
     cluster: &Cluster,
     settings: SharderSettings,
 ) -> anyhow::Result<(TcpGate, SharderFiles, e2e::process::Process)> {
-    let webhook_port = e2e::sharder::free_port()?;
+    let webhook_port = e2e::net::free_port()?;
     let gate = TcpGate::start(([127, 0, 0, 1], webhook_port).into()).await?;
     let settings = SharderSettings {
         webhook_url: Some(format!("https://{}", gate.addr())),
@@ -128,10 +128,12 @@ async fn wait_watches(
 /// watches included) at once, and winning it back starts exactly one set again.
 #[tokio::test]
 async fn leadership_loss_stops_every_controller_watch() -> anyhow::Result<()> {
-    let dedicated = DedicatedCluster::start().await?;
+    let DedicatedScenario {
+        dedicated,
+        client,
+        ns,
+    } = DedicatedScenario::in_namespace("flap").await?;
     let cluster = dedicated.cluster();
-    let client = cluster.client().await?;
-    let ns = cluster.namespace(&client, "flap").await?;
     let ring = unique_name("flap");
     create_ring(&client, &ring, ring_spec(&ns)).await?;
     create_lease(&client, &ns, &ring, "shard-a", 3600).await?;
@@ -215,9 +217,10 @@ async fn refused_leader_election_settings_stop_the_sharder_at_start() -> anyhow:
 /// of it becoming reachable again, without a restart.
 #[tokio::test]
 async fn objects_missed_during_a_webhook_outage_are_assigned_once_it_ends() -> anyhow::Result<()> {
-    let dedicated = DedicatedCluster::start().await?;
+    let DedicatedScenario {
+        dedicated, client, ..
+    } = DedicatedScenario::open().await?;
     let cluster = dedicated.cluster();
-    let client = cluster.client().await?;
     // The outage starts after the ring's first full sync, so that only the missed-assignment
     // path, not a sync that happens to run right after the outage, can assign the objects.
     let GatedRing {
@@ -252,7 +255,7 @@ async fn objects_missed_during_a_webhook_outage_are_assigned_once_it_ends() -> a
     gate.open();
     let reopened = std::time::Instant::now();
 
-    let predicted = HashRing::new(shards);
+    let predicted = IndependentRing::unweighted(shards);
     poll_until(
         "every missed object to be assigned",
         Duration::from_secs(10),
@@ -289,9 +292,10 @@ fn records_with_message(process: &e2e::process::Process, message: &str) -> usize
 /// established anew, can have assigned them: neither a new term's fresh watch nor a sync.
 #[tokio::test]
 async fn the_missed_assignment_watch_survives_an_apiserver_restart() -> anyhow::Result<()> {
-    let dedicated = DedicatedCluster::start().await?;
+    let DedicatedScenario {
+        dedicated, client, ..
+    } = DedicatedScenario::open().await?;
     let cluster = dedicated.cluster();
-    let client = cluster.client().await?;
     let settings = SharderSettings {
         // Leadership outlasts the restart (the API server is down for about 10 s here): a new
         // term would start fresh watches and hide one that died with the old connection.
@@ -363,7 +367,7 @@ async fn the_missed_assignment_watch_survives_an_apiserver_restart() -> anyhow::
     gate.open();
     let reopened = std::time::Instant::now();
 
-    let predicted = HashRing::new(shards);
+    let predicted = IndependentRing::unweighted(shards);
     poll_until(
         "every missed object to be assigned",
         Duration::from_secs(10),
@@ -403,15 +407,17 @@ async fn the_missed_assignment_watch_survives_an_apiserver_restart() -> anyhow::
 /// never enter the ring: users' writes keep succeeding and the sharder says why.
 #[tokio::test]
 async fn invalid_and_duplicate_shard_names_stay_out_of_the_ring() -> anyhow::Result<()> {
-    let sharder = shared();
-    let cluster = cluster();
-    let client = cluster.client().await?;
-    let ns = cluster.namespace(&client, "names").await?;
+    let SharedScenario {
+        mut logs,
+        cluster,
+        client,
+        ns,
+        ..
+    } = SharedScenario::in_namespace("names").await?;
     let other_ns = cluster.namespace(&client, "names-dup").await?;
     let ring = unique_name("names");
     create_ring(&client, &ring, ring_spec(&ns)).await?;
     let long = format!("shard-{}", "x".repeat(64));
-    let mut logs = sharder.dump_on_failure();
     create_lease(&client, &ns, &ring, "shard-a", 3600).await?;
     create_lease(&client, &ns, &ring, &long, 3600).await?;
     wait_status(&client, &ring, 1, 2).await?;
@@ -474,10 +480,12 @@ async fn invalid_and_duplicate_shard_names_stay_out_of_the_ring() -> anyhow::Res
 /// object is assigned in its CREATE response.
 #[tokio::test]
 async fn a_sharder_rollout_refuses_no_admission_call() -> anyhow::Result<()> {
-    let dedicated = DedicatedCluster::start().await?;
+    let DedicatedScenario {
+        dedicated,
+        client,
+        ns,
+    } = DedicatedScenario::in_namespace("rollout").await?;
     let cluster = dedicated.cluster();
-    let client = cluster.client().await?;
-    let ns = cluster.namespace(&client, "rollout").await?;
     let ring = unique_name("rollout");
     let shards = ["shard-a", "shard-b"];
     let balancer = Balancer::start().await?;
@@ -566,9 +574,10 @@ async fn a_sharder_rollout_refuses_no_admission_call() -> anyhow::Result<()> {
 /// its own leader election, nor a hash ring rebuilt.
 #[tokio::test]
 async fn lease_renewals_cost_the_sharder_no_request() -> anyhow::Result<()> {
-    let dedicated = DedicatedCluster::start().await?;
+    let DedicatedScenario {
+        dedicated, client, ..
+    } = DedicatedScenario::open().await?;
     let cluster = dedicated.cluster();
-    let client = cluster.client().await?;
     let shards = ["shard-a", "shard-b", "shard-c", "shard-d", "shard-e"];
     let (ns, ring) = ring_with_shards(cluster, &client, "renewals", &shards).await?;
     let files = SharderFiles::create(cluster.kubeconfig(), &SharderSettings::default())?;
@@ -637,12 +646,14 @@ fn sent_and_rebuilt(metrics: &str) -> (u64, u64) {
 /// admission review it gets after `/readyz` turns 200 is assigned as the ring predicts.
 #[tokio::test]
 async fn a_ready_replica_assigns_at_once() -> anyhow::Result<()> {
-    let sharder = shared();
-    let cluster = cluster();
-    let client = cluster.client().await?;
+    let SharedScenario {
+        mut logs,
+        cluster,
+        client,
+        ..
+    } = SharedScenario::open().await?;
     let shards = ["shard-a", "shard-b", "shard-c"];
     let (ns, ring) = ring_with_shards(cluster, &client, "ready", &shards).await?;
-    let mut logs = sharder.dump_on_failure();
     // The shared sharder leads; this replica follows, serving the webhook and probes only.
     let files = SharderFiles::create(cluster.kubeconfig(), &SharderSettings::default())?;
     wait_status(&client, &ring, 3, 3).await?;
@@ -669,7 +680,7 @@ async fn a_ready_replica_assigns_at_once() -> anyhow::Result<()> {
     let decoded: k8s_openapi::ByteString =
         serde_json::from_value(response["response"]["patch"].clone())?;
     let decoded = String::from_utf8(decoded.0)?;
-    let predicted = HashRing::new(shards);
+    let predicted = IndependentRing::unweighted(shards);
     let want = expected_shard(&predicted, &ns, "first").unwrap_or_default();
     ensure!(
         decoded.contains(&format!("\"{want}\"")),
@@ -686,10 +697,12 @@ async fn a_ready_replica_assigns_at_once() -> anyhow::Result<()> {
 /// went on would patch every one of them for nothing: the webhook puts each back on the shard.)
 #[tokio::test]
 async fn a_sync_stops_when_a_shard_joins_mid_sync() -> anyhow::Result<()> {
-    let dedicated = DedicatedCluster::start().await?;
+    let DedicatedScenario {
+        dedicated,
+        client,
+        ns,
+    } = DedicatedScenario::in_namespace("midsync").await?;
     let cluster = dedicated.cluster();
-    let client = cluster.client().await?;
-    let ns = cluster.namespace(&client, "midsync").await?;
     let ring = unique_name("midsync");
     let shards = ["shard-a", "shard-b", "shard-c", "shard-d"];
     for shard in shards {
@@ -734,7 +747,7 @@ async fn a_sync_stops_when_a_shard_joins_mid_sync() -> anyhow::Result<()> {
 
     // Converged: every Secret is where the four shards want it, or draining towards it from a
     // live shard (the test plays the shards and never acknowledges).
-    let predicted = HashRing::new(shards);
+    let predicted = IndependentRing::unweighted(shards);
     let drain = labels::drain_label(&ring);
     let list = poll_until("Secrets settled on the four-shard ring", WAIT, || async {
         let list = secrets.list_metadata(&ListParams::default()).await?;
@@ -760,7 +773,7 @@ async fn a_sync_stops_when_a_shard_joins_mid_sync() -> anyhow::Result<()> {
         "the outdated sync went on: {kept} kept, {drained} draining, {initially} were on shard-d"
     );
     let metrics = files.metrics()?;
-    let moves = e2e::sharder::counter(
+    let moves = e2e::sharder_process::counter(
         &metrics,
         "controller_sharding_movements_total",
         &ring,
@@ -801,9 +814,10 @@ async fn ready_of(client: &kube::Client, ring: &str) -> anyhow::Result<(String, 
 /// assigned within seconds and the ring is Ready again.
 #[tokio::test]
 async fn a_ring_whose_webhook_is_unreachable_sends_no_moves() -> anyhow::Result<()> {
-    let dedicated = DedicatedCluster::start().await?;
+    let DedicatedScenario {
+        dedicated, client, ..
+    } = DedicatedScenario::open().await?;
     let cluster = dedicated.cluster();
-    let client = cluster.client().await?;
     let healthy_ns = cluster.namespace(&client, "healthy").await?;
     let broken_ns = cluster.namespace(&client, "broken").await?;
     let (healthy, broken) = (unique_name("healthy"), unique_name("broken"));
@@ -884,7 +898,7 @@ async fn a_ring_whose_webhook_is_unreachable_sends_no_moves() -> anyhow::Result<
     let reopened = std::time::Instant::now();
     let secrets = Api::<Secret>::namespaced(client.clone(), &broken_ns);
     let key = labels::shard_label(&broken);
-    let predicted = HashRing::new(shards);
+    let predicted = IndependentRing::unweighted(shards);
     poll_until(
         "every missed object assigned",
         Duration::from_secs(15),
@@ -919,10 +933,12 @@ async fn a_ring_whose_webhook_is_unreachable_sends_no_moves() -> anyhow::Result<
 /// the ConfigMap follows within seconds. The test plays the shards.
 #[tokio::test]
 async fn controlled_objects_follow_their_controller_only_after_it_left() -> anyhow::Result<()> {
-    let sharder = shared();
-    let mut logs = sharder.dump_on_failure();
-    let cluster = cluster();
-    let client = cluster.client().await?;
+    let SharedScenario {
+        mut logs,
+        cluster,
+        client,
+        ..
+    } = SharedScenario::open().await?;
     let (ns, ring) = ring_with_shards(
         cluster,
         &client,
@@ -968,7 +984,7 @@ async fn controlled_objects_follow_their_controller_only_after_it_left() -> anyh
 
     // shard-d joins: the Secrets that go to it are drained, and nobody acknowledges yet.
     create_lease(&client, &ns, &ring, "shard-d", 3600).await?;
-    let four = HashRing::new(["shard-a", "shard-b", "shard-c", "shard-d"]);
+    let four = IndependentRing::unweighted(["shard-a", "shard-b", "shard-c", "shard-d"]);
     let moving: Vec<usize> = (0..40)
         .filter(|i| expected_shard(&four, &ns, &format!("s-{i}")) == Some("shard-d"))
         .collect();
@@ -1044,10 +1060,12 @@ async fn a_crd_changing_its_served_version_is_discovered_again() -> anyhow::Resu
     use kube::api::{ApiResource, DynamicObject};
     use kube::runtime::wait::{await_condition, conditions};
 
-    let sharder = shared();
-    let mut logs = sharder.dump_on_failure();
-    let cluster = cluster();
-    let client = cluster.client().await?;
+    let SharedScenario {
+        mut logs,
+        cluster,
+        client,
+        ..
+    } = SharedScenario::open().await?;
     let group = format!("{}.example.com", unique_name("versions"));
     let crd_name = format!("gadgets.{group}");
     let version = |name: &str, served: bool, storage: bool| {
@@ -1084,11 +1102,7 @@ async fn a_crd_changing_its_served_version_is_discovered_again() -> anyhow::Resu
         create_lease(&client, &ns, &ring, shard, 3600).await?;
     }
     let mut spec = ring_spec(&ns);
-    spec.resources = vec![sharding_crds::RingResource {
-        group: group.clone(),
-        resource: "gadgets".into(),
-        controlled_resources: vec![],
-    }];
+    spec.resources = vec![sharding_crds::RingResource::new(group.clone(), "gadgets")];
     create_ring(&client, &ring, spec).await?;
     wait_status(&client, &ring, 2, 2).await?;
     let resource = |v: &str| {
@@ -1139,7 +1153,7 @@ async fn a_crd_changing_its_served_version_is_discovered_again() -> anyhow::Resu
     .await?;
     // A shard joins: the sync must list the gadgets with v2 and drain those moving to it.
     create_lease(&client, &ns, &ring, "shard-c", 3600).await?;
-    let three = HashRing::new(["shard-a", "shard-b", "shard-c"]);
+    let three = IndependentRing::unweighted(["shard-a", "shard-b", "shard-c"]);
     let drain = labels::drain_label(&ring);
     poll_until(
         "gadgets moving to shard-c drained",
@@ -1150,7 +1164,8 @@ async fn a_crd_changing_its_served_version_is_discovered_again() -> anyhow::Resu
                 .items
                 .iter()
                 .all(|g| {
-                    let want = three.shard_for(&format!("{group}/Gadget/{ns}/{}", g.name_any()));
+                    let want =
+                        three.try_shard_for(&format!("{group}/Gadget/{ns}/{}", g.name_any()));
                     let have = g.labels().get(&key).map(String::as_str);
                     (have == want) != g.labels().contains_key(&drain)
                 })

@@ -10,8 +10,9 @@ use e2e::fixtures::{
     start_checksum_shard, wait_status, wait_webhook,
 };
 use e2e::process::{Process, poll_until};
-use e2e::sharder::{DedicatedCluster, SharderFiles, SharderSettings, shared};
-use e2e::{cluster, unique_name};
+use e2e::scenario::{DedicatedScenario, SharedScenario};
+use e2e::sharder_process::{SharderFiles, SharderSettings};
+use e2e::{IndependentRing, unique_name};
 use k8s_openapi::ByteString;
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
 use k8s_openapi::api::coordination::v1::Lease;
@@ -20,7 +21,6 @@ use kube::api::{Api, ObjectMeta, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
-use sharder::core::hash_ring::HashRing;
 use sharding_crds::labels;
 
 const SHARDS: [&str; 3] = ["shard-a", "shard-b", "shard-c"];
@@ -129,7 +129,7 @@ async fn create_and_check(
     let created = Api::<Secret>::namespaced(client.clone(), namespace)
         .create(&PostParams::default(), &secret(name))
         .await?;
-    let predicted = HashRing::new(SHARDS);
+    let predicted = IndependentRing::unweighted(SHARDS);
     let expected = expected_shard(&predicted, namespace, name);
     let got = created.labels().get(&labels::shard_label(ring));
     ensure!(
@@ -143,10 +143,12 @@ async fn create_and_check(
 /// the leader hands over to the other within the lease duration.
 #[tokio::test]
 async fn two_sharders_elect_one_leader_and_hand_over_on_sigterm() -> anyhow::Result<()> {
-    let dedicated = DedicatedCluster::start().await?;
+    let DedicatedScenario {
+        dedicated,
+        client,
+        ns,
+    } = DedicatedScenario::in_namespace("leader").await?;
     let cluster = dedicated.cluster();
-    let client = cluster.client().await?;
-    let ns = cluster.namespace(&client, "leader").await?;
     let ring = unique_name("leader");
     create_ring(&client, &ring, ring_spec(&ns)).await?;
     for shard in SHARDS {
@@ -206,7 +208,8 @@ async fn two_sharders_elect_one_leader_and_hand_over_on_sigterm() -> anyhow::Res
     // Both replicas answer webhooks with the same assignment: every replica keeps the rings view.
     for (i, f) in files.iter().enumerate() {
         for name in ["direct-0", "direct-1", "direct-2"] {
-            let expected = expected_shard(&HashRing::new(SHARDS), &ns, name).map(str::to_string);
+            let expected =
+                expected_shard(&IndependentRing::unweighted(SHARDS), &ns, name).map(str::to_string);
             let got = poll_until(&format!("replica {i} to assign {name}"), STARTUP, || {
                 let got = assigned_by_replica(f, &ring, &ns, name);
                 async move { got }
@@ -298,11 +301,12 @@ fn secret_data(i: usize) -> BTreeMap<String, String> {
 /// checksums ConfigMaps of its own Secrets, on the same shard.
 #[tokio::test]
 async fn sharder_and_three_checksum_shards_split_a_ring() -> anyhow::Result<()> {
-    let sharder = shared();
-    let mut logs = sharder.dump_on_failure();
-    let cluster = cluster();
-    let client = cluster.client().await?;
-    let ns = cluster.namespace(&client, "checksums").await?;
+    let SharedScenario {
+        mut logs,
+        client,
+        ns,
+        ..
+    } = SharedScenario::in_namespace("checksums").await?;
     let ring = unique_name("checksums");
     create_ring(&client, &ring, ring_spec(&ns)).await?;
     let mut shards = Vec::new();
@@ -333,7 +337,7 @@ async fn sharder_and_three_checksum_shards_split_a_ring() -> anyhow::Result<()> 
     wait_webhook(&client, &ns, &ring, &SHARDS).await?;
 
     let key = labels::shard_label(&ring);
-    let predicted = HashRing::new(SHARDS);
+    let predicted = IndependentRing::unweighted(SHARDS);
     let secrets = Api::<Secret>::namespaced(client.clone(), &ns);
     let count = 30;
     let mut expected = BTreeMap::new();

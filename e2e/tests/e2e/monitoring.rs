@@ -13,11 +13,11 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
-use e2e::cluster;
 use e2e::fixtures::{create_lease, create_ring, ring_spec, wait_status};
 use e2e::logs::DumpOnFailure;
+use e2e::net::{curl, free_port};
 use e2e::process::poll_until;
-use e2e::sharder::{curl, free_port, shared};
+use e2e::scenario::SharedScenario;
 use e2e::unique_name;
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::api::{Api, DeleteParams};
@@ -447,11 +447,13 @@ impl PrometheusServer {
 /// its `for:`; when a shard returns, it resolves. Every dashboard query runs on that server too.
 #[tokio::test]
 async fn prometheus_fires_and_resolves_no_available_shard() -> anyhow::Result<()> {
-    let sharder = shared();
-    let mut logs = sharder.dump_on_failure();
-    let cluster = cluster();
-    let client = cluster.client().await?;
-    let ns = cluster.namespace(&client, "monitoring").await?;
+    let SharedScenario {
+        sharder,
+        mut logs,
+        client,
+        ns,
+        ..
+    } = SharedScenario::in_namespace("monitoring").await?;
     let ring = unique_name("monitoring");
     create_ring(&client, &ring, ring_spec(&ns)).await?;
     for shard in ["shard-a", "shard-b"] {

@@ -8,12 +8,11 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use anyhow::ensure;
-use e2e::cluster;
 use e2e::fixtures::{
     WAIT, create_lease, create_ring, ring_spec, secret, wait_status, wait_webhook,
 };
 use e2e::process::poll_until;
-use e2e::sharder::shared;
+use e2e::scenario::SharedScenario;
 use e2e::unique_name;
 use k8s_openapi::api::core::v1::{Event, Secret};
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
@@ -62,11 +61,13 @@ async fn wait_event(
 /// runs out is declared dead and one whose Lease is deleted left.
 #[tokio::test]
 async fn metrics_and_events_explain_a_rebalance() -> anyhow::Result<()> {
-    let sharder = shared();
-    let mut logs = sharder.dump_on_failure();
-    let cluster = cluster();
-    let client = cluster.client().await?;
-    let ns = cluster.namespace(&client, "observe").await?;
+    let SharedScenario {
+        sharder,
+        mut logs,
+        client,
+        ns,
+        ..
+    } = SharedScenario::in_namespace("observe").await?;
     let ring = unique_name("observe");
     create_ring(&client, &ring, ring_spec(&ns)).await?;
     let shards = ["shard-a", "shard-b", "shard-c"];

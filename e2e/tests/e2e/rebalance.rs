@@ -11,8 +11,9 @@ use e2e::fixtures::{
     start_checksum_shard_of, wait_status_of, wait_webhook_of,
 };
 use e2e::process::{Process, poll_until};
-use e2e::sharder::{DedicatedCluster, SharderFiles, SharderSettings, shared};
-use e2e::{cluster, unique_name};
+use e2e::scenario::{DedicatedScenario, SharedScenario};
+use e2e::sharder_process::{SharderFiles, SharderSettings};
+use e2e::{IndependentRing, unique_name};
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::ByteString;
 use k8s_openapi::api::coordination::v1::Lease;
@@ -20,7 +21,6 @@ use k8s_openapi::api::core::v1::{ConfigMap, Secret};
 use k8s_openapi::api::scheduling::v1::PriorityClass;
 use kube::api::{Api, ListParams, ObjectMeta, PostParams};
 use kube::{Client, ResourceExt};
-use sharder::core::hash_ring::HashRing;
 use sharding_crds::labels;
 use sharding_crds::{ClusterRingSpec, GroupResource, RingKind, RingRef, RingResource};
 
@@ -146,7 +146,7 @@ async fn wait_converged(
     count: usize,
     timeout: Duration,
 ) -> anyhow::Result<BTreeMap<String, String>> {
-    let predicted = HashRing::new(shards);
+    let predicted = IndependentRing::unweighted(shards);
     poll_until(
         &format!("{count} Secrets and ConfigMaps on {shards:?}"),
         timeout,
@@ -184,7 +184,7 @@ async fn wait_all_assigned(
     timeout: Duration,
 ) -> anyhow::Result<()> {
     let key = ring.shard_label();
-    let predicted = HashRing::new(shards);
+    let predicted = IndependentRing::unweighted(shards);
     let secrets = Api::<Secret>::namespaced(client.clone(), namespace);
     poll_until("all Secrets assigned", timeout, || async {
         let list = secrets.list_metadata(&ListParams::default()).await?;
@@ -216,11 +216,13 @@ async fn controller_ring_scale_out_drains_exactly_the_moved_objects() -> anyhow:
 
 /// Scales a ring of `kind` out from three shards to four and checks the drain handshake.
 async fn scale_out(kind: RingKind) -> anyhow::Result<()> {
-    let sharder = shared();
-    let mut logs = sharder.dump_on_failure();
-    let cluster = cluster();
-    let client = cluster.client().await?;
-    let ns = cluster.namespace(&client, "scaleout").await?;
+    let SharedScenario {
+        sharder,
+        mut logs,
+        client,
+        ns,
+        ..
+    } = SharedScenario::in_namespace("scaleout").await?;
     let ring = RingRef::new(kind, unique_name("scaleout"));
     create_ring_of(&client, &ring, ring_spec(&ns)).await?;
     let names = ["shard-0", "shard-1", "shard-2", "shard-3"];
@@ -284,11 +286,13 @@ fn finish(processes: impl IntoIterator<Item = Process>) {
 
 #[tokio::test]
 async fn graceful_scale_in_moves_without_drains() -> anyhow::Result<()> {
-    let sharder = shared();
-    let mut logs = sharder.dump_on_failure();
-    let cluster = cluster();
-    let client = cluster.client().await?;
-    let ns = cluster.namespace(&client, "scalein").await?;
+    let SharedScenario {
+        sharder,
+        mut logs,
+        client,
+        ns,
+        ..
+    } = SharedScenario::in_namespace("scalein").await?;
     let ring = cluster_ring(unique_name("scalein"));
     create_ring_of(&client, &ring, ring_spec(&ns)).await?;
     let names = ["shard-0", "shard-1", "shard-2"];
@@ -355,11 +359,12 @@ async fn controller_ring_crashed_shard_objects_move_after_takeover() -> anyhow::
 
 /// Kills one of three shards of a ring of `kind` and checks its objects move after takeover.
 async fn crash(kind: RingKind) -> anyhow::Result<()> {
-    let sharder = shared();
-    let mut logs = sharder.dump_on_failure();
-    let cluster = cluster();
-    let client = cluster.client().await?;
-    let ns = cluster.namespace(&client, "crash").await?;
+    let SharedScenario {
+        mut logs,
+        client,
+        ns,
+        ..
+    } = SharedScenario::in_namespace("crash").await?;
     let ring = RingRef::new(kind, unique_name("crash"));
     create_ring_of(&client, &ring, ring_spec(&ns)).await?;
     let names = ["shard-0", "shard-1", "shard-2"];
@@ -397,11 +402,13 @@ async fn crash(kind: RingKind) -> anyhow::Result<()> {
 
 #[tokio::test]
 async fn existing_objects_are_assigned_and_unselected_namespaces_untouched() -> anyhow::Result<()> {
-    let sharder = shared();
-    let mut logs = sharder.dump_on_failure();
-    let cluster = cluster();
-    let client = cluster.client().await?;
-    let ns = cluster.namespace(&client, "existing").await?;
+    let SharedScenario {
+        mut logs,
+        cluster,
+        client,
+        ns,
+        ..
+    } = SharedScenario::in_namespace("existing").await?;
     let other = cluster.namespace(&client, "existing-other").await?;
     // Objects first, ring afterwards.
     create_secrets(&client, &ns, 30).await?;
@@ -433,11 +440,12 @@ async fn existing_objects_are_assigned_and_unselected_namespaces_untouched() -> 
 
 #[tokio::test]
 async fn cluster_scoped_resources_are_assigned() -> anyhow::Result<()> {
-    let sharder = shared();
-    let mut logs = sharder.dump_on_failure();
-    let cluster = cluster();
-    let client = cluster.client().await?;
-    let ns = cluster.namespace(&client, "clusterscoped").await?;
+    let SharedScenario {
+        mut logs,
+        client,
+        ns,
+        ..
+    } = SharedScenario::in_namespace("clusterscoped").await?;
     // PriorityClasses: cluster-scoped, and no pod here uses them.
     let roles = Api::<PriorityClass>::all(client.clone());
     let prefix = unique_name("sharded-class");
@@ -457,17 +465,17 @@ async fn cluster_scoped_resources_are_assigned() -> anyhow::Result<()> {
         create_lease(&client, &ns, &ring, shard, 3600).await?;
     }
     let spec = ClusterRingSpec {
-        resources: vec![RingResource {
-            group: "scheduling.k8s.io".into(),
-            resource: "priorityclasses".into(),
-            controlled_resources: vec![GroupResource::new("", "configmaps")],
-        }],
+        resources: vec![RingResource::controlling(
+            "scheduling.k8s.io",
+            "priorityclasses",
+            [GroupResource::new("", "configmaps")],
+        )],
         namespace_selector: ring_spec(&ns).namespace_selector,
         hash_key: None,
     };
     create_ring(&client, &ring, spec).await?;
     let key = labels::shard_label(&ring);
-    let predicted = HashRing::new(["shard-a", "shard-b", "shard-c"]);
+    let predicted = IndependentRing::unweighted(["shard-a", "shard-b", "shard-c"]);
     poll_until("PriorityClasses assigned", Duration::from_secs(20), || {
         let (roles, key, predicted, prefix) = (
             roles.clone(),
@@ -481,7 +489,7 @@ async fn cluster_scoped_resources_are_assigned() -> anyhow::Result<()> {
                 let name = format!("{prefix}-{i}");
                 let role = roles.get(&name).await?;
                 let expected =
-                    predicted.shard_for(&format!("scheduling.k8s.io/PriorityClass//{name}"));
+                    predicted.try_shard_for(&format!("scheduling.k8s.io/PriorityClass//{name}"));
                 ok &= role.labels().get(&key).map(String::as_str) == expected;
             }
             Ok(ok.then_some(()))
@@ -494,10 +502,12 @@ async fn cluster_scoped_resources_are_assigned() -> anyhow::Result<()> {
 
 #[tokio::test]
 async fn objects_created_while_no_sharder_runs_are_assigned_quickly() -> anyhow::Result<()> {
-    let dedicated = DedicatedCluster::start().await?;
+    let DedicatedScenario {
+        dedicated,
+        client,
+        ns,
+    } = DedicatedScenario::in_namespace("missed").await?;
     let cluster = dedicated.cluster();
-    let client = cluster.client().await?;
-    let ns = cluster.namespace(&client, "missed").await?;
     let ring = cluster_ring(unique_name("missed"));
     let shards = ["shard-a", "shard-b", "shard-c"];
     for shard in shards {

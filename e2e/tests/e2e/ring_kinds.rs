@@ -10,13 +10,12 @@ use std::time::Duration;
 
 use anyhow::{Context, ensure};
 use e2e::IndependentRing;
-use e2e::cluster;
 use e2e::fixtures::{
     WAIT, create_lease_of, create_ring_of, create_secrets, lease_warnings, ring_spec,
     wait_dry_run_label, wait_status_of,
 };
 use e2e::process::poll_until;
-use e2e::sharder::shared;
+use e2e::scenario::SharedScenario;
 use e2e::unique_name;
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
 use k8s_openapi::api::coordination::v1::Lease;
@@ -52,11 +51,12 @@ async fn secret_labels(
 /// configuration. A Lease labelled for both is used by neither and reported.
 #[tokio::test]
 async fn same_name_rings_of_both_kinds_coexist() -> anyhow::Result<()> {
-    let sharder = shared();
-    let mut logs = sharder.dump_on_failure();
-    let cluster = cluster();
-    let client = cluster.client().await?;
-    let ns = cluster.namespace(&client, "kinds").await?;
+    let SharedScenario {
+        mut logs,
+        client,
+        ns,
+        ..
+    } = SharedScenario::in_namespace("kinds").await?;
     let name = unique_name("kinds");
     let cluster_ring = RingRef::new(RingKind::ClusterRing, &name);
     let controller_ring = RingRef::new(RingKind::ControllerRing, &name);
@@ -155,11 +155,12 @@ async fn same_name_rings_of_both_kinds_coexist() -> anyhow::Result<()> {
 /// created with `generateName` included; switching back to `Object` rebalances through drains.
 #[tokio::test]
 async fn namespace_hashing_keeps_a_namespace_on_one_shard() -> anyhow::Result<()> {
-    let sharder = shared();
-    let mut logs = sharder.dump_on_failure();
-    let cluster = cluster();
-    let client = cluster.client().await?;
-    let ns = cluster.namespace(&client, "nshash").await?;
+    let SharedScenario {
+        mut logs,
+        client,
+        ns,
+        ..
+    } = SharedScenario::in_namespace("nshash").await?;
     let ring = RingRef::new(RingKind::ControllerRing, unique_name("nshash"));
     let mut spec = ring_spec(&ns);
     spec.hash_key = Some(HashKey::Namespace);
@@ -243,11 +244,13 @@ async fn namespace_hashing_keeps_a_namespace_on_one_shard() -> anyhow::Result<()
 /// weight counts as 1 and is reported on its Lease.
 #[tokio::test]
 async fn weighted_shards_follow_the_weighted_ring() -> anyhow::Result<()> {
-    let sharder = shared();
-    let mut logs = sharder.dump_on_failure();
-    let cluster = cluster();
-    let client = cluster.client().await?;
-    let ns = cluster.namespace(&client, "weights").await?;
+    let SharedScenario {
+        sharder,
+        mut logs,
+        client,
+        ns,
+        ..
+    } = SharedScenario::in_namespace("weights").await?;
     let ring = RingRef::new(RingKind::ClusterRing, unique_name("weights"));
     create_ring_of(&client, &ring, ring_spec(&ns)).await?;
     let leases = Api::<Lease>::namespaced(client.clone(), &ns);
@@ -314,11 +317,13 @@ async fn weighted_shards_follow_the_weighted_ring() -> anyhow::Result<()> {
 /// removing both labels, and reassignment to the new shard, all as the independent ring predicts.
 #[tokio::test]
 async fn controller_ring_protocol_from_outside() -> anyhow::Result<()> {
-    let sharder = shared();
-    let mut logs = sharder.dump_on_failure();
-    let cluster = cluster();
-    let client = cluster.client().await?;
-    let ns = cluster.namespace(&client, "protocol").await?;
+    let SharedScenario {
+        sharder,
+        mut logs,
+        client,
+        ns,
+        ..
+    } = SharedScenario::in_namespace("protocol").await?;
     let name = unique_name("protocol");
     let ring_object = json!({
         "apiVersion": "sharding.timebertt.dev/v1alpha1",

@@ -9,8 +9,8 @@ use e2e::fixtures::{
     wait_webhook,
 };
 use e2e::process::poll_until;
-use e2e::sharder::shared;
-use e2e::{cluster, unique_name};
+use e2e::scenario::SharedScenario;
+use e2e::{IndependentRing, unique_name};
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::api::core::v1::{ConfigMap, Secret};
@@ -19,17 +19,18 @@ use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, ObjectMeta, Patch, PatchParams, PostParams};
 use serde_json::json;
-use sharder::core::hash_ring::HashRing;
 use sharding_crds::labels;
 use sharding_crds::{ClusterRing, GroupResource, RingResource};
 
 #[tokio::test]
 async fn webhook_assigns_in_the_create_response() -> anyhow::Result<()> {
-    let sharder = shared();
-    let mut logs = sharder.dump_on_failure();
-    let cluster = cluster();
-    let client = cluster.client().await?;
-    let ns = cluster.namespace(&client, "assign").await?;
+    let SharedScenario {
+        mut logs,
+        cluster,
+        client,
+        ns,
+        ..
+    } = SharedScenario::in_namespace("assign").await?;
     let ring = unique_name("assign");
     create_ring(&client, &ring, ring_spec(&ns)).await?;
     let shards = ["shard-a", "shard-b", "shard-c"];
@@ -39,7 +40,7 @@ async fn webhook_assigns_in_the_create_response() -> anyhow::Result<()> {
     wait_status(&client, &ring, 3, 3).await?;
     wait_webhook(&client, &ns, &ring, &shards).await?;
     let key = labels::shard_label(&ring);
-    let predicted = HashRing::new(shards);
+    let predicted = IndependentRing::unweighted(shards);
     let secrets = Api::<Secret>::namespaced(client.clone(), &ns);
     let mut seen = std::collections::BTreeSet::new();
     for i in 0..20 {
@@ -138,11 +139,12 @@ async fn webhook_assigns_in_the_create_response() -> anyhow::Result<()> {
 
 #[tokio::test]
 async fn status_follows_leases_and_no_shard_leaves_objects_unassigned() -> anyhow::Result<()> {
-    let sharder = shared();
-    let mut logs = sharder.dump_on_failure();
-    let cluster = cluster();
-    let client = cluster.client().await?;
-    let ns = cluster.namespace(&client, "status").await?;
+    let SharedScenario {
+        mut logs,
+        client,
+        ns,
+        ..
+    } = SharedScenario::in_namespace("status").await?;
     let ring = unique_name("status");
     create_ring(&client, &ring, ring_spec(&ns)).await?;
     wait_status(&client, &ring, 0, 0).await?;
@@ -178,11 +180,13 @@ async fn status_follows_leases_and_no_shard_leaves_objects_unassigned() -> anyho
 
 #[tokio::test]
 async fn webhook_configuration_matches_spec_and_is_restored() -> anyhow::Result<()> {
-    let sharder = shared();
-    let mut logs = sharder.dump_on_failure();
-    let cluster = cluster();
-    let client = cluster.client().await?;
-    let ns = cluster.namespace(&client, "webhookcfg").await?;
+    let SharedScenario {
+        sharder,
+        mut logs,
+        client,
+        ns,
+        ..
+    } = SharedScenario::in_namespace("webhookcfg").await?;
     let ring = unique_name("webhookcfg");
     create_ring(&client, &ring, ring_spec(&ns)).await?;
     let configs = Api::<MutatingWebhookConfiguration>::all(client.clone());
@@ -287,11 +291,12 @@ async fn wait_lease_state(
 
 #[tokio::test]
 async fn lease_lifecycle_from_ready_to_deleted() -> anyhow::Result<()> {
-    let sharder = shared();
-    let mut logs = sharder.dump_on_failure();
-    let cluster = cluster();
-    let client = cluster.client().await?;
-    let ns = cluster.namespace(&client, "lifecycle").await?;
+    let SharedScenario {
+        mut logs,
+        client,
+        ns,
+        ..
+    } = SharedScenario::in_namespace("lifecycle").await?;
     let ring = unique_name("lifecycle");
     create_ring(&client, &ring, ring_spec(&ns)).await?;
     let api = Api::<Lease>::namespaced(client.clone(), &ns);
@@ -328,11 +333,13 @@ async fn lease_lifecycle_from_ready_to_deleted() -> anyhow::Result<()> {
 
 #[tokio::test]
 async fn garbage_leases_crash_nothing() -> anyhow::Result<()> {
-    let sharder = shared();
-    let mut logs = sharder.dump_on_failure();
-    let cluster = cluster();
-    let client = cluster.client().await?;
-    let ns = cluster.namespace(&client, "garbage").await?;
+    let SharedScenario {
+        sharder,
+        mut logs,
+        client,
+        ns,
+        ..
+    } = SharedScenario::in_namespace("garbage").await?;
     let ring = unique_name("garbage");
     create_ring(&client, &ring, ring_spec(&ns)).await?;
     let api = Api::<Lease>::namespaced(client.clone(), &ns);
@@ -389,11 +396,12 @@ async fn garbage_leases_crash_nothing() -> anyhow::Result<()> {
 
 #[tokio::test]
 async fn invalid_rings_are_reported_and_not_acted_on() -> anyhow::Result<()> {
-    let sharder = shared();
-    let mut logs = sharder.dump_on_failure();
-    let cluster = cluster();
-    let client = cluster.client().await?;
-    let ns = cluster.namespace(&client, "invalid").await?;
+    let SharedScenario {
+        mut logs,
+        client,
+        ns,
+        ..
+    } = SharedScenario::in_namespace("invalid").await?;
     let rings = Api::<ClusterRing>::all(client.clone());
     let configs = Api::<MutatingWebhookConfiguration>::all(client.clone());
     let mut cases = vec![];
@@ -435,13 +443,11 @@ async fn invalid_rings_are_reported_and_not_acted_on() -> anyhow::Result<()> {
     ] {
         let ring = unique_name("refused");
         let mut spec = ring_spec(&ns);
-        spec.resources = vec![RingResource {
-            group: group.into(),
-            resource: resource.into(),
-            controlled_resources: controlled
-                .map(|(g, r)| vec![GroupResource::new(g, r)])
-                .unwrap_or_default(),
-        }];
+        spec.resources = vec![RingResource::controlling(
+            group,
+            resource,
+            controlled.map(|(g, r)| GroupResource::new(g, r)),
+        )];
         create_ring(&client, &ring, spec).await?;
         cases.push((ring, message.to_string()));
     }
@@ -476,13 +482,15 @@ async fn invalid_rings_are_reported_and_not_acted_on() -> anyhow::Result<()> {
 
 #[tokio::test]
 async fn webhook_server_answers_bad_input_with_4xx_and_keeps_serving() -> anyhow::Result<()> {
-    let sharder = shared();
-    let mut logs = sharder.dump_on_failure();
+    let SharedScenario {
+        sharder,
+        mut logs,
+        client,
+        ns,
+        ..
+    } = SharedScenario::in_namespace("bad-input").await?;
     let files = &sharder.files;
     // A ring the sharder knows; a path naming any other ring is not found, body unread.
-    let cluster = cluster();
-    let client = cluster.client().await?;
-    let ns = cluster.namespace(&client, "bad-input").await?;
     let ring = unique_name("bad-input");
     create_ring(&client, &ring, ring_spec(&ns)).await?;
     create_lease(&client, &ns, &ring, "shard-a", 3600).await?;
@@ -516,11 +524,13 @@ async fn webhook_server_answers_bad_input_with_4xx_and_keeps_serving() -> anyhow
 
 #[tokio::test]
 async fn metrics_report_rings_and_shards() -> anyhow::Result<()> {
-    let sharder = shared();
-    let mut logs = sharder.dump_on_failure();
-    let cluster = cluster();
-    let client = cluster.client().await?;
-    let ns = cluster.namespace(&client, "metrics").await?;
+    let SharedScenario {
+        sharder,
+        mut logs,
+        client,
+        ns,
+        ..
+    } = SharedScenario::in_namespace("metrics").await?;
     let ring = unique_name("metrics");
     create_ring(&client, &ring, ring_spec(&ns)).await?;
     create_lease(&client, &ns, &ring, "shard-a", 3600).await?;

@@ -9,7 +9,8 @@ use anyhow::ensure;
 use e2e::etcd::Compactor;
 use e2e::fixtures::{create_lease, create_ring, ring_spec};
 use e2e::process::poll_until;
-use e2e::sharder::{DedicatedCluster, SharderFiles, SharderSettings, counter};
+use e2e::scenario::DedicatedScenario;
+use e2e::sharder_process::{SharderFiles, SharderSettings, counter};
 use e2e::{IndependentRing, unique_name};
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::Secret;
@@ -71,13 +72,16 @@ fn syncs(metrics: &str, ring: &str, outcome: &str) -> u64 {
 /// then from etcd just the same, which a test cannot wait for on every page.
 #[tokio::test]
 async fn a_sync_goes_on_when_its_continue_tokens_expire() -> anyhow::Result<()> {
-    let dedicated = DedicatedCluster::start_with_apiserver_args(&[
-        "--feature-gates=ListFromCacheSnapshot=false",
-    ])
+    let DedicatedScenario {
+        dedicated,
+        client,
+        ns,
+    } = DedicatedScenario::with_apiserver_args_in_namespace(
+        &["--feature-gates=ListFromCacheSnapshot=false"],
+        "expire",
+    )
     .await?;
     let cluster = dedicated.cluster();
-    let client = cluster.client().await?;
-    let ns = cluster.namespace(&client, "expire").await?;
     let ring = unique_name("expire");
     let key = labels::shard_label(&ring);
     // Three pages of Secrets, created before the ring exists on a shard that never joins it: no
@@ -180,11 +184,7 @@ fn lists_of(cluster: &e2e::Cluster, resource: &str, scope: &str) -> anyhow::Resu
 /// A ClusterRing spec over the core `resource` alone, in the namespaces `selector` selects.
 fn spec_of(resource: &str, selector: LabelSelector) -> ClusterRingSpec {
     ClusterRingSpec {
-        resources: vec![RingResource {
-            group: String::new(),
-            resource: resource.into(),
-            controlled_resources: Vec::new(),
-        }],
+        resources: vec![RingResource::new("", resource)],
         namespace_selector: Some(selector),
         hash_key: None,
     }
@@ -196,10 +196,12 @@ fn spec_of(resource: &str, selector: LabelSelector) -> ClusterRingSpec {
 /// across the cluster, in fewer requests.
 #[tokio::test]
 async fn a_sync_lists_only_the_namespaces_its_ring_selects() -> anyhow::Result<()> {
-    let dedicated = DedicatedCluster::start().await?;
+    let DedicatedScenario {
+        dedicated,
+        client,
+        ns,
+    } = DedicatedScenario::in_namespace("few").await?;
     let cluster = dedicated.cluster();
-    let client = cluster.client().await?;
-    let ns = cluster.namespace(&client, "few").await?;
     // Objects elsewhere that a cluster-wide list would read for nothing.
     let elsewhere = cluster.namespace(&client, "elsewhere").await?;
     create_labelled_secrets(&client, &ns, 20, &BTreeMap::new()).await?;

@@ -303,7 +303,7 @@ fn sharder_counter(c: &InCluster, metric: &str) -> anyhow::Result<f64> {
         let Some(ip) = pod["status"]["podIP"].as_str() else {
             continue;
         };
-        let text = e2e::sharder::curl(&[
+        let text = e2e::net::curl(&[
             "-sf",
             "--max-time",
             "5",

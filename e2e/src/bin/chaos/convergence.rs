@@ -1,7 +1,7 @@
 //! Invariants 2 and 3, read from the API server once the faults have stopped:
 //!
 //! - **Convergence**: the shards whose Leases make them available are exactly the shards the tool
-//!   keeps running; every Secret carries the shard label the independent ring ([`HashRing`]) gives
+//!   keeps running; every Secret carries the shard label the [`IndependentRing`] gives
 //!   for them, every ConfigMap a Secret controls carries its controller's, a ConfigMap without a
 //!   controller carries none, and no object carries the drain label.
 //! - **Nothing lost**: every Secret has its `checksums-<name>` ConfigMap, controlled by it, with
@@ -11,13 +11,14 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::{Duration, Instant};
 
+use e2e::IndependentRing;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{ConfigMap, Secret};
 use kube::api::{Api, ListParams};
 use kube::{Client, ResourceExt};
 use sha2::{Digest, Sha256};
 
-use crate::ring::{HashRing, LabelKeys, available_shards, secret_key};
+use crate::ring::{LabelKeys, available_shards, secret_key};
 
 /// Prefix checksum-controller gives its ConfigMaps' names.
 const CHECKSUMS_PREFIX: &str = "checksums-";
@@ -102,13 +103,13 @@ pub(crate) fn placement_problems(
             "available shards by their Leases {available:?} differ from the running shards {running:?}"
         ));
     }
-    let ring = HashRing::new(available.iter().map(String::as_str));
+    let ring = IndependentRing::unweighted(available.iter().map(String::as_str));
     let mut check = |kind: &str,
                      ns: &str,
                      name: String,
                      labels: &BTreeMap<String, String>,
                      owner: Option<&str>| {
-        let expected = owner.and_then(|secret| ring.shard_for(&secret_key(ns, secret)));
+        let expected = owner.and_then(|secret| ring.try_shard_for(&secret_key(ns, secret)));
         let actual = labels.get(&keys.shard).map(String::as_str);
         if actual != expected {
             problems.push(format!(
@@ -343,8 +344,8 @@ mod tests {
 
     /// The shard the independent ring of `shard-a` and `shard-b` gives Secret `ns/name`.
     fn shard_of(name: &str) -> String {
-        HashRing::new(["shard-a", "shard-b"])
-            .shard_for(&secret_key("ns", name))
+        IndependentRing::unweighted(["shard-a", "shard-b"])
+            .try_shard_for(&secret_key("ns", name))
             .expect("a shard")
             .to_string()
     }

@@ -6,30 +6,10 @@
 //! crash; anything else is.
 
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
-use serde::Serialize;
 
+use crate::findings::{ExitCounts, Violation};
 use crate::fleet::Incarnation;
-use crate::report::Violation;
 use crate::stalls::StallLog;
-
-/// How the processes that ended, ended.
-#[derive(Clone, Debug, Default, Serialize)]
-pub(crate) struct ExitCounts {
-    /// Ended after the tool sent SIGKILL or SIGTERM.
-    pub(crate) signalled: usize,
-    /// Shards that exited on losing their Lease after the tool paused them.
-    pub(crate) lease_lost_after_pause: usize,
-    /// Shards that exited on losing their Lease while the API server was restarting.
-    pub(crate) lease_lost_in_apiserver_restart: usize,
-    /// Shards that exited on losing their Lease while the API server took no write promptly (an
-    /// overloaded machine, say), as the tool's heartbeat saw.
-    pub(crate) lease_lost_in_api_stall: usize,
-    /// Ended for no reason the tool gave (each is also a violation).
-    pub(crate) unexpected: usize,
-    /// Processes that ended with a non-zero status after SIGTERM (not a violation: a graceful
-    /// stop may fail to release a Lease while the API server is down, say).
-    pub(crate) unclean_after_term: usize,
-}
 
 /// One process to judge.
 #[derive(Debug)]

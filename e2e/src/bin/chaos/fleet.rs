@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use e2e::gate::{Balancer, TcpGate};
 use e2e::process::Process;
-use e2e::sharder::{SharderFiles, SharderSettings};
+use e2e::sharder_process::{SharderFiles, SharderSettings};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::jiff::Timestamp;
 use kube::Client;

@@ -56,6 +56,7 @@ mod convergence;
 mod evidence;
 mod exits;
 mod faults;
+mod findings;
 mod fleet;
 mod leases;
 mod ownership;

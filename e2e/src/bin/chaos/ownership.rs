@@ -36,8 +36,8 @@ use std::collections::{BTreeMap, HashMap};
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 
 use crate::evidence::{LeaseEnd, RunLog};
+use crate::findings::{ShardCounts, Violation};
 use crate::leases::HolderChange;
-use crate::report::Violation;
 
 /// How much later than a reconcile of the next shard the evidence of the previous shard's
 /// letting go may be written.
@@ -62,14 +62,6 @@ impl ShardRun {
             None => self.shard.clone(),
         }
     }
-}
-
-/// Reconcile and drain counts of one shard name, over all its processes.
-#[derive(Clone, Debug, Default, serde::Serialize)]
-pub(crate) struct ShardCounts {
-    pub(crate) processes: usize,
-    pub(crate) reconciles: usize,
-    pub(crate) drains: usize,
 }
 
 /// The API server's history of the objects, as the tool saw it.

@@ -7,19 +7,10 @@ use serde::Serialize;
 
 use crate::churn::ChurnStats;
 use crate::convergence::Outcome;
-use crate::exits::ExitCounts;
 use crate::faults::FaultRecord;
+use crate::findings::{ExitCounts, ShardCounts, Violation};
 use crate::fleet::ShardTiming;
-use crate::ownership::ShardCounts;
 use crate::probes::Rss;
-
-/// A broken invariant, with the evidence in words.
-#[derive(Clone, Debug, Serialize)]
-pub(crate) struct Violation {
-    /// `exclusive-ownership`, `convergence`, `nothing-lost` or `no-leaks`.
-    pub(crate) invariant: &'static str,
-    pub(crate) detail: String,
-}
 
 /// Settings of the run.
 #[derive(Debug, Serialize)]

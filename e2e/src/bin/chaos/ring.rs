@@ -1,15 +1,12 @@
 //! The placement the objects must converge to, computed here from the wire protocol alone
-//! (docs/protocol.md §2, §4, §5, §6) and never through the sharder's or the shard library's code,
-//! so that a bug shared by both sides of the protocol cannot hide itself.
+//! (docs/protocol.md §2, §4, §6; the ring itself, docs/protocol.md §5, is the harness's
+//! [`e2e::IndependentRing`]) and never through the sharder's or the shard library's code, so that a
+//! bug shared by both sides of the protocol cannot hide itself.
 
 use std::collections::BTreeSet;
 
 use k8s_openapi::api::coordination::v1::Lease;
 use sha2::{Digest, Sha256};
-use xxhash_rust::xxh64::xxh64;
-
-/// Tokens each available shard puts on the ring.
-const TOKENS_PER_SHARD: usize = 100;
 
 /// Longest ring name whose label suffix is never cut (63 bytes minus the fixed part).
 const LONGEST_UNCUT_RING_NAME: usize = 42;
@@ -39,41 +36,6 @@ impl LabelKeys {
     }
 }
 
-/// A consistent-hash ring over a set of shard names (docs/protocol.md §5).
-#[derive(Clone, Debug)]
-pub(crate) struct HashRing {
-    /// `(token, shard)` sorted by token.
-    tokens: Vec<(u64, String)>,
-}
-
-impl HashRing {
-    pub(crate) fn new<'a>(shards: impl IntoIterator<Item = &'a str>) -> Self {
-        let mut tokens = Vec::new();
-        for shard in shards {
-            for i in 0..TOKENS_PER_SHARD {
-                tokens.push((
-                    xxh64(format!("{shard}{i}").as_bytes(), 0),
-                    shard.to_string(),
-                ));
-            }
-        }
-        // Ties between tokens of different shards are astronomically unlikely; sorting by name
-        // as well only makes the result independent of the input order.
-        tokens.sort();
-        Self { tokens }
-    }
-
-    /// The shard of hash key `key`: the first token at or after the key's hash, wrapping.
-    pub(crate) fn shard_for(&self, key: &str) -> Option<&str> {
-        let hash = xxh64(key.as_bytes(), 0);
-        let index = self.tokens.partition_point(|(token, _)| *token < hash);
-        self.tokens
-            .get(index)
-            .or_else(|| self.tokens.first())
-            .map(|(_, shard)| shard.as_str())
-    }
-}
-
 /// Hash key of a Secret (docs/protocol.md §6: core group, kind, namespace, name); the ConfigMaps a
 /// Secret controls share it.
 pub(crate) fn secret_key(namespace: &str, name: &str) -> String {
@@ -99,41 +61,6 @@ mod tests {
     use super::*;
     use k8s_openapi::api::coordination::v1::LeaseSpec;
     use kube::api::ObjectMeta;
-
-    /// docs/protocol.md §5's vectors: the hash itself, and the ring of three shards.
-    #[test]
-    fn matches_the_protocol_vectors() {
-        assert_eq!(format!("{:016x}", xxh64(b"", 0)), "ef46db3751d8e999");
-        assert_eq!(
-            format!("{:016x}", xxh64(b"shard-a0", 0)),
-            "83b529463cc2a1f3"
-        );
-        assert_eq!(
-            format!("{:016x}", xxh64(b"apps/Deployment/bar/foo", 0)),
-            "82cb424099458184"
-        );
-        let ring = HashRing::new(["shard-a", "shard-b", "shard-c"]);
-        assert_eq!(ring.shard_for("apps/Deployment/bar/foo"), Some("shard-b"));
-        assert_eq!(ring.shard_for("/ConfigMap/default/foo"), Some("shard-b"));
-        assert_eq!(ring.shard_for("/Secret/default/foo"), Some("shard-a"));
-        assert_eq!(
-            ring.shard_for("webhosting.timebertt.dev/Website/project-foo/homepage"),
-            Some("shard-a")
-        );
-        let mut counts = std::collections::BTreeMap::new();
-        for i in 0..1000 {
-            let shard = ring.shard_for(&format!("/ConfigMap/default/foo-{i}"));
-            *counts.entry(shard.map(str::to_string)).or_insert(0) += 1;
-        }
-        let expected = [("shard-a", 380), ("shard-b", 307), ("shard-c", 313)]
-            .map(|(shard, n)| (Some(shard.to_string()), n));
-        assert_eq!(counts, std::collections::BTreeMap::from(expected));
-    }
-
-    #[test]
-    fn empty_ring_assigns_nothing() {
-        assert_eq!(HashRing::new([]).shard_for("/Secret/a/b"), None);
-    }
 
     /// docs/protocol.md §2's worked examples.
     #[test]

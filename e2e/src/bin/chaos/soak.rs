@@ -6,29 +6,30 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use e2e::fixtures::{create_ring, wait_status};
+use e2e::fixtures::{create_ring, secrets_controlling_configmaps, wait_status};
 use e2e::process::poll_until;
-use e2e::{Cluster, LABEL_NAMESPACE_NAME};
+use e2e::{Cluster, IndependentRing, LABEL_NAMESPACE_NAME};
 use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, LabelSelectorRequirement};
 use k8s_openapi::jiff::SignedDuration;
 use kube::api::{Api, PostParams};
 use kube::{Client, ResourceExt};
-use sharding_crds::{ClusterRingSpec, GroupResource, RingResource};
+use sharding_crds::ClusterRingSpec;
 use tokio_util::sync::{CancellationToken, DropGuard};
 
 use crate::churn::{self, ChurnStats};
 use crate::convergence::{self, Outcome, Target};
 use crate::evidence::RunLog;
-use crate::exits::{self, ExitCounts, Outages};
+use crate::exits::{self, Outages};
 use crate::faults::Injector;
+use crate::findings::{ExitCounts, ShardCounts, Violation};
 use crate::fleet::{self, Fleet, ShardTiming};
 use crate::leases::LeaseLog;
-use crate::ownership::{self, ShardCounts};
+use crate::ownership;
 use crate::plan::{self, FaultKind, round_ms};
 use crate::probes::{self, Rss};
-use crate::report::{Leaks, Report, Settings, Violation};
-use crate::ring::{HashRing, LabelKeys, secret_key};
+use crate::report::{Leaks, Report, Settings};
+use crate::ring::{LabelKeys, secret_key};
 use crate::stalls::StallLog;
 use crate::versions::VersionLog;
 use crate::{Args, plan_timing, progress};
@@ -293,11 +294,7 @@ async fn start(scene: &Scene<'_>, timing: ShardTiming) -> anyhow::Result<Started
 /// The ring: Secrets controlling ConfigMaps, in exactly the tool's namespaces.
 fn ring_spec(namespaces: &[String]) -> ClusterRingSpec {
     ClusterRingSpec {
-        resources: vec![RingResource {
-            group: String::new(),
-            resource: "secrets".into(),
-            controlled_resources: vec![GroupResource::new("", "configmaps")],
-        }],
+        resources: vec![secrets_controlling_configmaps()],
         namespace_selector: Some(LabelSelector {
             match_labels: None,
             match_expressions: Some(vec![LabelSelectorRequirement {
@@ -319,9 +316,9 @@ async fn wait_webhook(
     shards: &[String],
 ) -> anyhow::Result<()> {
     let api = Api::<Secret>::namespaced(client.clone(), namespace);
-    let ring = HashRing::new(shards.iter().map(String::as_str));
+    let ring = IndependentRing::unweighted(shards.iter().map(String::as_str));
     let expected = ring
-        .shard_for(&secret_key(namespace, "probe"))
+        .try_shard_for(&secret_key(namespace, "probe"))
         .map(str::to_string);
     poll_until("the webhook to assign like the ring", STARTUP, || {
         let (api, expected) = (api.clone(), expected.clone());
@@ -534,13 +531,13 @@ async fn create_probes(
     namespace: &str,
     shards: &[String],
 ) -> anyhow::Result<Vec<String>> {
-    let ring = HashRing::new(shards.iter().map(String::as_str));
+    let ring = IndependentRing::unweighted(shards.iter().map(String::as_str));
     let api = Api::<Secret>::namespaced(client.clone(), namespace);
     let mut names = Vec::new();
     for shard in shards {
         let name = (0..10_000)
             .map(|i| format!("probe-{shard}-{i}"))
-            .find(|name| ring.shard_for(&secret_key(namespace, name)) == Some(shard.as_str()))
+            .find(|name| ring.try_shard_for(&secret_key(namespace, name)) == Some(shard.as_str()))
             .with_context(|| format!("no probe name maps to {shard}"))?;
         let secret: Secret = serde_json::from_value(serde_json::json!({
             "metadata": {"name": name},

@@ -61,7 +61,7 @@ use anyhow::Context;
 use clap::Parser;
 use e2e::fixtures::{create_ring, ring_spec, wait_status, wait_webhook};
 use e2e::prometheus::{apiserver_metrics, label, samples, sum};
-use e2e::sharder::{SharderFiles, SharderSettings};
+use e2e::sharder_process::{SharderFiles, SharderSettings};
 use e2e::{Cluster, cluster, unique_name};
 use k8s_openapi::api::core::v1::Namespace;
 use kube::Client;

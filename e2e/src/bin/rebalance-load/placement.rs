@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use anyhow::bail;
+use e2e::IndependentRing;
 use e2e::fixtures::expected_shard;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{ConfigMap, Secret};
@@ -15,7 +16,6 @@ use kube::core::PartialObjectMeta;
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, Resource, ResourceExt};
 use serde::de::DeserializeOwned;
-use sharder::core::hash_ring::HashRing;
 use sharding_crds::labels;
 use tokio::task::JoinHandle;
 
@@ -40,7 +40,7 @@ pub(crate) struct Placement {
 /// The ring the objects should converge to, and what was seen since it was set.
 #[derive(Debug)]
 pub(crate) struct Target {
-    pub(crate) ring: HashRing,
+    pub(crate) ring: IndependentRing,
     pub(crate) count: usize,
     pub(crate) set_at: Instant,
     /// Objects (by kind and Secret name) that are misplaced or draining.
@@ -92,7 +92,7 @@ impl State {
     }
 
     pub(crate) fn misplaced(
-        ring: &HashRing,
+        ring: &IndependentRing,
         namespace: &str,
         secret: &str,
         placement: &Placement,
@@ -101,7 +101,7 @@ impl State {
     }
 
     /// Sets the ring to converge to and rebuilds the set of misplaced objects.
-    pub(crate) fn set_target(&mut self, ring: HashRing, count: usize) {
+    pub(crate) fn set_target(&mut self, ring: IndependentRing, count: usize) {
         let mut bad = HashSet::new();
         for kind in [Kind::Secret, Kind::ConfigMap] {
             for (name, placement) in self.objects(kind) {
@@ -298,7 +298,8 @@ impl Tracker {
     }
 
     pub(crate) fn set_target(&self, shards: &[&str], count: usize) {
-        self.lock().set_target(HashRing::new(shards), count);
+        self.lock()
+            .set_target(IndependentRing::unweighted(shards), count);
     }
 
     /// Label changes per object since the target was set, and the watches' relists.

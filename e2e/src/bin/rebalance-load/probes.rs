@@ -6,7 +6,7 @@ use std::time::Duration;
 use anyhow::Context;
 use e2e::fixtures::{ShardTiming, start_checksum_shard};
 use e2e::process::{Process, poll_until};
-use e2e::sharder::{SharderFiles, counter};
+use e2e::sharder_process::{SharderFiles, counter};
 use kube::Client;
 use kube::api::ListParams;
 

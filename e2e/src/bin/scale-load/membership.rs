@@ -11,7 +11,7 @@ use e2e::Cluster;
 use e2e::fixtures::{create_lease, create_ring, ring_spec, wait_status};
 use e2e::process::{Process, rss_kib};
 use e2e::renewals::{RenewalCounters, renew};
-use e2e::sharder::{SharderFiles, SharderSettings};
+use e2e::sharder_process::{SharderFiles, SharderSettings};
 use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::Client;

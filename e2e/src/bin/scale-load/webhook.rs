@@ -42,6 +42,7 @@ use anyhow::{Context as _, bail, ensure};
 use axum::Router;
 use axum::body::Bytes;
 use axum::http::{Request, StatusCode, Uri, header};
+use e2e::IndependentRing;
 use e2e::fixtures::{expected_shard, ring_spec, secret_review};
 use e2e::latency::Latencies;
 use e2e::trivial_webhook::{self, FIXED_LABEL};
@@ -52,7 +53,6 @@ use k8s_openapi::ByteString;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, ServerName};
 use serde_json::{Value, json};
-use sharder::core::hash_ring::HashRing;
 use sharder::metrics::Metrics;
 use sharder::views::{ResourceInfo, Views, build_view};
 use sharder::webhook::WebhookState;
@@ -188,7 +188,7 @@ fn sharder_state(shard_counts: &[usize]) -> (WebhookState, Vec<(usize, ExpectedR
         let ring = ClusterRing::new(&name, ring_spec(NAMESPACE));
         views.insert(build_view(&ring, &shards, &discovered, &Default::default()));
         let expected = ExpectedRing {
-            ring: HashRing::new(shards.keys()),
+            ring: IndependentRing::unweighted(shards.keys()),
             label: labels::shard_label(&name),
             name,
         };
@@ -205,7 +205,7 @@ fn sharder_state(shard_counts: &[usize]) -> (WebhookState, Vec<(usize, ExpectedR
 struct ExpectedRing {
     name: String,
     label: String,
-    ring: HashRing,
+    ring: IndependentRing,
 }
 
 /// A webhook served on one core: a tokio `current_thread` runtime on a dedicated OS thread, so
@@ -321,7 +321,7 @@ struct Target {
     /// The label the webhook's patch must set.
     label: String,
     /// The ring whose assignment the label's value must be; `None`: the value is `yes`.
-    ring: Option<HashRing>,
+    ring: Option<IndependentRing>,
     review: ReviewTemplate,
 }
 
