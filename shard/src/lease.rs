@@ -49,7 +49,7 @@
 //! checks the token after the record's timestamp sees the loss.
 
 mod config;
-pub mod decision;
+mod decision;
 mod held;
 mod lock;
 mod store;
@@ -59,7 +59,6 @@ mod tests;
 use k8s_openapi::api::coordination::v1::Lease;
 
 pub use self::config::LeaseLockConfig;
-pub use self::decision::{AcquireDecision, decide};
 pub use self::held::{HeldLease, HeldRunEnd};
 pub use self::lock::LeaseLock;
 pub use sharding_crds::lease::{
