@@ -118,6 +118,17 @@ impl<E: std::error::Error + 'static> ReconcileError<E> {
     }
 }
 
+/// Field manager of the shard library's writes, so `managedFields` names who removed the labels.
+const FIELD_MANAGER: &str = "shard";
+
+/// Parameters of the library's merge patches: its field manager, nothing else.
+fn patch_params() -> PatchParams {
+    PatchParams {
+        field_manager: Some(FIELD_MANAGER.into()),
+        ..PatchParams::default()
+    }
+}
+
 fn object_ref(meta: &kube::api::ObjectMeta) -> String {
     let name = meta.name.as_deref().unwrap_or_default();
     match meta.namespace.as_deref() {
@@ -211,13 +222,9 @@ impl Shard {
                         Some(namespace) => Api::namespaced_with(client, namespace, &resource),
                         None => Api::all_with(client, &resource),
                     };
-                    api.patch(
-                        &object.name_any(),
-                        &PatchParams::default(),
-                        &Patch::Merge(&patch),
-                    )
-                    .await
-                    .map(|_| ())
+                    api.patch(&object.name_any(), &patch_params(), &Patch::Merge(&patch))
+                        .await
+                        .map(|_| ())
                 },
             )
         }
