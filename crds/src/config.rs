@@ -194,13 +194,21 @@ impl Endpoint {
     }
 
     /// The socket address to listen on, or `None` when the endpoint is disabled.
-    pub fn socket_addr(&self) -> Result<Option<SocketAddr>, String> {
+    pub fn socket_addr(&self) -> Result<Option<SocketAddr>, InvalidBindAddress> {
         parse_bind_address(&self.bind_address)
     }
 }
 
+/// A bind address that [`parse_bind_address`] cannot read.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{text:?} is not a bind address like \":8080\" or \"127.0.0.1:8080\"")]
+pub struct InvalidBindAddress {
+    /// The text as given.
+    pub text: String,
+}
+
 /// Parses `host:port`, `:port` (all interfaces) or `[v6]:port`; `0` disables.
-pub fn parse_bind_address(text: &str) -> Result<Option<SocketAddr>, String> {
+pub fn parse_bind_address(text: &str) -> Result<Option<SocketAddr>, InvalidBindAddress> {
     if text == "0" {
         return Ok(None);
     }
@@ -213,7 +221,9 @@ pub fn parse_bind_address(text: &str) -> Result<Option<SocketAddr>, String> {
     };
     full.parse::<SocketAddr>()
         .map(Some)
-        .map_err(|_| format!("{text:?} is not a bind address like \":8080\" or \"127.0.0.1:8080\""))
+        .map_err(|_| InvalidBindAddress {
+            text: text.to_string(),
+        })
 }
 
 /// Controller settings.
@@ -457,10 +467,10 @@ impl SharderConfig {
 
         self.health
             .socket_addr()
-            .map_err(|m| invalid("health.bindAddress", m))?;
+            .map_err(|m| invalid("health.bindAddress", m.to_string()))?;
         self.metrics
             .socket_addr()
-            .map_err(|m| invalid("metrics.bindAddress", m))?;
+            .map_err(|m| invalid("metrics.bindAddress", m.to_string()))?;
 
         let sharder = &self.controller.sharder;
         if sharder.sync_period.0.is_zero() {
@@ -494,7 +504,7 @@ impl SharderConfig {
                     "the webhook server cannot be disabled",
                 ));
             }
-            Err(m) => return Err(invalid("webhook.server.bindAddress", m)),
+            Err(m) => return Err(invalid("webhook.server.bindAddress", m.to_string())),
         }
         if server.cert_dir.as_os_str().is_empty() {
             return Err(invalid("webhook.server.certDir", "must not be empty"));

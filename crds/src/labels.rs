@@ -103,7 +103,7 @@ pub fn webhook_path(ring_name: &str) -> String {
 /// The weight a shard's Lease asks for through [`ANNOTATION_WEIGHT`] (docs/protocol.md §17):
 /// `Ok(1)` without the annotation, `Err` with what is wrong for a value that is not an integer from
 /// 1 to [`MAX_SHARD_WEIGHT`] (such a shard counts with weight 1).
-pub fn parse_weight(annotation: Option<&str>) -> Result<u32, String> {
+pub fn parse_weight(annotation: Option<&str>) -> Result<u32, InvalidWeight> {
     let Some(value) = annotation else {
         return Ok(1);
     };
@@ -111,10 +111,22 @@ pub fn parse_weight(annotation: Option<&str>) -> Result<u32, String> {
     let digits = !value.is_empty() && value.bytes().all(|b| b.is_ascii_digit());
     match value.parse::<u32>() {
         Ok(weight) if digits && (1..=MAX_SHARD_WEIGHT).contains(&weight) => Ok(weight),
-        _ => Err(format!(
-            "annotation {ANNOTATION_WEIGHT}={value:?} is not an integer from 1 to {MAX_SHARD_WEIGHT}; the shard counts with weight 1"
-        )),
+        _ => Err(InvalidWeight {
+            value: value.to_string(),
+        }),
     }
+}
+
+/// A weight annotation that [`parse_weight`] refuses; the shard counts with weight 1.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "annotation {ANNOTATION_WEIGHT}={value:?} is not an integer from 1 to {MAX_SHARD_WEIGHT}; the shard counts with weight 1",
+    ANNOTATION_WEIGHT = ANNOTATION_WEIGHT,
+    MAX_SHARD_WEIGHT = MAX_SHARD_WEIGHT
+)]
+pub struct InvalidWeight {
+    /// The annotation's value as found.
+    pub value: String,
 }
 
 /// Checks a label key against the Kubernetes rules: an optional DNS-subdomain prefix of at most
@@ -264,7 +276,7 @@ mod tests {
         assert_eq!(parse_weight(Some("1")), Ok(1));
         assert_eq!(parse_weight(Some("10")), Ok(10));
         for bad in ["0", "11", "-1", "+2", " 2", "1.5", "", "two", "99999999999"] {
-            let error = parse_weight(Some(bad)).expect_err(bad);
+            let error = parse_weight(Some(bad)).expect_err(bad).to_string();
             assert!(error.contains("weight 1"), "{error}");
         }
     }

@@ -74,6 +74,14 @@ pub use self::independent_ring::IndependentRing;
 /// Field manager of every write the harness makes.
 pub const FIELD_MANAGER: &str = "controller-sharding-e2e";
 
+/// Parameters of the harness's merge patches: [`FIELD_MANAGER`], nothing else.
+pub fn patch_params() -> kube::api::PatchParams {
+    kube::api::PatchParams {
+        field_manager: Some(FIELD_MANAGER.into()),
+        ..kube::api::PatchParams::default()
+    }
+}
+
 /// Label the API server puts on every namespace (its name); rings' selectors in the tests use it.
 pub const LABEL_NAMESPACE_NAME: &str = "kubernetes.io/metadata.name";
 

@@ -7,7 +7,7 @@ use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{Api, Patch, PatchParams};
+use kube::api::{Api, Patch};
 use tokio_util::sync::CancellationToken;
 
 /// What [`renew`] did so far.
@@ -64,7 +64,7 @@ pub async fn renew(
                 let patch = serde_json::json!({"spec": {"renewTime": MicroTime(Timestamp::now())}});
                 counters.requests.fetch_add(1, Ordering::Relaxed);
                 match api
-                    .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+                    .patch(name, &crate::patch_params(), &Patch::Merge(&patch))
                     .await
                 {
                     Ok(_) => counters.renewals.fetch_add(1, Ordering::Relaxed),

@@ -13,7 +13,6 @@
 //!
 //! [`HeldLease::lost_token`]: crate::HeldLease::lost_token
 
-use std::collections::BTreeMap;
 use std::collections::hash_map::DefaultHasher;
 use std::fmt::Debug;
 use std::future::Future;
@@ -41,30 +40,6 @@ pub enum Disposition {
     Drain,
     /// Not assigned to this shard (label missing or naming another shard): do nothing.
     Ignore,
-}
-
-/// Classifies an object by its labels.
-///
-/// Only objects whose shard label names `shard_name` belong to the shard; among those, the mere
-/// presence of the drain label (any value) means "drain". A drain label on an object owned by
-/// someone else is none of this shard's business.
-pub fn classify(
-    labels: Option<&BTreeMap<String, String>>,
-    shard_label_key: &str,
-    drain_label_key: &str,
-    shard_name: &str,
-) -> Disposition {
-    let Some(labels) = labels else {
-        return Disposition::Ignore;
-    };
-    if labels.get(shard_label_key).map(String::as_str) != Some(shard_name) {
-        return Disposition::Ignore;
-    }
-    if labels.contains_key(drain_label_key) {
-        Disposition::Drain
-    } else {
-        Disposition::Reconcile
-    }
 }
 
 /// The JSON merge patch acknowledging a drain: removes the shard and the drain label in one
@@ -140,6 +115,17 @@ impl<E: std::error::Error + 'static> ReconcileError<E> {
     /// ([`ReconcileError::LeaseLost`]): not a failure to retry.
     pub fn is_lease_lost(&self) -> bool {
         matches!(self, Self::LeaseLost { .. })
+    }
+}
+
+/// Field manager of the shard library's writes, so `managedFields` names who removed the labels.
+const FIELD_MANAGER: &str = "shard";
+
+/// Parameters of the library's merge patches: its field manager, nothing else.
+fn patch_params() -> PatchParams {
+    PatchParams {
+        field_manager: Some(FIELD_MANAGER.into()),
+        ..PatchParams::default()
     }
 }
 
@@ -236,13 +222,9 @@ impl Shard {
                         Some(namespace) => Api::namespaced_with(client, namespace, &resource),
                         None => Api::all_with(client, &resource),
                     };
-                    api.patch(
-                        &object.name_any(),
-                        &PatchParams::default(),
-                        &Patch::Merge(&patch),
-                    )
-                    .await
-                    .map(|_| ())
+                    api.patch(&object.name_any(), &patch_params(), &Patch::Merge(&patch))
+                        .await
+                        .map(|_| ())
                 },
             )
         }
@@ -381,6 +363,7 @@ impl<K: Resource, P: Predicate<K>> Predicate<K> for DrainPassthrough<P> {
 
 #[cfg(test)]
 mod tests {
+    use std::collections::BTreeMap;
     use std::sync::Mutex;
     use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -539,17 +522,19 @@ mod tests {
                 Disposition::Ignore,
             ),
         ];
+        let shard = Shard::new(RING, "shard-a", "default");
+        let meta = |labels: Option<BTreeMap<String, String>>| ObjectMeta {
+            labels,
+            ..ObjectMeta::default()
+        };
         for (labels, want) in cases {
             assert_eq!(
-                classify(Some(&labels), SHARD_KEY, DRAIN_KEY, "shard-a"),
+                shard.classify(&meta(Some(labels.clone()))),
                 want,
                 "{labels:?}"
             );
         }
-        assert_eq!(
-            classify(None, SHARD_KEY, DRAIN_KEY, "shard-a"),
-            Disposition::Ignore
-        );
+        assert_eq!(shard.classify(&meta(None)), Disposition::Ignore);
     }
 
     #[test]

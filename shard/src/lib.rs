@@ -21,7 +21,7 @@
 //!
 //! | module | what |
 //! |---|---|
-//! | [`lease`] | the Lease lock, [`HeldLease::run_while_held`], and the acquire decision (`lease::decision`) |
+//! | [`lease`] | the Lease lock, [`HeldLease::run_while_held`], and the pure acquire decision it uses |
 //! | [`drain`] | the reconciler wrapper that acknowledges drains |
 //! | `shard` | [`Shard`]: identity, label keys, watcher and Lease configuration |
 //!

@@ -144,14 +144,23 @@ impl Shard {
         }
     }
 
-    /// What this shard must do with an object, judged by its labels (see [`drain::classify`]).
+    /// What this shard must do with an object, judged by its labels.
+    ///
+    /// Only objects whose shard label names this shard belong to it; among those, the mere
+    /// presence of the drain label (any value) means "drain". A drain label on an object owned by
+    /// someone else is none of this shard's business.
     pub fn classify(&self, meta: &ObjectMeta) -> Disposition {
-        drain::classify(
-            meta.labels.as_ref(),
-            &self.shard_label_key,
-            &self.drain_label_key,
-            &self.name,
-        )
+        let Some(labels) = meta.labels.as_ref() else {
+            return Disposition::Ignore;
+        };
+        if labels.get(&self.shard_label_key).map(String::as_str) != Some(self.name.as_str()) {
+            return Disposition::Ignore;
+        }
+        if labels.contains_key(&self.drain_label_key) {
+            Disposition::Drain
+        } else {
+            Disposition::Reconcile
+        }
     }
 
     /// Whether the object carries this ring's drain label.

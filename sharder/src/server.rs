@@ -143,7 +143,7 @@ pub(crate) async fn serve_admin(
     tasks: &mut JoinSet<()>,
     shutdown: &CancellationToken,
 ) -> anyhow::Result<()> {
-    if let Some(addr) = config.metrics.socket_addr().map_err(anyhow::Error::msg)? {
+    if let Some(addr) = config.metrics.socket_addr()? {
         let listener = bind(addr).await?;
         tracing::info!(address = %listener.local_addr()?, "serving metrics");
         tasks.spawn(serve_plain(
@@ -152,7 +152,7 @@ pub(crate) async fn serve_admin(
             shutdown.clone(),
         ));
     }
-    if let Some(addr) = config.health.socket_addr().map_err(anyhow::Error::msg)? {
+    if let Some(addr) = config.health.socket_addr()? {
         let listener = bind(addr).await?;
         tracing::info!(address = %listener.local_addr()?, "serving health probes");
         tasks.spawn(serve_plain(

@@ -56,8 +56,7 @@ pub(crate) async fn serve(
             .server_config()
             .context("failed to build TLS config")?,
     ));
-    let addr = sharding_crds::config::parse_bind_address(&server_config.bind_address)
-        .map_err(anyhow::Error::msg)?
+    let addr = sharding_crds::config::parse_bind_address(&server_config.bind_address)?
         .context("webhook server address")?;
     let listener = server::bind(addr).await?;
     tracing::info!(address = %listener.local_addr()?, "serving webhook");

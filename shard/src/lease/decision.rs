@@ -16,7 +16,7 @@ use sharding_crds::lease::lease_expiry;
 
 /// What a candidate may do with a Lease, given the Lease's current spec.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum AcquireDecision {
+pub(crate) enum AcquireDecision {
     /// There is no Lease yet: create it.
     Create,
     /// The candidate holds the Lease already: renew it, keeping `acquireTime` and
@@ -36,7 +36,11 @@ pub enum AcquireDecision {
 
 /// Decides what `identity` may do with a Lease whose current spec is `existing` (`None`: the
 /// Lease does not exist).
-pub fn decide(existing: Option<&LeaseSpec>, identity: &str, now: Timestamp) -> AcquireDecision {
+pub(crate) fn decide(
+    existing: Option<&LeaseSpec>,
+    identity: &str,
+    now: Timestamp,
+) -> AcquireDecision {
     let Some(spec) = existing else {
         return AcquireDecision::Create;
     };
@@ -59,7 +63,7 @@ pub fn decide(existing: Option<&LeaseSpec>, identity: &str, now: Timestamp) -> A
 
 /// The spec to write for an [`AcquireDecision`] other than [`AcquireDecision::Wait`] (which writes nothing, so
 /// `None` is returned for it).
-pub fn desired_spec(
+pub(crate) fn desired_spec(
     existing: Option<&LeaseSpec>,
     decision: &AcquireDecision,
     identity: &str,
@@ -101,7 +105,7 @@ pub fn desired_spec(
 
 /// The spec of a released Lease: the holder is emptied and everything else stays, so observers
 /// (the sharder) see at once that nobody holds it.
-pub fn released_spec(existing: &LeaseSpec) -> LeaseSpec {
+pub(crate) fn released_spec(existing: &LeaseSpec) -> LeaseSpec {
     LeaseSpec {
         holder_identity: Some(String::new()),
         ..existing.clone()
@@ -109,13 +113,13 @@ pub fn released_spec(existing: &LeaseSpec) -> LeaseSpec {
 }
 
 /// Whether `identity` is the holder recorded in `spec`.
-pub fn is_held_by(spec: Option<&LeaseSpec>, identity: &str) -> bool {
+pub(crate) fn is_held_by(spec: Option<&LeaseSpec>, identity: &str) -> bool {
     spec.and_then(|s| s.holder_identity.as_deref()) == Some(identity)
 }
 
 /// `labels` (or annotations) with every entry of `ours` put in, overwriting values under the same keys and keeping
 /// every other label (e.g. the sharder's state label on shard Leases).
-pub fn merge_labels(
+pub(crate) fn merge_labels(
     labels: Option<BTreeMap<String, String>>,
     ours: &BTreeMap<String, String>,
 ) -> Option<BTreeMap<String, String>> {

@@ -340,7 +340,7 @@ pub(crate) async fn load_rings(
         loaded.push(LoadedRing {
             // The plugin cannot read the sharder's configuration: a ring over a protected
             // resource shows as refused, as the default configuration refuses it.
-            invalid: ring.validate(&[]).err(),
+            invalid: ring.validate(&[]).err().map(|invalid| invalid.to_string()),
             ring,
             leases,
             view,

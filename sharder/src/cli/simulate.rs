@@ -38,7 +38,7 @@ impl FromStr for ShardChange {
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         let (name, weight) = match s.split_once(':') {
-            Some((name, weight)) => (name, parse_weight(Some(weight))?),
+            Some((name, weight)) => (name, parse_weight(Some(weight)).map_err(|e| e.to_string())?),
             None => (s, 1),
         };
         if !is_valid_shard_name(name) {

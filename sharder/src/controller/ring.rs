@@ -226,7 +226,7 @@ async fn apply_webhook_configuration<R: RingObject>(
     cache: &Store<MutatingWebhookConfiguration>,
 ) -> Result<(), Error> {
     validate_ring(ring, &ctx.config.webhook.config.allowed_protected_resources)
-        .map_err(Error::Invalid)?;
+        .map_err(|invalid| Error::Invalid(invalid.to_string()))?;
     let client_config = &ctx.config.webhook.config.client_config;
     let ca_bundle = match (&client_config.ca_bundle, &client_config.ca_bundle_file) {
         (Some(inline), _) => Some(inline.0.clone()),

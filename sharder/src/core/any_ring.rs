@@ -7,7 +7,7 @@ use sharding_crds::{
     RingRef,
 };
 
-use crate::core::validation::validate_ring;
+use crate::core::validation::{InvalidRing, validate_ring};
 
 /// A cached ring of either kind.
 #[derive(Clone, Debug)]
@@ -62,7 +62,7 @@ impl AnyRing {
 
     /// Describes the first invariant the ring violates (see [`validate_ring`]); `allowed` lists
     /// the protected resources rings may cover.
-    pub(crate) fn validate(&self, allowed: &[GroupResource]) -> Result<(), String> {
+    pub(crate) fn validate(&self, allowed: &[GroupResource]) -> Result<(), InvalidRing> {
         match self {
             Self::Cluster(r) => validate_ring(r.as_ref(), allowed),
             Self::Controller(r) => validate_ring(r.as_ref(), allowed),

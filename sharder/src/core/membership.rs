@@ -121,7 +121,7 @@ pub(crate) fn ring_members<'a>(
                     .map(String::as_str),
             ) {
                 Ok(weight) => (weight, None),
-                Err(error) => (1, Some(error)),
+                Err(error) => (1, Some(error.to_string())),
             };
             Member {
                 lease,

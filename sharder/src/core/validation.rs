@@ -58,63 +58,83 @@ fn aliases_cluster_ring(name: &str) -> bool {
         .is_some_and(|hash| hash.ends_with('-') && hash[..8].bytes().all(|b| b.is_ascii_hexdigit()))
 }
 
+/// The first invariant a ring violates; its text is a capitalised sentence for the ring's
+/// status.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct InvalidRing {
+    message: String,
+}
+
+impl From<String> for InvalidRing {
+    fn from(message: String) -> Self {
+        Self { message }
+    }
+}
+
 /// Describes the first invariant `ring` violates, as a capitalised sentence for its status.
 /// `allowed` lists the protected resources the sharder's configuration lets rings cover.
-pub fn validate_ring<R: RingObject>(ring: &R, allowed: &[GroupResource]) -> Result<(), String> {
+pub fn validate_ring<R: RingObject>(
+    ring: &R,
+    allowed: &[GroupResource],
+) -> Result<(), InvalidRing> {
     let name = ring.ring_ref().name;
     if name.len() > MAX_NAME_LEN {
-        return Err(name_length_message(R::KIND));
+        return Err(name_length_message(R::KIND).into());
     }
     if R::KIND == RingKind::ControllerRing && aliases_cluster_ring(&name) {
         return Err(format!(
             "Name {name} is refused: a ControllerRing named clusterring-<8 hex digits>-<name> \
              would carry the label keys of ClusterRing <name>, and the two rings would move each \
              other's objects"
-        ));
+        )
+        .into());
     }
     let spec = ring.ring_spec();
     let mut main_resources = HashSet::new();
     for (i, resource) in spec.resources.iter().enumerate() {
         if resource.resource.is_empty() {
-            return Err(format!(
-                "Resource spec.resources[{i}].resource must not be empty"
-            ));
+            return Err(format!("Resource spec.resources[{i}].resource must not be empty").into());
         }
         if let Some(why) = refused_resource(&resource.group_resource(), allowed) {
             return Err(format!(
                 "Resource {} in spec.resources[{i}] is refused: {why}",
                 resource.group_resource()
-            ));
+            )
+            .into());
         }
         if !main_resources.insert(resource.group_resource()) {
             return Err(format!(
                 "Resource {} is listed more than once in spec.resources",
                 resource.group_resource()
-            ));
+            )
+            .into());
         }
         let mut controlled = HashSet::new();
         for (j, c) in resource.controlled_resources.iter().enumerate() {
             if c.resource.is_empty() {
                 return Err(format!(
                     "Resource spec.resources[{i}].controlledResources[{j}].resource must not be empty"
-                ));
+                ).into());
             }
             if let Some(why) = refused_resource(c, allowed) {
                 return Err(format!(
                     "Resource {c} in spec.resources[{i}].controlledResources[{j}] is refused: {why}"
-                ));
+                )
+                .into());
             }
             if !controlled.insert(c.clone()) {
                 return Err(format!(
                     "Controlled resource {c} is listed more than once for {}",
                     resource.group_resource()
-                ));
+                )
+                .into());
             }
         }
     }
     if let Some(selector) = &spec.namespace_selector {
         validate_label_selector(selector)
-            .map_err(|e| format!("Invalid spec.namespaceSelector: {e}"))?;
+            .map_err(|e| InvalidRing::from(format!("Invalid spec.namespaceSelector: {e}")))?;
     }
     Ok(())
 }
@@ -166,7 +186,9 @@ mod tests {
 
     #[test]
     fn rejects_long_names() {
-        let err = validate_ring(&ring(&"x".repeat(64), vec![]), &[]).unwrap_err();
+        let err = validate_ring(&ring(&"x".repeat(64), vec![]), &[])
+            .unwrap_err()
+            .to_string();
         assert_eq!(
             err,
             "ClusterRing name must not be longer than 63 characters"
@@ -179,12 +201,15 @@ mod tests {
             &ring("a", vec![res("", "secrets", &[]), res("", "secrets", &[])]),
             &[],
         )
-        .unwrap_err();
+        .unwrap_err()
+        .to_string();
         assert_eq!(
             err,
             "Resource secrets is listed more than once in spec.resources"
         );
-        let err = validate_ring(&ring("a", vec![res("apps", "", &[])]), &[]).unwrap_err();
+        let err = validate_ring(&ring("a", vec![res("apps", "", &[])]), &[])
+            .unwrap_err()
+            .to_string();
         assert!(
             err.contains("spec.resources[0].resource must not be empty"),
             "{err}"
@@ -200,10 +225,12 @@ mod tests {
             ),
             &[],
         )
-        .unwrap_err();
+        .unwrap_err()
+        .to_string();
         assert!(err.contains("configmaps is listed more than once"), "{err}");
-        let err =
-            validate_ring(&ring("a", vec![res("", "secrets", &[("", "")])]), &[]).unwrap_err();
+        let err = validate_ring(&ring("a", vec![res("", "secrets", &[("", "")])]), &[])
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("controlledResources[0].resource"), "{err}");
     }
 
@@ -223,7 +250,7 @@ mod tests {
             ("sharding.timebertt.dev", "clusterrings"),
         ] {
             let main = ring("example", vec![res(group, resource, &[])]);
-            let message = validate_ring(&main, &[]).expect_err(resource);
+            let message = validate_ring(&main, &[]).expect_err(resource).to_string();
             assert!(message.contains("protected"), "{message}");
             let controlled = ring("example", vec![res("", "secrets", &[(group, resource)])]);
             assert!(validate_ring(&controlled, &[]).is_err(), "{resource}");
@@ -233,7 +260,8 @@ mod tests {
         let pods = [GroupResource::new("", "pods")];
         for (group, resource) in [("", "*"), ("*", "secrets"), ("", "pods/status")] {
             let message = validate_ring(&ring("example", vec![res(group, resource, &[])]), &pods)
-                .expect_err(resource);
+                .expect_err(resource)
+                .to_string();
             assert!(message.contains("not supported"), "{message}");
         }
         let ordinary = ring(
@@ -253,7 +281,9 @@ mod tests {
         let alias = sharding_crds::labels::shard_label("example");
         let alias = alias.rsplit('/').next().expect("a key with a prefix");
         assert!(alias.starts_with("clusterring-"), "{alias}");
-        let message = validate_ring(&named(alias), &[]).expect_err(alias);
+        let message = validate_ring(&named(alias), &[])
+            .expect_err(alias)
+            .to_string();
         assert!(message.contains("label keys of ClusterRing"), "{message}");
         for fine in ["example", "clusterring-example", "clusterring-0123456z-x"] {
             assert_eq!(validate_ring(&named(fine), &[]), Ok(()), "{fine}");
@@ -273,7 +303,7 @@ mod tests {
             }]),
             match_labels: None,
         });
-        let err = validate_ring(&r, &[]).unwrap_err();
+        let err = validate_ring(&r, &[]).unwrap_err().to_string();
         assert!(err.starts_with("Invalid spec.namespaceSelector: "), "{err}");
         assert!(err.contains("Equals"), "{err}");
     }

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::{ConfigMap, Secret};
-use kube::api::{Api, DeleteParams, ObjectMeta, Patch, PatchParams, PostParams};
+use kube::api::{Api, DeleteParams, ObjectMeta, Patch, PostParams};
 use kube::{Client, Resource};
 use serde::Serialize;
 use serde_json::json;
@@ -116,7 +116,7 @@ pub(crate) async fn run(
                 let patch = json!({"data": {"value": ByteString(random_bytes(&mut rng))}});
                 let sent = tokio::time::timeout(
                     REQUEST_TIMEOUT,
-                    secrets.patch(&target.name, &PatchParams::default(), &Patch::Merge(&patch)),
+                    secrets.patch(&target.name, &e2e::patch_params(), &Patch::Merge(&patch)),
                 )
                 .await;
                 match sent {

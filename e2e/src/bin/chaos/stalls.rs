@@ -11,7 +11,7 @@ use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::Client;
-use kube::api::{Api, Patch, PatchParams, PostParams};
+use kube::api::{Api, Patch, PostParams};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
@@ -110,7 +110,7 @@ async fn beat(api: &Api<Lease>) -> Result<(), kube::Error> {
     let now = MicroTime(Timestamp::now());
     let patch = json!({"spec": {"holderIdentity": "chaos", "renewTime": now}});
     match api
-        .patch(HEARTBEAT, &PatchParams::default(), &Patch::Merge(&patch))
+        .patch(HEARTBEAT, &e2e::patch_params(), &Patch::Merge(&patch))
         .await
     {
         Ok(_) => Ok(()),

@@ -8,7 +8,7 @@ use e2e::fixtures::secret;
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::{ConfigMap, Secret};
-use kube::api::{Api, Patch, PatchParams, PostParams};
+use kube::api::{Api, Patch, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::json;
 
@@ -81,7 +81,7 @@ pub(crate) async fn floor_run(
         .map(|(kind, secret)| {
             let (secrets, configmaps, body) = (&secrets, &configmaps, &body);
             async move {
-                let params = PatchParams::default();
+                let params = e2e::patch_params();
                 let result = match kind {
                     Kind::Secret => secrets
                         .patch_metadata(secret, &params, &Patch::Merge(body))

@@ -15,7 +15,7 @@ use e2e::sharder_process::{SharderFiles, SharderSettings};
 use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::Client;
-use kube::api::{Api, DeleteParams, Patch, PatchParams};
+use kube::api::{Api, DeleteParams, Patch};
 use serde::Serialize;
 use sharding_crds::ClusterRing;
 use sharding_crds::labels::{ANNOTATION_WEIGHT, NAMESPACE_SYSTEM};
@@ -308,7 +308,7 @@ impl Churn<'_> {
                 serde_json::json!({"metadata": {"annotations": {ANNOTATION_WEIGHT: weight}}});
             counters.change_requests.fetch_add(1, Ordering::Relaxed);
             self.leases
-                .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+                .patch(name, &e2e::patch_params(), &Patch::Merge(&patch))
                 .await?;
             counters.changes.fetch_add(1, Ordering::Relaxed);
             n += 1;

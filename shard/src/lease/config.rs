@@ -1,0 +1,166 @@
+//! What a [`LeaseLock`] locks, under which identity and how fast, and the rules that
+//! configuration must follow.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+#[cfg(doc)]
+use super::LeaseLock;
+use super::{Error, LeaseTiming};
+
+/// What a [`LeaseLock`] locks, under which identity, and how fast.
+///
+/// Timing rules, checked by [`LeaseLock::new`] with [`LeaseTiming::validate`] (the rule the
+/// sharder's configuration is checked with, too): `0 < retry_period < renew_deadline <
+/// lease_duration`, and `lease_duration` of at least one second (the Lease stores whole seconds;
+/// sub-second parts are rounded up).
+///
+/// **Sharp edge:** the gap between `renew_deadline` and `lease_duration` is the safety margin of
+/// the whole scheme; see [`LeaseTiming`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeaseLockConfig {
+    pub(super) namespace: String,
+    pub(super) name: String,
+    pub(super) identity: String,
+    pub(super) labels: BTreeMap<String, String>,
+    pub(super) removed_labels: Vec<String>,
+    pub(super) annotations: BTreeMap<String, String>,
+    pub(super) timing: LeaseTiming,
+}
+
+impl LeaseLockConfig {
+    /// A lock on Lease `namespace/name`, held as `identity`, with default timing (15 s duration,
+    /// 10 s renew deadline, 2 s retry period) and no labels.
+    ///
+    /// For leader election pick an identity unique per replica (e.g. the pod name plus a random
+    /// suffix): two processes with one identity both believe they hold the Lease.
+    pub fn new(
+        namespace: impl Into<String>,
+        name: impl Into<String>,
+        identity: impl Into<String>,
+    ) -> Self {
+        Self {
+            namespace: namespace.into(),
+            name: name.into(),
+            identity: identity.into(),
+            labels: BTreeMap::new(),
+            removed_labels: Vec::new(),
+            annotations: BTreeMap::new(),
+            timing: LeaseTiming::default(),
+        }
+    }
+
+    /// Adds a label the lock puts on the Lease when creating, taking and renewing it. Labels
+    /// written by others (such as the sharder's state label) are kept.
+    #[must_use]
+    pub fn with_label(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.labels.insert(key.into(), value.into());
+        self
+    }
+
+    /// Sets `leaseDurationSeconds`: how long others wait after the last renewal before taking
+    /// the Lease over.
+    #[must_use]
+    pub fn with_lease_duration(mut self, duration: Duration) -> Self {
+        self.timing.lease_duration = duration;
+        self
+    }
+
+    /// Sets how long the holder keeps considering itself the owner without a successful renewal.
+    /// Must be shorter than the lease duration.
+    #[must_use]
+    pub fn with_renew_deadline(mut self, deadline: Duration) -> Self {
+        self.timing.renew_deadline = deadline;
+        self
+    }
+
+    /// Sets the interval between renewals, and between attempts to acquire. Must be shorter than
+    /// the renew deadline, ideally a fraction of it so several attempts fit in.
+    #[must_use]
+    pub fn with_retry_period(mut self, period: Duration) -> Self {
+        self.timing.retry_period = period;
+        self
+    }
+
+    /// Sets lease duration, renew deadline and retry period at once.
+    #[must_use]
+    pub fn with_timing(mut self, timing: LeaseTiming) -> Self {
+        self.timing = timing;
+        self
+    }
+
+    /// Namespace of the Lease.
+    pub fn namespace(&self) -> &str {
+        &self.namespace
+    }
+
+    /// Name of the Lease.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The holder identity this lock writes.
+    pub fn identity(&self) -> &str {
+        &self.identity
+    }
+
+    /// Labels the lock keeps on the Lease.
+    pub fn labels(&self) -> &BTreeMap<String, String> {
+        &self.labels
+    }
+
+    /// Makes the lock remove the label `key` from the Lease whenever it writes it (a shard moving
+    /// to the other ring kind drops its old ring label, so the Lease never carries both).
+    pub fn without_label(mut self, key: impl Into<String>) -> Self {
+        self.removed_labels.push(key.into());
+        self
+    }
+
+    /// Adds an annotation the lock puts on the Lease when creating, taking and renewing it (a
+    /// shard's weight, say). Annotations written by others are kept.
+    pub fn with_annotation(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.annotations.insert(key.into(), value.into());
+        self
+    }
+
+    /// Annotations the lock keeps on the Lease.
+    pub fn annotations(&self) -> &BTreeMap<String, String> {
+        &self.annotations
+    }
+
+    /// Lease duration, renew deadline and retry period.
+    pub fn timing(&self) -> LeaseTiming {
+        self.timing
+    }
+
+    /// The lease duration.
+    pub fn lease_duration(&self) -> Duration {
+        self.timing.lease_duration
+    }
+
+    /// The renew deadline.
+    pub fn renew_deadline(&self) -> Duration {
+        self.timing.renew_deadline
+    }
+
+    /// The retry period.
+    pub fn retry_period(&self) -> Duration {
+        self.timing.retry_period
+    }
+
+    /// `leaseDurationSeconds` as written to the Lease (rounded up to whole seconds).
+    pub fn lease_duration_seconds(&self) -> i32 {
+        self.timing.lease_duration_seconds()
+    }
+
+    pub(super) fn validate(&self) -> Result<(), Error> {
+        let invalid = |message: &str| Err(Error::InvalidConfig(message.to_string()));
+        if self.namespace.is_empty() || self.name.is_empty() || self.identity.is_empty() {
+            return invalid("namespace, name and identity must not be empty");
+        }
+        self.timing
+            .validate()
+            .map_err(|error| Error::InvalidConfig(format!("{}: {error}", error.field())))?;
+        Ok(())
+    }
+}

@@ -1,0 +1,283 @@
+//! The lock itself: acquiring the Lease, and the writes shared by renewal and release.
+
+use std::sync::Arc;
+
+use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
+use k8s_openapi::jiff::Timestamp;
+use kube::Client;
+use kube::api::{Api, ObjectMeta};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+use super::decision::{
+    AcquireDecision, decide, desired_spec, is_held_by, merge_labels, released_spec,
+};
+use super::store::{Store, is_conflict, is_not_found};
+use super::{EVENT_ACQUIRED, Error, HeldLease, LeaseLockConfig, error_chain, resource_version};
+
+/// The wall clock written into Leases. Injected so unit tests can run it on tokio's paused time.
+pub(super) type Clock = Arc<dyn Fn() -> Timestamp + Send + Sync>;
+
+/// The system clock, truncated to microseconds as a `MicroTime` stores it.
+fn system_clock() -> Timestamp {
+    let since_epoch = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    let micros = i64::try_from(since_epoch.as_micros()).unwrap_or(i64::MAX);
+    Timestamp::from_microsecond(micros).unwrap_or(Timestamp::UNIX_EPOCH)
+}
+
+/// A lock over one Lease. Cheap to clone; clones lock the same Lease under the same identity.
+#[derive(Clone)]
+pub struct LeaseLock {
+    pub(super) inner: Arc<Inner>,
+}
+
+/// What a lock, its clones and the Leases it hands out share (the renewer task holds it, too).
+pub(super) struct Inner {
+    pub(super) store: Store,
+    pub(super) config: LeaseLockConfig,
+    pub(super) clock: Clock,
+}
+
+impl std::fmt::Debug for LeaseLock {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LeaseLock")
+            .field("config", &self.inner.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl LeaseLock {
+    /// A lock using `client`; checks the configuration's timing rules.
+    pub fn new(client: Client, config: LeaseLockConfig) -> Result<Self, Error> {
+        let store = Store::Api {
+            api: Api::namespaced(client, &config.namespace),
+            name: config.name.clone(),
+        };
+        Self::with_store(store, config, Arc::new(system_clock))
+    }
+
+    pub(super) fn with_store(
+        store: Store,
+        config: LeaseLockConfig,
+        clock: Clock,
+    ) -> Result<Self, Error> {
+        config.validate()?;
+        Ok(Self {
+            inner: Arc::new(Inner {
+                store,
+                config,
+                clock,
+            }),
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &LeaseLockConfig {
+        &self.inner.config
+    }
+
+    /// Waits until the Lease is ours, then keeps renewing it in the background.
+    ///
+    /// Tries every retry period; API errors are logged and retried (a missing RBAC rule shows
+    /// up as a repeated warning, not as an error). Cancel by dropping the future (e.g. in a
+    /// `tokio::select!` with a shutdown signal): it holds nothing between attempts.
+    ///
+    /// Must be called within a tokio runtime: renewal runs as a spawned task.
+    pub async fn acquire(&self) -> HeldLease {
+        let mut last_holder = None;
+        loop {
+            let started = Instant::now();
+            match self.inner.try_acquire_once().await {
+                Ok(Attempt::Acquired(lease)) => return self.start_renewing(*lease, started),
+                Ok(Attempt::HeldBy(holder)) => {
+                    if last_holder.as_ref() != Some(&holder) {
+                        info!(
+                            lease = %self.inner.config.name,
+                            namespace = %self.inner.config.namespace,
+                            %holder,
+                            "Lease is held by someone else, waiting for it to expire or be released"
+                        );
+                        last_holder = Some(holder);
+                    }
+                }
+                Ok(Attempt::LostRace) => {
+                    debug!(lease = %self.inner.config.name, "lost a race for the Lease, retrying");
+                }
+                Err(error) => warn!(
+                    error = %error_chain(&error),
+                    lease = %self.inner.config.name,
+                    "failed to acquire Lease, retrying"
+                ),
+            }
+            tokio::time::sleep(self.inner.config.retry_period()).await;
+        }
+    }
+
+    /// One attempt to acquire the Lease: `Ok(None)` when someone else holds it or won a race.
+    ///
+    /// Must be called within a tokio runtime: on success renewal runs as a spawned task.
+    pub async fn try_acquire(&self) -> Result<Option<HeldLease>, Error> {
+        let started = Instant::now();
+        match self.inner.try_acquire_once().await? {
+            Attempt::Acquired(lease) => Ok(Some(self.start_renewing(*lease, started))),
+            Attempt::HeldBy(_) | Attempt::LostRace => Ok(None),
+        }
+    }
+
+    /// Starts the renewer for a Lease acquired by a write sent at `written_at`.
+    fn start_renewing(&self, lease: Lease, written_at: Instant) -> HeldLease {
+        let config = &self.inner.config;
+        info!(
+            event = EVENT_ACQUIRED,
+            lease = %config.name,
+            namespace = %config.namespace,
+            identity = %config.identity,
+            transitions = lease.spec.as_ref().and_then(|s| s.lease_transitions).unwrap_or(0),
+            resource_version = resource_version(&lease),
+            "acquired Lease"
+        );
+        let lost = CancellationToken::new();
+        let stop = CancellationToken::new();
+        let renewer = tokio::spawn(Arc::clone(&self.inner).renew_loop(
+            lease,
+            written_at,
+            stop.clone(),
+            lost.clone(),
+        ));
+        HeldLease {
+            inner: Arc::clone(&self.inner),
+            lost,
+            stop,
+            renewer: Some(renewer),
+        }
+    }
+}
+
+/// Outcome of one acquire attempt.
+enum Attempt {
+    Acquired(Box<Lease>),
+    HeldBy(String),
+    LostRace,
+}
+
+impl Inner {
+    pub(super) fn get_error(&self, source: kube::Error) -> Error {
+        Error::Get {
+            namespace: self.config.namespace.clone(),
+            name: self.config.name.clone(),
+            source,
+        }
+    }
+
+    pub(super) fn contended(&self, action: &'static str) -> Error {
+        Error::Contended {
+            action,
+            namespace: self.config.namespace.clone(),
+            name: self.config.name.clone(),
+        }
+    }
+
+    pub(super) fn write_error(&self, source: kube::Error) -> Error {
+        Error::Write {
+            namespace: self.config.namespace.clone(),
+            name: self.config.name.clone(),
+            source,
+        }
+    }
+
+    /// `existing` with `spec` and our labels; the existing `resourceVersion` stays, which is
+    /// what makes the following replace a compare-and-swap.
+    pub(super) fn with_spec(&self, existing: Option<Lease>, spec: LeaseSpec) -> Lease {
+        let mut lease = existing.unwrap_or_else(|| Lease {
+            metadata: ObjectMeta {
+                name: Some(self.config.name.clone()),
+                namespace: Some(self.config.namespace.clone()),
+                ..ObjectMeta::default()
+            },
+            spec: None,
+        });
+        lease.metadata.labels = merge_labels(lease.metadata.labels.take(), &self.config.labels);
+        if let Some(labels) = lease.metadata.labels.as_mut() {
+            for key in &self.config.removed_labels {
+                labels.remove(key);
+            }
+        }
+        lease.metadata.annotations =
+            merge_labels(lease.metadata.annotations.take(), &self.config.annotations);
+        // Server-populated fields must not be echoed back in an update.
+        lease.metadata.managed_fields = None;
+        lease.spec = Some(spec);
+        lease
+    }
+
+    async fn try_acquire_once(&self) -> Result<Attempt, Error> {
+        let existing = self.store.get().await.map_err(|e| self.get_error(e))?;
+        let now = (self.clock)();
+        let spec = existing
+            .as_ref()
+            .map(|l| l.spec.clone().unwrap_or_default());
+        let decision = decide(spec.as_ref(), &self.config.identity, now);
+        if let AcquireDecision::Wait { holder, .. } = decision {
+            return Ok(Attempt::HeldBy(holder));
+        }
+        let Some(desired) = desired_spec(
+            spec.as_ref(),
+            &decision,
+            &self.config.identity,
+            self.config.lease_duration_seconds(),
+            now,
+        ) else {
+            return Ok(Attempt::LostRace);
+        };
+        let creating = existing.is_none();
+        let lease = self.with_spec(existing, desired);
+        let written = if creating {
+            self.store.create(&lease).await
+        } else {
+            self.store.replace(&lease).await
+        };
+        match written {
+            Ok(lease) => Ok(Attempt::Acquired(Box::new(lease))),
+            // Someone created, changed or deleted it since we read it: look again next time.
+            // (A 404 on create means the namespace is missing: an error worth a warning.)
+            Err(e) if is_conflict(&e) || (!creating && is_not_found(&e)) => Ok(Attempt::LostRace),
+            Err(e) => Err(self.write_error(e)),
+        }
+    }
+
+    /// Empties the holder if we still hold the Lease. Returns the Lease as written, if it wrote.
+    pub(super) async fn release(&self, mut current: Option<Lease>) -> Result<Option<Lease>, Error> {
+        if current.is_none() {
+            current = self.store.get().await.map_err(|e| self.get_error(e))?;
+        }
+        for _ in 0..3 {
+            let Some(lease) = current.take() else {
+                return Ok(None);
+            };
+            let spec = lease.spec.clone().unwrap_or_default();
+            if !is_held_by(Some(&spec), &self.config.identity) {
+                return Ok(None);
+            }
+            let released = self.with_spec(Some(lease), released_spec(&spec));
+            match self.store.replace(&released).await {
+                Ok(written) => return Ok(Some(written)),
+                Err(e) if is_conflict(&e) || is_not_found(&e) => {
+                    current = self.store.get().await.map_err(|e| self.get_error(e))?;
+                }
+                Err(e) => return Err(self.write_error(e)),
+            }
+        }
+        Err(self.contended("release"))
+    }
+}
+
+impl std::fmt::Debug for Inner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Inner")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
