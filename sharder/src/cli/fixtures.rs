@@ -53,11 +53,11 @@ pub(crate) fn loaded(leases: Vec<Lease>) -> LoadedRing {
     let ring = ClusterRing::new(
         "r",
         ClusterRingSpec {
-            resources: vec![RingResource {
-                group: String::new(),
-                resource: "secrets".into(),
-                controlled_resources: vec![GroupResource::new("", "configmaps")],
-            }],
+            resources: vec![RingResource::controlling(
+                "",
+                "secrets",
+                vec![GroupResource::new("", "configmaps")],
+            )],
             ..ClusterRingSpec::default()
         },
     );

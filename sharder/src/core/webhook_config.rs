@@ -120,11 +120,11 @@ mod tests {
         let mut ring = ClusterRing::new(
             "example",
             ClusterRingSpec {
-                resources: vec![RingResource {
-                    group: String::new(),
-                    resource: "secrets".into(),
-                    controlled_resources: vec![GroupResource::new("", "configmaps")],
-                }],
+                resources: vec![RingResource::controlling(
+                    "",
+                    "secrets",
+                    vec![GroupResource::new("", "configmaps")],
+                )],
                 namespace_selector: None,
                 hash_key: None,
             },

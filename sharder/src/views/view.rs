@@ -237,19 +237,19 @@ mod tests {
             "r",
             ClusterRingSpec {
                 resources: vec![
-                    RingResource {
-                        group: String::new(),
-                        resource: "secrets".into(),
-                        controlled_resources: vec![
+                    RingResource::controlling(
+                        "",
+                        "secrets",
+                        vec![
                             GroupResource::new("", "configmaps"),
                             GroupResource::new("example.com", "unknowns"),
                         ],
-                    },
-                    RingResource {
-                        group: String::new(),
-                        resource: "namespaces".into(),
-                        controlled_resources: vec![GroupResource::new("", "configmaps")],
-                    },
+                    ),
+                    RingResource::controlling(
+                        "",
+                        "namespaces",
+                        vec![GroupResource::new("", "configmaps")],
+                    ),
                 ],
                 namespace_selector: None,
                 hash_key: None,
@@ -291,11 +291,11 @@ mod tests {
     #[test]
     fn controller_ring_view_with_namespace_keys() {
         let spec = ClusterRingSpec {
-            resources: vec![RingResource {
-                group: String::new(),
-                resource: "secrets".into(),
-                controlled_resources: vec![GroupResource::new("", "configmaps")],
-            }],
+            resources: vec![RingResource::controlling(
+                "",
+                "secrets",
+                vec![GroupResource::new("", "configmaps")],
+            )],
             namespace_selector: None,
             hash_key: Some(HashKey::Namespace),
         };

@@ -24,11 +24,11 @@ fn state(shards: &[&str]) -> WebhookState {
             ..Default::default()
         },
         spec: ClusterRingSpec {
-            resources: vec![RingResource {
-                group: String::new(),
-                resource: "secrets".into(),
-                controlled_resources: vec![GroupResource::new("", "configmaps")],
-            }],
+            resources: vec![RingResource::controlling(
+                "",
+                "secrets",
+                vec![GroupResource::new("", "configmaps")],
+            )],
             namespace_selector: None,
             hash_key: None,
         },

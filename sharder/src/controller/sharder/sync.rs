@@ -493,16 +493,16 @@ mod tests {
             "r",
             ClusterRingSpec {
                 resources: vec![
-                    RingResource {
-                        group: String::new(),
-                        resource: "secrets".into(),
-                        controlled_resources: vec![GroupResource::new("", "configmaps")],
-                    },
-                    RingResource {
-                        group: "apps".into(),
-                        resource: "deployments".into(),
-                        controlled_resources: vec![GroupResource::new("apps", "replicasets")],
-                    },
+                    RingResource::controlling(
+                        "",
+                        "secrets",
+                        vec![GroupResource::new("", "configmaps")],
+                    ),
+                    RingResource::controlling(
+                        "apps",
+                        "deployments",
+                        vec![GroupResource::new("apps", "replicasets")],
+                    ),
                 ],
                 namespace_selector: None,
                 hash_key: None,
