@@ -100,7 +100,7 @@ fn sync_histogram() -> Histogram {
 /// Counters, histograms and gauges the sharder sets.
 #[derive(Clone, Debug)]
 pub struct Metrics {
-    /// Webhook request durations by ring and outcome (`assigned`, `already_assigned`, `denied`,
+    /// Webhook request durations by ring and outcome (`assigned`, `already_assigned`, `unnamed`,
     /// `skipped`, `invalid`).
     pub(crate) webhook_duration: HistogramFamily<OutcomeLabels>,
     /// Durations of complete syncs by ring.

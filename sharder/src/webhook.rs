@@ -3,7 +3,8 @@
 //!
 //! Only the few fields the decision needs are decoded from the `AdmissionReview`, so large objects
 //! cost little. The sharder's own lag never blocks users: anything it cannot decide is allowed
-//! unchanged (the sync repairs it later); the only denial is `generateName` on a main resource.
+//! unchanged (the missed-assignment path and the sync assign it later), a main object created
+//! with `generateName` included: nothing the webhook answers refuses a user's write.
 //! A request for a ring this sharder does not know is answered 404 (docs/protocol.md §19).
 
 use std::collections::BTreeMap;
@@ -25,7 +26,7 @@ use sharding_crds::{GroupResource, RingKind, RingRef};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use crate::core::key::{KeyOutcome, ObjectInfo};
+use crate::core::key::{GENERATE_NAME_NOT_SUPPORTED, KeyError, KeyOutcome, ObjectInfo};
 use crate::metrics::{Metrics, OutcomeLabels};
 use crate::server::tls::CertReloader;
 use crate::server::{self, Readiness};
@@ -194,8 +195,6 @@ enum AdmissionDecision {
         /// the object is not being drained away from the shard it is assigned to now.
         stale_drain_label: Option<String>,
     },
-    /// Denied with HTTP code 400 and this message.
-    Deny(String),
 }
 
 impl AdmissionDecision {
@@ -203,9 +202,9 @@ impl AdmissionDecision {
     fn outcome(&self) -> &'static str {
         match self {
             Self::Allow(reason) if *reason == ALREADY_ASSIGNED => "already_assigned",
+            Self::Allow(reason) if *reason == GENERATE_NAME_NOT_SUPPORTED => "unnamed",
             Self::Allow(_) => "skipped",
             Self::Assign { .. } => "assigned",
-            Self::Deny(_) => "denied",
         }
     }
 }
@@ -304,10 +303,6 @@ fn review(
                     .inc();
             }
         }
-        AdmissionDecision::Deny(message) => {
-            response["allowed"] = Value::from(false);
-            response["status"] = json!({"code": 400, "message": message, "status": "Failure"});
-        }
     }
     let body = json!({
         "apiVersion": "admission.k8s.io/v1",
@@ -359,7 +354,11 @@ fn decide(state: &WebhookState, ring: &RingRef, request: &Request) -> AdmissionD
         Ok(KeyOutcome::Unassigned(_)) => {
             return AdmissionDecision::Allow("object has no eligible controller");
         }
-        Err(error) => return AdmissionDecision::Deny(error.to_string()),
+        // Hashed by its name, which the API server has not chosen yet: allowed unassigned, and
+        // assigned by the missed-assignment path once it exists.
+        Err(KeyError::GenerateNameNotSupported) => {
+            return AdmissionDecision::Allow(GENERATE_NAME_NOT_SUPPORTED);
+        }
     };
     match view.hash_ring.shard_for(&key) {
         None => AdmissionDecision::Allow("there is no available shard"),

@@ -180,7 +180,8 @@ async fn namespace_hashing_keeps_a_namespace_on_one_shard() -> anyhow::Result<()
     wait_dry_run_label(&client, &ns, "probe", &key, &namespace_shard).await?;
     let names: Vec<String> = (0..20).map(|i| format!("s-{i}")).collect();
     create_secrets(&client, &ns, &names).await?;
-    // A main object with only generateName is assigned too (with object keys it is denied).
+    // A main object with only generateName is assigned in its CREATE too (with object keys it is
+    // assigned only after it exists).
     let generated = Secret {
         metadata: ObjectMeta {
             generate_name: Some("gen-".into()),

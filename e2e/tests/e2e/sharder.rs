@@ -103,7 +103,9 @@ async fn webhook_assigns_in_the_create_response() -> anyhow::Result<()> {
         "object without controller was labelled"
     );
 
-    // generateName on a main resource is denied with the documented message.
+    // generateName on a main resource: the CREATE succeeds unassigned (the name its key needs
+    // does not exist yet; a denial would refuse the user's write), and the missed-assignment path
+    // assigns it within seconds, where the ring wants it by its generated name.
     let generated = Secret {
         metadata: ObjectMeta {
             generate_name: Some("gen-".into()),
@@ -111,18 +113,32 @@ async fn webhook_assigns_in_the_create_response() -> anyhow::Result<()> {
         },
         ..Default::default()
     };
-    match secrets.create(&PostParams::default(), &generated).await {
-        Err(kube::Error::Api(status)) => {
-            ensure!(status.code == 400, "{status:?}");
-            ensure!(
-                status.message.contains(
-                    "generateName is not supported on ring resources that are not controlled by another resource"
-                ),
-                "{status:?}"
-            );
-        }
-        other => anyhow::bail!("generateName Secret was not denied: {other:?}"),
-    }
+    let created = secrets
+        .create(&PostParams::default(), &generated)
+        .await
+        .context("a generateName Secret must not be refused")?;
+    ensure!(
+        !created.labels().contains_key(&key),
+        "a generateName Secret cannot be assigned in its CREATE: {:?}",
+        created.labels()
+    );
+    let name = created.name_any();
+    let want = expected_shard(&predicted, &ns, &name);
+    ensure!(want.is_some(), "the ring has shards");
+    let created_at = std::time::Instant::now();
+    poll_until(
+        "the generateName Secret to be assigned",
+        Duration::from_secs(10),
+        || async {
+            let secret = secrets.get(&name).await?;
+            Ok((secret.labels().get(&key).map(String::as_str) == want).then_some(()))
+        },
+    )
+    .await?;
+    println!(
+        "generateName Secret {name} assigned {:?} after its creation",
+        created_at.elapsed()
+    );
 
     // An object in a namespace the ring does not select stays unlabelled.
     let other_ns = cluster.namespace(&client, "unselected").await?;

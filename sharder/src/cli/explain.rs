@@ -193,7 +193,7 @@ fn judge(
         Err(KeyError::GenerateNameNotSupported) => {
             return (
                 Verdict::NoName,
-                "it has no name yet (only generateName): a main object is hashed by its name, so the webhook denies creating it; give it a name, or hash the ring by namespace (spec.hashKey: Namespace)".into(),
+                "it has no name yet (only generateName): a main object is hashed by its name, so the webhook lets it be created unassigned and the sharder assigns it right after; to have it assigned in its CREATE, give it a name or hash the ring by namespace (spec.hashKey: Namespace)".into(),
             );
         }
         Ok(KeyOutcome::Unassigned(why)) => return unassigned(why, resource),

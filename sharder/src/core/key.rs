@@ -10,9 +10,10 @@
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use sharding_crds::HashKey;
 
-/// The message the webhook denies a main object's CREATE with when the object has no name yet.
-pub const GENERATE_NAME_NOT_SUPPORTED: &str =
-    "generateName is not supported on ring resources that are not controlled by another resource";
+/// Why a main object created with `generateName` cannot be hashed in its CREATE. The webhook
+/// allows it unchanged (a denial would refuse users' writes for as long as the ring exists), and
+/// the sharder's missed-assignment path assigns it as soon as it exists with its name.
+pub const GENERATE_NAME_NOT_SUPPORTED: &str = "a main object created with generateName has no name to hash until it exists; it is assigned right after its creation";
 
 /// Formats a hash key from its four parts: `<group>/<kind>/<namespace>/<name>`.
 ///
@@ -151,7 +152,7 @@ pub enum KeyOutcome {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum KeyError {
     /// A main object has no name yet (only `generateName`), so it cannot be hashed. Its Display
-    /// output is exactly [`GENERATE_NAME_NOT_SUPPORTED`], the webhook's denial message.
+    /// output is exactly [`GENERATE_NAME_NOT_SUPPORTED`].
     #[error("{}", GENERATE_NAME_NOT_SUPPORTED)]
     GenerateNameNotSupported,
 }
@@ -394,7 +395,7 @@ mod tests {
     }
 
     #[test]
-    fn main_object_with_generate_name_is_rejected() {
+    fn main_object_with_generate_name_has_no_key_yet() {
         let controllers = controllers();
         let owners = [owner("apps/v1", "Deployment", "web", Some(true))];
         for name in [None, Some("")] {
@@ -404,11 +405,6 @@ mod tests {
                 .expect_err("main object without name");
             assert_eq!(err, KeyError::GenerateNameNotSupported);
             assert_eq!(err.to_string(), GENERATE_NAME_NOT_SUPPORTED);
-            assert_eq!(
-                GENERATE_NAME_NOT_SUPPORTED,
-                "generateName is not supported on ring resources that are not controlled by \
-                 another resource"
-            );
             // The same object as a controlled resource is fine.
             let role = ResourceRole::Controlled {
                 controllers: controllers.clone(),
