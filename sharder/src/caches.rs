@@ -7,10 +7,12 @@
 //! | `lease_index` | the shard Leases of one ring kind grouped by ring, and which changes matter |
 //! | `changes` | the change hub the ring views and the controllers subscribe to |
 //! | `thread` | the single-threaded runtime the watches run on |
+//! | `slim` | what the caches keep of each object: only the fields the sharder reads |
 
 mod changes;
 mod lease_index;
 mod reflector;
+mod slim;
 mod thread;
 
 use std::sync::Arc;
@@ -29,7 +31,7 @@ use tokio_util::sync::CancellationToken;
 
 pub(crate) use self::changes::Changes;
 pub(crate) use self::lease_index::{LeaseChange, LeaseIndex, state_label_is_stale};
-use self::reflector::{Runner, spawn_reflector, spawn_reflector_into};
+use self::reflector::{Runner, Watched, spawn_reflector, spawn_reflector_into};
 pub(crate) use self::thread::CacheThread;
 use crate::core::any_ring::AnyRing;
 
@@ -104,8 +106,11 @@ impl Caches {
                 tasks,
                 &runner,
                 writer,
-                Api::<Lease>::all(runner.client.clone()),
-                watcher::Config::default().labels(kind.lease_label()),
+                Watched {
+                    api: Api::<Lease>::all(runner.client.clone()),
+                    config: watcher::Config::default().labels(kind.lease_label()),
+                    slim: slim::slim_lease,
+                },
                 move |event: &watcher::Event<Lease>| {
                     let changed = observer.observe(event, Timestamp::now());
                     if changed {

@@ -15,15 +15,15 @@ use e2e::process::poll_until;
 use e2e::scenario::{DedicatedScenario, SharedScenario};
 use e2e::sharder_process::{SharderFiles, SharderSettings, counter};
 use e2e::{Cluster, IndependentRing, cluster, unique_name};
-use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
-use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
+use kube::api::{Api, ListParams, ObjectMeta, Patch, PatchParams, PostParams};
 use serde_json::json;
 use sharder::controller::sharder::{SYNC_FINISHED, SYNC_STARTED};
-use sharding_crds::labels;
+use sharding_crds::{RingKind, labels};
 
 /// Generous bound for processes starting up and caches syncing on a busy machine.
 const STARTUP: Duration = Duration::from_secs(60);
@@ -1175,5 +1175,80 @@ async fn a_crd_changing_its_served_version_is_discovered_again() -> anyhow::Resu
     .await?;
     crds.delete(&crd_name, &Default::default()).await?;
     logs.passed();
+    Ok(())
+}
+
+/// Anyone allowed to create Leases can label them for a ring, any ring: every sharder replica
+/// caches such Leases. A tenant's 300 Leases for a ring that does not exist, each with 200 KiB of
+/// annotations (60 MiB in all), leave the sharder's resident memory about flat, because its
+/// caches keep only the fields it reads.
+#[tokio::test]
+async fn big_labelled_leases_do_not_grow_the_sharders_memory() -> anyhow::Result<()> {
+    const LEASES: usize = 300;
+    const ANNOTATION_KIB: usize = 200;
+    let DedicatedScenario {
+        dedicated,
+        client,
+        ns,
+    } = DedicatedScenario::in_namespace("big-leases").await?;
+    let cluster = dedicated.cluster();
+    let files = SharderFiles::create(cluster.kubeconfig(), &SharderSettings::default())?;
+    let mut sharder = files.start_process()?;
+    files.wait_ready(STARTUP).await?;
+    let pid = sharder.id().context("the sharder has a process id")?;
+    // Past its start-up allocations.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let before = e2e::process::rss_kib(pid)?;
+
+    let leases = Api::<Lease>::namespaced(client.clone(), &ns);
+    let blob = "x".repeat(ANNOTATION_KIB * 1024);
+    for i in 0..LEASES {
+        let name = format!("squat-{i}");
+        let lease = Lease {
+            metadata: ObjectMeta {
+                name: Some(name.clone()),
+                labels: Some(
+                    [(
+                        RingKind::ClusterRing.lease_label().to_string(),
+                        "no-such-ring".to_string(),
+                    )]
+                    .into(),
+                ),
+                annotations: Some([("tenant.example/blob".to_string(), blob.clone())].into()),
+                ..Default::default()
+            },
+            spec: Some(LeaseSpec {
+                holder_identity: Some(name),
+                lease_duration_seconds: Some(3600),
+                renew_time: Some(MicroTime(Timestamp::now())),
+                ..Default::default()
+            }),
+        };
+        leases.create(&PostParams::default(), &lease).await?;
+    }
+    // Every one of them is in the sharder's cache: its state metrics report each.
+    poll_until("the sharder to report every Lease", WAIT, || async {
+        let metrics = files.metrics()?;
+        let reported = metrics
+            .lines()
+            .filter(|l| {
+                l.starts_with("controller_sharding_shard_info{")
+                    && l.contains(r#"clusterring="no-such-ring""#)
+            })
+            .count();
+        Ok((reported == LEASES).then_some(()))
+    })
+    .await?;
+    let after = e2e::process::rss_kib(pid)?;
+    let payload = (LEASES * ANNOTATION_KIB) as u64;
+    println!(
+        "sharder VmRSS {before} KiB before, {after} KiB after {LEASES} Leases with {payload} KiB of annotations"
+    );
+    ensure!(
+        after.saturating_sub(before) < payload / 4,
+        "the sharder's memory grew by {} KiB with {payload} KiB of Lease annotations",
+        after.saturating_sub(before)
+    );
+    sharder.passed();
     Ok(())
 }

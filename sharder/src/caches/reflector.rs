@@ -27,17 +27,31 @@ where
     K::DynamicType: Default + Eq + std::hash::Hash + Clone + Send + Sync,
 {
     let (store, writer) = reflector::store();
-    spawn_reflector_into(tasks, runner, writer, api, config, observe, shutdown);
+    let watched = Watched {
+        api,
+        config,
+        slim: super::slim::slim_object,
+    };
+    spawn_reflector_into(tasks, runner, writer, watched, observe, shutdown);
     store
 }
 
-/// Like [`spawn_reflector`], filling the cache behind `writer`.
+/// The objects a cache holds, and what it keeps of each.
+pub(super) struct Watched<K: Resource> {
+    /// Where the objects are.
+    pub(super) api: Api<K>,
+    /// Which of them: label and field selectors.
+    pub(super) config: watcher::Config,
+    /// Strips each object to what the cache keeps, before the cache copies it.
+    pub(super) slim: fn(&mut K),
+}
+
+/// Like [`spawn_reflector`], filling the cache behind `writer` with the objects `watched` selects.
 pub(super) fn spawn_reflector_into<K>(
     tasks: &mut JoinSet<()>,
     runner: &Runner,
     writer: reflector::store::Writer<K>,
-    api: Api<K>,
-    config: watcher::Config,
+    watched: Watched<K>,
     mut observe: impl FnMut(&watcher::Event<K>) -> bool + Send + 'static,
     shutdown: &CancellationToken,
 ) where
@@ -46,10 +60,8 @@ pub(super) fn spawn_reflector_into<K>(
 {
     let shutdown = shutdown.clone();
     let task = async move {
-        // Nothing reads the managed fields of a cached object: dropping them before the cache
-        // copies an object saves the copy its largest part.
-        let events =
-            watcher(api, config).modify(|obj| kube::ResourceExt::managed_fields_mut(obj).clear());
+        // Before the cache copies an object: what nothing reads is never held.
+        let events = watcher(watched.api, watched.config).modify(watched.slim);
         let stream = reflector::reflector(writer, events).default_backoff();
         futures::pin_mut!(stream);
         // What an item asks for: stop (the stream ended), read on at once (something changed

@@ -8,9 +8,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::{Stream, StreamExt};
-use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{Api, DeleteParams, Patch, PostParams, Preconditions};
+use kube::api::{Api, DeleteParams, Patch, Preconditions};
 use kube::runtime::controller::{self, Action, applier};
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Resource, ResourceExt};
@@ -25,7 +25,6 @@ use crate::caches::{LeaseChange, LeaseIndex, state_label_is_stale};
 use crate::context::Context;
 use crate::core::any_ring::AnyRing;
 use crate::core::membership::{Exclusion, ring_members};
-use crate::core::webhook_config::FIELD_MANAGER;
 use crate::events::{REASON_INVALID_WEIGHT, REASON_SHARD_DEAD};
 
 /// Longest requeue; far-away boundaries (absurd durations) are re-evaluated at least this often.
@@ -341,18 +340,19 @@ async fn reconcile(lease: Arc<Lease>, state: Arc<State>) -> Result<Action, Error
             // The shard stopped renewing long ago. Taking the Lease over with an update guarded by
             // resourceVersion proves the API server is reachable and the shard can no longer
             // renew, so it must have stopped: from here on it is dead and its objects can move.
-            let mut taken = (*lease).clone();
-            let spec = taken.spec.get_or_insert_with(Default::default);
-            view.takeover(now).apply(spec);
-            taken
-                .labels_mut()
-                .insert(LABEL_STATE.into(), ShardState::Dead.as_str().into());
-            taken.metadata.managed_fields = None;
-            let params = PostParams {
-                field_manager: Some(FIELD_MANAGER.into()),
-                ..Default::default()
-            };
-            api.replace(&name, &params, &taken)
+            // A merge patch guarded by the resourceVersion is as safe as an update, and writes
+            // only the fields it names: the cached copy holds only what the sharder reads, so an
+            // update from it would drop the Lease's other labels and annotations.
+            let mut spec = LeaseSpec::default();
+            view.takeover(now).apply(&mut spec);
+            let patch = serde_json::json!({
+                "metadata": {
+                    "resourceVersion": lease.resource_version(),
+                    "labels": {LABEL_STATE: ShardState::Dead.as_str()},
+                },
+                "spec": spec,
+            });
+            api.patch(&name, &super::patch_params(), &Patch::Merge(&patch))
                 .await
                 .map_err(write_err("take over"))?;
             tracing::info!(ring = %ring, shard = %name, "took over the Lease of an unresponsive shard");

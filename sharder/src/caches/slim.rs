@@ -1,0 +1,102 @@
+//! What the caches keep of each object: only what the sharder reads.
+//!
+//! Every replica caches every Lease that carries a ring label, whoever created it and whatever its
+//! ring, because the webhook answers from the caches. Anyone allowed to create Leases could
+//! otherwise make each replica hold their annotations and labels (up to 256 KiB per Lease) and
+//! exhaust its memory. A watch still decodes each object whole, but only for as long as one event
+//! takes; what the cache holds is bounded by the fields kept here.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::coordination::v1::Lease;
+use kube::ResourceExt;
+use sharding_crds::RingKind;
+use sharding_crds::labels::{ANNOTATION_WEIGHT, LABEL_STATE};
+
+/// Drops what nothing reads from any cached object: its managed fields, by far its largest part.
+pub(super) fn slim_object<K: kube::Resource>(object: &mut K) {
+    object.managed_fields_mut().clear();
+}
+
+/// Keeps of a shard Lease only what membership, shard states, Events and metrics read: name,
+/// namespace, UID, resourceVersion, creation time, the spec, the ring labels of both kinds, the
+/// state label and the weight annotation. Owner references and finalizers go too.
+pub(super) fn slim_lease(lease: &mut Lease) {
+    slim_object(lease);
+    let meta = &mut lease.metadata;
+    let kept_labels = |labels: BTreeMap<String, String>| -> BTreeMap<String, String> {
+        labels
+            .into_iter()
+            .filter(|(key, _)| {
+                key == LABEL_STATE || RingKind::ALL.iter().any(|kind| key == kind.lease_label())
+            })
+            .collect()
+    };
+    meta.labels = meta.labels.take().map(kept_labels);
+    meta.annotations = meta.annotations.take().map(|annotations| {
+        annotations
+            .into_iter()
+            .filter(|(key, _)| key == ANNOTATION_WEIGHT)
+            .collect()
+    });
+    meta.owner_references = None;
+    meta.finalizers = None;
+}
+
+#[cfg(test)]
+mod tests {
+    use k8s_openapi::api::coordination::v1::LeaseSpec;
+    use kube::api::ObjectMeta;
+
+    use super::*;
+
+    #[test]
+    fn a_cached_lease_keeps_only_what_the_sharder_reads() {
+        let big = "x".repeat(200 * 1024);
+        let ring_label = RingKind::ClusterRing.lease_label().to_string();
+        let other_ring_label = RingKind::ControllerRing.lease_label().to_string();
+        let mut lease = Lease {
+            metadata: ObjectMeta {
+                name: Some("shard-a".into()),
+                namespace: Some("team".into()),
+                uid: Some("u1".into()),
+                resource_version: Some("7".into()),
+                labels: Some(BTreeMap::from([
+                    (ring_label.clone(), "ring".into()),
+                    (other_ring_label.clone(), "other".into()),
+                    (LABEL_STATE.into(), "ready".into()),
+                    ("team.example/owner".into(), "alice".into()),
+                ])),
+                annotations: Some(BTreeMap::from([
+                    (ANNOTATION_WEIGHT.into(), "3".into()),
+                    ("team.example/blob".into(), big),
+                ])),
+                finalizers: Some(vec!["team.example/keep".into()]),
+                ..Default::default()
+            },
+            spec: Some(LeaseSpec {
+                holder_identity: Some("shard-a".into()),
+                lease_duration_seconds: Some(10),
+                ..Default::default()
+            }),
+        };
+        let spec = lease.spec.clone();
+        slim_lease(&mut lease);
+
+        let labels = lease.labels();
+        assert_eq!(labels.len(), 3, "{labels:?}");
+        assert_eq!(labels[&ring_label], "ring");
+        assert_eq!(labels[&other_ring_label], "other");
+        assert_eq!(labels[LABEL_STATE], "ready");
+        assert_eq!(
+            lease.annotations(),
+            &BTreeMap::from([(ANNOTATION_WEIGHT.to_string(), "3".to_string())])
+        );
+        assert_eq!(lease.finalizers(), &[] as &[String]);
+        assert_eq!(lease.spec, spec);
+        assert_eq!(lease.metadata.name.as_deref(), Some("shard-a"));
+        assert_eq!(lease.metadata.namespace.as_deref(), Some("team"));
+        assert_eq!(lease.metadata.uid.as_deref(), Some("u1"));
+        assert_eq!(lease.metadata.resource_version.as_deref(), Some("7"));
+    }
+}
