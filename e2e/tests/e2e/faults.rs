@@ -1252,3 +1252,64 @@ async fn big_labelled_leases_do_not_grow_the_sharders_memory() -> anyhow::Result
     sharder.passed();
     Ok(())
 }
+
+/// A Lease named like a running shard, created in another namespace by someone who may create
+/// Leases there, keeps that shard out of the ring (two Leases of one name). The shard still holds
+/// its own Lease and may still be reconciling its objects, so they leave it through a drain only:
+/// none loses its shard label before the shard has let go.
+#[tokio::test]
+async fn objects_leave_a_shard_kept_out_by_a_squatter_only_through_a_drain() -> anyhow::Result<()> {
+    let SharedScenario {
+        mut logs,
+        cluster,
+        client,
+        ns,
+        ..
+    } = SharedScenario::in_namespace("squat").await?;
+    let squatter_ns = cluster.namespace(&client, "squatter").await?;
+    let ring = unique_name("squat");
+    create_ring(&client, &ring, ring_spec(&ns)).await?;
+    let shards = ["shard-a", "shard-b", "shard-c"];
+    for shard in shards {
+        create_lease(&client, &ns, &ring, shard, 3600).await?;
+    }
+    wait_status(&client, &ring, 3, 3).await?;
+    wait_webhook(&client, &ns, &ring, &shards).await?;
+    let secrets = Api::<Secret>::namespaced(client.clone(), &ns);
+    let key = labels::shard_label(&ring);
+    let drain = labels::drain_label(&ring);
+    let mut on_b = BTreeSet::new();
+    for i in 0..30 {
+        let name = format!("s-{i}");
+        let created = secrets
+            .create(&PostParams::default(), &secret(&name))
+            .await?;
+        if created.labels().get(&key).map(String::as_str) == Some("shard-b") {
+            on_b.insert(name);
+        }
+    }
+    ensure!(!on_b.is_empty(), "no object landed on shard-b");
+
+    create_lease(&client, &squatter_ns, &ring, "shard-b", 3600).await?;
+    wait_status(&client, &ring, 2, 4).await?;
+    poll_until(
+        "every object of shard-b to be asked to drain",
+        WAIT,
+        || async {
+            let mut drained = 0;
+            for name in &on_b {
+                let secret = secrets.get(name).await?;
+                let labels = secret.labels();
+                ensure!(
+                    labels.get(&key).map(String::as_str) == Some("shard-b"),
+                    "{name} left shard-b without a drain while its shard may still run: {labels:?}"
+                );
+                drained += usize::from(labels.contains_key(&drain));
+            }
+            Ok((drained == on_b.len()).then_some(()))
+        },
+    )
+    .await?;
+    logs.passed();
+    Ok(())
+}

@@ -20,7 +20,7 @@ use sharding_crds::{ClusterRing, ControllerRing, GroupResource, RingKind, RingOb
 use super::{ConnectionArgs, Error};
 use crate::core::any_ring::AnyRing;
 use crate::core::list_scope::PAGE_SIZE;
-use crate::core::membership::available_shards;
+use crate::core::membership::{available_shards, excluded_held_shards};
 use crate::views::{ResourceInfo, RingView, build_view};
 
 /// A client and the namespace of the kubeconfig context.
@@ -333,10 +333,11 @@ pub(crate) async fn load_rings(
         let leases = leases(client, kind, Some(&name)).await?;
         let shards = available_shards(kind, &name, &leases);
         let (selector, selector_source) = namespace_selector(client, &ring).await;
-        let view = match &ring {
+        let mut view = match &ring {
             AnyRing::Cluster(r) => build_view(r.as_ref(), &shards, infos, &selector),
             AnyRing::Controller(r) => build_view(r.as_ref(), &shards, infos, &selector),
         };
+        view.excluded_held = excluded_held_shards(kind, &name, &leases);
         loaded.push(LoadedRing {
             // The plugin cannot read the sharder's configuration: a ring over a protected
             // resource shows as refused, as the default configuration refuses it.

@@ -148,6 +148,21 @@ pub(crate) fn available_shards<'a>(
         .collect()
 }
 
+/// The shards of ring `ring` of `kind` that are kept out of the ring although their Leases are held
+/// by the shards themselves. They receive no objects, but may still be running and reconciling the
+/// ones they have: those leave them only through a drain, never by a direct move.
+pub(crate) fn excluded_held_shards<'a>(
+    kind: RingKind,
+    ring: &str,
+    leases: impl IntoIterator<Item = &'a Lease>,
+) -> BTreeSet<String> {
+    ring_members(kind, ring, leases)
+        .into_iter()
+        .filter(|m| m.exclusion.is_some() && ShardLease::from_lease(m.lease).is_held_by_shard())
+        .map(|m| m.lease.name_any())
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -229,6 +244,29 @@ mod tests {
         // Once one copy is gone, the other takes part again.
         let available = available_shards(KIND, "r", [&leases[0], &leases[2]]);
         assert_eq!(names(available), ["a", "b"]);
+    }
+
+    #[test]
+    fn excluded_shards_that_hold_their_leases_may_still_be_running() {
+        let long = "x".repeat(64);
+        let leases = [
+            lease("ns1", "a", "r", Some("a")),
+            lease("ns2", "a", "r", None),
+            lease("ns1", "b", "r", Some("b")),
+            lease("ns1", &long, "r", Some(&long)),
+            lease("ns1", "c", "r", Some("shardlease-controller")),
+            lease("ns1", "d", "other", Some("d")),
+        ];
+        // "a" is out of the ring (two copies) but its shard holds one of them; the invalid name is
+        // out too and held; "b" is available, not excluded; "c" is dead; "d" is another ring's.
+        assert_eq!(
+            excluded_held_shards(KIND, "r", &leases),
+            BTreeSet::from(["a".to_string(), long.clone()])
+        );
+        assert_eq!(names(available_shards(KIND, "r", &leases)), ["b"]);
+        // Neither copy held: nothing can be running under that name.
+        let released = [lease("ns1", "a", "r", None), lease("ns2", "a", "r", None)];
+        assert!(excluded_held_shards(KIND, "r", &released).is_empty());
     }
 
     #[test]

@@ -17,7 +17,7 @@ use super::registry::Views;
 use super::view::build_view;
 use crate::caches::{Caches, LeaseChange};
 use crate::core::any_ring::AnyRing;
-use crate::core::membership::available_shards;
+use crate::core::membership::{available_shards, excluded_held_shards};
 use crate::metrics::RingLabel;
 
 /// How often rings with unresolved resources (e.g. a CRD installed later) are resolved again.
@@ -169,11 +169,17 @@ pub(crate) async fn refresh(sources: &ViewSources, scope: Scope) {
             &ring_ref.name,
             leases.iter().map(AsRef::as_ref),
         );
+        let excluded_held = excluded_held_shards(
+            ring_ref.kind,
+            &ring_ref.name,
+            leases.iter().map(AsRef::as_ref),
+        );
         let current = sources.views.get(&ring_ref);
         let shards_changed = current.as_ref().is_none_or(|v| {
             !v.hash_ring
                 .members()
                 .eq(shards.iter().map(|(n, w)| (n.as_str(), *w)))
+                || v.excluded_held != excluded_held
         });
         let spec_changed = current
             .as_ref()
@@ -203,6 +209,7 @@ pub(crate) async fn refresh(sources: &ViewSources, scope: Scope) {
             }
         };
         view.discovery_generation = discovery_generation;
+        view.excluded_held = excluded_held;
         if !(shards_changed || spec_changed)
             && current
                 .as_ref()

@@ -1,7 +1,7 @@
 //! One ring's view: its resources resolved, the hash ring of its available shards, and where
 //! one object stands in it.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use sharding_crds::{GroupResource, HashKey, RingKind, RingObject, RingRef};
@@ -62,6 +62,9 @@ pub struct RingView {
     pub(crate) drain_label: String,
     /// Hash ring over the available shards.
     pub(crate) hash_ring: HashRing,
+    /// Shards kept out of the ring whose Leases their shards still hold (see
+    /// [`crate::core::membership::excluded_held_shards`]).
+    pub(crate) excluded_held: BTreeSet<String>,
     /// What objects are hashed by.
     pub(crate) hash_key: HashKey,
     /// Namespaces whose objects belong to the ring: its selector, else the configured default.
@@ -97,6 +100,13 @@ impl RingView {
         key::ring_key(self.hash_key, object, role)
     }
 
+    /// Whether shard `shard` may still be running and reconciling objects: it is available, or kept
+    /// out of the ring while its Lease is still held by itself. Objects leave such a shard only
+    /// through a drain, so no object is reconciled by two shards at once.
+    pub(crate) fn may_be_running(&self, shard: &str) -> bool {
+        self.hash_ring.contains(shard) || self.excluded_held.contains(shard)
+    }
+
     /// Where an object of `resource` (group `group`) with metadata `meta` stands in this ring:
     /// its key, the shard the ring wants, the labels it carries and what the sharder does next
     /// (docs/protocol.md §6, §9). Namespace selection is the caller's business.
@@ -124,7 +134,7 @@ impl RingView {
             main: resource.is_main(),
         };
         Placement {
-            decision: decide(object, desired, |shard| self.hash_ring.contains(shard)),
+            decision: decide(object, desired, |shard| self.may_be_running(shard)),
             key,
             desired,
             object,
@@ -205,6 +215,7 @@ pub fn build_view<R: RingObject>(
         drain_label: kind.drain_label(&name),
         name,
         hash_ring: HashRing::weighted(shards.iter().map(|(name, weight)| (name, *weight))),
+        excluded_held: BTreeSet::new(),
         hash_key: spec.hash_key(),
         namespace_selector: spec
             .namespace_selector
@@ -286,6 +297,43 @@ mod tests {
             other => panic!("unexpected role {other:?}"),
         }
         assert!(view.resources[&GroupResource::new("", "secrets")].is_main());
+    }
+
+    #[test]
+    fn objects_leave_an_excluded_shard_that_may_still_run_only_through_a_drain() {
+        let ring = ClusterRing::new(
+            "r",
+            ClusterRingSpec {
+                resources: vec![RingResource::new("", "secrets")],
+                namespace_selector: None,
+                hash_key: None,
+            },
+        );
+        let discovered = HashMap::from([(GroupResource::new("", "secrets"), info("Secret", true))]);
+        let shards = BTreeMap::from([("s1".to_string(), 1)]);
+        let mut view = build_view(&ring, &shards, &discovered, &LabelSelector::default());
+        let resource = &view.resources[&GroupResource::new("", "secrets")].clone();
+        let meta = |shard: &str| kube::api::ObjectMeta {
+            name: Some("o".into()),
+            namespace: Some("ns".into()),
+            labels: Some(BTreeMap::from([(
+                view.shard_label.clone(),
+                shard.to_string(),
+            )])),
+            ..Default::default()
+        };
+        // Unknown or dead: nobody reconciles it there, so it moves at once.
+        assert_eq!(
+            view.placement("", resource, &meta("s2")).decision,
+            RebalanceDecision::Move
+        );
+        // Kept out of the ring while its shard still holds its Lease: drained.
+        view.excluded_held.insert("s2".into());
+        assert!(view.may_be_running("s2") && view.may_be_running("s1"));
+        assert_eq!(
+            view.placement("", resource, &meta("s2")).decision,
+            RebalanceDecision::Drain
+        );
     }
 
     #[test]

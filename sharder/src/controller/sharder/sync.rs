@@ -143,7 +143,7 @@ fn tally_object(
             && tally
                 .owner_wait
                 .holds_back(key, current, placement.desired, |shard| {
-                    view.hash_ring.contains(shard)
+                    view.may_be_running(shard)
                 })
         {
             return RebalanceDecision::Keep;
