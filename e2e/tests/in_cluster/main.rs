@@ -570,11 +570,18 @@ async fn kubectl_scale_rebalances_through_drains() -> anyhow::Result<()> {
         .filter(|s| !remaining.contains(s))
         .collect();
     for pod in gone {
+        let of_pod: Vec<&ownership::Record> = records.iter().filter(|r| &r.pod == pod).collect();
         ensure!(
-            records
+            of_pod.iter().any(|r| r.event == "lease_released"),
+            "{pod} was scaled away without logging that it released its Lease; its last of {} \
+             records: {:?}",
+            of_pod.len(),
+            of_pod
                 .iter()
-                .any(|r| &r.pod == pod && r.event == "lease_released"),
-            "{pod} was scaled away without logging that it released its Lease"
+                .rev()
+                .take(5)
+                .map(|r| (&r.event, r.at))
+                .collect::<Vec<_>>()
         );
     }
     let violations = ownership::violations(&records);

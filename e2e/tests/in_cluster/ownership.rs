@@ -106,6 +106,12 @@ impl ShardLogs {
     }
 }
 
+/// Follows one pod's log into `records`. A stream that fails to open or ends while the container
+/// still runs (an API server or kubelet connection dropped) is opened again, from the start of
+/// the log, and lines already read are skipped: a shard's last records (its Lease released) are
+/// what the scale tests look for, and a lost connection must not lose them. The stream is done
+/// when a fresh one brings no new line before its end (the container exited), when the pod is
+/// gone, or on `stop`.
 async fn stream(
     pods: Api<Pod>,
     pod: String,
@@ -116,28 +122,47 @@ async fn stream(
         follow: true,
         ..LogParams::default()
     };
-    let Ok(reader) = pods.log_stream(&pod, &params).await else {
-        return;
-    };
-    let mut lines = reader.lines();
+    let mut seen: HashSet<String> = HashSet::new();
+    let mut failed_opens = 0;
     loop {
-        let line = tokio::select! {
-            () = stop.cancelled() => {
-                // Whatever is already buffered still counts.
-                match tokio::time::timeout(Duration::from_millis(500), lines.try_next()).await {
-                    Ok(Ok(Some(line))) => line,
-                    _ => return,
-                }
+        let reader = match pods.log_stream(&pod, &params).await {
+            Ok(reader) => reader,
+            Err(kube::Error::Api(e)) if e.code == 404 => return,
+            Err(_) if failed_opens < 20 && !stop.is_cancelled() => {
+                failed_opens += 1;
+                tokio::time::sleep(Duration::from_millis(250)).await;
+                continue;
             }
-            next = lines.try_next() => match next {
-                Ok(Some(line)) => line,
-                _ => return,
-            },
+            Err(_) => return,
         };
-        if let Some(record) = parse(&pod, &line)
-            && let Ok(mut all) = records.lock()
-        {
-            all.push(record);
+        let mut lines = reader.lines();
+        let mut new_lines = 0;
+        loop {
+            let line = tokio::select! {
+                () = stop.cancelled() => {
+                    // Whatever is already buffered still counts.
+                    match tokio::time::timeout(Duration::from_millis(500), lines.try_next()).await {
+                        Ok(Ok(Some(line))) => line,
+                        _ => return,
+                    }
+                }
+                next = lines.try_next() => match next {
+                    Ok(Some(line)) => line,
+                    _ => break,
+                },
+            };
+            if !seen.insert(line.clone()) {
+                continue;
+            }
+            new_lines += 1;
+            if let Some(record) = parse(&pod, &line)
+                && let Ok(mut all) = records.lock()
+            {
+                all.push(record);
+            }
+        }
+        if new_lines == 0 || stop.is_cancelled() {
+            return;
         }
     }
 }
