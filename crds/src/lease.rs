@@ -84,10 +84,13 @@ pub fn is_valid_shard_name(name: &str) -> bool {
 /// How a Lease holder times its Lease: how long the Lease is valid, when the holder gives it up
 /// without a successful renewal, and how often it tries.
 ///
-/// **Sharp edge:** the gap between `renew_deadline` and `lease_duration` is the safety margin of
-/// the whole scheme. A holder stops considering itself the owner after `renew_deadline`, while
-/// others wait for `lease_duration` before taking over; clocks of different machines only need to
-/// agree within that gap. Do not shrink it to nothing.
+/// **Sharp edge:** the gap between `renew_deadline` and `lease_duration` is a safety margin. A
+/// holder stops considering itself the owner `renew_deadline` after it sent its last renewal,
+/// while others wait for `lease_duration` before taking over. Whoever judges expiry by comparing
+/// `renewTime` with their own clock (a sharder replica taking leadership, a shard taking its Lease
+/// back) is only safe while the two clocks agree within that gap. The sharder judges shard Leases
+/// by when it saw them renewed, not by `renewTime`, and waits two lease durations, so for shard
+/// Leases the clocks' offsets do not matter (docs/protocol.md §4). Do not shrink it to nothing.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LeaseTiming {
     /// `leaseDurationSeconds`: how long others wait after the last renewal before taking over.
@@ -387,8 +390,11 @@ impl<'a> ShardLease<'a> {
 
     /// What the sharder writes to take over this Lease at `now`, once it is `uncertain`.
     ///
-    /// The new duration is twice the old one, so the shard, had it merely lost its connection,
-    /// has certainly noticed it lost the Lease before the sharder moves its objects.
+    /// The new duration is twice the old one: a shard that merely lost its connection cannot take
+    /// its Lease back (and with it objects the sharder is moving away) until that longer duration
+    /// passed. That the shard has stopped by the time of the takeover follows from the timing, not
+    /// from the doubling: it is `uncertain` two lease durations after the last renewal the sharder
+    /// saw, and the shard gave up `renewDeadline` after sending it.
     #[must_use]
     pub fn takeover(&self, now: Timestamp) -> Takeover {
         let duration_seconds = self

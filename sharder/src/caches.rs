@@ -8,10 +8,12 @@
 //! | `changes` | the change hub the ring views and the controllers subscribe to |
 //! | `thread` | the single-threaded runtime the watches run on |
 //! | `slim` | what the caches keep of each object: only the fields the sharder reads |
+//! | `renewals` | shard liveness by the sharder's clock: when each Lease was seen renewed |
 
 mod changes;
 mod lease_index;
 mod reflector;
+mod renewals;
 mod slim;
 mod thread;
 
@@ -32,6 +34,7 @@ use tokio_util::sync::CancellationToken;
 pub(crate) use self::changes::Changes;
 pub(crate) use self::lease_index::{LeaseChange, LeaseIndex, state_label_is_stale};
 use self::reflector::{Runner, Watched, spawn_reflector, spawn_reflector_into};
+pub(crate) use self::renewals::{Renewals, SKEW_WARNING};
 pub(crate) use self::thread::CacheThread;
 use crate::core::any_ring::AnyRing;
 
@@ -99,7 +102,8 @@ impl Caches {
         // own.
         let [cluster_ring_leases, controller_ring_leases] = RingKind::ALL.map(|kind| {
             let (store, writer) = kube::runtime::reflector::store();
-            let index = Arc::new(LeaseIndex::new(kind, store));
+            let renewals = Arc::new(Renewals::default());
+            let index = Arc::new(LeaseIndex::new(kind, store, renewals.clone()));
             let observer = index.clone();
             let changes = changes.clone();
             spawn_reflector_into(
@@ -109,7 +113,10 @@ impl Caches {
                 Watched {
                     api: Api::<Lease>::all(runner.client.clone()),
                     config: watcher::Config::default().labels(kind.lease_label()),
-                    slim: slim::slim_lease,
+                    prepare: Box::new(move |event| {
+                        renewals.prepare(event, Timestamp::now());
+                        slim::for_each_object(event, slim::slim_lease);
+                    }),
                 },
                 move |event: &watcher::Event<Lease>| {
                     let changed = observer.observe(event, Timestamp::now());

@@ -56,14 +56,20 @@ impl StateSource for CacheState {
             for ring in index.rings() {
                 let leases = index.ring_leases(&ring);
                 let members = ring_members(kind, &ring, leases.iter().map(AsRef::as_ref));
-                snapshots.extend(members.into_iter().map(|m| ShardSnapshot {
-                    namespace: m.lease.namespace().unwrap_or_default(),
-                    shard: m.lease.name_any(),
-                    ring: RingRef::new(kind, ring.clone()),
-                    uid: m.lease.uid().unwrap_or_default(),
-                    state: ShardLease::from_lease(m.lease).state(now).as_str(),
-                    excluded: m.exclusion.as_ref().map(Exclusion::reason),
-                    weight: m.weight,
+                snapshots.extend(members.into_iter().map(|m| {
+                    ShardSnapshot {
+                        namespace: m.lease.namespace().unwrap_or_default(),
+                        shard: m.lease.name_any(),
+                        ring: RingRef::new(kind, ring.clone()),
+                        uid: m.lease.uid().unwrap_or_default(),
+                        state: ShardLease::from_lease(m.lease).state(now).as_str(),
+                        excluded: m.exclusion.as_ref().map(Exclusion::reason),
+                        weight: m.weight,
+                        clock_skew_seconds: index
+                            .renewals()
+                            .skew(m.lease.uid().as_deref().unwrap_or_default())
+                            .map(|skew| skew.as_secs_f64()),
+                    }
                 }));
             }
         }

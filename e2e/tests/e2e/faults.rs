@@ -1313,3 +1313,209 @@ async fn objects_leave_a_shard_kept_out_by_a_squatter_only_through_a_drain() -> 
     logs.passed();
     Ok(())
 }
+
+/// Creates 30 Secrets in `ns`; returns their names by the shard the webhook gave them.
+async fn secrets_by_shard(
+    client: &kube::Client,
+    ns: &str,
+    ring: &str,
+) -> anyhow::Result<std::collections::BTreeMap<String, BTreeSet<String>>> {
+    let secrets = Api::<Secret>::namespaced(client.clone(), ns);
+    let key = labels::shard_label(ring);
+    let mut by_shard = std::collections::BTreeMap::<String, BTreeSet<String>>::new();
+    for i in 0..30 {
+        let name = format!("s-{i}");
+        let created = secrets
+            .create(&PostParams::default(), &secret(&name))
+            .await?;
+        let shard = created.labels().get(&key).cloned().unwrap_or_default();
+        by_shard.entry(shard).or_default().insert(name);
+    }
+    Ok(by_shard)
+}
+
+/// docs/protocol.md §4, §19.13: a shard whose clock runs 40 s behind writes renewTimes that look
+/// 40 s old; it still renews, so it keeps its Lease and its objects, and its skew is reported.
+#[tokio::test]
+async fn a_shard_whose_clock_is_behind_keeps_its_objects() -> anyhow::Result<()> {
+    let SharedScenario {
+        sharder,
+        mut logs,
+        client,
+        ns,
+        ..
+    } = SharedScenario::in_namespace("skew").await?;
+    let ring = unique_name("skew");
+    create_ring(&client, &ring, ring_spec(&ns)).await?;
+    for shard in ["shard-a", "shard-b"] {
+        create_lease(&client, &ns, &ring, shard, 3600).await?;
+    }
+    create_lease(&client, &ns, &ring, "shard-late", 10).await?;
+    let leases = Api::<Lease>::namespaced(client.clone(), &ns);
+    // The shard renews every 2 s with its clock 40 s behind the sharder's.
+    let renewing = {
+        let leases = leases.clone();
+        tokio::spawn(async move {
+            loop {
+                let behind = Timestamp::now() - Duration::from_secs(40);
+                let patch = json!({"spec": {"renewTime": MicroTime(behind)}});
+                let _ = leases
+                    .patch("shard-late", &PatchParams::default(), &Patch::Merge(&patch))
+                    .await;
+                tokio::time::sleep(Duration::from_secs(2)).await;
+            }
+        })
+    };
+    let result = async {
+        wait_status(&client, &ring, 3, 3).await?;
+        wait_webhook(&client, &ns, &ring, &["shard-a", "shard-b", "shard-late"]).await?;
+        let by_shard = secrets_by_shard(&client, &ns, &ring).await?;
+        let late = by_shard.get("shard-late").cloned().unwrap_or_default();
+        ensure!(
+            !late.is_empty(),
+            "no object landed on shard-late: {by_shard:?}"
+        );
+        // One and a half lease durations: the earlier code took the Lease over at its first renewal.
+        tokio::time::sleep(Duration::from_secs(15)).await;
+        let lease = leases.get("shard-late").await?;
+        let holder = lease.spec.and_then(|s| s.holder_identity);
+        ensure!(
+            holder.as_deref() == Some("shard-late"),
+            "the Lease of the renewing shard was taken over: holder {holder:?}"
+        );
+        let secrets = Api::<Secret>::namespaced(client.clone(), &ns);
+        let (key, drain) = (labels::shard_label(&ring), labels::drain_label(&ring));
+        for name in &late {
+            let labels = secrets.get(name).await?.labels().clone();
+            ensure!(
+                labels.get(&key).map(String::as_str) == Some("shard-late")
+                    && !labels.contains_key(&drain),
+                "{name} was moved or drained off the renewing shard: {labels:?}"
+            );
+        }
+        let metrics = sharder.metrics()?;
+        let skew: f64 = metrics
+            .lines()
+            .find(|l| {
+                l.starts_with("controller_sharding_shard_clock_skew_seconds{")
+                    && l.contains("shard=\"shard-late\"")
+                    && l.contains(&format!("clusterring=\"{ring}\""))
+            })
+            .and_then(|l| l.rsplit(' ').next())
+            .context("no clock skew series for shard-late")?
+            .parse()?;
+        ensure!(
+            (-45.0..=-39.0).contains(&skew),
+            "skew of shard-late reported as {skew}, expected about -40"
+        );
+        poll_until(
+            "a ShardClockSkew Warning Event on the Lease",
+            WAIT,
+            || async {
+                let warnings = lease_warnings(&client, &ns, "shard-late").await?;
+                Ok(warnings
+                    .iter()
+                    .any(|e| e.reason.as_deref() == Some("ShardClockSkew"))
+                    .then_some(()))
+            },
+        )
+        .await
+    }
+    .await;
+    renewing.abort();
+    result?;
+    logs.passed();
+    Ok(())
+}
+
+/// docs/protocol.md §4, §19.13: held Leases whose timing fields are missing or claim a renewal a
+/// year ahead are taken over two lease durations after the sharder last saw them change, and their
+/// objects move to the shards that renew.
+#[tokio::test]
+async fn malformed_leases_are_taken_over_once_they_stop_changing() -> anyhow::Result<()> {
+    let SharedScenario {
+        mut logs,
+        client,
+        ns,
+        ..
+    } = SharedScenario::in_namespace("malformed").await?;
+    let ring = unique_name("malformed");
+    create_ring(&client, &ring, ring_spec(&ns)).await?;
+    for shard in ["shard-a", "shard-b"] {
+        create_lease(&client, &ns, &ring, shard, 3600).await?;
+    }
+    let leases = Api::<Lease>::namespaced(client.clone(), &ns);
+    let year_ahead = MicroTime(Timestamp::now() + Duration::from_secs(365 * 24 * 3600));
+    let malformed = [
+        // No acquireTime, no renewTime.
+        ("shard-untimed", None),
+        // A renewal a year ahead of every clock.
+        ("shard-future", Some(year_ahead)),
+    ];
+    for (name, renewed) in malformed.clone() {
+        let lease = Lease {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                labels: Some(
+                    [(
+                        RingKind::ClusterRing.lease_label().to_string(),
+                        ring.clone(),
+                    )]
+                    .into(),
+                ),
+                ..Default::default()
+            },
+            spec: Some(LeaseSpec {
+                holder_identity: Some(name.into()),
+                lease_duration_seconds: Some(5),
+                acquire_time: renewed.clone(),
+                renew_time: renewed,
+                ..Default::default()
+            }),
+        };
+        leases.create(&PostParams::default(), &lease).await?;
+    }
+    let shards = ["shard-a", "shard-b", "shard-untimed", "shard-future"];
+    wait_status(&client, &ring, 4, 4).await?;
+    wait_webhook(&client, &ns, &ring, &shards).await?;
+    let by_shard = secrets_by_shard(&client, &ns, &ring).await?;
+    for (name, _) in &malformed {
+        ensure!(
+            by_shard.get(*name).is_some_and(|s| !s.is_empty()),
+            "no object landed on {name} before it could be taken over: {by_shard:?}"
+        );
+    }
+    let started = std::time::Instant::now();
+    let secrets = Api::<Secret>::namespaced(client.clone(), &ns);
+    let key = labels::shard_label(&ring);
+    poll_until(
+        "both malformed Leases taken over and every object on shard-a or shard-b",
+        Duration::from_secs(40),
+        || async {
+            for (name, _) in &malformed {
+                let holder = leases.get(name).await?.spec.and_then(|s| s.holder_identity);
+                if holder.as_deref() == Some(*name) {
+                    return Ok(None);
+                }
+            }
+            let list = secrets.list(&ListParams::default()).await?;
+            Ok(list
+                .items
+                .iter()
+                .all(|s| {
+                    matches!(
+                        s.labels().get(&key).map(String::as_str),
+                        Some("shard-a" | "shard-b")
+                    )
+                })
+                .then_some(()))
+        },
+    )
+    .await?;
+    eprintln!(
+        "malformed Leases taken over and their objects moved {:?} after the objects were created",
+        started.elapsed()
+    );
+    logs.passed();
+    Ok(())
+}

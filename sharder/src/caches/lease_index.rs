@@ -26,6 +26,8 @@ use sharding_crds::labels::LABEL_STATE;
 use sharding_crds::lease::ShardLease;
 use tokio::sync::broadcast;
 
+use super::Renewals;
+
 /// How many changes a slow subscriber may fall behind before it is told to start over
 /// ([`LeaseChange::All`] semantics on `Lagged`).
 const CHANGES_CAPACITY: usize = 4096;
@@ -41,7 +43,8 @@ pub(crate) enum LeaseChange {
         /// The rings (names, of the index's kind) whose members may have changed.
         rings: Vec<String>,
     },
-    /// The Lease's state label no longer matches its timing; membership is unchanged.
+    /// The Lease's state label no longer matches its timing, or its holder's clock skew crossed
+    /// the warning threshold; membership is unchanged.
     State(ObjectRef<Lease>),
     /// The cache was listed again: anything may have changed.
     All,
@@ -52,6 +55,7 @@ pub(crate) enum LeaseChange {
 pub(crate) struct LeaseIndex {
     kind: RingKind,
     store: Store<Lease>,
+    renewals: Arc<Renewals>,
     inner: RwLock<Inner>,
     changes: broadcast::Sender<LeaseChange>,
 }
@@ -75,11 +79,12 @@ impl Inner {
 }
 
 impl LeaseIndex {
-    /// An empty index of the Leases of `kind`, whose cache is `store`.
-    pub(crate) fn new(kind: RingKind, store: Store<Lease>) -> Self {
+    /// An empty index of the Leases of `kind`, whose cache is `store`, which `renewals` prepares.
+    pub(crate) fn new(kind: RingKind, store: Store<Lease>, renewals: Arc<Renewals>) -> Self {
         Self {
             kind,
             store,
+            renewals,
             inner: RwLock::default(),
             changes: broadcast::Sender::new(CHANGES_CAPACITY),
         }
@@ -88,6 +93,11 @@ impl LeaseIndex {
     /// The ring kind whose Leases this indexes.
     pub(crate) fn kind(&self) -> RingKind {
         self.kind
+    }
+
+    /// When the sharder saw each Lease renewed, and its holder's clock skew.
+    pub(crate) fn renewals(&self) -> &Renewals {
+        &self.renewals
     }
 
     /// The cache of the kind's Leases.
@@ -189,9 +199,14 @@ impl LeaseIndex {
             Some((old_ring, old_fingerprint))
                 if old_fingerprint == fingerprint && old_ring == ring =>
             {
-                // A renewal: membership is unchanged, but the state label may be out of date.
+                // A renewal: membership is unchanged, but the state label may be out of date, or
+                // the holder's clock skew may have crossed the warning threshold.
                 drop(inner);
-                state_label_is_stale(lease, now).then_some(LeaseChange::State(reference))
+                let skew_changed = self
+                    .renewals
+                    .take_skew_change(lease.uid().as_deref().unwrap_or_default());
+                (state_label_is_stale(lease, now) || skew_changed)
+                    .then_some(LeaseChange::State(reference))
             }
             Some((old_ring, _)) => {
                 let mut rings = vec![ring.clone()];
@@ -343,7 +358,7 @@ mod tests {
     impl Fixture {
         fn new() -> Self {
             let (store, writer) = reflector::store();
-            let index = LeaseIndex::new(KIND, store);
+            let index = LeaseIndex::new(KIND, store, Arc::default());
             let changes = index.subscribe();
             Self {
                 writer,

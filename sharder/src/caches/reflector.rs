@@ -3,7 +3,7 @@
 
 use std::fmt::Debug;
 
-use futures::StreamExt;
+use futures::{StreamExt, TryStreamExt};
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Resource};
@@ -30,7 +30,7 @@ where
     let watched = Watched {
         api,
         config,
-        slim: super::slim::slim_object,
+        prepare: Box::new(|event| super::slim::for_each_object(event, super::slim::slim_object)),
     };
     spawn_reflector_into(tasks, runner, writer, watched, observe, shutdown);
     store
@@ -42,9 +42,14 @@ pub(super) struct Watched<K: Resource> {
     pub(super) api: Api<K>,
     /// Which of them: label and field selectors.
     pub(super) config: watcher::Config,
-    /// Strips each object to what the cache keeps, before the cache copies it.
-    pub(super) slim: fn(&mut K),
+    /// Prepares each event before the cache applies it: strips its object to what the cache
+    /// keeps (see `slim`), and for Leases notes when the sharder saw them renewed (see
+    /// `renewals`).
+    pub(super) prepare: Prepare<K>,
 }
+
+/// What prepares a cache's events before it applies them (see [`Watched::prepare`]).
+pub(super) type Prepare<K> = Box<dyn FnMut(&mut watcher::Event<K>) + Send>;
 
 /// Like [`spawn_reflector`], filling the cache behind `writer` with the objects `watched` selects.
 pub(super) fn spawn_reflector_into<K>(
@@ -61,7 +66,11 @@ pub(super) fn spawn_reflector_into<K>(
     let shutdown = shutdown.clone();
     let task = async move {
         // Before the cache copies an object: what nothing reads is never held.
-        let events = watcher(watched.api, watched.config).modify(watched.slim);
+        let mut prepare = watched.prepare;
+        let events = watcher(watched.api, watched.config).map_ok(move |mut event| {
+            prepare(&mut event);
+            event
+        });
         let stream = reflector::reflector(writer, events).default_backoff();
         futures::pin_mut!(stream);
         // What an item asks for: stop (the stream ended), read on at once (something changed

@@ -10,8 +10,19 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::ResourceExt;
+use kube::runtime::watcher;
 use sharding_crds::RingKind;
 use sharding_crds::labels::{ANNOTATION_WEIGHT, LABEL_STATE};
+
+/// Applies `slim` to the object of `event`, if it carries one.
+pub(super) fn for_each_object<K>(event: &mut watcher::Event<K>, slim: impl FnOnce(&mut K)) {
+    match event {
+        watcher::Event::Apply(object)
+        | watcher::Event::InitApply(object)
+        | watcher::Event::Delete(object) => slim(object),
+        watcher::Event::Init | watcher::Event::InitDone => {}
+    }
+}
 
 /// Drops what nothing reads from any cached object: its managed fields, by far its largest part.
 pub(super) fn slim_object<K: kube::Resource>(object: &mut K) {

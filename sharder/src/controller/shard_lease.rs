@@ -21,11 +21,11 @@ use tokio::sync::broadcast::error::RecvError;
 use tokio_util::sync::CancellationToken;
 use tokio_util::time::{DelayQueue, delay_queue};
 
-use crate::caches::{LeaseChange, LeaseIndex, state_label_is_stale};
+use crate::caches::{LeaseChange, LeaseIndex, SKEW_WARNING, state_label_is_stale};
 use crate::context::Context;
 use crate::core::any_ring::AnyRing;
 use crate::core::membership::{Exclusion, ring_members};
-use crate::events::{REASON_INVALID_WEIGHT, REASON_SHARD_DEAD};
+use crate::events::{REASON_CLOCK_SKEW, REASON_INVALID_WEIGHT, REASON_SHARD_DEAD};
 
 /// Longest requeue; far-away boundaries (absurd durations) are re-evaluated at least this often.
 const MAX_REQUEUE: Duration = Duration::from_secs(3600);
@@ -293,6 +293,8 @@ type ProblemsByUid = HashMap<String, Problems>;
 struct Problems {
     exclusion: Option<Exclusion>,
     weight: Option<String>,
+    /// The holder's clock was off the sharder's by more than `SKEW_WARNING` at its last renewal.
+    clock_skewed: bool,
 }
 
 fn error_policy(_lease: Arc<Lease>, error: &Error, _state: Arc<State>) -> Action {
@@ -418,6 +420,7 @@ fn ring_problems(state: &State, ring: &RingRef) -> Arc<ProblemsByUid> {
                 let problems = Problems {
                     exclusion: m.exclusion,
                     weight: m.weight_error,
+                    clock_skewed: false,
                 };
                 (m.lease.uid().unwrap_or_default(), problems)
             })
@@ -439,10 +442,14 @@ async fn report_problems(state: &State, lease: &Lease, ring: &AnyRing) -> Proble
     let kind = state.kind;
     let ring_ref = ring.ring_ref();
     let uid = lease.uid().unwrap_or_default();
-    let problems = ring_problems(state, &ring_ref)
-        .get(&uid)
-        .cloned()
-        .unwrap_or_default();
+    let skew = ctx.caches.lease_index(kind).renewals().skew(&uid);
+    let problems = Problems {
+        clock_skewed: skew.is_some_and(|s| s.abs() > SKEW_WARNING),
+        ..ring_problems(state, &ring_ref)
+            .get(&uid)
+            .cloned()
+            .unwrap_or_default()
+    };
     let previous = {
         let Ok(mut reported) = state.reported.lock() else {
             return problems;
@@ -485,6 +492,21 @@ async fn report_problems(state: &State, lease: &Lease, ring: &AnyRing) -> Proble
         tracing::warn!(ring = %ring_ref, %shard, %namespace, reason = REASON_INVALID_WEIGHT, "{message}");
         ctx.events
             .warning(&lease.object_ref(&()), REASON_INVALID_WEIGHT, "", message)
+            .await;
+    }
+    if let Some(skew) = skew.filter(|_| problems.clock_skewed && !previous.clock_skewed) {
+        let message = format!(
+            "The clock of shard {shard:?} of {ring_ref} is {:.1} s {} the sharder's (renewTime it wrote minus when the sharder saw the write). The sharder counts the Lease's duration from what it saw, so its objects stay safe, but the shard's own timing and other Lease readers are off: synchronise its clock",
+            skew.abs().as_secs_f64(),
+            if skew.is_negative() {
+                "behind"
+            } else {
+                "ahead of"
+            }
+        );
+        tracing::warn!(ring = %ring_ref, %shard, %namespace, reason = REASON_CLOCK_SKEW, "{message}");
+        ctx.events
+            .warning(&lease.object_ref(&()), REASON_CLOCK_SKEW, "", message)
             .await;
     }
     problems

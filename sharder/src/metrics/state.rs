@@ -50,6 +50,9 @@ pub(crate) struct ShardSnapshot {
     pub(crate) excluded: Option<&'static str>,
     /// The shard's weight (1 unless its Lease asks for a valid other one).
     pub(crate) weight: u32,
+    /// How far the shard's clock was off the sharder's at its last renewal seen as it happened,
+    /// in seconds (its `renewTime` minus when the sharder saw it); `None` before the first.
+    pub(crate) clock_skew_seconds: Option<f64>,
 }
 
 /// Every value of the `state` label of `controller_sharding_shard_state`.
@@ -287,6 +290,19 @@ impl<S: StateSource> prometheus_client::collector::Collector for StateCollector<
                 (labels, i64::from(s.weight))
             }),
         )?;
+        encode_float_gauges(
+            &mut encoder,
+            "controller_sharding_shard_clock_skew_seconds",
+            "How far a shard's clock was off this replica's at its last renewal: the renewTime it wrote minus when this replica saw the write (negative: behind)",
+            shards.iter().filter_map(|s| {
+                let labels = ShardWeightLabels {
+                    namespace: s.namespace.clone(),
+                    shard: s.shard.clone(),
+                    ring: RingLabel(s.ring.clone()),
+                };
+                Some((labels, s.clock_skew_seconds?))
+            }),
+        )?;
 
         let objects = self.0.objects();
         encode_gauges(
@@ -399,6 +415,7 @@ mod tests {
                     state: "expired",
                     excluded: None,
                     weight: 1,
+                    clock_skew_seconds: Some(-40.5),
                 },
                 ShardSnapshot {
                     namespace: "default".into(),
@@ -408,6 +425,7 @@ mod tests {
                     state: "ready",
                     excluded: None,
                     weight: 3,
+                    clock_skew_seconds: None,
                 },
                 ShardSnapshot {
                     namespace: "default".into(),
@@ -417,6 +435,7 @@ mod tests {
                     state: "ready",
                     excluded: Some("InvalidShardName"),
                     weight: 1,
+                    clock_skew_seconds: Some(0.25),
                 },
             ]
         }
@@ -490,6 +509,7 @@ mod tests {
             r#"controller_sharding_shard_state{namespace="default",shard="shard-c",controllerring="example",state="ready"} 1"#,
             r#"controller_sharding_shard_weight{namespace="default",shard="shard-c",controllerring="example"} 3"#,
             r#"controller_sharding_shard_weight{namespace="default",shard="shard-a",clusterring="example"} 1"#,
+            r#"controller_sharding_shard_clock_skew_seconds{namespace="default",shard="shard-a",clusterring="example"} -40.5"#,
             r#"controller_sharding_shard_objects{controllerring="example",shard="shard-c",group="",resource="secrets"} 7"#,
             r#"controller_sharding_unassigned_objects{controllerring="example",group="",resource="secrets"} 2"#,
             r#"controller_sharding_drains_pending{controllerring="example",shard="shard-c"} 3"#,
