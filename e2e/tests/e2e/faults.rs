@@ -403,8 +403,9 @@ async fn the_missed_assignment_watch_survives_an_apiserver_restart() -> anyhow::
     Ok(())
 }
 
-/// A shard whose name cannot be a label value, and two shards of one ring with the same name,
-/// never enter the ring: users' writes keep succeeding and the sharder says why.
+/// A shard whose name cannot be a label value never enters the ring, and of two Leases of one
+/// ring with the same name only the older one does: users' writes keep succeeding and the sharder
+/// says why.
 #[tokio::test]
 async fn invalid_and_duplicate_shard_names_stay_out_of_the_ring() -> anyhow::Result<()> {
     let SharedScenario {
@@ -451,25 +452,30 @@ async fn invalid_and_duplicate_shard_names_stay_out_of_the_ring() -> anyhow::Res
         "the Event does not say why: {warnings:?}"
     );
 
-    // The same shard name in two namespaces of one ring: neither is used.
+    // The same shard name in two namespaces of one ring: the older Lease keeps the shard, the
+    // later copy is kept out and says why.
     create_lease(&client, &ns, &ring, "shard-dup", 3600).await?;
+    // Creation times have whole seconds: the copy is created in a later one.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
     create_lease(&client, &other_ns, &ring, "shard-dup", 3600).await?;
-    wait_status(&client, &ring, 1, 4).await?;
-    for i in 0..20 {
-        let created = secrets
-            .create(&PostParams::default(), &secret(&format!("d-{i}")))
-            .await?;
-        ensure!(
-            created.labels().get(&key).map(String::as_str) == Some("shard-a"),
-            "d-{i} assigned to {:?} while shard-dup is duplicated",
-            created.labels().get(&key)
-        );
-    }
-    poll_until("a Warning Event on a duplicated Lease", WAIT, || async {
-        let w = lease_warnings(&client, &ns, "shard-dup").await?;
-        Ok((!w.is_empty()).then_some(()))
+    wait_status(&client, &ring, 2, 4).await?;
+    poll_until("a Warning Event on the later copy", WAIT, || async {
+        let w = lease_warnings(&client, &other_ns, "shard-dup").await?;
+        Ok(w.iter()
+            .any(|e| {
+                e.message
+                    .as_deref()
+                    .unwrap_or_default()
+                    .contains(&format!("the older one in {ns} keeps the shard"))
+            })
+            .then_some(()))
     })
     .await?;
+    let older = lease_warnings(&client, &ns, "shard-dup").await?;
+    ensure!(
+        older.is_empty(),
+        "the older copy was warned about: {older:?}"
+    );
     logs.passed();
     Ok(())
 }
@@ -1253,12 +1259,13 @@ async fn big_labelled_leases_do_not_grow_the_sharders_memory() -> anyhow::Result
     Ok(())
 }
 
-/// A Lease named like a running shard, created in another namespace by someone who may create
-/// Leases there, keeps that shard out of the ring (two Leases of one name). The shard still holds
-/// its own Lease and may still be reconciling its objects, so they leave it through a drain only:
-/// none loses its shard label before the shard has let go.
+/// docs/protocol.md §18: a Lease created later under a running shard's name, in another
+/// namespace, takes nothing from it: the older Lease keeps the shard and its objects, the copy is
+/// kept out. A running shard that is kept out all the same (here: its Lease labelled for both ring
+/// kinds) may still reconcile, so its objects leave it only through drains.
 #[tokio::test]
-async fn objects_leave_a_shard_kept_out_by_a_squatter_only_through_a_drain() -> anyhow::Result<()> {
+async fn a_squatter_takes_nothing_and_a_running_shard_kept_out_loses_objects_only_by_drain()
+-> anyhow::Result<()> {
     let SharedScenario {
         mut logs,
         cluster,
@@ -1289,25 +1296,47 @@ async fn objects_leave_a_shard_kept_out_by_a_squatter_only_through_a_drain() -> 
         }
     }
     ensure!(!on_b.is_empty(), "no object landed on shard-b");
+    let on_b_untouched = || async {
+        let mut drained = 0;
+        for name in &on_b {
+            let secret = secrets.get(name).await?;
+            let labels = secret.labels();
+            ensure!(
+                labels.get(&key).map(String::as_str) == Some("shard-b"),
+                "{name} left shard-b without a drain while its shard may still run: {labels:?}"
+            );
+            drained += usize::from(labels.contains_key(&drain));
+        }
+        anyhow::Ok(drained)
+    };
 
+    // Creation times have whole seconds: the squatter's copy is created in a later one.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
     create_lease(&client, &squatter_ns, &ring, "shard-b", 3600).await?;
-    wait_status(&client, &ring, 2, 4).await?;
+    wait_status(&client, &ring, 3, 4).await?;
+    poll_until("a Warning Event on the squatter's Lease", WAIT, || async {
+        let w = lease_warnings(&client, &squatter_ns, "shard-b").await?;
+        Ok((!w.is_empty()).then_some(()))
+    })
+    .await?;
+    // Longer than a sync triggered by the membership change takes here.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let drained = on_b_untouched().await?;
+    ensure!(
+        drained == 0,
+        "{drained} objects of shard-b were drained because of the squatter"
+    );
+
+    // shard-b's own Lease labelled for both ring kinds: kept out while it still holds it.
+    let leases = Api::<Lease>::namespaced(client.clone(), &ns);
+    let both = json!({"metadata": {"labels": {RingKind::ControllerRing.lease_label(): ring}}});
+    leases
+        .patch("shard-b", &PatchParams::default(), &Patch::Merge(&both))
+        .await?;
     poll_until(
         "every object of shard-b to be asked to drain",
         WAIT,
-        || async {
-            let mut drained = 0;
-            for name in &on_b {
-                let secret = secrets.get(name).await?;
-                let labels = secret.labels();
-                ensure!(
-                    labels.get(&key).map(String::as_str) == Some("shard-b"),
-                    "{name} left shard-b without a drain while its shard may still run: {labels:?}"
-                );
-                drained += usize::from(labels.contains_key(&drain));
-            }
-            Ok((drained == on_b.len()).then_some(()))
-        },
+        || async { Ok((on_b_untouched().await? == on_b.len()).then_some(())) },
     )
     .await?;
     logs.passed();

@@ -3,7 +3,8 @@
 //! A shard is available when its Lease is held by the shard itself, unless the Lease is kept out
 //! of the ring: a name that cannot be a label value would make the webhook return patches the API
 //! server rejects (users' writes would fail), one name in two namespaces of one ring would make
-//! two processes own the same objects, and a Lease labelled for a ClusterRing and a ControllerRing
+//! two processes own the same objects (the oldest copy keeps the shard, the others are kept out),
+//! and a Lease labelled for a ClusterRing and a ControllerRing
 //! at once has no single ring it could serve (docs/protocol.md §15).
 //!
 //! An available shard takes part with its weight (docs/protocol.md §17), read from its Lease's
@@ -12,6 +13,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 use sharding_crds::RingKind;
 use sharding_crds::labels::{ANNOTATION_WEIGHT, parse_weight};
@@ -22,10 +24,14 @@ use sharding_crds::lease::{ShardLease, is_valid_shard_name};
 pub(crate) enum Exclusion {
     /// The Lease name cannot be a label value.
     InvalidName,
-    /// Another Lease of the ring, in another namespace, has the same name.
+    /// Another Lease of the ring, in another namespace, has the same name, and this one is not the
+    /// oldest of them.
     DuplicateName {
         /// Namespaces of every Lease of the ring with this name, sorted.
         namespaces: Vec<String>,
+        /// The namespace of the oldest copy, which keeps the shard; `None` when several copies
+        /// were created in the same second, so none is known to be first and all are kept out.
+        kept: Option<String>,
     },
     /// The Lease carries the ring labels of both kinds.
     BothRingKinds,
@@ -47,8 +53,18 @@ impl Exclusion {
             Self::InvalidName => format!(
                 "Shard {name:?} of {kind} {ring} is kept out of the ring: its name is not a valid label value (at most 63 characters: alphanumerics, '-', '_' or '.', starting and ending alphanumeric)"
             ),
-            Self::DuplicateName { namespaces } => format!(
-                "Shard {name:?} of {kind} {ring} is kept out of the ring: Leases of that name exist in namespaces {}; keep exactly one",
+            Self::DuplicateName {
+                namespaces,
+                kept: Some(kept),
+            } => format!(
+                "This Lease of shard {name:?} of {kind} {ring} is kept out of the ring: Leases of that name exist in namespaces {}, and the older one in {kept} keeps the shard; delete this one",
+                namespaces.join(", ")
+            ),
+            Self::DuplicateName {
+                namespaces,
+                kept: None,
+            } => format!(
+                "Shard {name:?} of {kind} {ring} is kept out of the ring: Leases of that name created in the same second exist in namespaces {}; keep exactly one",
                 namespaces.join(", ")
             ),
             Self::BothRingKinds => format!(
@@ -91,13 +107,35 @@ pub(crate) fn ring_members<'a>(
         .into_iter()
         .filter(|l| l.labels().get(kind.lease_label()).map(String::as_str) == Some(ring))
         .collect();
-    let mut namespaces: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    // Per name: the namespaces of its Leases, and each Lease's creation time (the API server sets
+    // it, so a later copy cannot claim to be older).
+    let mut copies: BTreeMap<String, Vec<(String, Option<Timestamp>)>> = BTreeMap::new();
     for lease in &leases {
-        namespaces
-            .entry(lease.name_any())
-            .or_default()
-            .insert(lease.namespace().unwrap_or_default());
+        copies.entry(lease.name_any()).or_default().push((
+            lease.namespace().unwrap_or_default(),
+            lease.metadata.creation_timestamp.as_ref().map(|t| t.0),
+        ));
     }
+    let duplicates: BTreeMap<String, Exclusion> = copies
+        .into_iter()
+        .filter(|(_, copies)| copies.len() > 1)
+        .map(|(name, copies)| {
+            let oldest = copies.iter().filter_map(|(_, created)| *created).min();
+            let mut first = copies
+                .iter()
+                .filter(|(_, created)| oldest.is_some() && *created == oldest);
+            let kept = match (first.next(), first.next()) {
+                (Some((namespace, _)), None) => Some(namespace.clone()),
+                _ => None,
+            };
+            let namespaces: BTreeSet<String> = copies.into_iter().map(|(ns, _)| ns).collect();
+            let exclusion = Exclusion::DuplicateName {
+                namespaces: namespaces.into_iter().collect(),
+                kept,
+            };
+            (name, exclusion)
+        })
+        .collect();
     leases
         .into_iter()
         .map(|lease| {
@@ -107,12 +145,12 @@ pub(crate) fn ring_members<'a>(
             } else if lease.labels().contains_key(kind.other().lease_label()) {
                 Some(Exclusion::BothRingKinds)
             } else {
-                namespaces
-                    .get(&name)
-                    .filter(|set| set.len() > 1)
-                    .map(|set| Exclusion::DuplicateName {
-                        namespaces: set.iter().cloned().collect(),
-                    })
+                duplicates.get(&name).cloned().filter(|exclusion| {
+                    // The oldest copy keeps the shard: a Lease created later under a running
+                    // shard's name, in a namespace its creator controls, takes nothing from it.
+                    !matches!(exclusion, Exclusion::DuplicateName { kept: Some(kept), .. }
+                        if lease.namespace().as_deref() == Some(kept.as_str()))
+                })
             };
             let (weight, weight_error) = match parse_weight(
                 lease
@@ -156,10 +194,18 @@ pub(crate) fn excluded_held_shards<'a>(
     ring: &str,
     leases: impl IntoIterator<Item = &'a Lease>,
 ) -> BTreeSet<String> {
-    ring_members(kind, ring, leases)
+    let members = ring_members(kind, ring, leases);
+    let available: BTreeSet<String> = members
+        .iter()
+        .filter(|m| m.is_available())
+        .map(|m| m.lease.name_any())
+        .collect();
+    members
         .into_iter()
         .filter(|m| m.exclusion.is_some() && ShardLease::from_lease(m.lease).is_held_by_shard())
         .map(|m| m.lease.name_any())
+        // A newer copy of an available shard's name is kept out, but the name keeps its objects.
+        .filter(|name| !available.contains(name))
         .collect()
 }
 
@@ -222,6 +268,41 @@ mod tests {
         );
     }
 
+    fn created(mut lease: Lease, second: i64) -> Lease {
+        lease.metadata.creation_timestamp =
+            Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+                Timestamp::from_second(1_800_000_000 + second).expect("timestamp"),
+            ));
+        lease
+    }
+
+    #[test]
+    fn the_oldest_copy_of_a_name_keeps_the_shard_and_later_ones_are_kept_out() {
+        let leases = [
+            created(lease("team", "a", "r", Some("a")), 10),
+            // Created later under the running shard's name, in another namespace.
+            created(lease("squat", "a", "r", Some("a")), 20),
+            created(lease("team", "b", "r", Some("b")), 10),
+        ];
+        assert_eq!(names(available_shards(KIND, "r", &leases)), ["a", "b"]);
+        let members = ring_members(KIND, "r", &leases);
+        let duplicate = Exclusion::DuplicateName {
+            namespaces: vec!["squat".into(), "team".into()],
+            kept: Some("team".into()),
+        };
+        assert_eq!(members[0].exclusion, None);
+        assert!(members[0].is_available());
+        assert_eq!(members[1].exclusion.as_ref(), Some(&duplicate));
+        assert!(!members[1].is_available());
+        assert!(
+            duplicate
+                .message(KIND, "r", "a")
+                .contains("older one in team")
+        );
+        // The name keeps its objects: nothing to drain because of the copy.
+        assert!(excluded_held_shards(KIND, "r", &leases).is_empty());
+    }
+
     #[test]
     fn duplicate_names_keep_every_copy_out_until_one_remains() {
         let leases = [
@@ -233,8 +314,10 @@ mod tests {
         ];
         assert_eq!(names(available_shards(KIND, "r", &leases)), ["b"]);
         let members = ring_members(KIND, "r", &leases);
+        // Created in the same second (here: without creation times), so none is known to be first.
         let duplicate = Exclusion::DuplicateName {
             namespaces: vec!["ns1".into(), "ns2".into()],
+            kept: None,
         };
         assert_eq!(members[0].exclusion.as_ref(), Some(&duplicate));
         assert_eq!(members[1].exclusion.as_ref(), Some(&duplicate));
