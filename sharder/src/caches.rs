@@ -103,7 +103,7 @@ impl Caches {
         let [cluster_ring_leases, controller_ring_leases] = RingKind::ALL.map(|kind| {
             let (store, writer) = kube::runtime::reflector::store();
             let renewals = Arc::new(Renewals::default());
-            let index = Arc::new(LeaseIndex::new(kind, store, renewals.clone()));
+            let index = LeaseIndex::new(kind, store, renewals.clone());
             let observer = index.clone();
             let changes = changes.clone();
             spawn_reflector_into(

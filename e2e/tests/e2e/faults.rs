@@ -741,15 +741,24 @@ async fn a_sync_stops_when_a_shard_joins_mid_sync() -> anyhow::Result<()> {
     let initially = on_d(&secrets.list_metadata(&ListParams::default()).await?);
     ensure!(initially > 20, "only {initially} Secrets on shard-d");
 
-    // shard-d leaves: its objects are moved one by one. As soon as the first has moved, it is back.
+    // shard-d leaves (releases its Lease, so it is known to have stopped): its objects are moved
+    // one by one. As soon as the first has moved, it is back.
     let leases = Api::<Lease>::namespaced(client.clone(), &ns);
-    leases.delete("shard-d", &Default::default()).await?;
+    let release = json!({"spec": {"holderIdentity": null}});
+    leases
+        .patch("shard-d", &PatchParams::default(), &Patch::Merge(&release))
+        .await?;
     poll_until("the first Secret moved off shard-d", WAIT, || async {
         let left = on_d(&secrets.list_metadata(&ListParams::default()).await?);
         Ok((left < initially).then_some(()))
     })
     .await?;
-    create_lease(&client, &ns, &ring, "shard-d", 3600).await?;
+    let now = MicroTime(Timestamp::now());
+    let acquire =
+        json!({"spec": {"holderIdentity": "shard-d", "acquireTime": now, "renewTime": now}});
+    leases
+        .patch("shard-d", &PatchParams::default(), &Patch::Merge(&acquire))
+        .await?;
 
     // Converged: every Secret is where the four shards want it, or draining towards it from a
     // live shard (the test plays the shards and never acknowledges).
@@ -1544,6 +1553,100 @@ async fn malformed_leases_are_taken_over_once_they_stop_changing() -> anyhow::Re
     eprintln!(
         "malformed Leases taken over and their objects moved {:?} after the objects were created",
         started.elapsed()
+    );
+    logs.passed();
+    Ok(())
+}
+
+/// docs/protocol.md §18: a running shard's Lease deleted, or stripped of its ring label, by
+/// someone allowed to: the shard may still be reconciling until its Lease would have become
+/// `uncertain`, so its objects are only drained until then, and move directly after.
+#[tokio::test]
+async fn objects_of_a_deleted_or_relabelled_held_lease_are_drained_until_it_would_expire()
+-> anyhow::Result<()> {
+    let SharedScenario {
+        mut logs,
+        client,
+        ns,
+        ..
+    } = SharedScenario::in_namespace("departed").await?;
+    let ring = unique_name("departed");
+    create_ring(&client, &ring, ring_spec(&ns)).await?;
+    create_lease(&client, &ns, &ring, "shard-a", 3600).await?;
+    // Lease duration 10 s: these two may run until 20 s after their last renewal.
+    for shard in ["shard-b", "shard-c"] {
+        create_lease(&client, &ns, &ring, shard, 10).await?;
+    }
+    let renewed = std::time::Instant::now();
+    wait_status(&client, &ring, 3, 3).await?;
+    wait_webhook(&client, &ns, &ring, &["shard-a", "shard-b", "shard-c"]).await?;
+    let by_shard = secrets_by_shard(&client, &ns, &ring).await?;
+    let leaving: BTreeSet<String> = ["shard-b", "shard-c"]
+        .iter()
+        .flat_map(|s| by_shard.get(*s).cloned().unwrap_or_default())
+        .collect();
+    ensure!(
+        by_shard.get("shard-b").is_some_and(|s| !s.is_empty())
+            && by_shard.get("shard-c").is_some_and(|s| !s.is_empty()),
+        "objects did not land on shard-b and shard-c: {by_shard:?}"
+    );
+    let leases = Api::<Lease>::namespaced(client.clone(), &ns);
+    leases
+        .delete("shard-b", &kube::api::DeleteParams::default())
+        .await?;
+    let unlabel = json!({"metadata": {"labels": {RingKind::ClusterRing.lease_label(): null}}});
+    leases
+        .patch("shard-c", &PatchParams::default(), &Patch::Merge(&unlabel))
+        .await?;
+
+    let secrets = Api::<Secret>::namespaced(client.clone(), &ns);
+    let (key, drain) = (labels::shard_label(&ring), labels::drain_label(&ring));
+    poll_until(
+        "every object of shard-b and shard-c drained, none moved",
+        WAIT,
+        || async {
+            let mut drained = 0;
+            for name in &leaving {
+                let labels = secrets.get(name).await?.labels().clone();
+                ensure!(
+                    matches!(
+                        labels.get(&key).map(String::as_str),
+                        Some("shard-b" | "shard-c")
+                    ),
+                    "{name} moved while its shard may still run ({:?} after the last renewal): {labels:?}",
+                    renewed.elapsed()
+                );
+                drained += usize::from(labels.contains_key(&drain));
+            }
+            Ok((drained == leaving.len()).then_some(()))
+        },
+    )
+    .await?;
+    poll_until(
+        "every object of shard-b and shard-c on shard-a once their Leases would have expired",
+        Duration::from_secs(40),
+        || async {
+            let mut moved = 0;
+            for name in &leaving {
+                let labels = secrets.get(name).await?.labels().clone();
+                if labels.get(&key).map(String::as_str) == Some("shard-a") {
+                    ensure!(
+                        renewed.elapsed() >= Duration::from_secs(19),
+                        "{name} moved {:?} after the last renewal, before its shard's Lease would have expired",
+                        renewed.elapsed()
+                    );
+                    ensure!(!labels.contains_key(&drain), "{name} kept its drain label");
+                    moved += 1;
+                }
+            }
+            Ok((moved == leaving.len()).then_some(()))
+        },
+    )
+    .await?;
+    eprintln!(
+        "{} objects drained at once, moved {:?} after their shards' last renewal",
+        leaving.len(),
+        renewed.elapsed()
     );
     logs.passed();
     Ok(())

@@ -11,19 +11,23 @@
 //!   Lease renewed again) names the Lease, so the shard-lease controller relabels it.
 //!
 //! Every other event costs one hash of the Lease's metadata and one state evaluation.
+//!
+//! The index also remembers shards whose Lease left a ring while they held it (deleted, or
+//! relabelled by someone else): they may still be running until the Lease would have become
+//! `uncertain`, and it announces a membership change of the ring once that time is over.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::hash::{Hash, Hasher};
 use std::sync::{Arc, RwLock};
 
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::jiff::Timestamp;
+use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::ResourceExt;
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::watcher;
 use sharding_crds::RingKind;
 use sharding_crds::labels::LABEL_STATE;
-use sharding_crds::lease::ShardLease;
+use sharding_crds::lease::{ShardLease, ShardState};
 use tokio::sync::broadcast;
 
 use super::Renewals;
@@ -56,6 +60,8 @@ pub(crate) struct LeaseIndex {
     kind: RingKind,
     store: Store<Lease>,
     renewals: Arc<Renewals>,
+    /// This index, for the timers that end departures.
+    this: std::sync::Weak<LeaseIndex>,
     inner: RwLock<Inner>,
     changes: broadcast::Sender<LeaseChange>,
 }
@@ -70,6 +76,19 @@ struct Inner {
     versions: HashMap<String, u64>,
     /// Bumped on every rebuild, which may change any ring.
     epoch: u64,
+    /// Ring name → shards whose Lease left the ring (deleted, relabelled) while held by the shard
+    /// and not yet `uncertain`, with when it would have been: until then the shard may still run.
+    departed: HashMap<String, BTreeMap<String, Departure>>,
+}
+
+/// A shard whose held Lease left its ring; see [`LeaseIndex::departed_shards`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Departure {
+    /// The Lease that left.
+    lease: ObjectRef<Lease>,
+    /// When the Lease would have become `uncertain`: two lease durations after the last renewal
+    /// the sharder saw.
+    until: Timestamp,
 }
 
 impl Inner {
@@ -80,14 +99,15 @@ impl Inner {
 
 impl LeaseIndex {
     /// An empty index of the Leases of `kind`, whose cache is `store`, which `renewals` prepares.
-    pub(crate) fn new(kind: RingKind, store: Store<Lease>, renewals: Arc<Renewals>) -> Self {
-        Self {
+    pub(crate) fn new(kind: RingKind, store: Store<Lease>, renewals: Arc<Renewals>) -> Arc<Self> {
+        Arc::new_cyclic(|this| Self {
             kind,
             store,
             renewals,
+            this: this.clone(),
             inner: RwLock::default(),
             changes: broadcast::Sender::new(CHANGES_CAPACITY),
-        }
+        })
     }
 
     /// The ring kind whose Leases this indexes.
@@ -160,6 +180,26 @@ impl LeaseIndex {
         self.changes.subscribe()
     }
 
+    /// The shards of ring `ring` whose Lease left the ring at most two lease durations after its
+    /// last renewal the sharder saw, while held by the shard: deleted, or relabelled away (by
+    /// anyone allowed to), it may still be running and reconciling its objects. Until then those
+    /// leave it only through drains, as from a shard kept out of the ring.
+    pub(crate) fn departed_shards(&self, ring: &str, now: Timestamp) -> BTreeSet<String> {
+        self.inner
+            .read()
+            .map(|inner| {
+                inner
+                    .departed
+                    .get(ring)
+                    .into_iter()
+                    .flatten()
+                    .filter(|(_, d)| d.until > now)
+                    .map(|(shard, _)| shard.clone())
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
     /// Takes in one event of the kind's Lease watch, after the cache applied it. Returns whether
     /// membership may have changed.
     pub(crate) fn observe(&self, event: &watcher::Event<Lease>, now: Timestamp) -> bool {
@@ -167,7 +207,7 @@ impl LeaseIndex {
             watcher::Event::Apply(lease) | watcher::Event::InitApply(lease) => {
                 self.apply(lease, now)
             }
-            watcher::Event::Delete(lease) => self.delete(lease),
+            watcher::Event::Delete(lease) => self.delete(lease, now),
             watcher::Event::Init => None,
             watcher::Event::InitDone => {
                 self.rebuild();
@@ -214,6 +254,7 @@ impl LeaseIndex {
                 if old_ring != ring {
                     remove_from(&mut inner.by_ring, &old_ring, &reference);
                     inner.bump(&old_ring);
+                    self.note_departure(&mut inner, &old_ring, lease, now);
                     rings.push(old_ring);
                 }
                 inner
@@ -241,16 +282,90 @@ impl LeaseIndex {
         }
     }
 
-    fn delete(&self, lease: &Lease) -> Option<LeaseChange> {
+    fn delete(&self, lease: &Lease, now: Timestamp) -> Option<LeaseChange> {
         let reference = ObjectRef::from_obj(lease);
         let mut inner = self.inner.write().ok()?;
         let (ring, _) = inner.leases.remove(&reference)?;
         remove_from(&mut inner.by_ring, &ring, &reference);
         inner.bump(&ring);
+        self.note_departure(&mut inner, &ring, lease, now);
         Some(LeaseChange::Membership {
             lease: reference,
             rings: vec![ring],
         })
+    }
+
+    /// Notes that `lease` left ring `ring` at `now`, if its shard may still be running (held by
+    /// itself, not yet `uncertain`), and has the ring's views rebuilt once that is over.
+    fn note_departure(&self, inner: &mut Inner, ring: &str, lease: &Lease, now: Timestamp) {
+        let shard_lease = ShardLease::from_lease(lease);
+        let held = shard_lease.is_held_by_shard();
+        let (state, _) = shard_lease.evaluate(now);
+        let Some(expiry) = shard_lease
+            .expiry()
+            .filter(|_| held && state != ShardState::Uncertain)
+        else {
+            return;
+        };
+        let duration = SignedDuration::from_secs(i64::from(
+            shard_lease.lease_duration_seconds.unwrap_or_default(),
+        ));
+        let until = expiry.checked_add(duration).unwrap_or(Timestamp::MAX);
+        let departure = Departure {
+            lease: ObjectRef::from_obj(lease),
+            until,
+        };
+        tracing::info!(
+            kind = %self.kind,
+            ring,
+            shard = shard_lease.name,
+            %until,
+            "a held shard Lease left its ring: the shard may still run, so its objects leave it only through drains until then"
+        );
+        inner
+            .departed
+            .entry(ring.to_string())
+            .or_default()
+            .insert(shard_lease.name.to_string(), departure.clone());
+        let Some(index) = self.this.upgrade() else {
+            return;
+        };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let (ring, shard) = (ring.to_string(), shard_lease.name.to_string());
+        let wait = until
+            .duration_since(now)
+            .try_into()
+            .unwrap_or(std::time::Duration::ZERO);
+        runtime.spawn(async move {
+            tokio::time::sleep(wait).await;
+            index.end_departure(&ring, &shard, &departure);
+        });
+    }
+
+    /// Forgets `departure` of `shard` from ring `ring` once its time is over, and announces the
+    /// ring's membership change: the shard's objects may now move directly.
+    fn end_departure(&self, ring: &str, shard: &str, departure: &Departure) {
+        let Ok(mut inner) = self.inner.write() else {
+            return;
+        };
+        let Some(shards) = inner.departed.get_mut(ring) else {
+            return;
+        };
+        if shards.get(shard) != Some(departure) {
+            return;
+        }
+        shards.remove(shard);
+        if shards.is_empty() {
+            inner.departed.remove(ring);
+        }
+        inner.bump(ring);
+        drop(inner);
+        let _ = self.changes.send(LeaseChange::Membership {
+            lease: departure.lease.clone(),
+            rings: vec![ring.to_string()],
+        });
     }
 
     /// Rebuilds the index from the cache, which a new listing just replaced (objects deleted
@@ -276,6 +391,7 @@ impl LeaseIndex {
         if let Ok(mut inner) = self.inner.write() {
             fresh.epoch = inner.epoch + 1;
             fresh.versions = std::mem::take(&mut inner.versions);
+            fresh.departed = std::mem::take(&mut inner.departed);
             *inner = fresh;
         }
     }
@@ -351,7 +467,7 @@ mod tests {
     /// An index with a cache that follows the same events, as the sharder wires them.
     struct Fixture {
         writer: reflector::store::Writer<Lease>,
-        index: LeaseIndex,
+        index: Arc<LeaseIndex>,
         changes: broadcast::Receiver<LeaseChange>,
     }
 
@@ -427,6 +543,62 @@ mod tests {
             }]
         );
         assert!(f.index.ring_leases("r1").is_empty());
+    }
+
+    #[test]
+    fn a_held_lease_that_leaves_its_ring_leaves_a_shard_that_may_still_run() {
+        let t0 = Timestamp::from_second(3_000_000).unwrap();
+        let at = |s: i64| t0.checked_add(SignedDuration::from_secs(s)).unwrap();
+        let mut f = Fixture::new();
+        for name in ["a", "b", "c"] {
+            f.event(watcher::Event::Apply(lease(name, "r1", "ready", t0)), t0);
+        }
+        // Deleted 5 s after its last renewal (duration 10 s): it may run until 20 s.
+        f.event(watcher::Event::Delete(lease("a", "r1", "ready", t0)), at(5));
+        // Relabelled to another ring: it may still run for the ring it left.
+        f.event(watcher::Event::Apply(lease("b", "r2", "ready", t0)), at(5));
+        // Released, then deleted: nothing runs under it.
+        let mut released = lease("c", "r1", "dead", t0);
+        if let Some(spec) = released.spec.as_mut() {
+            spec.holder_identity = None;
+        }
+        f.event(watcher::Event::Apply(released.clone()), at(5));
+        f.event(watcher::Event::Delete(released), at(5));
+        let index = f.index.clone();
+        let departed = |ring, s| index.departed_shards(ring, at(s));
+        assert_eq!(departed("r1", 6), BTreeSet::from(["a".into(), "b".into()]));
+        assert_eq!(departed("r1", 19), BTreeSet::from(["a".into(), "b".into()]));
+        assert!(departed("r1", 20).is_empty());
+        assert!(departed("r2", 6).is_empty());
+
+        // Deleted after it became uncertain: the sharder would take it over, nothing to wait for.
+        f.event(watcher::Event::Apply(lease("d", "r1", "ready", t0)), t0);
+        f.event(
+            watcher::Event::Delete(lease("d", "r1", "ready", t0)),
+            at(25),
+        );
+        assert!(!departed("r1", 25).contains("d"));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_end_of_a_departure_is_announced_as_a_membership_change() {
+        let now = Timestamp::now();
+        let mut f = Fixture::new();
+        f.event(watcher::Event::Apply(lease("a", "r1", "ready", now)), now);
+        f.drain();
+        f.event(watcher::Event::Delete(lease("a", "r1", "ready", now)), now);
+        let version = f.index.ring_version("r1");
+        assert_eq!(f.drain().len(), 1, "the deletion itself");
+        tokio::time::sleep(std::time::Duration::from_secs(21)).await;
+        assert_eq!(
+            f.drain(),
+            [LeaseChange::Membership {
+                lease: ObjectRef::new("a").within("ns"),
+                rings: vec!["r1".into()],
+            }]
+        );
+        assert_ne!(f.index.ring_version("r1"), version);
+        assert!(f.index.departed_shards("r1", Timestamp::now()).is_empty());
     }
 
     #[test]

@@ -122,6 +122,9 @@ impl Renewals {
             }
             watcher::Event::Apply(lease) => inner.stamp(lease, now, true),
             watcher::Event::Delete(lease) => {
+                // The deleted Lease as last seen, by the sharder's clock: whether its shard may
+                // still run is judged from it.
+                inner.stamp(lease, now, false);
                 inner.seen.remove(&lease.uid().unwrap_or_default());
             }
         }

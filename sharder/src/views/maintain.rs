@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
+use k8s_openapi::jiff::Timestamp;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use sharding_crds::{GroupResource, RingKind, RingRef};
@@ -169,10 +170,20 @@ pub(crate) async fn refresh(sources: &ViewSources, scope: Scope) {
             &ring_ref.name,
             leases.iter().map(AsRef::as_ref),
         );
-        let excluded_held = excluded_held_shards(
+        let mut excluded_held = excluded_held_shards(
             ring_ref.kind,
             &ring_ref.name,
             leases.iter().map(AsRef::as_ref),
+        );
+        // Shards whose held Lease left the ring may still run too (a Lease that came back makes
+        // its shard available again).
+        excluded_held.extend(
+            sources
+                .caches
+                .lease_index(ring_ref.kind)
+                .departed_shards(&ring_ref.name, Timestamp::now())
+                .into_iter()
+                .filter(|shard| !shards.contains_key(shard)),
         );
         let current = sources.views.get(&ring_ref);
         let shards_changed = current.as_ref().is_none_or(|v| {
