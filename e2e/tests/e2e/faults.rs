@@ -1651,3 +1651,120 @@ async fn objects_of_a_deleted_or_relabelled_held_lease_are_drained_until_it_woul
     logs.passed();
     Ok(())
 }
+
+/// With `hashKey: Namespace` too, controlled objects wait for their controllers: a namespace
+/// moving to a new shard drains its Secrets, and their ConfigMaps stay on the old shard, which
+/// still reconciles the Secrets, until the drains are acknowledged.
+#[tokio::test]
+async fn with_namespace_keys_controlled_objects_wait_for_their_controllers() -> anyhow::Result<()> {
+    let SharedScenario {
+        mut logs,
+        client,
+        ns,
+        ..
+    } = SharedScenario::in_namespace("nsfollow").await?;
+    let ring = unique_name("nsfollow");
+    let mut spec = ring_spec(&ns);
+    spec.hash_key = Some(sharding_crds::HashKey::Namespace);
+    create_ring(&client, &ring, spec).await?;
+    let shards = ["shard-a", "shard-b", "shard-c"];
+    for shard in shards {
+        create_lease(&client, &ns, &ring, shard, 3600).await?;
+    }
+    wait_status(&client, &ring, 3, 3).await?;
+    let namespace_key = format!("/Namespace//{ns}");
+    let old = IndependentRing::unweighted(shards)
+        .shard_for(&namespace_key)
+        .to_string();
+    // A joining shard the namespace moves to.
+    let joining = (0..100)
+        .map(|i| format!("shard-new-{i}"))
+        .find(|name| {
+            IndependentRing::unweighted(shards.iter().copied().chain([name.as_str()]))
+                .shard_for(&namespace_key)
+                == name
+        })
+        .context("no shard name takes the namespace")?;
+    e2e::fixtures::wait_dry_run_label(&client, &ns, "probe", &labels::shard_label(&ring), &old)
+        .await?;
+
+    let secrets = Api::<Secret>::namespaced(client.clone(), &ns);
+    let configmaps = Api::<k8s_openapi::api::core::v1::ConfigMap>::namespaced(client.clone(), &ns);
+    for i in 0..10 {
+        let created = secrets
+            .create(&PostParams::default(), &secret(&format!("s-{i}")))
+            .await?;
+        let owner = k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference {
+            api_version: "v1".into(),
+            kind: "Secret".into(),
+            name: created.name_any(),
+            uid: created.uid().unwrap_or_default(),
+            controller: Some(true),
+            block_owner_deletion: None,
+        };
+        let cm = k8s_openapi::api::core::v1::ConfigMap {
+            metadata: kube::api::ObjectMeta {
+                name: Some(format!("cm-{i}")),
+                owner_references: Some(vec![owner]),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        configmaps.create(&PostParams::default(), &cm).await?;
+    }
+    let (key, drain) = (labels::shard_label(&ring), labels::drain_label(&ring));
+    let on = |labels: &std::collections::BTreeMap<String, String>, shard: &str| {
+        labels.get(&key).map(String::as_str) == Some(shard)
+    };
+
+    create_lease(&client, &ns, &ring, &joining, 3600).await?;
+    poll_until("the namespace's Secrets drained", WAIT, || async {
+        let list = secrets.list_metadata(&ListParams::default()).await?;
+        Ok(list
+            .items
+            .iter()
+            .all(|s| on(s.labels(), &old) && s.labels().contains_key(&drain))
+            .then_some(()))
+    })
+    .await?;
+    // The ConfigMaps stay while the drains wait (give the sharder time to get it wrong).
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    let cms = configmaps.list_metadata(&ListParams::default()).await?;
+    for cm in cms.items.iter().filter(|c| c.name_any().starts_with("cm-")) {
+        ensure!(
+            on(cm.labels(), &old),
+            "{} moved to {:?} while its Secret still waited on {old}",
+            cm.name_any(),
+            cm.labels().get(&key)
+        );
+    }
+
+    // The old shard acknowledges: the Secrets land on the new shard, the ConfigMaps follow.
+    let list = secrets.list_metadata(&ListParams::default()).await?;
+    for s in &list.items {
+        let ack = json!({"metadata": {
+            "resourceVersion": s.resource_version(),
+            "labels": {&key: null, &drain: null},
+        }});
+        secrets
+            .patch(&s.name_any(), &PatchParams::default(), &Patch::Merge(&ack))
+            .await?;
+    }
+    poll_until(
+        "Secrets and ConfigMaps on the namespace's new shard",
+        Duration::from_secs(30),
+        || async {
+            let s = secrets.list_metadata(&ListParams::default()).await?;
+            let c = configmaps.list_metadata(&ListParams::default()).await?;
+            Ok((s.items.iter().all(|o| on(o.labels(), &joining))
+                && c.items
+                    .iter()
+                    .filter(|o| o.name_any().starts_with("cm-"))
+                    .all(|o| on(o.labels(), &joining)))
+            .then_some(()))
+        },
+    )
+    .await?;
+    logs.passed();
+    Ok(())
+}

@@ -5,29 +5,54 @@
 //! main resources first, so by the time it meets a controlled object it has seen the controller
 //! if the controller is listed; this remembers where the misplaced controllers sit.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
+
+use sharding_crds::HashKey;
 
 use crate::core::hash_ring::hash;
 use crate::core::rebalance::waits_for_owner;
 
 /// What one sync learned about controllers not yet on the shard the ring wants, and how many
 /// controlled objects it held back for them.
+///
+/// With `hashKey: Object` a controlled object's key is its controller's, which names one main
+/// object. With `hashKey: Namespace` every object of a namespace has the namespace's key, so a
+/// controlled object waits while any main object of its namespace sits misplaced on its shard:
+/// the whole namespace moves together, and its controller is among them.
 #[derive(Debug, Default)]
 pub(crate) struct OwnerWait {
+    /// Whether keys name namespaces (several main objects per key) rather than objects.
+    by_namespace: bool,
     /// Hash of each listed main object's key → hash of its shard label (0 without one): only main
     /// objects not on the shard the ring wants (the others cannot hold anything back), as hashes,
     /// 16 bytes each; a sync that moves nothing keeps it empty, however large the ring.
     owner_shards: HashMap<u64, u64>,
+    /// With namespace keys: (key hash, shard hash) of every misplaced main object.
+    namespace_shards: HashSet<(u64, u64)>,
     /// Controlled objects held back so far.
     pub(crate) waiting: usize,
 }
 
 impl OwnerWait {
+    /// An empty record for a ring hashing by `hash_key`.
+    pub(crate) fn new(hash_key: HashKey) -> Self {
+        Self {
+            by_namespace: hash_key == HashKey::Namespace,
+            ..Self::default()
+        }
+    }
+
     /// Takes in a listed main object with hash key `key`, labelled for shard `current`, which the
     /// ring wants on `desired`.
     pub(crate) fn main_listed(&mut self, key: &str, current: Option<&str>, desired: Option<&str>) {
         let key_hash = hash(key);
-        if desired == current {
+        if self.by_namespace {
+            // Another main object of the namespace in place says nothing about this one.
+            if desired != current {
+                self.namespace_shards
+                    .insert((key_hash, current.map_or(0, hash)));
+            }
+        } else if desired == current {
             self.owner_shards.remove(&key_hash);
         } else {
             self.owner_shards.insert(key_hash, current.map_or(0, hash));
@@ -44,8 +69,13 @@ impl OwnerWait {
         desired: Option<&str>,
         is_available: impl Fn(&str) -> bool,
     ) -> bool {
-        let owner_on_current =
-            current.is_some_and(|shard| self.owner_shards.get(&hash(key)) == Some(&hash(shard)));
+        let owner_on_current = current.is_some_and(|shard| {
+            if self.by_namespace {
+                self.namespace_shards.contains(&(hash(key), hash(shard)))
+            } else {
+                self.owner_shards.get(&hash(key)) == Some(&hash(shard))
+            }
+        });
         let wait = waits_for_owner(current, owner_on_current, desired, is_available);
         if wait {
             self.waiting += 1;
@@ -86,6 +116,20 @@ mod tests {
         wait.main_listed(KEY, None, Some("b"));
         assert!(!wait.holds_back(KEY, Some("a"), Some("b"), available));
         assert_eq!(wait.waiting, 0);
+    }
+
+    #[test]
+    fn with_namespace_keys_a_child_waits_while_any_main_object_of_its_namespace_sits_misplaced_on_its_shard()
+     {
+        const NS: &str = "team";
+        let mut wait = OwnerWait::new(HashKey::Namespace);
+        // The namespace moves from `a` to `b`: one main object is still on `a`, one arrived.
+        wait.main_listed(NS, Some("a"), Some("b"));
+        wait.main_listed(NS, Some("b"), Some("b"));
+        assert!(wait.holds_back(NS, Some("a"), Some("b"), available));
+        // Nothing misplaced on the child's shard in another namespace.
+        assert!(!wait.holds_back("other", Some("a"), Some("b"), available));
+        assert_eq!(wait.waiting, 1);
     }
 
     #[test]

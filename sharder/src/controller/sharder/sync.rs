@@ -9,8 +9,8 @@ use futures::StreamExt;
 use kube::api::{Api, DynamicObject};
 use kube::core::PartialObjectMeta;
 use kube::{Resource, ResourceExt};
+use sharding_crds::GroupResource;
 use sharding_crds::selector::selector_matches;
-use sharding_crds::{GroupResource, HashKey};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
@@ -130,11 +130,9 @@ fn tally_object(
             current.unwrap_or_default(),
         );
     }
-    // With object keys, a controlled object's key is its controller's key: main resources are
-    // synced first, so the controller was seen already if it is listed.
-    if view.hash_key == HashKey::Object
-        && let Ok(KeyOutcome::Key(key)) = &placement.key
-    {
+    // A controlled object's key is its controller's key (with namespace keys, its namespace's):
+    // main resources are synced first, so the controller was seen already if it is listed.
+    if let Ok(KeyOutcome::Key(key)) = &placement.key {
         if resource.is_main() {
             tally
                 .owner_wait
@@ -197,15 +195,24 @@ pub(super) async fn sync_ring(
     let mut stats = SyncStats::default();
     let mut tally = Tally {
         stop,
+        owner_wait: OwnerWait::new(view.hash_key),
         ..Tally::default()
     };
     let mut first_error = None;
+    let mut main_failed = false;
     for (gr, resource) in sync_order(view) {
         if tally.stop.is_cancelled() {
             return Err(Error::Superseded);
         }
+        if main_failed && !resource.is_main() {
+            // Controllers not listed may still sit on their old shards: moving their controlled
+            // objects now could put them ahead of their controllers. The sync fails and runs again.
+            tracing::warn!(%ring, resource = %gr, "not syncing a controlled resource: a main resource could not be listed");
+            continue;
+        }
         if let Err(error) = sync_resource(patcher, view, gr, resource, &mut stats, &mut tally).await
         {
+            main_failed |= resource.is_main();
             first_error.get_or_insert(error);
         }
     }
