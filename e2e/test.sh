@@ -7,7 +7,7 @@
 # With KUBECONFIG set, the end-to-end tests use that cluster instead of starting one.
 #
 # Without arguments and without KUBECONFIG it then runs the chaos soak (docs/chaos.md) twice,
-# about a minute each: once with a fixed seed whose plan holds every kind of fault at these
+# about a minute and a half each: once with a fixed seed whose plan holds every kind of fault at these
 # settings, once with a random seed, printed first so a failure can be replayed with --seed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -37,7 +37,7 @@ cargo build --workspace --bins
 cargo test --workspace "$@"
 if [ $# -eq 0 ] && [ -z "${KUBECONFIG:-}" ]; then
   chaos=(cargo run -q -p sharding-e2e --bin chaos --
-    --duration 30s --fault-interval 3s --lease-duration 8s --settle 5s)
+    --duration 50s --fault-interval 3s --lease-duration 8s --settle 5s)
   "${chaos[@]}" --seed 20
   "${chaos[@]}"
 fi

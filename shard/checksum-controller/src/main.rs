@@ -89,6 +89,10 @@ struct Args {
     /// Log filter (`tracing` env-filter syntax); `RUST_LOG` takes precedence when set.
     #[arg(long, default_value = "info")]
     log_level: String,
+    /// For tests only: write the Lease's timestamps this many seconds off the system clock
+    /// (negative: behind), as a shard on a machine with a wrong clock would.
+    #[arg(long, hide = true, allow_hyphen_values = true)]
+    testing_clock_offset: Option<i64>,
 }
 
 fn parse_seconds(value: &str) -> Result<Duration, String> {
@@ -285,14 +289,25 @@ async fn main() -> anyhow::Result<()> {
     if let Some(weight) = args.weight {
         shard = shard.with_weight(weight);
     }
-    let lock = LeaseLock::new(
-        client.clone(),
-        shard
-            .lease_config()
-            .with_lease_duration(args.lease_duration)
-            .with_renew_deadline(args.renew_deadline)
-            .with_retry_period(args.retry_period),
-    )?;
+    let config = shard
+        .lease_config()
+        .with_lease_duration(args.lease_duration)
+        .with_renew_deadline(args.renew_deadline)
+        .with_retry_period(args.retry_period);
+    let lock = match args.testing_clock_offset {
+        Some(seconds) => {
+            warn!(
+                seconds,
+                "writing Lease timestamps off the system clock, for testing"
+            );
+            LeaseLock::new_with_clock_offset(
+                client.clone(),
+                config,
+                k8s_openapi::jiff::SignedDuration::from_secs(seconds),
+            )?
+        }
+        None => LeaseLock::new(client.clone(), config)?,
+    };
 
     // Membership first: nothing is reconciled before the Lease is ours.
     info!(shard = %shard.name(), ring = %shard.ring(), kind = %shard.kind(), namespace = %shard.lease_namespace(), "acquiring shard Lease");

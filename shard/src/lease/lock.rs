@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
-use k8s_openapi::jiff::Timestamp;
+use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::Client;
 use kube::api::{Api, ObjectMeta};
 use tokio::time::Instant;
@@ -57,6 +57,28 @@ impl LeaseLock {
             name: config.name.clone(),
         };
         Self::with_store(store, config, Arc::new(system_clock))
+    }
+
+    /// A lock like [`LeaseLock::new`] whose timestamps (`acquireTime`, `renewTime`) run `offset`
+    /// off the system clock, as on a machine whose clock is wrong. Only for testing what the
+    /// sharder and other readers make of a skewed holder: the lock itself then judges others'
+    /// Leases by the wrong clock as well.
+    #[doc(hidden)]
+    pub fn new_with_clock_offset(
+        client: Client,
+        config: LeaseLockConfig,
+        offset: SignedDuration,
+    ) -> Result<Self, Error> {
+        let store = Store::Api {
+            api: Api::namespaced(client, &config.namespace),
+            name: config.name.clone(),
+        };
+        let clock = move || {
+            system_clock()
+                .checked_add(offset)
+                .unwrap_or(Timestamp::UNIX_EPOCH)
+        };
+        Self::with_store(store, config, Arc::new(clock))
     }
 
     pub(super) fn with_store(

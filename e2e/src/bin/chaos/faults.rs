@@ -5,8 +5,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use e2e::apiserver::ApiServer;
+use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
+use k8s_openapi::api::core::v1::Namespace;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use k8s_openapi::jiff::Timestamp;
 use kube::Client;
+use kube::api::{Api, DeleteParams, ObjectMeta, Patch, PatchParams, PostParams};
 use serde::Serialize;
 
 use crate::fleet::{Fleet, Then};
@@ -35,6 +39,12 @@ enum FollowUp {
     Resume { shard: String, record: usize },
     /// Reopen the webhook gate.
     OpenGate { record: usize },
+    /// Delete the squatting Lease named like `shard` in `namespace`.
+    Unsquat {
+        shard: String,
+        namespace: String,
+        record: usize,
+    },
 }
 
 /// Carries out faults and their follow-ups.
@@ -49,6 +59,8 @@ pub(crate) struct Injector {
     /// How long to wait for a leader before a leader or follower fault is skipped.
     leader_wait: Duration,
     follow_ups: Vec<(Instant, FollowUp)>,
+    /// Malformed Leases created so far (they are named after the count).
+    malformed: usize,
     pub(crate) records: Vec<FaultRecord>,
     /// API server outages: from the stop until it was ready again.
     pub(crate) disruptions: Vec<(Timestamp, Timestamp)>,
@@ -73,6 +85,7 @@ impl Injector {
             most_shards,
             leader_wait,
             follow_ups: Vec::new(),
+            malformed: 0,
             records: Vec::new(),
             disruptions: Vec::new(),
         }
@@ -131,7 +144,10 @@ impl Injector {
         match result {
             Ok(Applied::Done(target)) => {
                 record.target = target;
-                if !matches!(fault.kind, FaultKind::ShardPause | FaultKind::WebhookOutage) {
+                if !matches!(
+                    fault.kind,
+                    FaultKind::ShardPause | FaultKind::WebhookOutage | FaultKind::LeaseSquat
+                ) {
                     record.ended_seconds = Some(offset);
                 }
             }
@@ -256,6 +272,109 @@ impl Injector {
                     .push((Instant::now() + hold, FollowUp::OpenGate { record: index }));
                 Ok(Applied::Done(Some("webhook".into())))
             }
+            FaultKind::LeaseSquat | FaultKind::LeaseDelete | FaultKind::LeaseRelabel => {
+                let candidates = self.fleet.active_shards();
+                if candidates.is_empty() {
+                    return Ok(Applied::Skipped("no active shard"));
+                }
+                let shard = candidates[pick(candidates.len())].clone();
+                let own =
+                    Api::<Lease>::namespaced(self.client.clone(), self.fleet.lease_namespace());
+                match fault.kind {
+                    FaultKind::LeaseSquat => {
+                        let namespace = self.squat_namespace().await?;
+                        let squatting = self.hostile_lease(&shard, true);
+                        Api::<Lease>::namespaced(self.client.clone(), &namespace)
+                            .create(&PostParams::default(), &squatting)
+                            .await?;
+                        self.follow_ups.push((
+                            Instant::now() + hold,
+                            FollowUp::Unsquat {
+                                shard: shard.clone(),
+                                namespace,
+                                record: index,
+                            },
+                        ));
+                    }
+                    FaultKind::LeaseDelete => {
+                        own.delete(&shard, &DeleteParams::default()).await?;
+                    }
+                    _ => {
+                        let label = sharding_crds::RingKind::ClusterRing.lease_label();
+                        let unlabel = serde_json::json!({"metadata": {"labels": {label: null}}});
+                        own.patch(&shard, &PatchParams::default(), &Patch::Merge(&unlabel))
+                            .await?;
+                    }
+                }
+                Ok(Applied::Done(Some(shard)))
+            }
+            FaultKind::LeaseMalformed => {
+                let namespace = self.squat_namespace().await?;
+                self.malformed += 1;
+                let name = format!("malformed-{}", self.malformed);
+                let lease = self.hostile_lease(&name, false);
+                Api::<Lease>::namespaced(self.client.clone(), &namespace)
+                    .create(&PostParams::default(), &lease)
+                    .await?;
+                Ok(Applied::Done(Some(format!("{namespace}/{name}"))))
+            }
+            FaultKind::ClockSkew => {
+                let candidates = self.fleet.active_shards();
+                if candidates.is_empty() {
+                    return Ok(Applied::Skipped("no active shard"));
+                }
+                let shard = candidates[pick(candidates.len())].clone();
+                // Behind by two lease durations: the sharder would take it over after every
+                // renewal if it judged it by its renewTime.
+                let behind = -2 * self.fleet.timing().lease_duration.ceil() as i64;
+                self.fleet.skew_shard(&shard, behind)?;
+                self.fleet
+                    .signal_shard(&shard, "TERM", Then::RestartAfter(hold))?;
+                Ok(Applied::Done(Some(format!("{shard} ({behind} s)"))))
+            }
+        }
+    }
+
+    /// The namespace hostile Leases are created in (created on first use).
+    async fn squat_namespace(&self) -> anyhow::Result<String> {
+        let name = format!("{}-squat", self.fleet.lease_namespace());
+        let namespace: Namespace =
+            serde_json::from_value(serde_json::json!({"metadata": {"name": name}}))?;
+        match Api::<Namespace>::all(self.client.clone())
+            .create(&PostParams::default(), &namespace)
+            .await
+        {
+            Ok(_) => Ok(name),
+            Err(kube::Error::Api(e)) if e.code == 409 => Ok(name),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// A Lease of the ring named `name` and held by that name, with the shards' duration, and
+    /// renewed now if `timed`, else without `acquireTime` and `renewTime`.
+    fn hostile_lease(&self, name: &str, timed: bool) -> Lease {
+        let now = timed.then(|| MicroTime(Timestamp::now()));
+        Lease {
+            metadata: ObjectMeta {
+                name: Some(name.to_string()),
+                labels: Some(
+                    [(
+                        sharding_crds::RingKind::ClusterRing
+                            .lease_label()
+                            .to_string(),
+                        self.fleet.ring().to_string(),
+                    )]
+                    .into(),
+                ),
+                ..Default::default()
+            },
+            spec: Some(LeaseSpec {
+                holder_identity: Some(name.to_string()),
+                lease_duration_seconds: Some(self.fleet.timing().lease_duration.ceil() as i32),
+                acquire_time: now.clone(),
+                renew_time: now,
+                ..Default::default()
+            }),
         }
     }
 
@@ -286,6 +405,24 @@ impl Injector {
                 self.fleet.gate.open();
                 self.records[record].ended_seconds = Some(offset);
                 crate::progress("webhook reachable again");
+            }
+            FollowUp::Unsquat {
+                shard,
+                namespace,
+                record,
+            } => {
+                let api = Api::<Lease>::namespaced(self.client.clone(), &namespace);
+                let client_shard = shard.clone();
+                // Deleting is quick; the follow-up loop is not async, so it runs on its own.
+                tokio::spawn(async move {
+                    if let Err(error) = api.delete(&client_shard, &DeleteParams::default()).await {
+                        crate::progress(&format!(
+                            "failed to delete the squatting Lease {client_shard}: {error:#}"
+                        ));
+                    }
+                });
+                self.records[record].ended_seconds = Some(offset);
+                crate::progress(&format!("squatting Lease {shard} deleted"));
             }
         }
     }

@@ -113,6 +113,8 @@ pub(crate) struct Member {
     pub(crate) wanted: bool,
     /// When to start it again if no process runs.
     pub(crate) restart_at: Option<Instant>,
+    /// For a shard: seconds its clock runs off in the timestamps it writes (see `clock-skew`).
+    pub(crate) clock_offset: Option<i64>,
     pub(crate) incarnations: Vec<Incarnation>,
 }
 
@@ -231,27 +233,30 @@ impl Fleet {
         Ok(process)
     }
 
-    fn spawn_shard(&self, name: &str) -> anyhow::Result<Process> {
+    fn spawn_shard(&self, name: &str, clock_offset: Option<i64>) -> anyhow::Result<Process> {
         let t = self.timing;
-        let mut process = Process::start(
-            "checksum-controller",
-            [
-                "--clusterring",
-                &self.ring,
-                "--lease-namespace",
-                &self.lease_namespace,
-                "--shard-name",
-                name,
-                "--lease-duration",
-                &t.lease_duration.to_string(),
-                "--renew-deadline",
-                &t.renew_deadline.to_string(),
-                "--retry-period",
-                &t.retry_period.to_string(),
-                "--log-format",
-                "json",
-            ],
-        )?;
+        let mut args: Vec<String> = [
+            "--clusterring",
+            &self.ring,
+            "--lease-namespace",
+            &self.lease_namespace,
+            "--shard-name",
+            name,
+            "--lease-duration",
+            &t.lease_duration.to_string(),
+            "--renew-deadline",
+            &t.renew_deadline.to_string(),
+            "--retry-period",
+            &t.retry_period.to_string(),
+            "--log-format",
+            "json",
+        ]
+        .map(str::to_string)
+        .into();
+        if let Some(offset) = clock_offset {
+            args.push(format!("--testing-clock-offset={offset}"));
+        }
+        let mut process = Process::start("checksum-controller", args)?;
         process.passed();
         Ok(process)
     }
@@ -261,7 +266,7 @@ impl Fleet {
         let mut state = self.lock();
         let name = format!("shard-{}", state.next_shard);
         state.next_shard += 1;
-        let process = self.spawn_shard(&name)?;
+        let process = self.spawn_shard(&name, None)?;
         let member = state.shards.entry(name.clone()).or_default();
         member.wanted = true;
         member.incarnations.push(Incarnation::start(process));
@@ -281,6 +286,32 @@ impl Fleet {
             .get_mut(name)
             .with_context(|| format!("no shard {name}"))?;
         signal_member(member, signal, then)
+    }
+
+    /// Has shard `name` write its Lease's timestamps `offset` seconds off from its next start on.
+    pub(crate) fn skew_shard(&self, name: &str, offset: i64) -> anyhow::Result<()> {
+        let mut state = self.lock();
+        let member = state
+            .shards
+            .get_mut(name)
+            .with_context(|| format!("no shard {name}"))?;
+        member.clock_offset = Some(offset);
+        Ok(())
+    }
+
+    /// The namespace of the shards' Leases.
+    pub(crate) fn lease_namespace(&self) -> &str {
+        &self.lease_namespace
+    }
+
+    /// The ring's name.
+    pub(crate) fn ring(&self) -> &str {
+        &self.ring
+    }
+
+    /// The shards' Lease timing.
+    pub(crate) fn timing(&self) -> ShardTiming {
+        self.timing
     }
 
     /// Makes shard `name` unwanted and stops its process, if one runs (SIGTERM, after SIGCONT
@@ -432,7 +463,7 @@ impl Fleet {
             let due = member.restart_at.is_some_and(|at| at <= now);
             if member.wanted && member.current().is_none() && due {
                 let started = match (&shard, slot) {
-                    (Some(name), _) => self.spawn_shard(name),
+                    (Some(name), _) => self.spawn_shard(name, member.clock_offset),
                     (None, Some(slot)) => self.spawn_sharder(slot),
                     (None, None) => continue,
                 };

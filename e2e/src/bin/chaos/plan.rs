@@ -75,11 +75,24 @@ pub(crate) enum FaultKind {
     ApiserverRestart,
     /// Cut the API server off the webhook (connections refused) for `hold`.
     WebhookOutage,
+    /// Create a Lease named like a running shard in another namespace of the ring (held by that
+    /// name, renewed once), as someone allowed to create Leases there would; deleted after `hold`.
+    LeaseSquat,
+    /// Delete a running shard's Lease; the shard notices at its next renewal and exits.
+    LeaseDelete,
+    /// Remove the ring label from a running shard's Lease; the shard puts it back when it renews.
+    LeaseRelabel,
+    /// Create a held Lease of the ring without `acquireTime` and `renewTime` under a new name, in
+    /// another namespace; nobody renews or deletes it.
+    LeaseMalformed,
+    /// Restart a running shard with its clock `2 D` behind (in the timestamps it writes into its
+    /// Lease); it stays skewed for the rest of the run.
+    ClockSkew,
 }
 
 impl FaultKind {
     /// Every kind, in the order a deck of them is shuffled from.
-    pub(crate) const ALL: [Self; 11] = [
+    pub(crate) const ALL: [Self; 16] = [
         Self::ShardKill,
         Self::ShardTerm,
         Self::ShardPause,
@@ -91,6 +104,11 @@ impl FaultKind {
         Self::FollowerTerm,
         Self::ApiserverRestart,
         Self::WebhookOutage,
+        Self::LeaseSquat,
+        Self::LeaseDelete,
+        Self::LeaseRelabel,
+        Self::LeaseMalformed,
+        Self::ClockSkew,
     ];
 
     /// The kebab-case name used in reports.
@@ -107,6 +125,11 @@ impl FaultKind {
             Self::FollowerTerm => "follower-term",
             Self::ApiserverRestart => "apiserver-restart",
             Self::WebhookOutage => "webhook-outage",
+            Self::LeaseSquat => "lease-squat",
+            Self::LeaseDelete => "lease-delete",
+            Self::LeaseRelabel => "lease-relabel",
+            Self::LeaseMalformed => "lease-malformed",
+            Self::ClockSkew => "clock-skew",
         }
     }
 
@@ -122,8 +145,13 @@ impl FaultKind {
                 rng.between(s(1), s(6))
             }
             Self::ApiserverRestart => rng.between(Duration::ZERO, s(3)),
-            Self::WebhookOutage => rng.between(s(2), s(8)),
-            Self::ScaleOut | Self::ScaleIn => Duration::ZERO,
+            Self::WebhookOutage | Self::LeaseSquat => rng.between(s(2), s(8)),
+            Self::ClockSkew => rng.between(Duration::ZERO, s(2)),
+            Self::ScaleOut
+            | Self::ScaleIn
+            | Self::LeaseDelete
+            | Self::LeaseRelabel
+            | Self::LeaseMalformed => Duration::ZERO,
         }
     }
 }
