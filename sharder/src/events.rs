@@ -186,11 +186,7 @@ impl Events {
             .namespace
             .clone()
             .unwrap_or_else(|| "default".into());
-        let name = format!(
-            "{}.{:x}",
-            reference.name.as_deref().unwrap_or("object"),
-            now.as_nanosecond()
-        );
+        let name = event_name(reference.name.as_deref().unwrap_or("object"), now);
         let event = Event {
             metadata: ObjectMeta {
                 name: Some(name),
@@ -215,6 +211,24 @@ impl Events {
 }
 
 /// `text` cut to at most `max` bytes on a character boundary.
+/// The name of an Event about the object named `regarding`, at `now`: `<regarding>.<hex
+/// nanoseconds>`, with `regarding` cut so that the name stays a valid DNS subdomain of at most
+/// 253 characters (a Lease name may have 253 itself; the Event would be refused).
+fn event_name(regarding: &str, now: Timestamp) -> String {
+    let suffix = format!(".{:x}", now.as_nanosecond());
+    let room = MAX_NAME_BYTES - suffix.len();
+    // Names are ASCII; each dot-separated part must end alphanumeric.
+    let mut prefix = &regarding[..regarding.len().min(room)];
+    prefix = prefix.trim_end_matches(|c: char| !c.is_ascii_alphanumeric());
+    if prefix.is_empty() {
+        prefix = "object";
+    }
+    format!("{prefix}{suffix}")
+}
+
+/// Longest object name the API server takes (a DNS subdomain).
+const MAX_NAME_BYTES: usize = 253;
+
 fn truncate(mut text: String, max: usize) -> String {
     if text.len() > max {
         let mut end = max;
@@ -233,6 +247,16 @@ mod tests {
     #[test]
     fn notes_are_cut_on_character_boundaries() {
         assert_eq!(truncate("abc".into(), 5), "abc");
+        let now = Timestamp::from_second(1_800_000_000).expect("timestamp");
+        assert_eq!(event_name("shard-a", now), format!("shard-a.{:x}", now.as_nanosecond()));
+        // A 253-character Lease name (the most the API server allows) leaves room for the suffix,
+        // and the cut part ends alphanumeric.
+        let suffix = format!(".{:x}", now.as_nanosecond());
+        let room = MAX_NAME_BYTES - suffix.len();
+        // The cut falls right after a '-', which may not end a part of the name.
+        let long = format!("{}-{}", "a".repeat(room - 1), "b".repeat(MAX_NAME_BYTES - room));
+        assert_eq!(long.len(), MAX_NAME_BYTES);
+        assert_eq!(event_name(&long, now), format!("{}{suffix}", "a".repeat(room - 1)));
         assert_eq!(truncate("aé".into(), 2), "a");
     }
 

@@ -418,7 +418,8 @@ async fn invalid_and_duplicate_shard_names_stay_out_of_the_ring() -> anyhow::Res
     let other_ns = cluster.namespace(&client, "names-dup").await?;
     let ring = unique_name("names");
     create_ring(&client, &ring, ring_spec(&ns)).await?;
-    let long = format!("shard-{}", "x".repeat(64));
+    // Far beyond a label value, and long enough that the Warning Event needs a shortened name.
+    let long = format!("shard-{}", "x".repeat(234));
     create_lease(&client, &ns, &ring, "shard-a", 3600).await?;
     create_lease(&client, &ns, &ring, &long, 3600).await?;
     wait_status(&client, &ring, 1, 2).await?;

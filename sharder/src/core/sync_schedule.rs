@@ -2,8 +2,9 @@
 //! data and time.
 //!
 //! A ring is synced when it first appears and when its view changes (spec changed, a shard became
-//! available or unavailable), `syncPeriod` after a successful sync, and with exponential backoff
-//! (5 s doubling up to `syncPeriod`) after a failed one. At most one sync per ring runs at a
+//! available or unavailable), `syncPeriod` after a successful sync, with exponential backoff
+//! (5 s doubling up to `syncPeriod`) after a failed one, and (5 s doubling up to 30 s) after one
+//! that held controlled objects back for their controllers. At most one sync per ring runs at a
 //! time; a ring whose webhook configuration is not in place yet is looked at again shortly,
 //! because moves rely on the webhook.
 
@@ -13,6 +14,9 @@ use std::time::Duration;
 
 /// First retry delay after a failed sync.
 const INITIAL_BACKOFF: Duration = Duration::from_secs(5);
+
+/// Longest wait between syncs of a ring that holds controlled objects back for their controllers.
+pub(crate) const OWNER_WAIT_MAX: Duration = Duration::from_secs(30);
 
 /// How often a ring whose webhook configuration is not in place yet is looked at again.
 pub(crate) const WEBHOOK_WAIT: Duration = Duration::from_secs(1);
@@ -32,6 +36,8 @@ struct RingSchedule<I> {
     due: I,
     /// Failed syncs in a row.
     failures: u32,
+    /// Syncs in a row that held controlled objects back for their controllers.
+    waits: u32,
 }
 
 /// The sync schedule of every ring. Generic over the instant type so that tests drive it with
@@ -74,6 +80,7 @@ impl<I: Copy + Ord + Add<Duration, Output = I>> SyncSchedule<I> {
                 revision: None,
                 due: now,
                 failures: 0,
+                waits: 0,
             });
             if schedule.revision != Some(revision) && schedule.due > now {
                 // The view changed since the last sync started: sync again now.
@@ -128,6 +135,7 @@ impl<I: Copy + Ord + Add<Duration, Output = I>> SyncSchedule<I> {
     pub(crate) fn finished(&mut self, ring: &str, succeeded: bool, now: I) -> Option<Duration> {
         self.running.remove(ring);
         let schedule = self.rings.get_mut(ring)?;
+        schedule.waits = 0;
         if succeeded {
             schedule.failures = 0;
             schedule.due = now + self.sync_period;
@@ -138,6 +146,21 @@ impl<I: Copy + Ord + Add<Duration, Output = I>> SyncSchedule<I> {
             schedule.due = now + backoff;
             Some(backoff)
         }
+    }
+
+    /// Records the end of a ring's sync at `now` that held controlled objects back for their
+    /// controllers, nothing else wrong. It runs again after a backoff that doubles from 5 s only
+    /// up to [`OWNER_WAIT_MAX`] (or `syncPeriod`, if shorter), not up to `syncPeriod` as after a
+    /// failure: the objects follow within half a minute of their controllers' drains being
+    /// acknowledged, however long those took. Returns the backoff, for logs.
+    pub(crate) fn waiting(&mut self, ring: &str, now: I) -> Option<Duration> {
+        self.running.remove(ring);
+        let schedule = self.rings.get_mut(ring)?;
+        schedule.failures = 0;
+        schedule.waits += 1;
+        let backoff = backoff(schedule.waits, OWNER_WAIT_MAX.min(self.sync_period));
+        schedule.due = now + backoff;
+        Some(backoff)
     }
 
     /// When to look at the schedule again unless a view changes or a sync finishes first: the
@@ -157,6 +180,24 @@ mod tests {
     use super::*;
 
     const PERIOD: Duration = Duration::from_secs(300);
+
+    #[test]
+    fn a_sync_waiting_for_controllers_runs_again_within_half_a_minute() {
+        let mut schedule = SyncSchedule::new(PERIOD);
+        let at = |s: u64| Duration::from_secs(s);
+        assert_eq!(schedule.start_due(at(0), [("a", 1)], |_| true), ["a"]);
+        let mut now = at(0);
+        let mut waits = Vec::new();
+        for _ in 0..6 {
+            let wait = schedule.waiting("a", now).expect("known ring");
+            waits.push(wait.as_secs());
+            now += wait;
+            assert_eq!(schedule.start_due(now, [("a", 1)], |_| true), ["a"]);
+        }
+        assert_eq!(waits, [5, 10, 20, 30, 30, 30]);
+        // A failure afterwards backs off from the start again.
+        assert_eq!(schedule.finished("a", false, now), Some(at(5)));
+    }
 
     /// Time as an offset from the start: `Duration` is a fine instant for the state machine.
     fn at(secs: u64) -> Duration {

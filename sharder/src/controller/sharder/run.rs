@@ -105,7 +105,13 @@ pub(crate) async fn run(ctx: Context, shutdown: CancellationToken) {
                 handles.remove(&name);
                 let waiting = matches!(result, Err(Error::WaitingForOwners { .. }));
                 let error = result.as_ref().err().map(ToString::to_string);
-                if let Some(backoff) = schedule.finished(&name, result.is_ok(), Instant::now()) {
+                let now = Instant::now();
+                let retry = if waiting {
+                    schedule.waiting(&name, now)
+                } else {
+                    schedule.finished(&name, result.is_ok(), now)
+                };
+                if let Some(backoff) = retry {
                     let error = error.unwrap_or_default();
                     if waiting {
                         tracing::info!(%error, ring = %name, retry_in = ?backoff, "sync again soon");
