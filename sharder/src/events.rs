@@ -248,15 +248,25 @@ mod tests {
     fn notes_are_cut_on_character_boundaries() {
         assert_eq!(truncate("abc".into(), 5), "abc");
         let now = Timestamp::from_second(1_800_000_000).expect("timestamp");
-        assert_eq!(event_name("shard-a", now), format!("shard-a.{:x}", now.as_nanosecond()));
+        assert_eq!(
+            event_name("shard-a", now),
+            format!("shard-a.{:x}", now.as_nanosecond())
+        );
         // A 253-character Lease name (the most the API server allows) leaves room for the suffix,
         // and the cut part ends alphanumeric.
         let suffix = format!(".{:x}", now.as_nanosecond());
         let room = MAX_NAME_BYTES - suffix.len();
         // The cut falls right after a '-', which may not end a part of the name.
-        let long = format!("{}-{}", "a".repeat(room - 1), "b".repeat(MAX_NAME_BYTES - room));
+        let long = format!(
+            "{}-{}",
+            "a".repeat(room - 1),
+            "b".repeat(MAX_NAME_BYTES - room)
+        );
         assert_eq!(long.len(), MAX_NAME_BYTES);
-        assert_eq!(event_name(&long, now), format!("{}{suffix}", "a".repeat(room - 1)));
+        assert_eq!(
+            event_name(&long, now),
+            format!("{}{suffix}", "a".repeat(room - 1))
+        );
         assert_eq!(truncate("aé".into(), 2), "a");
     }
 

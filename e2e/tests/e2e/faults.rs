@@ -966,28 +966,7 @@ async fn controlled_objects_follow_their_controller_only_after_it_left() -> anyh
     wait_webhook(&client, &ns, &ring, &["shard-a", "shard-b", "shard-c"]).await?;
     let secrets = Api::<Secret>::namespaced(client.clone(), &ns);
     let configmaps = Api::<k8s_openapi::api::core::v1::ConfigMap>::namespaced(client.clone(), &ns);
-    for i in 0..40 {
-        let created = secrets
-            .create(&PostParams::default(), &secret(&format!("s-{i}")))
-            .await?;
-        let owner = k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference {
-            api_version: "v1".into(),
-            kind: "Secret".into(),
-            name: created.name_any(),
-            uid: created.uid().unwrap_or_default(),
-            controller: Some(true),
-            block_owner_deletion: None,
-        };
-        let cm = k8s_openapi::api::core::v1::ConfigMap {
-            metadata: kube::api::ObjectMeta {
-                name: Some(format!("cm-{i}")),
-                owner_references: Some(vec![owner]),
-                ..Default::default()
-            },
-            ..Default::default()
-        };
-        configmaps.create(&PostParams::default(), &cm).await?;
-    }
+    create_controlled_pairs(&secrets, &configmaps, 40).await?;
     let key = labels::shard_label(&ring);
     let drain = labels::drain_label(&ring);
     let shard_of_secret = |i: usize, list: &kube::core::ObjectList<Secret>| {
@@ -1373,6 +1352,37 @@ async fn secrets_by_shard(
     Ok(by_shard)
 }
 
+/// Creates Secrets `s-0` … `s-<count-1>`, each controlling a ConfigMap `cm-<i>`.
+async fn create_controlled_pairs(
+    secrets: &Api<Secret>,
+    configmaps: &Api<k8s_openapi::api::core::v1::ConfigMap>,
+    count: usize,
+) -> anyhow::Result<()> {
+    for i in 0..count {
+        let created = secrets
+            .create(&PostParams::default(), &secret(&format!("s-{i}")))
+            .await?;
+        let owner = k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference {
+            api_version: "v1".into(),
+            kind: "Secret".into(),
+            name: created.name_any(),
+            uid: created.uid().unwrap_or_default(),
+            controller: Some(true),
+            block_owner_deletion: None,
+        };
+        let cm = k8s_openapi::api::core::v1::ConfigMap {
+            metadata: kube::api::ObjectMeta {
+                name: Some(format!("cm-{i}")),
+                owner_references: Some(vec![owner]),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        configmaps.create(&PostParams::default(), &cm).await?;
+    }
+    Ok(())
+}
+
 /// docs/protocol.md §4, §19.13: a shard whose clock runs 40 s behind writes renewTimes that look
 /// 40 s old; it still renews, so it keeps its Lease and its objects, and its skew is reported.
 #[tokio::test]
@@ -1691,28 +1701,7 @@ async fn with_namespace_keys_controlled_objects_wait_for_their_controllers() -> 
 
     let secrets = Api::<Secret>::namespaced(client.clone(), &ns);
     let configmaps = Api::<k8s_openapi::api::core::v1::ConfigMap>::namespaced(client.clone(), &ns);
-    for i in 0..10 {
-        let created = secrets
-            .create(&PostParams::default(), &secret(&format!("s-{i}")))
-            .await?;
-        let owner = k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference {
-            api_version: "v1".into(),
-            kind: "Secret".into(),
-            name: created.name_any(),
-            uid: created.uid().unwrap_or_default(),
-            controller: Some(true),
-            block_owner_deletion: None,
-        };
-        let cm = k8s_openapi::api::core::v1::ConfigMap {
-            metadata: kube::api::ObjectMeta {
-                name: Some(format!("cm-{i}")),
-                owner_references: Some(vec![owner]),
-                ..Default::default()
-            },
-            ..Default::default()
-        };
-        configmaps.create(&PostParams::default(), &cm).await?;
-    }
+    create_controlled_pairs(&secrets, &configmaps, 10).await?;
     let (key, drain) = (labels::shard_label(&ring), labels::drain_label(&ring));
     let on = |labels: &std::collections::BTreeMap<String, String>, shard: &str| {
         labels.get(&key).map(String::as_str) == Some(shard)

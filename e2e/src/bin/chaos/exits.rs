@@ -1,6 +1,7 @@
 //! The crash half of invariant 4: every process that ended must have been ended by the tool, or
 //! be a shard that stopped because it lost its Lease through something that takes Leases away:
-//! it was paused, the API server was restarting, or the API server took no write promptly during
+//! it was paused, its Lease was deleted by the tool (`lease-delete`), the API server was
+//! restarting, or the API server took no write promptly during
 //! the whole renew deadline before the loss (every heartbeat of the tool's was slow or failed
 //! then). Stopping at once on losing the Lease is the shard contract (docs/protocol.md §3), not a
 //! crash; anything else is.
@@ -30,6 +31,8 @@ pub(crate) struct Outages<'a> {
     pub(crate) heartbeat: &'a StallLog,
     /// The shards' renew deadline: a shard loses its Lease that long after its last renewal.
     pub(crate) renew_deadline: SignedDuration,
+    /// Shard Leases the tool deleted: (shard, when).
+    pub(crate) deleted_leases: &'a [(String, Timestamp)],
 }
 
 impl Outages<'_> {
@@ -40,6 +43,15 @@ impl Outages<'_> {
         self.restarts
             .iter()
             .any(|(from, to)| at >= *from && at <= *to + grace)
+    }
+
+    /// Whether the tool deleted the Lease of `shard` at most the renew deadline and 10 s before
+    /// an exit at `at`: the shard finds its Lease gone at its next renewal and stops.
+    fn deletion_explains(&self, shard: &str, at: Timestamp) -> bool {
+        let grace = self.renew_deadline + SignedDuration::from_secs(10);
+        self.deleted_leases
+            .iter()
+            .any(|(deleted, when)| deleted == shard && at >= *when && at <= *when + grace)
     }
 
     /// Whether the API server took no write promptly during the renew deadline before a loss
@@ -71,6 +83,8 @@ pub(crate) fn classify(
             counts.signalled += 1;
         } else if process.lost_lease.is_some() && incarnation.got("STOP") {
             counts.lease_lost_after_pause += 1;
+        } else if process.lost_lease.is_some() && outages.deletion_explains(&process.who, exit.at) {
+            counts.lease_lost_after_deletion += 1;
         } else if process.lost_lease.is_some() && outages.restart_explains(exit.at) {
             counts.lease_lost_in_apiserver_restart += 1;
         } else if process
@@ -117,6 +131,7 @@ mod tests {
             restarts: &restarts,
             heartbeat: &heartbeat,
             renew_deadline: SignedDuration::from_secs(6),
+            deleted_leases: &[],
         };
         assert!(o.restart_explains(t(105)));
         assert!(o.restart_explains(t(125)));
@@ -124,5 +139,25 @@ mod tests {
         assert!(!o.restart_explains(t(99)));
         // No heartbeat recorded: no stall to explain anything.
         assert!(!o.stall_explains(t(105)));
+    }
+
+    #[test]
+    fn a_deleted_lease_explains_its_own_shard_stopping_shortly_after() {
+        let deleted = [("shard-1".to_string(), t(100))];
+        let heartbeat = StallLog::default();
+        let o = Outages {
+            restarts: &[],
+            heartbeat: &heartbeat,
+            renew_deadline: SignedDuration::from_secs(6),
+            deleted_leases: &deleted,
+        };
+        assert!(o.deletion_explains("shard-1", t(101)));
+        assert!(o.deletion_explains("shard-1", t(116)));
+        assert!(!o.deletion_explains("shard-1", t(117)));
+        assert!(!o.deletion_explains("shard-1", t(99)));
+        assert!(
+            !o.deletion_explains("shard-2", t(101)),
+            "another shard's Lease"
+        );
     }
 }

@@ -64,6 +64,8 @@ pub(crate) struct Injector {
     pub(crate) records: Vec<FaultRecord>,
     /// API server outages: from the stop until it was ready again.
     pub(crate) disruptions: Vec<(Timestamp, Timestamp)>,
+    /// Shard Leases deleted (`lease-delete`): the shard, and when.
+    pub(crate) deleted_leases: Vec<(String, Timestamp)>,
 }
 
 /// Fewest shards a scale-in leaves wanted.
@@ -88,6 +90,7 @@ impl Injector {
             malformed: 0,
             records: Vec::new(),
             disruptions: Vec::new(),
+            deleted_leases: Vec::new(),
         }
     }
 
@@ -298,6 +301,7 @@ impl Injector {
                     }
                     FaultKind::LeaseDelete => {
                         own.delete(&shard, &DeleteParams::default()).await?;
+                        self.deleted_leases.push((shard.clone(), Timestamp::now()));
                     }
                     _ => {
                         let label = sharding_crds::RingKind::ClusterRing.lease_label();

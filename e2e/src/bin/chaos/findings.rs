@@ -19,6 +19,8 @@ pub(crate) struct ExitCounts {
     pub(crate) signalled: usize,
     /// Shards that exited on losing their Lease after the tool paused them.
     pub(crate) lease_lost_after_pause: usize,
+    /// Shards that exited on losing their Lease after the tool deleted it.
+    pub(crate) lease_lost_after_deletion: usize,
     /// Shards that exited on losing their Lease while the API server was restarting.
     pub(crate) lease_lost_in_apiserver_restart: usize,
     /// Shards that exited on losing their Lease while the API server took no write promptly (an

@@ -162,10 +162,11 @@ impl Report {
         let e = &self.exits;
         let _ = writeln!(
             out,
-            "exits: {} signalled by the tool ({} unclean after SIGTERM); Lease lost: {} after a pause, {} in an API server restart, {} in an API server stall; {} unexpected",
+            "exits: {} signalled by the tool ({} unclean after SIGTERM); Lease lost: {} after a pause, {} after its deletion, {} in an API server restart, {} in an API server stall; {} unexpected",
             e.signalled,
             e.unclean_after_term,
             e.lease_lost_after_pause,
+            e.lease_lost_after_deletion,
             e.lease_lost_in_apiserver_restart,
             e.lease_lost_in_api_stall,
             e.unexpected

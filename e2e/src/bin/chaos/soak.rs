@@ -154,6 +154,7 @@ pub(crate) async fn soak(scene: &Scene<'_>) -> anyhow::Result<Report> {
             restarts: &chaos.injector.disruptions,
             heartbeat: &started.stalls,
             renew_deadline,
+            deleted_leases: &chaos.injector.deleted_leases,
         },
     );
     violations.extend(judged.violations);
