@@ -26,6 +26,12 @@ pub const MAX_SHARD_WEIGHT: u32 = 10;
 /// Label on shard Leases with the shard's state as seen by the sharder (observability only).
 pub const LABEL_STATE: &str = "alpha.sharding.timebertt.dev/state";
 
+/// Annotation the sharder keeps on a shard Lease while the Lease is excluded from its ring
+/// (docs/protocol.md §18), with the reason as value (for example `DuplicateName`). Our extension:
+/// shards built with the `shard` library stop reconciling and release their Lease when they see
+/// it; shards of other libraries ignore it and simply receive no objects.
+pub const ANNOTATION_EXCLUDED: &str = "alpha.sharding.timebertt.dev/excluded";
+
 /// Prefix of the ring-specific shard label key on sharded objects.
 pub const SHARD_LABEL_PREFIX: &str = "shard.alpha.sharding.timebertt.dev/";
 
