@@ -61,6 +61,15 @@ pub struct ClusterRingSpec {
     /// Cluster-scoped objects keep their own key. Changing it rebalances through drains.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hash_key: Option<HashKey>,
+
+    /// Namespaces whose Leases may be shards of this ring. When empty (the default), a Lease in
+    /// any namespace that carries the ring's label is a shard, as in the original protocol. A
+    /// Lease elsewhere is kept out of the ring with a Warning Event (reason
+    /// `ShardLeaseNamespaceNotAllowed`) and receives no objects; if it is held by a running shard,
+    /// its objects leave it only through a drain (docs/protocol.md §18). Our extension.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "set"))]
+    pub lease_namespaces: Vec<String>,
 }
 
 /// What a ring hashes objects by (docs/protocol.md §16).

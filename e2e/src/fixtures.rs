@@ -34,6 +34,7 @@ pub fn ring_spec(namespace: &str) -> ClusterRingSpec {
             match_expressions: None,
         }),
         hash_key: None,
+        lease_namespaces: Vec::new(),
     }
 }
 

@@ -42,6 +42,7 @@ fn state(shards: usize) -> WebhookState {
             }],
             namespace_selector: None,
             hash_key: None,
+            lease_namespaces: Vec::new(),
         },
         status: None,
     };

@@ -55,7 +55,13 @@ impl StateSource for CacheState {
             let index = self.caches.lease_index(kind);
             for ring in index.rings() {
                 let leases = index.ring_leases(&ring);
-                let members = ring_members(kind, &ring, leases.iter().map(AsRef::as_ref));
+                let allowed = self
+                    .caches
+                    .ring(&RingRef::new(kind, ring.clone()))
+                    .map(|r| r.spec().lease_namespaces.clone())
+                    .unwrap_or_default();
+                let members =
+                    ring_members(kind, &ring, &allowed, leases.iter().map(AsRef::as_ref));
                 snapshots.extend(members.into_iter().map(|m| {
                     ShardSnapshot {
                         namespace: m.lease.namespace().unwrap_or_default(),

@@ -53,6 +53,7 @@ async fn valid_ring_round_trips_with_status() -> anyhow::Result<()> {
             ..Default::default()
         }),
         hash_key: Some(sharding_crds::HashKey::Namespace),
+        lease_namespaces: Vec::new(),
     };
     let created = api
         .create(

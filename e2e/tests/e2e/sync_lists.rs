@@ -187,6 +187,7 @@ fn spec_of(resource: &str, selector: LabelSelector) -> ClusterRingSpec {
         resources: vec![RingResource::new("", resource)],
         namespace_selector: Some(selector),
         hash_key: None,
+        lease_namespaces: Vec::new(),
     }
 }
 

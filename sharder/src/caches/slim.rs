@@ -12,7 +12,7 @@ use k8s_openapi::api::coordination::v1::Lease;
 use kube::ResourceExt;
 use kube::runtime::watcher;
 use sharding_crds::RingKind;
-use sharding_crds::labels::{ANNOTATION_WEIGHT, LABEL_STATE};
+use sharding_crds::labels::{ANNOTATION_EXCLUDED, ANNOTATION_WEIGHT, LABEL_STATE};
 
 /// Applies `slim` to the object of `event`, if it carries one.
 pub(super) fn for_each_object<K>(event: &mut watcher::Event<K>, slim: impl FnOnce(&mut K)) {
@@ -29,9 +29,14 @@ pub(super) fn slim_object<K: kube::Resource>(object: &mut K) {
     object.managed_fields_mut().clear();
 }
 
+/// Longest exclusion annotation value kept; every reason the sharder writes is shorter.
+const MAX_EXCLUSION_REASON_LEN: usize = 64;
+
 /// Keeps of a shard Lease only what membership, shard states, Events and metrics read: name,
 /// namespace, UID, resourceVersion, creation time, the spec, the ring labels of both kinds, the
-/// state label and the weight annotation. Owner references and finalizers go too.
+/// state label, the weight annotation and the exclusion annotation the sharder writes (whose
+/// value, if someone else made it long, is cut: any value other than a reason is rewritten).
+/// Owner references and finalizers go too.
 pub(super) fn slim_lease(lease: &mut Lease) {
     slim_object(lease);
     let meta = &mut lease.metadata;
@@ -47,7 +52,14 @@ pub(super) fn slim_lease(lease: &mut Lease) {
     meta.annotations = meta.annotations.take().map(|annotations| {
         annotations
             .into_iter()
-            .filter(|(key, _)| key == ANNOTATION_WEIGHT)
+            .filter(|(key, _)| key == ANNOTATION_WEIGHT || key == ANNOTATION_EXCLUDED)
+            .map(|(key, mut value)| {
+                if key == ANNOTATION_EXCLUDED && value.len() > MAX_EXCLUSION_REASON_LEN {
+                    value.truncate(value.floor_char_boundary(MAX_EXCLUSION_REASON_LEN));
+                    value.push('…');
+                }
+                (key, value)
+            })
             .collect()
     });
     meta.owner_references = None;
@@ -80,6 +92,7 @@ mod tests {
                 ])),
                 annotations: Some(BTreeMap::from([
                     (ANNOTATION_WEIGHT.into(), "3".into()),
+                    (ANNOTATION_EXCLUDED.into(), big.clone()),
                     ("team.example/blob".into(), big),
                 ])),
                 finalizers: Some(vec!["team.example/keep".into()]),
@@ -99,10 +112,12 @@ mod tests {
         assert_eq!(labels[&ring_label], "ring");
         assert_eq!(labels[&other_ring_label], "other");
         assert_eq!(labels[LABEL_STATE], "ready");
-        assert_eq!(
-            lease.annotations(),
-            &BTreeMap::from([(ANNOTATION_WEIGHT.to_string(), "3".to_string())])
-        );
+        let annotations = lease.annotations();
+        assert_eq!(annotations.len(), 2, "{:?}", annotations.keys());
+        assert_eq!(annotations[ANNOTATION_WEIGHT], "3");
+        let excluded = &annotations[ANNOTATION_EXCLUDED];
+        assert!(excluded.len() <= MAX_EXCLUSION_REASON_LEN + '…'.len_utf8());
+        assert!(excluded.starts_with("xxxx") && excluded.ends_with('…'), "{excluded}");
         assert_eq!(lease.finalizers(), &[] as &[String]);
         assert_eq!(lease.spec, spec);
         assert_eq!(lease.metadata.name.as_deref(), Some("shard-a"));

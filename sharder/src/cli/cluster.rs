@@ -331,13 +331,13 @@ pub(crate) async fn load_rings(
     for ring in rings {
         let RingRef { kind, name } = ring.ring_ref();
         let leases = leases(client, kind, Some(&name)).await?;
-        let shards = available_shards(kind, &name, &leases);
+        let shards = available_shards(kind, &name, &ring.spec().lease_namespaces, &leases);
         let (selector, selector_source) = namespace_selector(client, &ring).await;
         let mut view = match &ring {
             AnyRing::Cluster(r) => build_view(r.as_ref(), &shards, infos, &selector),
             AnyRing::Controller(r) => build_view(r.as_ref(), &shards, infos, &selector),
         };
-        view.excluded_held = excluded_held_shards(kind, &name, &leases);
+        view.excluded_held = excluded_held_shards(kind, &name, &ring.spec().lease_namespaces, &leases);
         loaded.push(LoadedRing {
             // The plugin cannot read the sharder's configuration: a ring over a protected
             // resource shows as refused, as the default configuration refuses it.

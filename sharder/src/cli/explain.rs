@@ -110,7 +110,7 @@ pub(crate) fn explain_ring(
     let resource = view.resources.get(gr)?;
     let placement = view.placement(&gr.group, resource, meta);
     let RingRef { kind, name } = ring.ring.ring_ref();
-    let states: BTreeMap<String, (ShardState, bool)> = ring_members(kind, &name, &ring.leases)
+    let states: BTreeMap<String, (ShardState, bool)> = ring_members(kind, &name, &ring.ring.spec().lease_namespaces, &ring.leases)
         .iter()
         .map(|m| {
             let state = ShardLease::from_lease(m.lease).state(now);

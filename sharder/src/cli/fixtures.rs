@@ -65,7 +65,7 @@ pub(crate) fn loaded(leases: Vec<Lease>) -> LoadedRing {
         (GroupResource::new("", "secrets"), info("Secret")),
         (GroupResource::new("", "configmaps"), info("ConfigMap")),
     ]);
-    let shards = available_shards(RingKind::ClusterRing, "r", &leases);
+    let shards = available_shards(RingKind::ClusterRing, "r", &[], &leases);
     let view = build_view(&ring, &shards, &infos, &LabelSelector::default());
     LoadedRing {
         ring: AnyRing::Cluster(Arc::new(ring)),

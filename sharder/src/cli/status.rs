@@ -203,7 +203,7 @@ impl Tally {
 pub(crate) fn ring_status(ring: &LoadedRing, tally: Tally, now: Timestamp) -> RingStatus {
     let RingRef { kind, name } = ring.ring.ring_ref();
     let view = &ring.view;
-    let mut members: Vec<ShardStatus> = ring_members(kind, &name, &ring.leases)
+    let mut members: Vec<ShardStatus> = ring_members(kind, &name, &ring.ring.spec().lease_namespaces, &ring.leases)
         .into_iter()
         .map(|member| {
             let lease = ShardLease::from_lease(member.lease);

@@ -166,7 +166,12 @@ async fn reconcile<R: RingObject>(ring: Arc<R>, state: Arc<State>) -> Result<Act
     let result = apply_webhook_configuration(ring.as_ref(), ctx, &state.configs).await;
     let name = ring.name_any();
     let leases = ctx.caches.ring_leases(&ring.ring_ref());
-    let members = ring_members(R::KIND, &name, leases.iter().map(AsRef::as_ref));
+    let members = ring_members(
+        R::KIND,
+        &name,
+        &ring.ring_spec().lease_namespaces,
+        leases.iter().map(AsRef::as_ref),
+    );
     let shards = i32::try_from(members.len()).unwrap_or(i32::MAX);
     // Leases kept out of the ring (invalid or duplicate names) count as shards, not as available.
     let available = members.iter().filter(|m| m.is_available()).count();

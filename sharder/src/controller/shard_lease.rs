@@ -2,7 +2,7 @@
 //! takes over `uncertain` Leases, deletes `orphaned` ones, and looks at each Lease again exactly at
 //! its next state boundary.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, HashMap};
 use std::convert::Infallible;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -14,7 +14,7 @@ use kube::api::{Api, DeleteParams, Patch, Preconditions};
 use kube::runtime::controller::{self, Action, applier};
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Resource, ResourceExt};
-use sharding_crds::labels::LABEL_STATE;
+use sharding_crds::labels::{ANNOTATION_EXCLUDED, LABEL_STATE};
 use sharding_crds::lease::{ShardLease, ShardState};
 use sharding_crds::{RingKind, RingObject, RingRef};
 use tokio::sync::broadcast::error::RecvError;
@@ -125,7 +125,8 @@ struct Triggers {
     index: Arc<LeaseIndex>,
     changes: tokio::sync::broadcast::Receiver<LeaseChange>,
     rings: tokio::sync::watch::Receiver<u64>,
-    known_rings: BTreeSet<String>,
+    /// Each ring of the kind with its `spec.leaseNamespaces`.
+    known_rings: BTreeMap<String, Vec<String>>,
     boundaries: Boundaries,
 }
 
@@ -145,19 +146,30 @@ impl Triggers {
         loop {
             let batch = tokio::select! {
                 change = self.changes.recv() => match change {
-                    Ok(LeaseChange::Membership { lease, .. } | LeaseChange::State(lease)) => {
-                        vec![lease]
+                    Ok(LeaseChange::Membership { lease, rings }) => {
+                        // Copies of its name in other namespaces may have gained or lost the
+                        // shard with it (docs/protocol.md §18): their exclusion changes too.
+                        let mut batch: Vec<_> = rings
+                            .iter()
+                            .flat_map(|ring| self.index.ring_lease_refs(ring))
+                            .filter(|other| other.name == lease.name && *other != lease)
+                            .collect();
+                        batch.push(lease);
+                        batch
                     }
+                    Ok(LeaseChange::State(lease)) => vec![lease],
                     Ok(LeaseChange::All) | Err(RecvError::Lagged(_)) => self.every(),
                     Err(RecvError::Closed) => return None,
                 },
                 changed = self.rings.changed() => {
                     changed.ok()?;
-                    // Leases of a ring that did not exist were left alone: look at them now.
+                    // Leases of a ring that did not exist were left alone, and a ring that names
+                    // other namespaces for its Leases changes which are kept out: look at them now.
                     let current = ring_names(&self.ctx, self.kind);
                     let new: Vec<_> = current
-                        .difference(&self.known_rings)
-                        .flat_map(|ring| self.index.ring_lease_refs(ring))
+                        .iter()
+                        .filter(|(ring, allowed)| self.known_rings.get(*ring) != Some(allowed))
+                        .flat_map(|(ring, _)| self.index.ring_lease_refs(ring))
                         .collect();
                     self.known_rings = current;
                     new
@@ -261,13 +273,13 @@ impl Boundaries {
 }
 
 /// The names of the cached rings of `kind`.
-fn ring_names(ctx: &Context, kind: RingKind) -> BTreeSet<String> {
+/// The rings of `kind`, each with its `spec.leaseNamespaces`.
+fn ring_names(ctx: &Context, kind: RingKind) -> BTreeMap<String, Vec<String>> {
     ctx.caches
         .rings()
         .iter()
-        .map(AnyRing::ring_ref)
-        .filter(|r| r.kind == kind)
-        .map(|r| r.name)
+        .filter(|r| r.ring_ref().kind == kind)
+        .map(|r| (r.ring_ref().name, r.spec().lease_namespaces.clone()))
         .collect()
 }
 
@@ -279,7 +291,8 @@ struct State {
     /// that renewals (every few seconds per shard) do not publish them again.
     reported: Mutex<HashMap<String, Problems>>,
     /// Each ring's Lease problems by Lease UID, with the ring's membership version they are of.
-    problems: Mutex<HashMap<RingRef, (RingVersion, Arc<ProblemsByUid>)>>,
+    /// Keyed by the ring's membership version and its `spec.leaseNamespaces`, which decide them.
+    problems: Mutex<HashMap<RingRef, (RingVersion, Vec<String>, Arc<ProblemsByUid>)>>,
 }
 
 /// A ring's membership version, from [`LeaseIndex::ring_version`].
@@ -334,6 +347,19 @@ async fn reconcile(lease: Arc<Lease>, state: Arc<State>) -> Result<Action, Error
         }
     };
 
+    // Tell the shard it is kept out (our extension; shards of other libraries ignore it): shards
+    // built with our library stop reconciling and release their Lease, so their objects can move
+    // at once instead of through drains nobody may acknowledge. Written with the state label.
+    let wanted = problems.exclusion.as_ref().map(Exclusion::reason);
+    let annotate = lease.annotations().get(ANNOTATION_EXCLUDED).map(String::as_str) != wanted;
+    let annotations = || {
+        if annotate {
+            serde_json::json!({ANNOTATION_EXCLUDED: wanted})
+        } else {
+            serde_json::json!({})
+        }
+    };
+
     let now = Timestamp::now();
     let view = ShardLease::from_lease(&lease);
     let (state, _) = view.evaluate(now);
@@ -351,6 +377,7 @@ async fn reconcile(lease: Arc<Lease>, state: Arc<State>) -> Result<Action, Error
                 "metadata": {
                     "resourceVersion": lease.resource_version(),
                     "labels": {LABEL_STATE: ShardState::Dead.as_str()},
+                    "annotations": annotations(),
                 },
                 "spec": spec,
             });
@@ -385,10 +412,13 @@ async fn reconcile(lease: Arc<Lease>, state: Arc<State>) -> Result<Action, Error
             Ok(Action::await_change())
         }
         _ => {
-            if lease.labels().get(LABEL_STATE).map(String::as_str) != Some(state.as_str()) {
+            if lease.labels().get(LABEL_STATE).map(String::as_str) != Some(state.as_str())
+                || annotate
+            {
                 let patch = serde_json::json!({"metadata": {
                     "resourceVersion": lease.resource_version(),
                     "labels": {LABEL_STATE: state.as_str()},
+                    "annotations": annotations(),
                 }});
                 api.patch(&name, &super::patch_params(), &Patch::Merge(&patch))
                     .await
@@ -403,18 +433,21 @@ async fn reconcile(lease: Arc<Lease>, state: Arc<State>) -> Result<Action, Error
 /// The problems of every Lease of `ring` by UID, computed once per membership change of the
 /// ring: a reconcile at a Lease's state boundary (about once per Lease duration per shard) must
 /// not cost work proportional to the ring's size.
-fn ring_problems(state: &State, ring: &RingRef) -> Arc<ProblemsByUid> {
+fn ring_problems(state: &State, ring_object: &AnyRing) -> Arc<ProblemsByUid> {
+    let ring = &ring_object.ring_ref();
+    let allowed = &ring_object.spec().lease_namespaces;
     let index = state.ctx.caches.lease_index(ring.kind);
     let version = index.ring_version(&ring.name);
     if let Ok(cache) = state.problems.lock()
-        && let Some((cached, problems)) = cache.get(ring)
+        && let Some((cached, cached_allowed, problems)) = cache.get(ring)
         && *cached == version
+        && cached_allowed == allowed
     {
         return problems.clone();
     }
     let leases = index.ring_leases(&ring.name);
     let problems: ProblemsByUid =
-        ring_members(ring.kind, &ring.name, leases.iter().map(AsRef::as_ref))
+        ring_members(ring.kind, &ring.name, allowed, leases.iter().map(AsRef::as_ref))
             .into_iter()
             .map(|m| {
                 let problems = Problems {
@@ -428,7 +461,7 @@ fn ring_problems(state: &State, ring: &RingRef) -> Arc<ProblemsByUid> {
             .collect();
     let problems = Arc::new(problems);
     if let Ok(mut cache) = state.problems.lock() {
-        cache.insert(ring.clone(), (version, problems.clone()));
+        cache.insert(ring.clone(), (version, allowed.clone(), problems.clone()));
     }
     problems
 }
@@ -445,7 +478,7 @@ async fn report_problems(state: &State, lease: &Lease, ring: &AnyRing) -> Proble
     let skew = ctx.caches.lease_index(kind).renewals().skew(&uid);
     let problems = Problems {
         clock_skewed: skew.is_some_and(|s| s.abs() > SKEW_WARNING),
-        ..ring_problems(state, &ring_ref)
+        ..ring_problems(state, ring)
             .get(&uid)
             .cloned()
             .unwrap_or_default()

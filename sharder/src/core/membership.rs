@@ -4,8 +4,9 @@
 //! of the ring: a name that cannot be a label value would make the webhook return patches the API
 //! server rejects (users' writes would fail), one name in two namespaces of one ring would make
 //! two processes own the same objects (the oldest copy keeps the shard, the others are kept out),
-//! and a Lease labelled for a ClusterRing and a ControllerRing
-//! at once has no single ring it could serve (docs/protocol.md §15).
+//! a Lease labelled for a ClusterRing and a ControllerRing
+//! at once has no single ring it could serve (docs/protocol.md §15), and a ring that names the
+//! namespaces its shards run in (`spec.leaseNamespaces`) takes no Lease from elsewhere.
 //!
 //! An available shard takes part with its weight (docs/protocol.md §17), read from its Lease's
 //! annotation.
@@ -35,6 +36,11 @@ pub(crate) enum Exclusion {
     },
     /// The Lease carries the ring labels of both kinds.
     BothRingKinds,
+    /// The ring names the namespaces of its shard Leases, and this Lease is in none of them.
+    NamespaceNotAllowed {
+        /// The ring's `spec.leaseNamespaces`.
+        allowed: Vec<String>,
+    },
 }
 
 impl Exclusion {
@@ -44,6 +50,7 @@ impl Exclusion {
             Self::InvalidName => "InvalidShardName",
             Self::DuplicateName { .. } => "DuplicateShardName",
             Self::BothRingKinds => "AmbiguousRingKind",
+            Self::NamespaceNotAllowed { .. } => "ShardLeaseNamespaceNotAllowed",
         }
     }
 
@@ -72,6 +79,10 @@ impl Exclusion {
                 RingKind::ClusterRing.lease_label(),
                 RingKind::ControllerRing.lease_label()
             ),
+            Self::NamespaceNotAllowed { allowed } => format!(
+                "This Lease of shard {name:?} of {kind} {ring} is kept out of the ring: the ring takes shard Leases only from namespaces {} (spec.leaseNamespaces)",
+                allowed.join(", ")
+            ),
         }
     }
 }
@@ -96,11 +107,27 @@ impl Member<'_> {
     }
 }
 
+/// The namespaces ring `ring` takes shard Leases from (its `spec.leaseNamespaces`): empty for
+/// every namespace.
+pub(crate) type LeaseNamespaces<'a> = &'a [String];
+
+/// Whether `lease` is in one of `allowed` (every namespace when empty).
+fn namespace_allowed(lease: &Lease, allowed: LeaseNamespaces<'_>) -> bool {
+    allowed.is_empty()
+        || lease
+            .metadata
+            .namespace
+            .as_ref()
+            .is_some_and(|ns| allowed.contains(ns))
+}
+
 /// The Leases of ring `ring` of `kind` among `leases` (those carrying its ring label), each with
-/// its exclusion and weight.
+/// its exclusion and weight. Leases outside `allowed` are kept out and do not count as copies of
+/// a name, so they cannot make a shard in an allowed namespace a duplicate.
 pub(crate) fn ring_members<'a>(
     kind: RingKind,
     ring: &str,
+    allowed: LeaseNamespaces<'_>,
     leases: impl IntoIterator<Item = &'a Lease>,
 ) -> Vec<Member<'a>> {
     let leases: Vec<&Lease> = leases
@@ -110,7 +137,7 @@ pub(crate) fn ring_members<'a>(
     // Per name: the namespaces of its Leases, and each Lease's creation time (the API server sets
     // it, so a later copy cannot claim to be older).
     let mut copies: BTreeMap<String, Vec<(String, Option<Timestamp>)>> = BTreeMap::new();
-    for lease in &leases {
+    for lease in leases.iter().filter(|l| namespace_allowed(l, allowed)) {
         copies.entry(lease.name_any()).or_default().push((
             lease.namespace().unwrap_or_default(),
             lease.metadata.creation_timestamp.as_ref().map(|t| t.0),
@@ -140,7 +167,11 @@ pub(crate) fn ring_members<'a>(
         .into_iter()
         .map(|lease| {
             let name = lease.name_any();
-            let exclusion = if !is_valid_shard_name(&name) {
+            let exclusion = if !namespace_allowed(lease, allowed) {
+                Some(Exclusion::NamespaceNotAllowed {
+                    allowed: allowed.to_vec(),
+                })
+            } else if !is_valid_shard_name(&name) {
                 Some(Exclusion::InvalidName)
             } else if lease.labels().contains_key(kind.other().lease_label()) {
                 Some(Exclusion::BothRingKinds)
@@ -177,9 +208,10 @@ pub(crate) fn ring_members<'a>(
 pub(crate) fn available_shards<'a>(
     kind: RingKind,
     ring: &str,
+    allowed: LeaseNamespaces<'_>,
     leases: impl IntoIterator<Item = &'a Lease>,
 ) -> BTreeMap<String, u32> {
-    ring_members(kind, ring, leases)
+    ring_members(kind, ring, allowed, leases)
         .into_iter()
         .filter(Member::is_available)
         .map(|m| (m.lease.name_any(), m.weight))
@@ -192,9 +224,10 @@ pub(crate) fn available_shards<'a>(
 pub(crate) fn excluded_held_shards<'a>(
     kind: RingKind,
     ring: &str,
+    allowed: LeaseNamespaces<'_>,
     leases: impl IntoIterator<Item = &'a Lease>,
 ) -> BTreeSet<String> {
-    let members = ring_members(kind, ring, leases);
+    let members = ring_members(kind, ring, allowed, leases);
     let available: BTreeSet<String> = members
         .iter()
         .filter(|m| m.is_available())
@@ -245,7 +278,7 @@ mod tests {
             lease("ns", "d", "other", Some("d")),
             lease("ns", "e", "r", Some("e")),
         ];
-        let shards = available_shards(KIND, "r", &leases);
+        let shards = available_shards(KIND, "r", &[], &leases);
         assert_eq!(names(shards), ["a", "e"]);
     }
 
@@ -257,8 +290,8 @@ mod tests {
             lease("ns", &long, "r", Some(&long)),
             lease("ns", "b.", "r", Some("b.")),
         ];
-        assert_eq!(names(available_shards(KIND, "r", &leases)), ["a"]);
-        let members = ring_members(KIND, "r", &leases);
+        assert_eq!(names(available_shards(KIND, "r", &[], &leases)), ["a"]);
+        let members = ring_members(KIND, "r", &[], &leases);
         assert_eq!(members[1].exclusion, Some(Exclusion::InvalidName));
         assert_eq!(members[2].exclusion, Some(Exclusion::InvalidName));
         assert!(
@@ -284,8 +317,8 @@ mod tests {
             created(lease("squat", "a", "r", Some("a")), 20),
             created(lease("team", "b", "r", Some("b")), 10),
         ];
-        assert_eq!(names(available_shards(KIND, "r", &leases)), ["a", "b"]);
-        let members = ring_members(KIND, "r", &leases);
+        assert_eq!(names(available_shards(KIND, "r", &[], &leases)), ["a", "b"]);
+        let members = ring_members(KIND, "r", &[], &leases);
         let duplicate = Exclusion::DuplicateName {
             namespaces: vec!["squat".into(), "team".into()],
             kept: Some("team".into()),
@@ -300,7 +333,7 @@ mod tests {
                 .contains("older one in team")
         );
         // The name keeps its objects: nothing to drain because of the copy.
-        assert!(excluded_held_shards(KIND, "r", &leases).is_empty());
+        assert!(excluded_held_shards(KIND, "r", &[], &leases).is_empty());
     }
 
     #[test]
@@ -312,8 +345,8 @@ mod tests {
             // Same name in another ring is no duplicate.
             lease("ns3", "b", "other", Some("b")),
         ];
-        assert_eq!(names(available_shards(KIND, "r", &leases)), ["b"]);
-        let members = ring_members(KIND, "r", &leases);
+        assert_eq!(names(available_shards(KIND, "r", &[], &leases)), ["b"]);
+        let members = ring_members(KIND, "r", &[], &leases);
         // Created in the same second (here: without creation times), so none is known to be first.
         let duplicate = Exclusion::DuplicateName {
             namespaces: vec!["ns1".into(), "ns2".into()],
@@ -325,7 +358,7 @@ mod tests {
         assert!(duplicate.message(KIND, "r", "a").contains("ns1, ns2"));
 
         // Once one copy is gone, the other takes part again.
-        let available = available_shards(KIND, "r", [&leases[0], &leases[2]]);
+        let available = available_shards(KIND, "r", &[], [&leases[0], &leases[2]]);
         assert_eq!(names(available), ["a", "b"]);
     }
 
@@ -343,13 +376,13 @@ mod tests {
         // "a" is out of the ring (two copies) but its shard holds one of them; the invalid name is
         // out too and held; "b" is available, not excluded; "c" is dead; "d" is another ring's.
         assert_eq!(
-            excluded_held_shards(KIND, "r", &leases),
+            excluded_held_shards(KIND, "r", &[], &leases),
             BTreeSet::from(["a".to_string(), long.clone()])
         );
-        assert_eq!(names(available_shards(KIND, "r", &leases)), ["b"]);
+        assert_eq!(names(available_shards(KIND, "r", &[], &leases)), ["b"]);
         // Neither copy held: nothing can be running under that name.
         let released = [lease("ns1", "a", "r", None), lease("ns2", "a", "r", None)];
-        assert!(excluded_held_shards(KIND, "r", &released).is_empty());
+        assert!(excluded_held_shards(KIND, "r", &[], &released).is_empty());
     }
 
     #[test]
@@ -368,12 +401,12 @@ mod tests {
             .into(),
         );
         let leases = [lease("ns", "a", "r", Some("a")), both, controller];
-        assert_eq!(names(available_shards(KIND, "r", &leases)), ["a"]);
+        assert_eq!(names(available_shards(KIND, "r", &[], &leases)), ["a"]);
         assert_eq!(
-            names(available_shards(RingKind::ControllerRing, "r", &leases)),
+            names(available_shards(RingKind::ControllerRing, "r", &[], &leases)),
             ["c"]
         );
-        let members = ring_members(RingKind::ControllerRing, "r", &leases);
+        let members = ring_members(RingKind::ControllerRing, "r", &[], &leases);
         assert_eq!(members[0].exclusion, Some(Exclusion::BothRingKinds));
         assert!(
             Exclusion::BothRingKinds
@@ -395,7 +428,7 @@ mod tests {
             weighted("three", "3"),
             weighted("bad", "eleven"),
         ];
-        let shards = available_shards(KIND, "r", &leases);
+        let shards = available_shards(KIND, "r", &[], &leases);
         assert_eq!(
             shards,
             BTreeMap::from([
@@ -404,13 +437,48 @@ mod tests {
                 ("three".to_string(), 3)
             ])
         );
-        let members = ring_members(KIND, "r", &leases);
+        let members = ring_members(KIND, "r", &[], &leases);
         assert!(members[0].weight_error.is_none());
         assert!(
             members[2]
                 .weight_error
                 .as_deref()
                 .is_some_and(|e| e.contains("eleven"))
+        );
+    }
+
+    #[test]
+    fn leases_outside_the_allowed_namespaces_are_kept_out_and_are_no_copies() {
+        let leases = [
+            lease("team-a", "a", "r", Some("a")),
+            lease("team-a", "b", "r", Some("b")),
+            // A copy of "a" elsewhere: not a duplicate, just not a member.
+            lease("team-b", "a", "r", Some("a")),
+            lease("team-b", "evil", "r", Some("evil")),
+        ];
+        let allowed = ["team-a".to_string()];
+        assert_eq!(
+            names(available_shards(KIND, "r", &allowed, &leases)),
+            ["a", "b"]
+        );
+        let members = ring_members(KIND, "r", &allowed, &leases);
+        let expected = Exclusion::NamespaceNotAllowed {
+            allowed: allowed.to_vec(),
+        };
+        assert_eq!(members[0].exclusion, None);
+        assert_eq!(members[2].exclusion, Some(expected.clone()));
+        assert_eq!(members[3].exclusion, Some(expected.clone()));
+        assert!(expected.message(KIND, "r", "evil").contains("team-a"));
+        // "evil" holds its Lease, so it may be running: anything it had leaves it by drain. The
+        // copy of "a" shares its name with an available shard, which keeps the name's objects.
+        assert_eq!(
+            excluded_held_shards(KIND, "r", &allowed, &leases),
+            BTreeSet::from(["evil".to_string()])
+        );
+        // Without a list, the two copies of "a" make a duplicate again.
+        assert_eq!(
+            names(available_shards(KIND, "r", &[], &leases)),
+            ["b", "evil"]
         );
     }
 }

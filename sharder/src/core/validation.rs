@@ -132,11 +132,31 @@ pub fn validate_ring<R: RingObject>(
             }
         }
     }
+    for (i, namespace) in spec.lease_namespaces.iter().enumerate() {
+        if !is_namespace_name(namespace) {
+            return Err(format!(
+                "spec.leaseNamespaces[{i}] {namespace:?} is not a namespace name (at most 63 \
+                 lowercase alphanumerics or '-', starting and ending alphanumeric)"
+            )
+            .into());
+        }
+    }
     if let Some(selector) = &spec.namespace_selector {
         validate_label_selector(selector)
             .map_err(|e| InvalidRing::from(format!("Invalid spec.namespaceSelector: {e}")))?;
     }
     Ok(())
+}
+
+/// Whether `name` can name a namespace (an RFC 1123 label).
+fn is_namespace_name(name: &str) -> bool {
+    let bytes = name.as_bytes();
+    let inner = |b: &u8| b.is_ascii_lowercase() || b.is_ascii_digit();
+    !bytes.is_empty()
+        && bytes.len() <= 63
+        && bytes.first().is_some_and(inner)
+        && bytes.last().is_some_and(inner)
+        && bytes.iter().all(|b| inner(b) || *b == b'-')
 }
 
 #[cfg(test)]
@@ -152,6 +172,7 @@ mod tests {
                 resources,
                 namespace_selector: None,
                 hash_key: None,
+                lease_namespaces: Vec::new(),
             },
         )
     }
@@ -306,5 +327,17 @@ mod tests {
         let err = validate_ring(&r, &[]).unwrap_err().to_string();
         assert!(err.starts_with("Invalid spec.namespaceSelector: "), "{err}");
         assert!(err.contains("Equals"), "{err}");
+    }
+
+    #[test]
+    fn rejects_lease_namespaces_that_cannot_be_namespace_names() {
+        let mut r = ring("a", vec![]);
+        r.spec.lease_namespaces = vec!["team-a".into(), "shards-2".into()];
+        assert_eq!(validate_ring(&r, &[]), Ok(()));
+        for bad in ["", "Team", "-a", "a-", "a.b", &"x".repeat(64)] {
+            r.spec.lease_namespaces = vec!["team-a".into(), bad.to_string()];
+            let err = validate_ring(&r, &[]).unwrap_err().to_string();
+            assert!(err.starts_with("spec.leaseNamespaces[1] "), "{bad:?}: {err}");
+        }
     }
 }

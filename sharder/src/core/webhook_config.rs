@@ -127,6 +127,7 @@ mod tests {
                 )],
                 namespace_selector: None,
                 hash_key: None,
+                lease_namespaces: Vec::new(),
             },
         );
         ring.metadata.uid = Some("uid-1".into());

@@ -168,11 +168,13 @@ pub(crate) async fn refresh(sources: &ViewSources, scope: Scope) {
         let shards = available_shards(
             ring_ref.kind,
             &ring_ref.name,
+            &ring.spec().lease_namespaces,
             leases.iter().map(AsRef::as_ref),
         );
         let mut excluded_held = excluded_held_shards(
             ring_ref.kind,
             &ring_ref.name,
+            &ring.spec().lease_namespaces,
             leases.iter().map(AsRef::as_ref),
         );
         // Shards whose held Lease left the ring may still run too (a Lease that came back makes

@@ -264,6 +264,7 @@ mod tests {
                 ],
                 namespace_selector: None,
                 hash_key: None,
+                lease_namespaces: Vec::new(),
             },
         );
         let discovered = HashMap::from([
@@ -307,6 +308,7 @@ mod tests {
                 resources: vec![RingResource::new("", "secrets")],
                 namespace_selector: None,
                 hash_key: None,
+                lease_namespaces: Vec::new(),
             },
         );
         let discovered = HashMap::from([(GroupResource::new("", "secrets"), info("Secret", true))]);
@@ -346,6 +348,7 @@ mod tests {
             )],
             namespace_selector: None,
             hash_key: Some(HashKey::Namespace),
+            lease_namespaces: Vec::new(),
         };
         let ring = ControllerRing::new("r", spec.into());
         let discovered = HashMap::from([

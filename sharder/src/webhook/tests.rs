@@ -31,6 +31,7 @@ fn state(shards: &[&str]) -> WebhookState {
             )],
             namespace_selector: None,
             hash_key: None,
+            lease_namespaces: Vec::new(),
         },
         status: None,
     };

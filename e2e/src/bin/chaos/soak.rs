@@ -305,6 +305,7 @@ fn ring_spec(namespaces: &[String]) -> ClusterRingSpec {
             }]),
         }),
         hash_key: None,
+        lease_namespaces: Vec::new(),
     }
 }
 

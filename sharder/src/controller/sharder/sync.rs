@@ -513,6 +513,7 @@ mod tests {
                 ],
                 namespace_selector: None,
                 hash_key: None,
+                lease_namespaces: Vec::new(),
             },
         );
         let discovered = HashMap::from([
