@@ -15,4 +15,5 @@ mod ring_kinds;
 mod shard;
 mod sharder;
 mod sync_lists;
+mod trust;
 mod webhook_server;
