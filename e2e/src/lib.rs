@@ -213,6 +213,48 @@ impl Cluster {
         Ok(Client::try_from(config)?)
     }
 
+    /// A client for this cluster that acts as `user` in `groups` (impersonation by the
+    /// administrator the tests run as), for checking what other identities may do.
+    pub async fn client_as(&self, user: &str, groups: &[&str]) -> anyhow::Result<Client> {
+        let kubeconfig = Kubeconfig::read_from(&self.kubeconfig)
+            .with_context(|| format!("failed to read {}", self.kubeconfig.display()))?;
+        let mut config = Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
+            .await
+            .context("failed to load kubeconfig")?;
+        config.auth_info.impersonate = Some(user.to_string());
+        config.auth_info.impersonate_groups =
+            Some(groups.iter().map(|g| (*g).to_string()).collect());
+        Ok(Client::try_from(config)?)
+    }
+
+    /// Applies the manifests `yaml` (one or more documents) with `kubectl apply`, as a user
+    /// applies the files of `config/`.
+    pub fn apply_yaml(&self, yaml: &str) -> anyhow::Result<()> {
+        use std::io::Write as _;
+        let mut child = Command::new(kubectl())
+            .arg("--kubeconfig")
+            .arg(self.kubeconfig())
+            .args(["apply", "-f", "-"])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .context("failed to run kubectl")?;
+        child
+            .stdin
+            .take()
+            .context("kubectl has no stdin")?
+            .write_all(yaml.as_bytes())?;
+        let out = child.wait_with_output()?;
+        if !out.status.success() {
+            bail!(
+                "kubectl apply failed: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        Ok(())
+    }
+
     /// Path of the kubeconfig, for processes the tests start.
     pub fn kubeconfig(&self) -> &Path {
         &self.kubeconfig

@@ -30,6 +30,7 @@ const KUSTOMIZATIONS: &[&str] = &[
     "config/monitoring",
     "config/default",
     "config/overlays/no-cert-manager",
+    "config/admission-policies",
     "deploy/base",
     "deploy",
     "deploy/controllerring",

@@ -960,6 +960,11 @@ async fn uninstall_with_kustomize() -> anyhow::Result<()> {
         !crds.contains("sharding.timebertt.dev"),
         "CRDs left: {crds}"
     );
+    let policies = c.kubectl(&["get", "validatingadmissionpolicies", "-o", "name"])?;
+    ensure!(
+        !policies.contains("sharding-"),
+        "admission policies left: {policies}"
+    );
     guard.passed();
     Ok(())
 }

@@ -19,7 +19,7 @@ use sharding_crds::cluster_ring::{
     CONDITION_READY, REASON_RECONCILIATION_FAILED, REASON_RECONCILIATION_SUCCEEDED,
 };
 use sharding_crds::labels::{APP_NAME, LABEL_APP_NAME};
-use sharding_crds::{ClusterRingStatus, RingObject};
+use sharding_crds::{ClusterRingStatus, RingObject, RingRef};
 use tokio_util::sync::CancellationToken;
 
 use crate::context::Context;
@@ -43,6 +43,13 @@ pub(crate) enum Error {
         #[source]
         source: std::io::Error,
     },
+    /// A webhook configuration of the name the ring's would have exists and is not the sharder's
+    /// for this ring: it is left alone (a forced apply would take it over, and deleting the ring
+    /// would then delete it).
+    #[error(
+        "webhook configuration {0} already exists and was not written by the sharder for this ring; the sharder does not take it over: delete or rename it"
+    )]
+    NameTaken(String),
     /// An API call failed.
     #[error("failed to {action}: {source}")]
     Api {
@@ -60,6 +67,7 @@ impl Error {
         match self {
             Self::Invalid(_) => "invalid",
             Self::CaBundle { .. } => "ca_bundle",
+            Self::NameTaken(_) => "name_taken",
             Self::Api { .. } => "api",
         }
     }
@@ -251,13 +259,26 @@ async fn apply_webhook_configuration<R: RingObject>(
     let name = desired.name_any();
     let api: Api<MutatingWebhookConfiguration> = Api::all(ctx.client.clone());
     let existing = cache.get(&ObjectRef::new(&name));
-    let up_to_date = existing.is_some_and(|existing| {
+    let up_to_date = existing.as_ref().is_some_and(|existing| {
         let (desired, existing) = (
             serde_json::to_value(&desired),
             serde_json::to_value(existing.as_ref()),
         );
         matches!((desired, existing), (Ok(d), Ok(e)) if is_subset(&d, &e))
     });
+    if existing.is_none() {
+        // Not in the cache, which holds only configurations carrying this ring kind's labels:
+        // new, or someone else's.
+        let found = api.get_opt(&name).await.map_err(|source| Error::Api {
+            action: "read webhook configuration",
+            source,
+        })?;
+        if let Some(found) = found
+            && !written_for(&found, ring)
+        {
+            return Err(Error::NameTaken(name));
+        }
+    }
     if !up_to_date {
         api.patch(
             &name,
@@ -272,6 +293,17 @@ async fn apply_webhook_configuration<R: RingObject>(
         tracing::info!(webhook_configuration = %name, "applied webhook configuration");
     }
     Ok(())
+}
+
+/// Whether `config` is the sharder's for `ring`: it carries the ring's label, or a controller
+/// owner reference to a ring of that kind and name (a ring deleted and created again finds the
+/// configuration of its predecessor until the garbage collector removes it).
+fn written_for<R: RingObject>(config: &MutatingWebhookConfiguration, ring: &R) -> bool {
+    let RingRef { kind, name } = ring.ring_ref();
+    config.labels().get(kind.lease_label()) == Some(&name)
+        || config.owner_references().iter().any(|owner| {
+            owner.controller == Some(true) && owner.kind == R::kind(&()) && owner.name == name
+        })
 }
 
 /// Whether every field set in `desired` has the same value in `actual`. Fields the API server
