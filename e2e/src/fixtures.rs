@@ -55,6 +55,7 @@ pub async fn create_ring_of(
     ring: &RingRef,
     spec: ClusterRingSpec,
 ) -> anyhow::Result<()> {
+    crate::sharder_identity::grant_ring(client, ring, &spec).await?;
     let params = PostParams::default();
     match ring.kind {
         RingKind::ClusterRing => {

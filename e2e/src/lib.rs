@@ -51,6 +51,7 @@ pub mod process;
 pub mod prometheus;
 pub mod renewals;
 pub mod scenario;
+pub mod sharder_identity;
 pub mod sharder_process;
 pub mod shared_sharder;
 pub mod trivial_webhook;

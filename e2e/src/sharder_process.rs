@@ -44,6 +44,9 @@ pub struct SharderSettings {
     pub drain_timeout: String,
     /// Most patches in flight per ring.
     pub concurrent_moves: u32,
+    /// Run as the administrator the tests use instead of the sharder's ServiceAccount with the
+    /// shipped RBAC ([`crate::sharder_identity`]); for tools whose rings get no per-ring RBAC.
+    pub as_administrator: bool,
 }
 
 impl Default for SharderSettings {
@@ -54,6 +57,7 @@ impl Default for SharderSettings {
             webhook_url: None,
             drain_timeout: "15s".into(),
             concurrent_moves: 100,
+            as_administrator: false,
         }
     }
 }
@@ -72,6 +76,11 @@ impl SharderFiles {
         settings: &SharderSettings,
         webhook_port: u16,
     ) -> anyhow::Result<Self> {
+        let kubeconfig = if settings.as_administrator {
+            kubeconfig.to_path_buf()
+        } else {
+            crate::sharder_identity::sharder_kubeconfig(kubeconfig)?
+        };
         let dir = std::env::temp_dir().join(crate::unique_name("sharder"));
         std::fs::create_dir_all(&dir)?;
         generate_certificates(&dir)?;

@@ -60,8 +60,7 @@ impl StateSource for CacheState {
                     .ring(&RingRef::new(kind, ring.clone()))
                     .map(|r| r.spec().lease_namespaces.clone())
                     .unwrap_or_default();
-                let members =
-                    ring_members(kind, &ring, &allowed, leases.iter().map(AsRef::as_ref));
+                let members = ring_members(kind, &ring, &allowed, leases.iter().map(AsRef::as_ref));
                 snapshots.extend(members.into_iter().map(|m| {
                     ShardSnapshot {
                         namespace: m.lease.namespace().unwrap_or_default(),

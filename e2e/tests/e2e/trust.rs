@@ -40,7 +40,10 @@ async fn wait_exclusion_annotation(
         WAIT,
         || async {
             let lease = leases.get(name).await?;
-            let got = lease.annotations().get(labels::ANNOTATION_EXCLUDED).cloned();
+            let got = lease
+                .annotations()
+                .get(labels::ANNOTATION_EXCLUDED)
+                .cloned();
             Ok((got.as_deref() == want).then_some(()))
         },
     )
@@ -96,13 +99,17 @@ async fn a_lease_outside_the_rings_lease_namespaces_never_receives_an_object() -
     let reason = "ShardLeaseNamespaceNotAllowed";
     for name in ["intruder", "shard-a"] {
         wait_exclusion_annotation(&client, &outside, name, Some(reason)).await?;
-        poll_until("a Warning Event on the Lease outside the list", WAIT, || async {
-            let warnings = lease_warnings(&client, &outside, name).await?;
-            Ok(warnings
-                .iter()
-                .any(|e| e.reason.as_deref() == Some(reason))
-                .then_some(()))
-        })
+        poll_until(
+            "a Warning Event on the Lease outside the list",
+            WAIT,
+            || async {
+                let warnings = lease_warnings(&client, &outside, name).await?;
+                Ok(warnings
+                    .iter()
+                    .any(|e| e.reason.as_deref() == Some(reason))
+                    .then_some(()))
+            },
+        )
         .await?;
     }
     wait_exclusion_annotation(&client, &ns, "shard-a", None).await?;
@@ -170,7 +177,11 @@ fn forbidden<T: std::fmt::Debug>(result: kube::Result<T>, needle: &str) -> anyho
 }
 
 /// Grants `user` everything on Leases in `namespace` (namespace rights, nothing more).
-async fn grant_lease_rights(client: &kube::Client, namespace: &str, user: &str) -> anyhow::Result<()> {
+async fn grant_lease_rights(
+    client: &kube::Client,
+    namespace: &str,
+    user: &str,
+) -> anyhow::Result<()> {
     let roles = Api::<Role>::namespaced(client.clone(), namespace);
     let role: Role = serde_json::from_value(json!({
         "metadata": {"name": format!("{user}-leases")},
@@ -200,7 +211,9 @@ async fn only_identities_that_may_use_a_ring_put_leases_into_it() -> anyhow::Res
         ns,
         ..
     } = SharedScenario::in_namespace("join").await?;
-    cluster.apply_yaml(&config_file("admission-policies/shard_lease_policies.yaml")?)?;
+    cluster.apply_yaml(&config_file(
+        "admission-policies/shard_lease_policies.yaml",
+    )?)?;
     let ring = unique_name("join");
     create_ring(&client, &ring, ring_spec(&ns)).await?;
     let (alice, shard) = (unique_name("alice"), unique_name("shard"));
@@ -228,15 +241,22 @@ async fn only_identities_that_may_use_a_ring_put_leases_into_it() -> anyhow::Res
     let cluster_ring = RingKind::ClusterRing.lease_label();
     let controller_ring = RingKind::ControllerRing.lease_label();
     // The API server loads a new policy within a second or so: wait until it refuses.
+    let admin_leases = Api::<Lease>::namespaced(client.clone(), &ns);
     poll_until("the policy to refuse alice's ring Lease", WAIT, || async {
         let labelled = lease(&ns, "squat", Some((cluster_ring, &ring)));
-        Ok(forbidden(as_alice.create(&PostParams::default(), &labelled).await, "needs the verb use")
-            .ok())
+        let result = as_alice.create(&PostParams::default(), &labelled).await;
+        if result.is_ok() {
+            // Created before the API server loaded the policy.
+            admin_leases.delete("squat", &Default::default()).await?;
+        }
+        Ok(forbidden(result, "needs the verb use").ok())
     })
     .await?;
     let to_controller_ring = lease(&ns, "squat", Some((controller_ring, &ring)));
     forbidden(
-        as_alice.create(&PostParams::default(), &to_controller_ring).await,
+        as_alice
+            .create(&PostParams::default(), &to_controller_ring)
+            .await,
         &format!("use on controllerrings/{ring}"),
     )?;
     // Unlabelled Leases are hers to write; labelling one is joining.
@@ -253,7 +273,10 @@ async fn only_identities_that_may_use_a_ring_put_leases_into_it() -> anyhow::Res
 
     // The shard's identity may use the ring: it joins and receives objects.
     as_shard
-        .create(&PostParams::default(), &lease(&ns, "shard-0", Some((cluster_ring, &ring))))
+        .create(
+            &PostParams::default(),
+            &lease(&ns, "shard-0", Some((cluster_ring, &ring))),
+        )
         .await?;
     wait_status(&client, &ring, 1, 1).await?;
     wait_webhook(&client, &ns, &ring, &["shard-0"]).await?;
@@ -299,14 +322,20 @@ async fn the_sharder_identity_writes_only_its_webhook_configurations_and_shard_l
     } = SharedScenario::in_namespace("sharder-policy").await?;
     let shipped = "system:serviceaccount:sharding-system:sharder";
     let policy = config_file("admission-policies/sharder_policy.yaml")?;
-    ensure!(policy.contains(shipped), "the policy does not name {shipped}");
+    ensure!(
+        policy.contains(shipped),
+        "the policy does not name {shipped}"
+    );
     let name = unique_name("sharder-writes");
     let user = format!("system:serviceaccount:{ns}:sharder");
     cluster.apply_yaml(
         &policy
             .replace(shipped, &user)
             .replace("name: sharding-sharder-writes", &format!("name: {name}"))
-            .replace("policyName: sharding-sharder-writes", &format!("policyName: {name}")),
+            .replace(
+                "policyName: sharding-sharder-writes",
+                &format!("policyName: {name}"),
+            ),
     )?;
     cluster.apply_yaml(&config_file("rbac/cluster_role.yaml")?)?;
     let binding: ClusterRoleBinding = serde_json::from_value(json!({
@@ -340,36 +369,48 @@ async fn the_sharder_identity_writes_only_its_webhook_configurations_and_shard_l
         .await?;
     let configs = Api::<MutatingWebhookConfiguration>::all(as_sharder.clone());
     let config = |name: &str, client_config: serde_json::Value| -> anyhow::Result<_> {
-        Ok(serde_json::from_value::<MutatingWebhookConfiguration>(json!({
-            "metadata": {"name": name},
-            "webhooks": [{
-                "name": "sharder.sharding.timebertt.dev",
-                "clientConfig": client_config,
-                "sideEffects": "None",
-                "admissionReviewVersions": ["v1"],
-                "failurePolicy": "Ignore",
-                "objectSelector": {"matchLabels": {"never": "matches"}},
-            }],
-        }))?)
+        Ok(serde_json::from_value::<MutatingWebhookConfiguration>(
+            json!({
+                "metadata": {"name": name},
+                "webhooks": [{
+                    "name": "sharder.sharding.timebertt.dev",
+                    "clientConfig": client_config,
+                    "sideEffects": "None",
+                    "admissionReviewVersions": ["v1"],
+                    "failurePolicy": "Ignore",
+                    "objectSelector": {"matchLabels": {"never": "matches"}},
+                }],
+            }),
+        )?)
     };
-    let service = json!({"service": {"namespace": "sharding-system", "name": "sharder", "path": "/x"}});
+    let service =
+        json!({"service": {"namespace": "sharding-system", "name": "sharder", "path": "/x"}});
     let mine = format!("controllerring-{}", unique_name("p"));
     let refused = "its own webhook configurations";
-    poll_until("the policy to refuse a webhook configuration with a URL", WAIT, || async {
-        let url = json!({"url": "https://127.0.0.1:1/x"});
-        let result = configs.create(&PostParams::default(), &config(&mine, url)?).await;
-        if result.is_ok() {
-            // Created before the API server loaded the policy.
-            Api::<MutatingWebhookConfiguration>::all(client.clone())
-                .delete(&mine, &Default::default())
-                .await?;
-        }
-        Ok(forbidden(result, refused).ok())
-    })
+    poll_until(
+        "the policy to refuse a webhook configuration with a URL",
+        WAIT,
+        || async {
+            let url = json!({"url": "https://127.0.0.1:1/x"});
+            let result = configs
+                .create(&PostParams::default(), &config(&mine, url)?)
+                .await;
+            if result.is_ok() {
+                // Created before the API server loaded the policy.
+                Api::<MutatingWebhookConfiguration>::all(client.clone())
+                    .delete(&mine, &Default::default())
+                    .await?;
+            }
+            Ok(forbidden(result, refused).ok())
+        },
+    )
     .await?;
     forbidden(
         configs
-            .create(&PostParams::default(), &config(&unique_name("foreign"), service.clone())?)
+            .create(
+                &PostParams::default(),
+                &config(&unique_name("foreign"), service.clone())?,
+            )
             .await,
         refused,
     )?;
@@ -392,7 +433,10 @@ async fn the_sharder_identity_writes_only_its_webhook_configurations_and_shard_l
     let admin_leases = Api::<Lease>::namespaced(client.clone(), &ns);
     let cluster_ring = RingKind::ClusterRing.lease_label();
     admin_leases
-        .create(&PostParams::default(), &lease(&ns, "shard-0", Some((cluster_ring, "r"))))
+        .create(
+            &PostParams::default(),
+            &lease(&ns, "shard-0", Some((cluster_ring, "r"))),
+        )
         .await?;
     admin_leases
         .create(&PostParams::default(), &lease(&ns, "someone-else", None))
@@ -417,11 +461,18 @@ async fn the_sharder_identity_writes_only_its_webhook_configurations_and_shard_l
     }
     forbidden(
         leases
-            .patch("someone-else", &PatchParams::default(), &Patch::Merge(&state))
+            .patch(
+                "someone-else",
+                &PatchParams::default(),
+                &Patch::Merge(&state),
+            )
             .await,
         refused,
     )?;
-    forbidden(leases.delete("someone-else", &Default::default()).await, refused)?;
+    forbidden(
+        leases.delete("someone-else", &Default::default()).await,
+        refused,
+    )?;
     leases
         .delete("shard-0", &Default::default())
         .await

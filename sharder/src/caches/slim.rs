@@ -117,7 +117,10 @@ mod tests {
         assert_eq!(annotations[ANNOTATION_WEIGHT], "3");
         let excluded = &annotations[ANNOTATION_EXCLUDED];
         assert!(excluded.len() <= MAX_EXCLUSION_REASON_LEN + '…'.len_utf8());
-        assert!(excluded.starts_with("xxxx") && excluded.ends_with('…'), "{excluded}");
+        assert!(
+            excluded.starts_with("xxxx") && excluded.ends_with('…'),
+            "{excluded}"
+        );
         assert_eq!(lease.finalizers(), &[] as &[String]);
         assert_eq!(lease.spec, spec);
         assert_eq!(lease.metadata.name.as_deref(), Some("shard-a"));

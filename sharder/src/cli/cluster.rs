@@ -337,7 +337,8 @@ pub(crate) async fn load_rings(
             AnyRing::Cluster(r) => build_view(r.as_ref(), &shards, infos, &selector),
             AnyRing::Controller(r) => build_view(r.as_ref(), &shards, infos, &selector),
         };
-        view.excluded_held = excluded_held_shards(kind, &name, &ring.spec().lease_namespaces, &leases);
+        view.excluded_held =
+            excluded_held_shards(kind, &name, &ring.spec().lease_namespaces, &leases);
         loaded.push(LoadedRing {
             // The plugin cannot read the sharder's configuration: a ring over a protected
             // resource shows as refused, as the default configuration refuses it.

@@ -110,13 +110,18 @@ pub(crate) fn explain_ring(
     let resource = view.resources.get(gr)?;
     let placement = view.placement(&gr.group, resource, meta);
     let RingRef { kind, name } = ring.ring.ring_ref();
-    let states: BTreeMap<String, (ShardState, bool)> = ring_members(kind, &name, &ring.ring.spec().lease_namespaces, &ring.leases)
-        .iter()
-        .map(|m| {
-            let state = ShardLease::from_lease(m.lease).state(now);
-            (m.lease.name_any(), (state, m.is_available()))
-        })
-        .collect();
+    let states: BTreeMap<String, (ShardState, bool)> = ring_members(
+        kind,
+        &name,
+        &ring.ring.spec().lease_namespaces,
+        &ring.leases,
+    )
+    .iter()
+    .map(|m| {
+        let state = ShardLease::from_lease(m.lease).state(now);
+        (m.lease.name_any(), (state, m.is_available()))
+    })
+    .collect();
     let (verdict, reason) = if let Some(invalid) = &ring.invalid {
         (
             Verdict::RingInvalid,

@@ -203,29 +203,34 @@ impl Tally {
 pub(crate) fn ring_status(ring: &LoadedRing, tally: Tally, now: Timestamp) -> RingStatus {
     let RingRef { kind, name } = ring.ring.ring_ref();
     let view = &ring.view;
-    let mut members: Vec<ShardStatus> = ring_members(kind, &name, &ring.ring.spec().lease_namespaces, &ring.leases)
-        .into_iter()
-        .map(|member| {
-            let lease = ShardLease::from_lease(member.lease);
-            let shard = member.lease.name_any();
-            let (objects, total, draining, wanted) = tally.shard(&shard);
-            ShardStatus {
-                namespace: member.lease.namespace(),
-                state: Some(lease.state(now).as_str()),
-                holder: lease.holder_identity.map(str::to_string),
-                renew_time: lease.renew_time,
-                weight: member.weight,
-                weight_error: member.weight_error.clone(),
-                available: member.is_available(),
-                excluded: member.exclusion.as_ref().map(|e| e.reason()),
-                objects,
-                total,
-                draining,
-                wanted,
-                name: shard,
-            }
-        })
-        .collect();
+    let mut members: Vec<ShardStatus> = ring_members(
+        kind,
+        &name,
+        &ring.ring.spec().lease_namespaces,
+        &ring.leases,
+    )
+    .into_iter()
+    .map(|member| {
+        let lease = ShardLease::from_lease(member.lease);
+        let shard = member.lease.name_any();
+        let (objects, total, draining, wanted) = tally.shard(&shard);
+        ShardStatus {
+            namespace: member.lease.namespace(),
+            state: Some(lease.state(now).as_str()),
+            holder: lease.holder_identity.map(str::to_string),
+            renew_time: lease.renew_time,
+            weight: member.weight,
+            weight_error: member.weight_error.clone(),
+            available: member.is_available(),
+            excluded: member.exclusion.as_ref().map(|e| e.reason()),
+            objects,
+            total,
+            draining,
+            wanted,
+            name: shard,
+        }
+    })
+    .collect();
     // Objects may name shards whose Lease is gone; they are moved on the next sync.
     for shard in tally.assigned.keys() {
         if members.iter().any(|m| &m.name == shard) {

@@ -351,7 +351,11 @@ async fn reconcile(lease: Arc<Lease>, state: Arc<State>) -> Result<Action, Error
     // built with our library stop reconciling and release their Lease, so their objects can move
     // at once instead of through drains nobody may acknowledge. Written with the state label.
     let wanted = problems.exclusion.as_ref().map(Exclusion::reason);
-    let annotate = lease.annotations().get(ANNOTATION_EXCLUDED).map(String::as_str) != wanted;
+    let annotate = lease
+        .annotations()
+        .get(ANNOTATION_EXCLUDED)
+        .map(String::as_str)
+        != wanted;
     let annotations = || {
         if annotate {
             serde_json::json!({ANNOTATION_EXCLUDED: wanted})
@@ -446,19 +450,23 @@ fn ring_problems(state: &State, ring_object: &AnyRing) -> Arc<ProblemsByUid> {
         return problems.clone();
     }
     let leases = index.ring_leases(&ring.name);
-    let problems: ProblemsByUid =
-        ring_members(ring.kind, &ring.name, allowed, leases.iter().map(AsRef::as_ref))
-            .into_iter()
-            .map(|m| {
-                let problems = Problems {
-                    exclusion: m.exclusion,
-                    weight: m.weight_error,
-                    clock_skewed: false,
-                };
-                (m.lease.uid().unwrap_or_default(), problems)
-            })
-            .filter(|(_, p)| *p != Problems::default())
-            .collect();
+    let problems: ProblemsByUid = ring_members(
+        ring.kind,
+        &ring.name,
+        allowed,
+        leases.iter().map(AsRef::as_ref),
+    )
+    .into_iter()
+    .map(|m| {
+        let problems = Problems {
+            exclusion: m.exclusion,
+            weight: m.weight_error,
+            clock_skewed: false,
+        };
+        (m.lease.uid().unwrap_or_default(), problems)
+    })
+    .filter(|(_, p)| *p != Problems::default())
+    .collect();
     let problems = Arc::new(problems);
     if let Ok(mut cache) = state.problems.lock() {
         cache.insert(ring.clone(), (version, allowed.clone(), problems.clone()));

@@ -403,7 +403,12 @@ mod tests {
         let leases = [lease("ns", "a", "r", Some("a")), both, controller];
         assert_eq!(names(available_shards(KIND, "r", &[], &leases)), ["a"]);
         assert_eq!(
-            names(available_shards(RingKind::ControllerRing, "r", &[], &leases)),
+            names(available_shards(
+                RingKind::ControllerRing,
+                "r",
+                &[],
+                &leases
+            )),
             ["c"]
         );
         let members = ring_members(RingKind::ControllerRing, "r", &[], &leases);

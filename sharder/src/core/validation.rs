@@ -337,7 +337,10 @@ mod tests {
         for bad in ["", "Team", "-a", "a-", "a.b", &"x".repeat(64)] {
             r.spec.lease_namespaces = vec!["team-a".into(), bad.to_string()];
             let err = validate_ring(&r, &[]).unwrap_err().to_string();
-            assert!(err.starts_with("spec.leaseNamespaces[1] "), "{bad:?}: {err}");
+            assert!(
+                err.starts_with("spec.leaseNamespaces[1] "),
+                "{bad:?}: {err}"
+            );
         }
     }
 }
