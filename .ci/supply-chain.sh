@@ -68,9 +68,19 @@ install_tool() {
   log "built $name $version in $((SECONDS - started))s"
 }
 
+# jq reads the SBOMs; Debian's package where it is missing and we may install it.
+ensure_jq() {
+  command -v jq >/dev/null && return
+  [ "$(id -u)" = 0 ] || die "jq is needed: install it (Debian: apt-get install jq)"
+  log "installing jq"
+  apt-get update -qq >&2
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends jq >&2
+}
+
 tools() {
   install_tool cargo-deny "$CARGO_DENY_VERSION"
   install_tool cargo-cyclonedx "$CARGO_CYCLONEDX_VERSION"
+  ensure_jq
 }
 
 deny() {
@@ -94,6 +104,7 @@ SHIPPED=("sharder sharding-sharder" "checksum-controller sharding-checksum-contr
 sbom() {
   local out=${1:-target/sbom} copy
   install_tool cargo-cyclonedx "$CARGO_CYCLONEDX_VERSION"
+  ensure_jq
   copy=$(mktemp -d "$SCRATCH/sources.XXXXXX")
   tar -c --exclude=./target --exclude=./.git . | tar -x -C "$copy"
   # The SBOM describes Cargo.lock as committed; refuse a lock file cargo would have to change.
@@ -128,6 +139,7 @@ sbom() {
 check-sbom() { check_sbom "$@"; }
 check_sbom() {
   local dir=$1 host meta entry bin pkg file problems failed=0
+  ensure_jq
   host=$(rustc -vV | sed -n 's/^host: //p')
   meta=$(mktemp "$SCRATCH/metadata.XXXXXX")
   cargo metadata --locked --format-version 1 --filter-platform "$host" >"$meta"
