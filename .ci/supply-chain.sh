@@ -4,8 +4,10 @@
 #   .ci/supply-chain.sh tools          install the pinned cargo-deny and cargo-cyclonedx into the
 #                                      cache (idempotent: a cached tool costs nothing)
 #   .ci/supply-chain.sh deny           cargo deny check licenses bans sources (deny.toml)
-#   .ci/supply-chain.sh advisories     cargo deny check advisories: needs network access and git,
-#                                      to fetch the RustSec advisory database (not run by CI)
+#   .ci/supply-chain.sh advisories [--offline]
+#                                      cargo deny check advisories: needs network access and git,
+#                                      to fetch the RustSec advisory database (not run by CI);
+#                                      --offline uses the copy fetched before
 #   .ci/supply-chain.sh sbom [DIR]     write a CycloneDX JSON SBOM of each shipped binary,
 #                                      DIR/sharder.cdx.json and DIR/checksum-controller.cdx.json
 #                                      (DIR defaults to target/sbom), and check them
@@ -90,9 +92,10 @@ deny() {
     check --hide-inclusion-graph licenses bans sources
 }
 
+# advisories [FLAG...]: FLAGs go to cargo-deny, e.g. --offline to use the database fetched before.
 advisories() {
   install_tool cargo-deny "$CARGO_DENY_VERSION"
-  "$(tool_root cargo-deny "$CARGO_DENY_VERSION")/bin/cargo-deny" --locked check advisories
+  "$(tool_root cargo-deny "$CARGO_DENY_VERSION")/bin/cargo-deny" --locked "$@" check advisories
 }
 
 # The shipped binaries: binary name and the package that builds it.
