@@ -671,7 +671,10 @@ mod tests {
         assert_eq!(config.leader_election.resource_namespace, "sharding-system");
         assert_eq!(config.health.bind_address, ":8081");
         assert_eq!(config.metrics.bind_address, ":8080");
-        assert!(config.metrics.secure, "metrics are served securely unless switched off");
+        assert!(
+            config.metrics.secure,
+            "metrics are served securely unless switched off"
+        );
         assert_eq!(
             config.controller.sharder.sync_period,
             Duration::from_secs(300)
