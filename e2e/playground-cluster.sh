@@ -118,7 +118,8 @@ The playground runs in a real cluster. In another terminal:
   $SCRIPT status                                      # objects per shard
   kubectl -n $NAMESPACE get secrets -L $SHARD_LABEL -w
   kubectl -n sharding-system logs -l app.kubernetes.io/component=sharder -f
-  kubectl -n sharding-system get pods -o wide         # metrics: http://<pod IP>:8080/metrics
+  kubectl -n sharding-system get pods -o wide         # metrics: HTTPS with a token, see the
+                                                      # README's "Who may scrape"
 
 Ctrl-C stops everything and removes $STATE.
 EOF

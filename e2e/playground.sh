@@ -14,7 +14,7 @@
 # The other commands talk to the `up` running in another terminal through the state directory
 # ${TMPDIR:-/tmp}/controller-sharding-playground (override with CONTROLLER_SHARDING_PLAYGROUND);
 # its kubeconfig is the file `kubeconfig` there. The sharder listens on fixed loopback ports:
-# health 8081, metrics 8080, webhook 9443 (override with PLAYGROUND_HEALTH_PORT,
+# health 8081, metrics 8080 (plain HTTP), webhook 9443 (override with PLAYGROUND_HEALTH_PORT,
 # PLAYGROUND_METRICS_PORT, PLAYGROUND_WEBHOOK_PORT).
 #
 # PLAYGROUND_RING_KIND=ControllerRing runs the example as a ControllerRing (docs/protocol.md §15)
@@ -313,6 +313,8 @@ health:
   bindAddress: 127.0.0.1:$HEALTH_PORT
 metrics:
   bindAddress: 127.0.0.1:$METRICS_PORT
+  # Plain HTTP for curl and a local Prometheus; installs serve HTTPS to authorized tokens only.
+  secure: false
 webhook:
   server:
     bindAddress: 127.0.0.1:$WEBHOOK_PORT

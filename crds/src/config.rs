@@ -68,8 +68,8 @@ pub struct SharderConfig {
     #[serde(default = "Endpoint::health")]
     pub health: Endpoint,
     /// Metrics endpoint.
-    #[serde(default = "Endpoint::metrics")]
-    pub metrics: Endpoint,
+    #[serde(default)]
+    pub metrics: MetricsEndpoint,
     /// Controller settings.
     #[serde(default)]
     pub controller: Controllers,
@@ -103,7 +103,7 @@ impl Default for SharderConfig {
             client_connection: ClientConnection::default(),
             leader_election: LeaderElection::default(),
             health: Endpoint::health(),
-            metrics: Endpoint::metrics(),
+            metrics: MetricsEndpoint::default(),
             controller: Controllers::default(),
             webhook: Webhook::default(),
             graceful_shutdown: default_graceful_shutdown(),
@@ -187,12 +187,36 @@ impl Endpoint {
         }
     }
 
-    fn metrics() -> Self {
+    /// The socket address to listen on, or `None` when the endpoint is disabled.
+    pub fn socket_addr(&self) -> Result<Option<SocketAddr>, InvalidBindAddress> {
+        parse_bind_address(&self.bind_address)
+    }
+}
+
+/// The metrics endpoint: its bind address, and whether it is served securely.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields, default)]
+pub struct MetricsEndpoint {
+    /// Address to listen on, as `host:port` (host may be empty for all interfaces), or `0` to
+    /// disable the endpoint.
+    pub bind_address: String,
+    /// Serve HTTPS with the webhook's serving certificate, and answer only requests whose bearer
+    /// token the API server authenticates (TokenReview) and authorizes for `get` on the
+    /// non-resource URL `/metrics` (SubjectAccessReview). `false` serves plain HTTP to anyone
+    /// who reaches the port: for local use only.
+    pub secure: bool,
+}
+
+impl Default for MetricsEndpoint {
+    fn default() -> Self {
         Self {
             bind_address: ":8080".into(),
+            secure: true,
         }
     }
+}
 
+impl MetricsEndpoint {
     /// The socket address to listen on, or `None` when the endpoint is disabled.
     pub fn socket_addr(&self) -> Result<Option<SocketAddr>, InvalidBindAddress> {
         parse_bind_address(&self.bind_address)
@@ -647,6 +671,10 @@ mod tests {
         assert_eq!(config.leader_election.resource_namespace, "sharding-system");
         assert_eq!(config.health.bind_address, ":8081");
         assert_eq!(config.metrics.bind_address, ":8080");
+        assert!(
+            config.metrics.secure,
+            "metrics are served securely unless switched off"
+        );
         assert_eq!(
             config.controller.sharder.sync_period,
             Duration::from_secs(300)
@@ -703,11 +731,23 @@ shutdownDelay: 2s
         assert_eq!(config.controller.sharder.concurrent_moves, 5);
         assert_eq!(config.controller.sharder.max_patches_in_flight, 40);
         assert_eq!(config.metrics.socket_addr(), Ok(None));
+        assert!(config.metrics.secure);
         assert_eq!(
             config.webhook.config.client_config.ca_bundle,
             Some(ByteString(b"foo".to_vec()))
         );
         assert_eq!(config.webhook.config.client_config.service, None);
+    }
+
+    #[test]
+    fn metrics_switch_to_plain_http_keeps_the_address() {
+        let config = parse("metrics: {secure: false}\n").expect("valid");
+        assert!(!config.metrics.secure);
+        assert_eq!(config.metrics.bind_address, ":8080");
+        let config = parse("metrics: {bindAddress: \"127.0.0.1:9090\"}\n").expect("valid");
+        assert!(config.metrics.secure);
+        let err = error_of("metrics: {secure: maybe}\n");
+        assert!(err.contains("metrics.secure"), "{err}");
     }
 
     #[test]

@@ -25,6 +25,7 @@
 //! | [`fixtures::expected_shard`] | the shard a ring assigns a Secret to |
 //! | [`fixtures::secret_review`] | an `admission.k8s.io/v1` AdmissionReview of a Secret CREATE |
 //! | [`Cluster::apiserver_metric`] | a metric from the API server's own `/metrics` |
+//! | [`metrics_access`] | ServiceAccount tokens from the TokenRequest API, bound to the shipped `sharding:metrics-reader`, for the secure metrics ([`sharder_process::SharderFiles::scrape_metrics`]) |
 //! | [`sharder_process::counter`] | a per-resource counter from the sharder's `/metrics` text |
 //! | [`prometheus`] | sums and samples of any Prometheus text; the API server's whole `/metrics` |
 //! | [`net::curl`] | an HTTP request through curl (metrics, health, a Prometheus server's API) |
@@ -46,6 +47,7 @@ pub mod in_cluster;
 mod independent_ring;
 pub mod latency;
 pub mod logs;
+pub mod metrics_access;
 pub mod net;
 pub mod process;
 pub mod prometheus;

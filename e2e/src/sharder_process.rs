@@ -29,6 +29,8 @@ pub struct SharderFiles {
     pub metrics_port: u16,
     /// Health port on 127.0.0.1.
     pub health_port: u16,
+    /// Whether the metrics are served over HTTPS to authorized tokens only (`metrics.secure`).
+    pub metrics_secure: bool,
 }
 
 /// Settings that differ between test sharders.
@@ -44,9 +46,11 @@ pub struct SharderSettings {
     pub drain_timeout: String,
     /// Most patches in flight per ring.
     pub concurrent_moves: u32,
-    /// Run as the administrator the tests use instead of the sharder's ServiceAccount with the
-    /// shipped RBAC ([`crate::sharder_identity`]); for tools whose rings get no per-ring RBAC.
-    pub as_administrator: bool,
+    /// `metrics.secure`: HTTPS with the serving certificate, and a token allowed to get
+    /// `/metrics` for every scrape ([`SharderFiles::scrape_metrics`]). Off by default, unlike the
+    /// shipped configuration: the tests and tools read counters with a plain
+    /// [`SharderFiles::metrics`], and the config file says `secure: false` explicitly.
+    pub metrics_secure: bool,
 }
 
 impl Default for SharderSettings {
@@ -57,7 +61,7 @@ impl Default for SharderSettings {
             webhook_url: None,
             drain_timeout: "15s".into(),
             concurrent_moves: 100,
-            as_administrator: false,
+            metrics_secure: false,
         }
     }
 }
@@ -76,11 +80,8 @@ impl SharderFiles {
         settings: &SharderSettings,
         webhook_port: u16,
     ) -> anyhow::Result<Self> {
-        let kubeconfig = if settings.as_administrator {
-            kubeconfig.to_path_buf()
-        } else {
-            crate::sharder_identity::sharder_kubeconfig(kubeconfig)?
-        };
+        // The sharder's ServiceAccount with the shipped RBAC, never the tests' administrator.
+        let kubeconfig = crate::sharder_identity::sharder_kubeconfig(kubeconfig)?;
         let dir = std::env::temp_dir().join(crate::unique_name("sharder"));
         std::fs::create_dir_all(&dir)?;
         generate_certificates(&dir)?;
@@ -100,6 +101,7 @@ health:
   bindAddress: 127.0.0.1:{health_port}
 metrics:
   bindAddress: 127.0.0.1:{metrics_port}
+  secure: {metrics_secure}
 controller:
   sharder:
     syncPeriod: {sync}
@@ -121,6 +123,7 @@ shutdownDelay: 1s
             sync = settings.sync_period,
             drain_timeout = settings.drain_timeout,
             concurrent_moves = settings.concurrent_moves,
+            metrics_secure = settings.metrics_secure,
             webhook_url = settings
                 .webhook_url
                 .clone()
@@ -135,6 +138,7 @@ shutdownDelay: 1s
             webhook_port,
             metrics_port,
             health_port,
+            metrics_secure: settings.metrics_secure,
         })
     }
 
@@ -160,12 +164,43 @@ shutdownDelay: 1s
         format!("https://127.0.0.1:{}", self.webhook_port)
     }
 
-    /// Text of `/metrics`.
+    /// Text of `/metrics`, served over plain HTTP (see [`SharderSettings::metrics_secure`]).
     pub fn metrics(&self) -> anyhow::Result<String> {
-        curl(&[
-            "-sf",
-            &format!("http://127.0.0.1:{}/metrics", self.metrics_port),
-        ])
+        anyhow::ensure!(
+            !self.metrics_secure,
+            "this sharder's metrics need a token: use scrape_metrics"
+        );
+        curl(&["-sf", &self.metrics_url()])
+    }
+
+    /// URL of `/metrics`: `https` when the metrics are secure.
+    pub fn metrics_url(&self) -> String {
+        let scheme = if self.metrics_secure { "https" } else { "http" };
+        format!("{scheme}://127.0.0.1:{}/metrics", self.metrics_port)
+    }
+
+    /// GETs `/metrics` with `token` as the bearer token, if any, verifying the server against
+    /// the test CA; returns the HTTP status and body, whatever the status.
+    pub fn scrape_metrics(&self, token: Option<&str>) -> anyhow::Result<(u16, String)> {
+        let url = self.metrics_url();
+        let ca = self.ca.display().to_string();
+        let authorization = token.map(|t| format!("Authorization: Bearer {t}"));
+        let mut args = vec![
+            "-sS",
+            "--max-time",
+            "10",
+            "--cacert",
+            &ca,
+            "-w",
+            "\n%{http_code}",
+        ];
+        if let Some(header) = &authorization {
+            args.extend(["-H", header.as_str()]);
+        }
+        args.push(&url);
+        let out = curl(&args)?;
+        let (text, code) = out.rsplit_once('\n').context("curl printed no status")?;
+        Ok((code.trim().parse()?, text.to_string()))
     }
 
     /// Waits until `/readyz` answers 200.

@@ -35,11 +35,6 @@ impl SharedSharder {
         self.files.metrics()
     }
 
-    /// `host:port` of its metrics server, for a scraper the test runs (always loopback).
-    pub fn metrics_address(&self) -> String {
-        format!("127.0.0.1:{}", self.files.metrics_port)
-    }
-
     /// [`SharedSharder::counter`] for a ring of either kind.
     pub fn counter_of(
         &self,
@@ -70,7 +65,13 @@ pub fn shared() -> &'static SharedSharder {
 
 fn start_shared() -> anyhow::Result<SharedSharder> {
     let cluster = cluster();
-    let files = SharderFiles::create(cluster.kubeconfig(), &SharderSettings::default())?;
+    // Plain metrics, said explicitly: most tests read its counters with a plain scrape. The secure
+    // metrics have tests of their own, on sharders of their own.
+    let settings = SharderSettings {
+        metrics_secure: false,
+        ..SharderSettings::default()
+    };
+    let files = SharderFiles::create(cluster.kubeconfig(), &settings)?;
     let config = files.load()?;
     let log = files.dir.join("sharder.log");
     let log_file = std::fs::File::create(&log)?;

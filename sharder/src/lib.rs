@@ -10,7 +10,7 @@
 //! | [`controller`] | the leader's controllers, one module each: rings, shard Leases, the sharder's sync |
 //! | `leader_election` | runs the controllers on the elected leader only; the process's identity |
 //! | [`webhook`] | the admission webhook that assigns objects, and its TLS server |
-//! | [`server`] | the HTTPS server with certificate reload, the health and metrics servers |
+//! | [`server`] | the HTTPS server with certificate reload, the metrics server (HTTPS behind TokenReview and SubjectAccessReview, or plain), the health server |
 //! | [`metrics`] | counters, and the state metrics rendered from a `StateSource` |
 //! | `state_source` | the state metrics' source: the caches, what was observed, reachability |
 //! | [`events`] | rate-limited Events and every Event reason |
@@ -144,7 +144,8 @@ pub async fn run(
     )
     .await?;
 
-    // Admin servers: metrics (counters and the state read from the caches) and health probes.
+    // Admin servers: metrics (counters and the state read from the caches; scrapers reviewed
+    // through the main client unless `metrics.secure` is off) and health probes.
     let mut registry = Registry::default();
     ctx.metrics.register(&mut registry);
     registry.register_collector(Box::new(StateCollector(Arc::new(CacheState {
@@ -152,7 +153,15 @@ pub async fn run(
         observed: ctx.observed.clone(),
         reachability: ctx.reachability.clone(),
     }))));
-    server::serve_admin(&config, registry, readiness.clone(), &mut tasks, &shutdown).await?;
+    server::serve_admin(
+        &config,
+        registry,
+        readiness.clone(),
+        ctx.client.clone(),
+        &mut tasks,
+        &shutdown,
+    )
+    .await?;
 
     // The controllers, on the leader only.
     tasks.spawn(election.run(ctx.clone(), synced, shutdown.clone()));

@@ -1,6 +1,8 @@
-//! HTTP servers of the sharder process: the TLS webhook server (with its certificate reloaded
-//! by [`tls`]) and the plain admin servers (health probes, metrics).
+//! HTTP servers of the sharder process: the TLS server of the webhook and of the metrics (with
+//! their certificate reloaded by [`tls`]), the metrics' authentication and authorization
+//! (`metrics_auth`), and the plain health server.
 
+mod metrics_auth;
 pub mod tls;
 
 use std::net::SocketAddr;
@@ -8,6 +10,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
+use anyhow::Context as _;
 use axum::Router;
 use axum::extract::State;
 use axum::http::{StatusCode, header};
@@ -134,23 +137,73 @@ pub(crate) fn metrics_router(registry: Arc<Registry>) -> Router {
         .with_state(registry)
 }
 
+/// Bounds on the metrics server's connections: a few scrapers, each with a connection or two.
+const METRICS_LIMITS: ConnectionLimits = ConnectionLimits {
+    max_connections: 100,
+    header_timeout: Duration::from_secs(10),
+    keep_alive_interval: Duration::from_secs(30),
+    max_concurrent_streams: 10,
+};
+
+/// [`metrics_router`] behind authentication and authorization through the API server (see
+/// `metrics_auth`): only `/metrics` asks the API server anything; other paths are 404 at no cost.
+pub(crate) fn secure_metrics_router(registry: Arc<Registry>, client: kube::Client) -> Router {
+    let auth = Arc::new(metrics_auth::MetricsAuth::new(client));
+    metrics_router(registry).route_layer(axum::middleware::from_fn_with_state(
+        auth,
+        metrics_auth::require_access,
+    ))
+}
+
 /// Starts the admin servers the configuration enables: metrics from `registry`, and the health
-/// probes answering from `readiness`. A bind address of `0` disables a server.
+/// probes answering from `readiness`. A bind address of `0` disables a server. With
+/// `metrics.secure`, metrics are served over TLS with the webhook's serving certificate (its own
+/// reloader of the same files) and every scrape is reviewed through `client`.
 pub(crate) async fn serve_admin(
     config: &SharderConfig,
     registry: Registry,
     readiness: Arc<Readiness>,
+    client: kube::Client,
     tasks: &mut JoinSet<()>,
     shutdown: &CancellationToken,
 ) -> anyhow::Result<()> {
     if let Some(addr) = config.metrics.socket_addr()? {
         let listener = bind(addr).await?;
-        tracing::info!(address = %listener.local_addr()?, "serving metrics");
-        tasks.spawn(serve_plain(
-            listener,
-            metrics_router(Arc::new(registry)),
-            shutdown.clone(),
-        ));
+        let registry = Arc::new(registry);
+        if config.metrics.secure {
+            let server = &config.webhook.server;
+            let reloader = Arc::new(tls::CertReloader::new(
+                server.cert_dir.join(&server.cert_name),
+                server.cert_dir.join(&server.key_name),
+            ));
+            tasks.spawn(tls::keep_certificate_loaded(
+                reloader.clone(),
+                "metrics",
+                None,
+                shutdown.clone(),
+            ));
+            let acceptor = TlsAcceptor::from(Arc::new(
+                reloader
+                    .server_config()
+                    .context("failed to build the metrics TLS config")?,
+            ));
+            tracing::info!(address = %listener.local_addr()?, "serving metrics over HTTPS to authorized clients");
+            tasks.spawn(serve_tls(
+                listener,
+                acceptor,
+                secure_metrics_router(registry, client),
+                METRICS_LIMITS,
+                shutdown.clone(),
+                config.graceful_shutdown.0,
+            ));
+        } else {
+            tracing::warn!(address = %listener.local_addr()?, "serving metrics over plain HTTP without authentication (metrics.secure is false)");
+            tasks.spawn(serve_plain(
+                listener,
+                metrics_router(registry),
+                shutdown.clone(),
+            ));
+        }
     }
     if let Some(addr) = config.health.socket_addr()? {
         let listener = bind(addr).await?;
@@ -176,7 +229,7 @@ pub(crate) async fn serve_plain(listener: TcpListener, app: Router, shutdown: Ca
 }
 
 /// Serves `app` over TLS on `listener` within `limits` until `shutdown` fires, then lets open
-/// requests finish for at most `drain`.
+/// requests finish for at most `drain`. The webhook and the secure metrics run on it.
 pub async fn serve_tls(
     listener: TcpListener,
     tls: TlsAcceptor,
@@ -185,6 +238,7 @@ pub async fn serve_tls(
     shutdown: CancellationToken,
     drain: Duration,
 ) {
+    let local = listener.local_addr().ok();
     let graceful = GracefulShutdown::new();
     let open = Arc::new(Semaphore::new(limits.max_connections));
     loop {
@@ -193,14 +247,14 @@ pub async fn serve_tls(
             accepted = listener.accept() => match accepted {
                 Ok(conn) => conn,
                 Err(error) => {
-                    tracing::warn!(%error, "failed to accept webhook connection");
+                    tracing::warn!(%error, ?local, "failed to accept a TLS connection");
                     tokio::time::sleep(ACCEPT_ERROR_PAUSE).await;
                     continue;
                 }
             },
         };
         let Ok(permit) = open.clone().try_acquire_owned() else {
-            tracing::debug!(%peer, max = limits.max_connections, "too many webhook connections; closing the new one");
+            tracing::debug!(%peer, ?local, max = limits.max_connections, "too many connections; closing the new one");
             continue;
         };
         // An answer leaves in several small writes (TLS records, HTTP/2 frames); with Nagle's
@@ -248,7 +302,7 @@ pub async fn serve_tls(
             };
             let conn = builder.serve_connection(TokioIo::new(stream), service);
             if let Err(error) = watcher.watch(conn.into_owned()).await {
-                tracing::debug!(%error, %peer, "webhook connection ended with an error");
+                tracing::debug!(%error, %peer, ?local, "connection ended with an error");
             }
         });
     }
@@ -256,13 +310,15 @@ pub async fn serve_tls(
         .await
         .is_err()
     {
-        tracing::warn!("webhook connections still open after the shutdown grace period");
+        tracing::warn!(
+            ?local,
+            "connections still open after the shutdown grace period"
+        );
     }
 }
 
 /// Binds a TCP listener, naming the address in the error.
 pub(crate) async fn bind(addr: SocketAddr) -> anyhow::Result<TcpListener> {
-    use anyhow::Context as _;
     TcpListener::bind(addr)
         .await
         .with_context(|| format!("failed to listen on {addr}"))
@@ -274,6 +330,71 @@ mod tests {
     use axum::body::Body;
     use axum::http::Request;
     use tower::ServiceExt;
+
+    /// The secure metrics router with a client of an address where nothing listens: whatever
+    /// reaches the API server fails at once (the reviews themselves are tested end to end).
+    fn secure_router_without_api_server() -> Router {
+        let config = kube::Config::new("http://127.0.0.1:1".parse().expect("url"));
+        let client = kube::Client::try_from(config).expect("client");
+        secure_metrics_router(Arc::new(Registry::default()), client)
+    }
+
+    async fn answer(app: Router, request: Request<Body>) -> (StatusCode, String) {
+        let response = app.oneshot(request).await.expect("infallible");
+        let status = response.status();
+        let body = axum::body::to_bytes(response.into_body(), 4096)
+            .await
+            .expect("body");
+        (status, String::from_utf8_lossy(&body).into_owned())
+    }
+
+    #[tokio::test]
+    async fn secure_metrics_refuse_without_a_token_and_repeat_nothing() {
+        let (status, body) = answer(
+            secure_router_without_api_server(),
+            Request::get("/metrics")
+                .body(Body::empty())
+                .expect("request"),
+        )
+        .await;
+        assert_eq!(
+            (status, body.as_str()),
+            (StatusCode::UNAUTHORIZED, "unauthorized\n")
+        );
+        let (status, body) = answer(
+            secure_router_without_api_server(),
+            Request::get("/metrics")
+                .header(header::AUTHORIZATION, "Basic c2VjcmV0")
+                .body(Body::empty())
+                .expect("request"),
+        )
+        .await;
+        assert_eq!(
+            (status, body.as_str()),
+            (StatusCode::UNAUTHORIZED, "unauthorized\n")
+        );
+        // Other paths cost no review.
+        let (status, _) = answer(
+            secure_router_without_api_server(),
+            Request::get("/other").body(Body::empty()).expect("request"),
+        )
+        .await;
+        assert_eq!(status, StatusCode::NOT_FOUND);
+        // A token that cannot be reviewed is refused without naming it or the failure.
+        let (status, body) = answer(
+            secure_router_without_api_server(),
+            Request::get("/metrics")
+                .header(header::AUTHORIZATION, "Bearer secret-token")
+                .body(Body::empty())
+                .expect("request"),
+        )
+        .await;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+        assert!(
+            !body.contains("secret-token") && !body.contains("127.0.0.1"),
+            "{body}"
+        );
+    }
 
     #[tokio::test]
     async fn readiness_follows_caches_certificate_and_shutdown() {

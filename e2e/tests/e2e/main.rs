@@ -12,6 +12,7 @@ mod monitoring;
 mod observability;
 mod rebalance;
 mod ring_kinds;
+mod secure_metrics;
 mod shard;
 mod sharder;
 mod sync_lists;

@@ -1,7 +1,8 @@
 //! The install manifests (`config/`, `deploy/`): every kustomization renders, the API server
 //! accepts every rendered object (server-side dry run), the shipped SharderConfigs are valid and
-//! fit the Deployment that mounts them, and the RBAC grants exactly what docs/protocol.md §14 lists
-//! (plus `clusterrings/finalizers` update, which owner references with `blockOwnerDeletion` need).
+//! fit the Deployment that mounts them, the RBAC grants exactly what docs/protocol.md §14 lists
+//! (plus `clusterrings/finalizers` update, which owner references with `blockOwnerDeletion` need,
+//! and the reviews of metrics scrapers), and the ServiceMonitor scrapes the secure metrics.
 //!
 //! Rendering uses `kubectl kustomize` of the kubectl built with the test control plane
 //! ([`e2e::kubectl`]).
@@ -12,6 +13,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use anyhow::{Context, bail, ensure};
+use e2e::metrics_access::{METRICS_READER, shipped_metrics_reader};
 use e2e::{FIELD_MANAGER, cluster, kubectl};
 use k8s_openapi::api::core::v1::Namespace;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
@@ -588,6 +590,11 @@ fn check_sharder_install(objects: &[Value]) -> anyhow::Result<(SharderConfig, St
 #[test]
 fn shipped_sharder_configs_are_valid_and_fit_the_deployment() -> anyhow::Result<()> {
     let (base, _) = check_sharder_install(&render("config/sharder")?)?;
+    // Every install below equals the base but for its own field, so all serve metrics securely.
+    ensure!(
+        base.metrics.secure,
+        "the shipped config serves metrics insecurely"
+    );
     assert!(base.webhook.config.annotations.is_empty());
     assert_eq!(base.webhook.config.client_config.ca_bundle_file, None);
 
@@ -671,6 +678,13 @@ fn sharder_cluster_role_is_exactly_the_spec_list() -> anyhow::Result<()> {
             "controllerrings/finalizers",
             &["update"],
         ),
+        // Reviews of metrics scrapers (metrics.secure).
+        (&["authentication.k8s.io"], "tokenreviews", &["create"]),
+        (
+            &["authorization.k8s.io"],
+            "subjectaccessreviews",
+            &["create"],
+        ),
     ]);
     let role = find(&objects, "ClusterRole", "sharding:sharder")?;
     assert_eq!(grants(role)?, expected);
@@ -720,6 +734,101 @@ fn sharder_cluster_role_is_exactly_the_spec_list() -> anyhow::Result<()> {
         str_at(deployment, "/spec/template/spec/serviceAccountName"),
         SHARDER
     );
+    Ok(())
+}
+
+/// The shipped metrics-reader ClusterRole grants `get` on `/metrics` and nothing else.
+#[test]
+fn metrics_reader_grants_only_get_on_metrics() -> anyhow::Result<()> {
+    let objects = render("config/rbac")?;
+    let role = find(&objects, "ClusterRole", METRICS_READER)?;
+    assert_eq!(
+        role["rules"],
+        json!([{"nonResourceURLs": ["/metrics"], "verbs": ["get"]}])
+    );
+    // The end-to-end tests bind the same file's role.
+    ensure!(
+        shipped_metrics_reader()?
+            .rules
+            .is_some_and(|r| r.len() == 1)
+    );
+    // Scrapers bind it themselves: nothing shipped names their ServiceAccount.
+    ensure!(
+        !objects
+            .iter()
+            .any(|o| str_at(o, "/roleRef/name") == METRICS_READER),
+        "config/rbac binds {METRICS_READER}"
+    );
+    Ok(())
+}
+
+/// The ServiceMonitor scrapes what the sharder serves: a port the Service and the container have,
+/// HTTPS with the scraper's ServiceAccount token (the shipped config is secure), the server's
+/// certificate verified against the CA of the mounted Secret, for a name the certificate holds.
+#[test]
+fn service_monitor_scrapes_the_secure_metrics() -> anyhow::Result<()> {
+    let default = render("config/default")?;
+    let (config, secret) = check_sharder_install(&default)?;
+    ensure!(
+        config.metrics.secure,
+        "the installed sharder serves plain metrics"
+    );
+    let monitoring = render("config/monitoring")?;
+    let monitor = only(&monitoring, "ServiceMonitor")?;
+    let endpoints = monitor["spec"]["endpoints"]
+        .as_array()
+        .context("no endpoints")?;
+    ensure!(endpoints.len() == 1, "expected one endpoint");
+    let endpoint = &endpoints[0];
+
+    let port_name = str_at(endpoint, "/port");
+    let service = find(&default, "Service", SHARDER)?;
+    let service_port = service["spec"]["ports"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|p| str_at(p, "/name") == port_name)
+        .with_context(|| format!("the Service has no port {port_name}"))?;
+    let container = container(find(&default, "Deployment", SHARDER)?, SHARDER)?;
+    ensure!(
+        container_port(container, str_at(service_port, "/targetPort"))
+            == bind_port(&config.metrics.bind_address)?,
+        "the Service's {port_name} port does not lead to the metrics address"
+    );
+    for (key, value) in monitor["spec"]["selector"]["matchLabels"]
+        .as_object()
+        .context("no selector")?
+    {
+        ensure!(
+            &service["metadata"]["labels"][key] == value,
+            "the ServiceMonitor selects {key}={value}, the Service does not carry it"
+        );
+    }
+
+    assert_eq!(str_at(endpoint, "/path"), "/metrics");
+    assert_eq!(str_at(endpoint, "/scheme"), "https");
+    assert_eq!(
+        str_at(endpoint, "/bearerTokenFile"),
+        "/var/run/secrets/kubernetes.io/serviceaccount/token"
+    );
+    let tls = &endpoint["tlsConfig"];
+    ensure!(
+        tls.get("insecureSkipVerify").is_none_or(|v| v == false),
+        "the ServiceMonitor skips certificate verification"
+    );
+    assert_eq!(str_at(tls, "/ca/secret/name"), secret);
+    assert_eq!(str_at(tls, "/ca/secret/key"), "ca.crt");
+    let certificate = only(&default, "Certificate")?;
+    let server_name = str_at(tls, "/serverName");
+    ensure!(
+        certificate["spec"]["dnsNames"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|n| n == server_name),
+        "serverName {server_name} is not a name of the serving certificate"
+    );
+    assert_eq!(namespace(monitor), namespace(service));
     Ok(())
 }
 

@@ -1,8 +1,9 @@
 //! The monitoring component (`config/monitoring`): its alerts pass `promtool check rules` and the
 //! unit tests of `e2e/tests/monitoring/alerts_test.yaml`, every query of the Grafana dashboard
 //! parses and the dashboard ships as the ConfigMap Grafana's sidecar loads, and a real Prometheus
-//! server scraping the shared sharder fires the "no available shard" alert when a ring loses its
-//! last shard and resolves it when one returns.
+//! server scraping a sharder's secure metrics (HTTPS, with a ServiceAccount token bound to the
+//! shipped metrics reader) fires the "no available shard" alert when a ring loses its last shard
+//! and resolves it when one returns.
 //!
 //! `promtool` and `prometheus` come from Debian's `prometheus` package, which `.ci/run` installs;
 //! the variables `PROMTOOL` and `PROMETHEUS` name other binaries.
@@ -15,9 +16,11 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail, ensure};
 use e2e::fixtures::{create_lease, create_ring, ring_spec, wait_status};
 use e2e::logs::DumpOnFailure;
+use e2e::metrics_access::{bind_metrics_reader, install_metrics_reader, service_account_token};
 use e2e::net::{curl, free_port};
 use e2e::process::poll_until;
-use e2e::scenario::SharedScenario;
+use e2e::scenario::DedicatedScenario;
+use e2e::sharder_process::{SharderFiles, SharderSettings};
 use e2e::unique_name;
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::api::{Api, DeleteParams};
@@ -350,18 +353,48 @@ struct PrometheusServer {
     log: DumpOnFailure,
 }
 
+/// What Prometheus scrapes: the secure metrics of one sharder.
+struct Target<'a> {
+    /// `host:port` of the metrics server.
+    address: String,
+    /// The bearer token Prometheus sends, as its ServiceAccount token in a cluster.
+    token: &'a str,
+    /// The CA that signed the serving certificate.
+    ca: &'a Path,
+}
+
 impl PrometheusServer {
-    /// Starts Prometheus with `rules` (a rule file's content), scraping `target` and evaluating
-    /// rules every second, and waits until it is ready.
-    async fn start(rules: &str, target: &str) -> anyhow::Result<Self> {
+    /// Starts Prometheus with `rules` (a rule file's content), scraping `target` over HTTPS with
+    /// its token and evaluating rules every second, and waits until it is ready.
+    async fn start(rules: &str, target: &Target<'_>) -> anyhow::Result<Self> {
         let binary = tool("prometheus", "PROMETHEUS")?;
         let dir = temp_dir("prometheus")?;
         std::fs::write(dir.join("rules.yaml"), rules)?;
-        // A second between scrapes and evaluations, so the test sees alerts within seconds.
+        let token_file = dir.join("token");
+        std::fs::write(&token_file, target.token)?;
+        // A second between scrapes and evaluations, so the test sees alerts within seconds. The
+        // scrape is what config/monitoring's ServiceMonitor asks the Prometheus Operator for:
+        // HTTPS, the token from a file, the server verified against the CA.
         let config = format!(
-            "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n  evaluation_interval: 1s\n\
-             rule_files:\n- rules.yaml\n\
-             scrape_configs:\n- job_name: sharder\n  static_configs:\n  - targets: ['{target}']\n"
+            r#"global:
+  scrape_interval: 1s
+  scrape_timeout: 1s
+  evaluation_interval: 1s
+rule_files:
+- rules.yaml
+scrape_configs:
+- job_name: sharder
+  scheme: https
+  authorization:
+    credentials_file: {token}
+  tls_config:
+    ca_file: {ca}
+  static_configs:
+  - targets: ['{address}']
+"#,
+            token = token_file.display(),
+            ca = target.ca.display(),
+            address = target.address,
         );
         std::fs::write(dir.join("prometheus.yml"), config)?;
         let port = free_port()?;
@@ -442,18 +475,35 @@ impl PrometheusServer {
     }
 }
 
-/// A real Prometheus scraping the shared sharder, with the shipped rules (`for:` divided by 60):
-/// when the last shard Lease of a ring goes, "no available shard" turns pending, then fires after
-/// its `for:`; when a shard returns, it resolves. Every dashboard query runs on that server too.
+/// A real Prometheus scraping a sharder's secure metrics as the shipped ServiceMonitor does
+/// (HTTPS, the token of a ServiceAccount bound to `sharding:metrics-reader`), with the shipped
+/// rules (`for:` divided by 60): when the last shard Lease of a ring goes, "no available shard"
+/// turns pending, then fires after its `for:`; when a shard returns, it resolves. Every dashboard
+/// query runs on that server too.
+///
+/// The sharder is one of its own, on a control plane of its own: the shared sharder serves plain
+/// metrics to the many tests that read its counters, and a second sharder on the shared cluster
+/// would take part in its leader election.
 #[tokio::test]
 async fn prometheus_fires_and_resolves_no_available_shard() -> anyhow::Result<()> {
-    let SharedScenario {
-        sharder,
-        mut logs,
+    let DedicatedScenario {
+        dedicated,
         client,
         ns,
-        ..
-    } = SharedScenario::in_namespace("monitoring").await?;
+    } = DedicatedScenario::in_namespace("monitoring").await?;
+    let files = SharderFiles::create(
+        dedicated.cluster().kubeconfig(),
+        &SharderSettings {
+            metrics_secure: true,
+            ..SharderSettings::default()
+        },
+    )?;
+    let mut sharder = files.start_process()?;
+    files.wait_ready(Duration::from_secs(60)).await?;
+    install_metrics_reader(&client).await?;
+    let token = service_account_token(&client, &ns, "prometheus").await?;
+    bind_metrics_reader(&client, &ns, "prometheus").await?;
+
     let ring = unique_name("monitoring");
     create_ring(&client, &ring, ring_spec(&ns)).await?;
     for shard in ["shard-a", "shard-b"] {
@@ -468,9 +518,12 @@ async fn prometheus_fires_and_resolves_no_available_shard() -> anyhow::Result<()
         .context("the alert has no for:")?
         .to_owned();
     let pending_for = duration(&for_short)?;
-    let prometheus =
-        PrometheusServer::start(&serde_yaml::to_string(&groups)?, &sharder.metrics_address())
-            .await?;
+    let target = Target {
+        address: format!("127.0.0.1:{}", files.metrics_port),
+        token: &token,
+        ca: &files.ca,
+    };
+    let prometheus = PrometheusServer::start(&serde_yaml::to_string(&groups)?, &target).await?;
 
     let available = format!(
         r#"controller_sharding_clusterring_status_available_shards{{clusterring="{ring}"}}"#
@@ -560,6 +613,6 @@ async fn prometheus_fires_and_resolves_no_available_shard() -> anyhow::Result<()
         .delete(&ring, &DeleteParams::default())
         .await?;
     prometheus.passed().await?;
-    logs.passed();
+    sharder.passed();
     Ok(())
 }

@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail, ensure};
 use e2e::IndependentRing;
 use e2e::in_cluster::{InCluster, OnFailure, eventually, in_cluster, workspace_root};
+use e2e::metrics_access::METRICS_READER;
 use k8s_openapi::api::core::v1::{Namespace, Pod, Secret};
 use kube::Client;
 use kube::api::{Api, EvictParams, PostParams};
@@ -292,23 +293,114 @@ fn items(list: &Value) -> &[Value] {
         .unwrap_or_default()
 }
 
-/// Sum of a counter over every sharder replica, scraped from the pods' own addresses.
-fn sharder_counter(c: &InCluster, metric: &str) -> anyhow::Result<f64> {
+/// The ServiceAccount the tests scrape the sharder's metrics as.
+const METRICS_SCRAPER: &str = "metrics-scraper";
+
+/// The name the serving certificate is issued for (the Service's).
+const SERVICE_NAME: &str = "sharder.sharding-system.svc";
+
+/// The installed sharder's metrics port (config/sharder).
+const METRICS_PORT: u16 = 8080;
+
+/// What scraping the installed sharder's secure metrics takes, set up as the README's "Who may
+/// scrape" says: a ServiceAccount bound to the shipped `sharding:metrics-reader`, a token for it
+/// from `kubectl create token`, and the CA of the serving certificate from its Secret.
+struct Scraper {
+    token: String,
+    ca: std::path::PathBuf,
+}
+
+/// Sets up the [`Scraper`] (again, if an earlier test uninstalled everything).
+async fn metrics_scraper(c: &InCluster) -> anyhow::Result<Scraper> {
+    let dir = std::env::temp_dir().join(format!("in-cluster-metrics-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    c.shell(
+        &format!(
+            "kubectl -n {SYSTEM} create serviceaccount {METRICS_SCRAPER} --dry-run=client -o yaml \
+               | kubectl apply -f -\n\
+             kubectl create clusterrolebinding {METRICS_READER}:{METRICS_SCRAPER} \
+               --clusterrole={METRICS_READER} --serviceaccount={SYSTEM}:{METRICS_SCRAPER} \
+               --dry-run=client -o yaml | kubectl apply -f -\n"
+        ),
+        &dir,
+    )?;
+    // The sharder remembers a refusal for 10 s: scrape only once the binding counts.
+    let user = format!("system:serviceaccount:{SYSTEM}:{METRICS_SCRAPER}");
+    eventually(
+        "the metrics-reader binding to count",
+        Duration::from_secs(30),
+        || {
+            let answer = c.kubectl(&["auth", "can-i", "get", "/metrics", "--as", &user]);
+            Ok(answer.is_ok_and(|a| a.trim() == "yes").then_some(()))
+        },
+    )
+    .await?;
+    let token = c
+        .kubectl(&["-n", SYSTEM, "create", "token", METRICS_SCRAPER])?
+        .trim()
+        .to_string();
+    let secret: Secret = serde_json::from_value(c.kubectl_json(&[
+        "-n",
+        SYSTEM,
+        "get",
+        "secret",
+        "sharder-webhook-tls",
+    ])?)?;
+    let ca_bytes = secret
+        .data
+        .and_then(|mut d| d.remove("ca.crt"))
+        .context("the Secret sharder-webhook-tls has no ca.crt")?;
+    let ca = dir.join("ca.crt");
+    std::fs::write(&ca, ca_bytes.0)?;
+    Ok(Scraper { token, ca })
+}
+
+/// GETs `/metrics` from the sharder pod at `ip` over HTTPS, verifying its certificate for the
+/// Service's name against the installed CA, with the scraper's token if given; the HTTP status
+/// and body.
+fn scrape(scraper: &Scraper, ip: &str, with_token: bool) -> anyhow::Result<(u16, String)> {
+    let ca = scraper.ca.display().to_string();
+    let resolve = format!("{SERVICE_NAME}:{METRICS_PORT}:{ip}");
+    let url = format!("https://{SERVICE_NAME}:{METRICS_PORT}/metrics");
+    let authorization = format!("Authorization: Bearer {}", scraper.token);
+    let mut args = vec![
+        "-sS",
+        "--max-time",
+        "5",
+        "--cacert",
+        &ca,
+        "--resolve",
+        &resolve,
+        "-w",
+        "\n%{http_code}",
+    ];
+    if with_token {
+        args.extend(["-H", authorization.as_str()]);
+    }
+    args.push(&url);
+    let out = e2e::net::curl(&args)?;
+    let (text, code) = out.rsplit_once('\n').context("curl printed no status")?;
+    Ok((code.trim().parse()?, text.to_string()))
+}
+
+/// The addresses of the running sharder pods.
+fn sharder_ips(c: &InCluster) -> anyhow::Result<Vec<String>> {
     let pods = c.kubectl_json(&["-n", SYSTEM, "get", "pods", "-l", SHARDER_SELECTOR])?;
+    Ok(items(&pods)
+        .iter()
+        .filter(|p| {
+            p["metadata"]["deletionTimestamp"].is_null() && p["status"]["phase"] == "Running"
+        })
+        .filter_map(|p| p["status"]["podIP"].as_str().map(str::to_string))
+        .collect())
+}
+
+/// Sum of a counter over every sharder replica, scraped from the pods' own addresses.
+fn sharder_counter(c: &InCluster, scraper: &Scraper, metric: &str) -> anyhow::Result<f64> {
     let mut total = 0.0;
-    for pod in items(&pods) {
-        if !pod["metadata"]["deletionTimestamp"].is_null() || pod["status"]["phase"] != "Running" {
-            continue;
-        }
-        let Some(ip) = pod["status"]["podIP"].as_str() else {
-            continue;
-        };
-        let text = e2e::net::curl(&[
-            "-sf",
-            "--max-time",
-            "5",
-            &format!("http://{ip}:8080/metrics"),
-        ])?;
+    for ip in sharder_ips(c)? {
+        let (status, text) = scrape(scraper, &ip, true)?;
+        ensure!(status == 200, "scraping {ip} answered {status}: {text}");
         total += e2e::prometheus::sum(&text, metric, &[]);
     }
     Ok(total)
@@ -484,8 +576,17 @@ async fn kubectl_scale_rebalances_through_drains() -> anyhow::Result<()> {
     let logs = ShardLogs::follow(client.clone(), SHARDS_NAMESPACE, SHARD_SELECTOR);
     let (namespace, _) = namespace_with_secrets(&client, kind, "scale", 150).await?;
     let before = wait_converged(c, kind, &namespace, Duration::from_secs(60)).await?;
-    let drains_before = sharder_counter(c, "controller_sharding_drains_total")?;
-    let moves_before = sharder_counter(c, "controller_sharding_movements_total")?;
+    // The metrics as shipped: HTTPS, and only for a token allowed to read them.
+    let scraper = metrics_scraper(c).await?;
+    for ip in sharder_ips(c)? {
+        let (status, body) = scrape(&scraper, &ip, false)?;
+        ensure!(
+            (status, body.as_str()) == (401, "unauthorized\n"),
+            "{ip} answered a scrape without a token with {status}: {body}"
+        );
+    }
+    let drains_before = sharder_counter(c, &scraper, "controller_sharding_drains_total")?;
+    let moves_before = sharder_counter(c, &scraper, "controller_sharding_movements_total")?;
 
     // Out: 3 → 5. Objects leave live shards only through drains.
     c.kubectl(&[
@@ -532,7 +633,7 @@ async fn kubectl_scale_rebalances_through_drains() -> anyhow::Result<()> {
     )
     .await?;
 
-    let drains = sharder_counter(c, "controller_sharding_drains_total")? - drains_before;
+    let drains = sharder_counter(c, &scraper, "controller_sharding_drains_total")? - drains_before;
     let drain_records = logs.records().iter().filter(|r| r.event == "drain").count();
     eprintln!(
         "scale out: {} Secrets moved, {drains} drains counted, {drain_records} drain records",
@@ -561,7 +662,7 @@ async fn kubectl_scale_rebalances_through_drains() -> anyhow::Result<()> {
         took < LEASE_DURATION,
         "scaling in took {took:?}, not less than the Lease duration {LEASE_DURATION:?}"
     );
-    let moves = sharder_counter(c, "controller_sharding_movements_total")? - moves_before;
+    let moves = sharder_counter(c, &scraper, "controller_sharding_movements_total")? - moves_before;
     ensure!(moves > 0.0, "no move counted after scaling in");
     let records = logs.stop().await;
     let remaining = shard_pods(c)?;

@@ -1,4 +1,5 @@
-//! The webhook's serving certificate, reloaded from disk when the files change.
+//! The serving certificate of the webhook and of the secure metrics, reloaded from disk when the
+//! files change.
 //!
 //! cert-manager and kubelet rotate mounted certificates in place; polling the files' modification
 //! times picks rotations up within seconds without restarting the process.
@@ -142,18 +143,32 @@ pub(crate) async fn watch_certificate(
     readiness: Arc<Readiness>,
     shutdown: CancellationToken,
 ) {
+    keep_certificate_loaded(reloader, "webhook", Some(readiness), shutdown).await;
+}
+
+/// Loads the certificate of the `server` named in the logs now and reloads it every
+/// [`RELOAD_INTERVAL`] when its files change, until `shutdown` fires; marks `readiness` once one
+/// is loaded, if given.
+pub(crate) async fn keep_certificate_loaded(
+    reloader: Arc<CertReloader>,
+    server: &'static str,
+    readiness: Option<Arc<Readiness>>,
+    shutdown: CancellationToken,
+) {
     loop {
         match reloader.reload_if_changed() {
             Ok(true) => {
-                readiness.set_certificate_loaded();
-                tracing::info!("loaded webhook serving certificate");
+                if let Some(readiness) = &readiness {
+                    readiness.set_certificate_loaded();
+                }
+                tracing::info!(server, "loaded serving certificate");
             }
             Ok(false) => {}
             Err(error) => {
                 if reloader.is_loaded() {
-                    tracing::warn!(%error, "failed to reload webhook serving certificate, keeping the previous one");
+                    tracing::warn!(%error, server, "failed to reload serving certificate, keeping the previous one");
                 } else {
-                    tracing::warn!(%error, "webhook serving certificate not available yet");
+                    tracing::warn!(%error, server, "serving certificate not available yet");
                 }
             }
         }
