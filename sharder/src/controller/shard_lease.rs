@@ -292,7 +292,7 @@ struct State {
     reported: Mutex<HashMap<String, Problems>>,
     /// Each ring's Lease problems by Lease UID, with the ring's membership version they are of.
     /// Keyed by the ring's membership version and its `spec.leaseNamespaces`, which decide them.
-    problems: Mutex<HashMap<RingRef, (RingVersion, Vec<String>, Arc<ProblemsByUid>)>>,
+    problems: Mutex<HashMap<RingRef, CachedProblems>>,
 }
 
 /// A ring's membership version, from [`LeaseIndex::ring_version`].
@@ -300,6 +300,10 @@ type RingVersion = (u64, u64);
 
 /// Problems of Leases by their UID; Leases without problems are absent.
 type ProblemsByUid = HashMap<String, Problems>;
+
+/// A ring's problems with the membership version and `spec.leaseNamespaces` they were computed
+/// for.
+type CachedProblems = (RingVersion, Vec<String>, Arc<ProblemsByUid>);
 
 /// What is wrong with a shard Lease, as reported.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
