@@ -152,6 +152,10 @@
 //!    `resourceVersion`, `{"metadata":{"resourceVersion":"<rv>","labels":{"<shard key>":null,
 //!    "<drain key>":null}}}`, and retry from a fresh read if it conflicts. Event filters must
 //!    always let objects with the drain label through.
+//! 5. **Step out when excluded** (this project's extension). While the Lease carries the
+//!    annotation `alpha.sharding.timebertt.dev/excluded` (value: the reason), the sharder keeps
+//!    it out of the ring: stop reconciling at once, acknowledge no drain, release the Lease, and
+//!    try again after a pause without taking a Lease that still carries the annotation.
 
 pub mod departures;
 pub mod drain;
