@@ -61,6 +61,13 @@ impl Shard {
     /// Each term gets a fresh guard; local state that should survive a rejoin lives outside
     /// `work`.
     ///
+    /// **Cost:** when acquiring *created* the Lease (the first start of a shard, or after the
+    /// sharder deleted a Lease released long ago), the work starts only after the first
+    /// successful renewal, one retry period later: the sharder cannot have judged a Lease
+    /// before it existed, and an exclusion (a duplicate name) shows up in that renewal's
+    /// answer. A Lease that existed already was judged, and an exclusion is seen in the read
+    /// before taking it.
+    ///
     /// [`HeldLease::run_while_held`]: crate::HeldLease::run_while_held
     /// [`ANNOTATION_EXCLUDED`]: sharding_crds::labels::ANNOTATION_EXCLUDED
     pub async fn run<W, F>(
@@ -82,13 +89,25 @@ impl Shard {
             };
             number += 1;
             let guard = held.guard();
+            // A Lease this process just created has not been judged by the sharder yet: if it
+            // is a duplicate, the exclusion arrives with the first renewal. Until then the
+            // objects labelled with this name may be another copy's.
+            let probation = held.created();
             let end = held
                 .run(shutdown, |stop| {
-                    work(Term {
+                    let first_renewal = guard.clone();
+                    let work = work(Term {
                         guard,
                         stop,
                         number,
-                    })
+                    });
+                    async move {
+                        if probation && first_renewal.renewed().await.is_err() {
+                            // Ended meanwhile: `run` reports how.
+                            return std::future::pending().await;
+                        }
+                        work.await;
+                    }
                 })
                 .await?;
             match end {

@@ -29,6 +29,8 @@ struct Shared {
     deadline: Mutex<Option<Instant>>,
     /// The exclusion reason, set before `ended` fires.
     excluded: Mutex<Option<String>>,
+    /// Counts successful renewals.
+    renewals: tokio::sync::watch::Sender<u64>,
 }
 
 /// The gate work passes right before it acts on behalf of a Lease holder (a reconcile starting,
@@ -68,6 +70,7 @@ impl LeaseGuard {
                 ended,
                 deadline: Mutex::new(deadline),
                 excluded: Mutex::new(None),
+                renewals: tokio::sync::watch::Sender::new(0),
             }),
         }
     }
@@ -129,6 +132,20 @@ impl LeaseGuard {
         }
     }
 
+    /// Resolves after the next successful renewal, or with the end if the guard ends first.
+    pub(crate) async fn renewed(&self) -> Result<(), GuardEnd> {
+        let mut renewals = self.shared.renewals.subscribe();
+        tokio::select! {
+            biased;
+            end = self.ended() => Err(end),
+            changed = renewals.changed() => match changed {
+                Ok(()) => Ok(()),
+                // The sender lives as long as `self`: unreachable, but never "renewed".
+                Err(_) => Err(self.ended().await),
+            },
+        }
+    }
+
     /// A token cancelled when the renewer signals loss or exclusion, or when a check found the
     /// deadline passed (a clone: cancelling it ends the guard).
     pub(super) fn token(&self) -> CancellationToken {
@@ -141,10 +158,13 @@ impl LeaseGuard {
         if self.shared.ended.is_cancelled() {
             return;
         }
-        let mut current = lock(&self.shared.deadline);
-        if let Some(current) = current.as_mut() {
-            *current = (*current).max(deadline);
+        {
+            let mut current = lock(&self.shared.deadline);
+            if let Some(current) = current.as_mut() {
+                *current = (*current).max(deadline);
+            }
         }
+        self.shared.renewals.send_modify(|count| *count += 1);
     }
 
     /// Ends the guard as lost.

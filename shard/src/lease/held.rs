@@ -179,6 +179,8 @@ impl Inner {
 pub struct HeldLease {
     pub(super) inner: Arc<Inner>,
     pub(super) guard: LeaseGuard,
+    /// Whether acquiring created the Lease (nobody else can have judged it yet).
+    pub(super) created: bool,
     pub(super) stop: CancellationToken,
     pub(super) renewer: Option<JoinHandle<Lease>>,
 }
@@ -208,6 +210,12 @@ impl HeldLease {
     /// [`Shard::reconciler`](crate::Shard::reconciler).
     pub fn guard(&self) -> LeaseGuard {
         self.guard.clone()
+    }
+
+    /// Whether acquiring this Lease created it: no one (the sharder, say) can have looked at it
+    /// before.
+    pub fn created(&self) -> bool {
+        self.created
     }
 
     /// Whether the Lease has been lost (or its renew deadline has passed, or it was excluded).

@@ -124,7 +124,9 @@ impl LeaseLock {
         loop {
             let started = Instant::now();
             match self.inner.try_acquire_once().await {
-                Ok(Attempt::Acquired(lease)) => return self.start_renewing(*lease, started),
+                Ok(Attempt::Acquired(lease, created)) => {
+                    return self.start_renewing(*lease, started, created);
+                }
                 Ok(Attempt::Excluded(reason)) => {
                     if last_exclusion.as_ref() != Some(&reason) {
                         error!(
@@ -167,13 +169,16 @@ impl LeaseLock {
     pub async fn try_acquire(&self) -> Result<Option<HeldLease>, Error> {
         let started = Instant::now();
         match self.inner.try_acquire_once().await? {
-            Attempt::Acquired(lease) => Ok(Some(self.start_renewing(*lease, started))),
+            Attempt::Acquired(lease, created) => {
+                Ok(Some(self.start_renewing(*lease, started, created)))
+            }
             Attempt::HeldBy(_) | Attempt::LostRace | Attempt::Excluded(_) => Ok(None),
         }
     }
 
-    /// Starts the renewer for a Lease acquired by a write sent at `written_at`.
-    fn start_renewing(&self, lease: Lease, written_at: Instant) -> HeldLease {
+    /// Starts the renewer for a Lease acquired by a write sent at `written_at` (which `created`
+    /// it, or took or renewed an existing one).
+    fn start_renewing(&self, lease: Lease, written_at: Instant, created: bool) -> HeldLease {
         let config = &self.inner.config;
         info!(
             event = EVENT_ACQUIRED,
@@ -195,6 +200,7 @@ impl LeaseLock {
         HeldLease {
             inner: Arc::clone(&self.inner),
             guard,
+            created,
             stop,
             renewer: Some(renewer),
         }
@@ -203,7 +209,8 @@ impl LeaseLock {
 
 /// Outcome of one acquire attempt.
 enum Attempt {
-    Acquired(Box<Lease>),
+    /// Ours now; `true` when this attempt created it.
+    Acquired(Box<Lease>, bool),
     HeldBy(String),
     LostRace,
     /// The Lease carries the exclusion annotation with this reason; it is not ours (any more).
@@ -321,7 +328,7 @@ impl Inner {
                     self.release_excluded(lease).await?;
                     Ok(Attempt::Excluded(reason))
                 }
-                None => Ok(Attempt::Acquired(Box::new(lease))),
+                None => Ok(Attempt::Acquired(Box::new(lease), creating)),
             },
             // Someone created, changed or deleted it since we read it: look again next time.
             // (A 404 on create means the namespace is missing: an error worth a warning.)

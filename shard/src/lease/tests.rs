@@ -687,7 +687,9 @@ async fn a_shard_steps_out_when_excluded_and_rejoins_after_the_pause() {
                 .await
         })
     };
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    // The Lease was created: the work starts after the first renewal, at 2 s.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(terms.lock().expect("lock").len(), 1);
     exclude(&fake, "DuplicateName");
     let excluded_at = Instant::now();
     // Stepped out at the next renewal; the annotation stays for a while, then goes.
@@ -737,4 +739,50 @@ async fn the_renewer_reports_a_deadline_a_guard_check_found_passed() {
         .await
         .expect("no error");
     assert_eq!(ended, HeldRunEnd::LeaseLost);
+}
+
+#[tokio::test(start_paused = true)]
+async fn work_on_a_created_lease_waits_for_the_first_renewal() {
+    use crate::{Shard, ShardRunEnd, Term};
+    let shard = Shard::new("r", "shard-a", "ns");
+    for excluded_at_once in [false, true] {
+        let fake = FakeStore::new();
+        let lock = lock(&fake, "shard-a");
+        let started = Arc::new(std::sync::Mutex::new(None));
+        let shutdown = CancellationToken::new();
+        let begin = Instant::now();
+        let run = {
+            let (shard, started, shutdown) =
+                (shard.clone(), Arc::clone(&started), shutdown.clone());
+            tokio::spawn(async move {
+                shard
+                    .run(&lock, &shutdown, |term: Term| {
+                        let started = Arc::clone(&started);
+                        async move {
+                            *started.lock().expect("lock") = Some(Instant::now());
+                            term.stop.cancelled().await;
+                        }
+                    })
+                    .await
+            })
+        };
+        settle().await;
+        assert!(fake.lease().is_some(), "created");
+        if excluded_at_once {
+            // The sharder judges the new Lease a duplicate before the first renewal.
+            exclude(&fake, "DuplicateName");
+        }
+        tokio::time::sleep(RETRY + Duration::from_millis(100)).await;
+        settle().await;
+        let at = *started.lock().expect("lock");
+        if excluded_at_once {
+            assert_eq!(at, None, "never worked on another copy's objects");
+            assert_eq!(spec(&fake).holder_identity.as_deref(), Some(""));
+        } else {
+            assert_eq!(at, Some(begin + RETRY), "started with the first renewal");
+        }
+        shutdown.cancel();
+        let ended = run.await.expect("task ok").expect("no error");
+        assert!(matches!(ended, ShardRunEnd::Stopped { .. }), "{ended:?}");
+    }
 }
