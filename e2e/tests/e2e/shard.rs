@@ -964,3 +964,59 @@ async fn an_excluded_shard_steps_out_and_touches_nothing() -> anyhow::Result<()>
     logs.passed();
     Ok(())
 }
+
+/// Audit F6.2: a shard process stopped (SIGSTOP, as a suspended VM) past its renew deadline while
+/// a reconcile waits, then resumed: the reconcile's timer and the renewer's fire together, in no
+/// set order. The reconcile checks the renew deadline it shares with the renewer (by the
+/// monotonic clock) and stops; nothing is written, although nobody took the Lease and the API
+/// server would have accepted the write. The shard then exits for the lost Lease.
+#[tokio::test]
+async fn a_shard_resumed_after_its_renew_deadline_writes_nothing() -> anyhow::Result<()> {
+    let client = cluster().client().await?;
+    let namespace = cluster().namespace(&client, "shard-suspend").await?;
+    let shard = unique_name("shard");
+    let mut process = start_slow_shard(&namespace, &shard, "3")?;
+    let leases: Api<Lease> = Api::namespaced(client.clone(), &namespace);
+    wait_for_holder(&leases, &shard, &shard).await?;
+
+    create_secret(
+        &client,
+        &namespace,
+        "slow-a",
+        Some(&shard),
+        &[("key", "v1")],
+    )
+    .await?;
+    process
+        .wait_for_record("the slow reconcile to start", WAIT, |r| {
+            is_record(r, "reconcile", &namespace, "slow-a")
+        })
+        .await?;
+    process.signal("STOP")?;
+    // Past the reconcile's 3 s and the renew deadline (2 s after the last renewal).
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    process.signal("CONT")?;
+    let status = process.wait(WAIT).await?;
+    ensure!(
+        !status.success(),
+        "a shard past its deadline exits non-zero"
+    );
+    ensure!(
+        !events(&process, "lease_lost").is_empty(),
+        "the loss is reported"
+    );
+    ensure!(
+        !process
+            .records()
+            .iter()
+            .any(|r| is_record(r, "applied", &namespace, "slow-a")),
+        "the resumed reconcile wrote"
+    );
+    let config_maps: Api<ConfigMap> = Api::namespaced(client.clone(), &namespace);
+    ensure!(
+        config_maps.get_opt("checksums-slow-a").await?.is_none(),
+        "the resumed reconcile wrote its ConfigMap"
+    );
+    process.passed();
+    Ok(())
+}
