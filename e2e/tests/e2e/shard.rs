@@ -1020,3 +1020,66 @@ async fn a_shard_resumed_after_its_renew_deadline_writes_nothing() -> anyhow::Re
     process.passed();
     Ok(())
 }
+
+/// Objects a shard held state for before its watch started (an earlier term) and that left
+/// while it was not watching are reported from the first listing: one moved to another shard
+/// (released, `found_moved`), one deleted (deleted); one still on the shard is not reported.
+#[tokio::test]
+async fn departures_while_not_watching_are_found_by_the_first_listing() -> anyhow::Result<()> {
+    use shard::{Departure, ObjectKey, Release};
+
+    let client = cluster().client().await?;
+    let namespace = cluster().namespace(&client, "shard-found").await?;
+    let name = unique_name("shard");
+    let shard = shard::Shard::new(RING, &name, &namespace);
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), &namespace);
+    let key = |secret: &Secret| ObjectKey {
+        namespace: secret.namespace(),
+        name: secret.name_any(),
+        uid: secret.uid(),
+    };
+    // What the shard served in its earlier term, and what happened to each since.
+    let stayed = create_secret(&client, &namespace, "stayed", Some(&name), &[]).await?;
+    let moved = create_secret(&client, &namespace, "moved", Some("other-shard"), &[]).await?;
+    let deleted = create_secret(&client, &namespace, "deleted", Some(&name), &[]).await?;
+    secrets
+        .delete("deleted", &kube::api::DeleteParams::default())
+        .await?;
+    // Recreated under the same name: a new object, the old one is still deleted.
+    create_secret(&client, &namespace, "deleted", Some(&name), &[]).await?;
+
+    let mut departures = shard
+        .departures(secrets.clone())
+        .with_known([key(&stayed), key(&moved), key(&deleted)])
+        .stream()
+        .boxed();
+    let mut seen = Vec::new();
+    for _ in 0..2 {
+        let departure = tokio::time::timeout(WAIT, departures.next())
+            .await
+            .context("no departure reported")?
+            .context("the stream ended")?;
+        seen.push(departure);
+    }
+    seen.sort_by(|a, b| a.object().name.cmp(&b.object().name));
+    assert_eq!(
+        seen,
+        vec![
+            Departure::Deleted {
+                object: key(&deleted)
+            },
+            Departure::Released {
+                object: key(&moved),
+                how: Release::FoundMoved
+            },
+        ]
+    );
+    // Nothing about the object that stayed.
+    ensure!(
+        tokio::time::timeout(Duration::from_secs(2), departures.next())
+            .await
+            .is_err(),
+        "a departure reported for an object still on the shard"
+    );
+    Ok(())
+}
