@@ -5,8 +5,10 @@
 //! Secret it owns it applies a ConfigMap `checksums-<secret>`, controlled by the Secret, mapping
 //! every Secret key to the lowercase hex SHA-256 of its value.
 //!
-//! Order of life: acquire the shard Lease, then run the controller; exit non-zero the moment the
-//! Lease is lost; on SIGTERM/SIGINT stop the controller, release the Lease, exit 0.
+//! Order of life ([`shard::Shard::run`]): acquire the shard Lease, then run the controller and the
+//! departures watch; exit non-zero the moment the Lease is lost; on SIGTERM/SIGINT stop the
+//! controller, release the Lease, exit 0; when the sharder excludes the shard, stop at once,
+//! release the Lease and rejoin after `--rejoin-pause`.
 //!
 //! Every record that tells what the shard did carries an `event` field; `--log-format=json` prints
 //! one JSON object per line with the fields at the top level:
