@@ -384,30 +384,40 @@ pub fn start_checksum_shard_of(
     shard: &str,
     timing: ShardTiming,
 ) -> anyhow::Result<crate::process::Process> {
+    start_checksum_shard_with(ring, namespace, shard, timing, &[])
+}
+
+/// [`start_checksum_shard_of`] with `extra` flags appended (test hooks such as
+/// `--testing-reconcile-delay`, or `--rejoin-pause`).
+pub fn start_checksum_shard_with(
+    ring: &RingRef,
+    namespace: &str,
+    shard: &str,
+    timing: ShardTiming,
+    extra: &[&str],
+) -> anyhow::Result<crate::process::Process> {
     let ShardTiming(duration, deadline, retry) = timing;
-    crate::process::Process::start(
-        "checksum-controller",
-        [
-            "--ring-kind",
-            ring.kind.kind(),
-            "--ring",
-            &ring.name,
-            "--namespace",
-            namespace,
-            "--lease-namespace",
-            namespace,
-            "--shard-name",
-            shard,
-            "--lease-duration",
-            duration,
-            "--renew-deadline",
-            deadline,
-            "--retry-period",
-            retry,
-            "--log-format",
-            "json",
-        ],
-    )
+    let args = [
+        "--ring-kind",
+        ring.kind.kind(),
+        "--ring",
+        &ring.name,
+        "--namespace",
+        namespace,
+        "--lease-namespace",
+        namespace,
+        "--shard-name",
+        shard,
+        "--lease-duration",
+        duration,
+        "--renew-deadline",
+        deadline,
+        "--retry-period",
+        retry,
+        "--log-format",
+        "json",
+    ];
+    crate::process::Process::start("checksum-controller", args.iter().chain(extra).copied())
 }
 
 /// Warning Events the sharder recorded about the Lease `name` in `namespace`.

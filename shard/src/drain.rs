@@ -7,11 +7,11 @@
 //! sharder's webhook hand the object to its new shard. This ordering guarantees the object is
 //! never reconciled by two shards at once.
 //!
-//! The wrapper is also the last gate before the shard acts on an object: it is given the token
-//! that fires when the shard's Lease is lost ([`HeldLease::lost_token`]) and starts neither a
-//! reconcile nor a drain acknowledgement once it has fired.
+//! The wrapper is also the last gate before the shard acts on an object: it is given the shard
+//! Lease's guard ([`HeldLease::guard`]), starts neither a reconcile nor a drain acknowledgement
+//! once it has ended, and cancels those in flight when it ends.
 //!
-//! [`HeldLease::lost_token`]: crate::HeldLease::lost_token
+//! [`HeldLease::guard`]: crate::HeldLease::guard
 
 use std::collections::hash_map::DefaultHasher;
 use std::fmt::Debug;
@@ -26,10 +26,11 @@ use kube::runtime::Predicate;
 use kube::runtime::controller::Action;
 use kube::{Client, Resource, ResourceExt};
 use serde_json::json;
-use tokio_util::sync::CancellationToken;
 use tracing::{debug, info};
 
 use crate::Shard;
+use crate::lease::{GuardEnd, LeaseGuard};
+use crate::ownership::{Fetch, Ownership};
 
 /// What a shard does with an object it was handed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -81,16 +82,24 @@ pub enum ReconcileError<E: std::error::Error + 'static> {
         /// `namespace/name` (or `name` when cluster-scoped) of the object.
         object: String,
     },
-    /// The shard's Lease was lost before the work on this object started: the wrapped
-    /// reconciler did not run and no drain was acknowledged. Nothing is left to do: the
-    /// controller is about to be dropped ([`HeldLease::run_while_held`]), and another shard may
-    /// own the object already.
-    ///
-    /// [`HeldLease::run_while_held`]: crate::HeldLease::run_while_held
-    #[error("failed to start work on {object}: the shard Lease is lost")]
+    /// The shard's Lease was lost (or its renew deadline passed) before the work on this object
+    /// started, or while it ran: the wrapped reconciler did not run or was cancelled mid-flight,
+    /// and no drain was acknowledged. Nothing is left to do: another shard may own the object
+    /// already.
+    #[error("failed to work on {object}: the shard Lease is lost")]
     LeaseLost {
         /// `namespace/name` (or `name` when cluster-scoped) of the object.
         object: String,
+    },
+    /// The sharder excluded this shard's Lease from its ring: as [`ReconcileError::LeaseLost`],
+    /// and no drain is acknowledged either (the objects labelled with this shard's name may be
+    /// another shard's of the same name).
+    #[error("failed to work on {object}: the shard is excluded from its ring ({reason})")]
+    Excluded {
+        /// `namespace/name` (or `name` when cluster-scoped) of the object.
+        object: String,
+        /// The exclusion reason the sharder gave.
+        reason: String,
     },
     /// The wrapped reconciler failed.
     #[error(transparent)]
@@ -111,10 +120,18 @@ impl<E: std::error::Error + 'static> ReconcileError<E> {
         matches!(self, Self::Drain { source: kube::Error::Api(s), .. } if s.code == 409)
     }
 
-    /// Whether nothing was done because the shard's Lease was lost
-    /// ([`ReconcileError::LeaseLost`]): not a failure to retry.
+    /// Whether nothing was done, or the work was cancelled, because the shard's Lease was lost
+    /// ([`ReconcileError::LeaseLost`]) or excluded ([`ReconcileError::Excluded`]): not a
+    /// failure to retry.
     pub fn is_lease_lost(&self) -> bool {
-        matches!(self, Self::LeaseLost { .. })
+        matches!(self, Self::LeaseLost { .. } | Self::Excluded { .. })
+    }
+
+    fn from_end(end: GuardEnd, object: String) -> Self {
+        match end {
+            GuardEnd::LeaseLost => Self::LeaseLost { object },
+            GuardEnd::Excluded(reason) => Self::Excluded { object, reason },
+        }
     }
 }
 
@@ -139,38 +156,46 @@ fn object_ref(meta: &kube::api::ObjectMeta) -> String {
 
 impl Shard {
     /// Wraps the controller's reconciler `inner` with the shard's drain handling, and stops it
-    /// from acting once the shard's Lease is lost:
+    /// from acting once the shard's Lease ends:
     ///
-    /// - assigned to this shard, not draining: `inner` runs;
+    /// - assigned to this shard, not draining: `inner` runs, with an [`Ownership`] to confirm
+    ///   before its first write;
     /// - assigned and draining: `inner` does **not** run; the drain is acknowledged with
     ///   [`Shard::drain_patch`] and logged at info level with `event = "drain"`; a failure (e.g.
     ///   a conflict) is returned as [`ReconcileError::Drain`] so the error policy requeues;
     /// - not assigned: nothing runs, `Action::await_change()`;
-    /// - `lost` has fired: nothing runs and nothing is written, [`ReconcileError::LeaseLost`].
+    /// - `guard` ended (Lease lost, renew deadline passed, excluded): nothing starts and nothing
+    ///   is written, [`ReconcileError::LeaseLost`] or [`ReconcileError::Excluded`].
     ///
-    /// Pass the shard Lease's [`HeldLease::lost_token`] as `lost`. The wrapper checks it when
-    /// the controller calls it and again when the controller first polls the returned future,
-    /// right before `inner` starts and right before the acknowledgement is sent.
-    /// [`HeldLease::run_while_held`] drops the controller once the Lease is lost, but only at
-    /// its own next poll; until then a controller running on another thread could still start
-    /// work, and this check closes that gap.
+    /// Pass the shard Lease's [`HeldLease::guard`] ([`Term::guard`] under [`Shard::run`]; for
+    /// work not guarded by a [`LeaseLock`], [`LeaseGuard::from_token`]). The wrapper checks it when the controller calls
+    /// it and again when the controller first polls the returned future, right before `inner`
+    /// starts and right before the acknowledgement is sent; the guard fails from the renew
+    /// deadline on by the monotonic clock, even if the renewer has not run since (after a VM
+    /// suspend, say). While `inner` or the acknowledgement runs, it races them against
+    /// [`LeaseGuard::ended`]: when the guard ends, the reconcile future is dropped at once, at
+    /// whatever `.await` it waits, and returns [`ReconcileError::LeaseLost`].
     ///
-    /// **Sharp edge:** the check races with the loss. A reconcile or acknowledgement that
-    /// passed it a moment before the token fired goes on (until the controller is dropped) and
-    /// may log, or finish its write, microseconds after the loss was recorded. What the check
-    /// guarantees is that nothing *starts* after the token has fired. Pass a token that never
-    /// fires (`CancellationToken::new()`) only for work that is not guarded by a Lease.
+    /// **Sharp edges:**
+    /// - Dropping cancels only what the reconcile future owns: a request already on the wire
+    ///   may still be applied by the API server, and a task the reconcile spawned keeps
+    ///   running. Confirm with [`Ownership::confirm`] right before the first write, which
+    ///   checks the guard and the object's labels, so a write is never *sent* after the
+    ///   guard or the object's assignment says no.
+    /// - A check racing the end can pass microseconds before it; what passed is cancelled as
+    ///   soon as the guard's end is noticed.
     ///
     /// The result plugs into `Controller::run` directly. `K::DynamicType` must be `Default`
     /// (every `k8s-openapi` type and derived custom resource); use
     /// [`Shard::reconciler_with`] for dynamic types.
     ///
-    /// [`HeldLease::lost_token`]: crate::HeldLease::lost_token
-    /// [`HeldLease::run_while_held`]: crate::HeldLease::run_while_held
+    /// [`HeldLease::guard`]: crate::HeldLease::guard
+    /// [`LeaseLock`]: crate::LeaseLock
+    /// [`Term::guard`]: crate::Term::guard
     pub fn reconciler<K, Ctx, F, Fut, E>(
         &self,
         client: Client,
-        lost: CancellationToken,
+        guard: LeaseGuard,
         inner: F,
     ) -> impl FnMut(Arc<K>, Arc<Ctx>) -> BoxFuture<'static, Result<Action, ReconcileError<E>>>
     + Send
@@ -180,11 +205,11 @@ impl Shard {
         K: Resource + Send + Sync + 'static,
         K::DynamicType: Default,
         Ctx: Send + Sync + 'static,
-        F: FnMut(Arc<K>, Arc<Ctx>) -> Fut + Send + 'static,
+        F: FnMut(Arc<K>, Arc<Ctx>, Ownership) -> Fut + Send + 'static,
         Fut: Future<Output = Result<Action, E>> + Send + 'static,
         E: std::error::Error + Send + 'static,
     {
-        self.reconciler_with(client, &K::DynamicType::default(), lost, inner)
+        self.reconciler_with(client, &K::DynamicType::default(), guard, inner)
     }
 
     /// [`Shard::reconciler`] for resources with runtime type information (`DynamicObject`).
@@ -192,7 +217,7 @@ impl Shard {
         &self,
         client: Client,
         dyntype: &K::DynamicType,
-        lost: CancellationToken,
+        guard: LeaseGuard,
         mut inner: F,
     ) -> impl FnMut(Arc<K>, Arc<Ctx>) -> BoxFuture<'static, Result<Action, ReconcileError<E>>>
     + Send
@@ -201,7 +226,7 @@ impl Shard {
     where
         K: Resource + Send + Sync + 'static,
         Ctx: Send + Sync + 'static,
-        F: FnMut(Arc<K>, Arc<Ctx>) -> Fut + Send + 'static,
+        F: FnMut(Arc<K>, Arc<Ctx>, Ownership) -> Fut + Send + 'static,
         Fut: Future<Output = Result<Action, E>> + Send + 'static,
         E: std::error::Error + Send + 'static,
     {
@@ -209,20 +234,27 @@ impl Shard {
         // Patching through the erased type works for namespaced and cluster-scoped kinds alike.
         let resource = ApiResource::erase::<K>(dyntype);
         move |object: Arc<K>, context: Arc<Ctx>| {
-            let client = client.clone();
-            let resource = resource.clone();
+            let api: Api<DynamicObject> = match object.meta().namespace.as_deref() {
+                Some(namespace) => Api::namespaced_with(client.clone(), namespace, &resource),
+                None => Api::all_with(client.clone(), &resource),
+            };
+            let name = object.name_any();
+            let fetch: Fetch = {
+                let (api, name) = (api.clone(), name.clone());
+                Arc::new(move || {
+                    let (api, name) = (api.clone(), name.clone());
+                    async move { Ok(api.get_opt(&name).await?.map(|o| o.metadata)) }.boxed()
+                })
+            };
             dispatch(
                 &shard,
-                &lost,
+                &guard,
                 object,
                 context,
                 &mut inner,
-                move |object: Arc<K>, patch| async move {
-                    let api: Api<DynamicObject> = match object.meta().namespace.as_deref() {
-                        Some(namespace) => Api::namespaced_with(client, namespace, &resource),
-                        None => Api::all_with(client, &resource),
-                    };
-                    api.patch(&object.name_any(), &patch_params(), &Patch::Merge(&patch))
+                fetch,
+                move |_object: Arc<K>, patch| async move {
+                    api.patch(&name, &patch_params(), &Patch::Merge(&patch))
                         .await
                         .map(|_| ())
                 },
@@ -242,23 +274,25 @@ impl Shard {
     }
 }
 
-/// Decides and starts the work for one object; the acknowledgement is injected so tests can
-/// observe it without an API server.
+/// Decides and starts the work for one object; the reads and the acknowledgement are injected
+/// so tests can observe them without an API server.
 ///
-/// `lost` is checked now and again when the returned future is first polled, right before
+/// `guard` is checked now and again when the returned future is first polled, right before
 /// `inner`'s future or the acknowledgement starts: the controller may poll it later than it
-/// called the wrapper. `acknowledge` is only called after that second check.
+/// called the wrapper. `acknowledge` is only called after that second check. Both then race
+/// against the guard's end.
 fn dispatch<K, Ctx, F, Fut, E, A, AFut>(
     shard: &Shard,
-    lost: &CancellationToken,
+    guard: &LeaseGuard,
     object: Arc<K>,
     context: Arc<Ctx>,
     inner: &mut F,
+    fetch: Fetch,
     acknowledge: A,
 ) -> BoxFuture<'static, Result<Action, ReconcileError<E>>>
 where
     K: Resource + Send + Sync + 'static,
-    F: FnMut(Arc<K>, Arc<Ctx>) -> Fut,
+    F: FnMut(Arc<K>, Arc<Ctx>, Ownership) -> Fut,
     Fut: Future<Output = Result<Action, E>> + Send + 'static,
     E: std::error::Error + Send + 'static,
     A: FnOnce(Arc<K>, serde_json::Value) -> AFut + Send + 'static,
@@ -266,14 +300,11 @@ where
 {
     let meta = object.meta();
     let object_name = object_ref(meta);
-    if lost.is_cancelled() {
-        debug!(object = %object_name, shard = %shard.name(), "not starting work: the shard Lease is lost");
-        return futures::future::ready(Err(ReconcileError::LeaseLost {
-            object: object_name,
-        }))
-        .boxed();
+    if let Err(end) = guard.check() {
+        debug!(object = %object_name, shard = %shard.name(), ?end, "not starting work: the shard Lease ended");
+        return futures::future::ready(Err(ReconcileError::from_end(end, object_name))).boxed();
     }
-    let lost = lost.clone();
+    let guard = guard.clone();
     match shard.classify(meta) {
         Disposition::Ignore => {
             debug!(
@@ -284,16 +315,28 @@ where
             futures::future::ready(Ok(Action::await_change())).boxed()
         }
         Disposition::Reconcile => {
+            let ownership = Ownership::new(
+                shard.clone(),
+                object_name.clone(),
+                meta.uid.clone(),
+                guard.clone(),
+                fetch,
+            );
             // Calling an `async fn` only builds its future; its body starts at the first poll,
             // after the check below.
-            let reconcile = inner(object, context);
+            let reconcile = inner(object, context, ownership);
             async move {
-                if lost.is_cancelled() {
-                    return Err(ReconcileError::LeaseLost {
-                        object: object_name,
-                    });
+                guard
+                    .check()
+                    .map_err(|end| ReconcileError::from_end(end, object_name.clone()))?;
+                tokio::select! {
+                    biased;
+                    end = guard.ended() => {
+                        debug!(object = %object_name, ?end, "cancelled a reconcile in flight: the shard Lease ended");
+                        Err(ReconcileError::from_end(end, object_name))
+                    }
+                    result = reconcile => result.map_err(ReconcileError::Reconcile),
                 }
-                reconcile.await.map_err(ReconcileError::Reconcile)
             }
             .boxed()
         }
@@ -309,17 +352,18 @@ where
             let shard_name = shard.name().to_string();
             let patch = shard.drain_patch(&resource_version);
             async move {
-                if lost.is_cancelled() {
-                    return Err(ReconcileError::LeaseLost {
-                        object: object_name,
-                    });
-                }
-                acknowledge(object, patch)
-                    .await
-                    .map_err(|source| ReconcileError::Drain {
-                        object: object_name,
-                        source,
-                    })?;
+                guard
+                    .check()
+                    .map_err(|end| ReconcileError::from_end(end, object_name.clone()))?;
+                let acknowledged = tokio::select! {
+                    biased;
+                    end = guard.ended() => return Err(ReconcileError::from_end(end, object_name)),
+                    acknowledged = acknowledge(object, patch) => acknowledged,
+                };
+                acknowledged.map_err(|source| ReconcileError::Drain {
+                    object: object_name,
+                    source,
+                })?;
                 info!(
                     event = "drain",
                     %namespace,

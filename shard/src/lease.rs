@@ -41,6 +41,7 @@
 //! | `lease_acquired` | info | `identity`, `transitions` (`spec.leaseTransitions`) |
 //! | `lease_lost` | warn | `renew_deadline` (missed it) or `holder` (someone else, or `<none>`) |
 //! | `lease_released` | info | |
+//! | `lease_excluded` | error | `reason` (the exclusion annotation's value, see [`LeaseLockConfig::with_exclusion_annotation`]) |
 //!
 //! All three carry `lease`, `namespace` and `resource_version`: the Lease's
 //! `metadata.resourceVersion` as this lock last wrote it (by the acquiring write; by the last
@@ -50,6 +51,7 @@
 
 mod config;
 mod decision;
+mod guard;
 mod held;
 mod lock;
 mod store;
@@ -59,6 +61,14 @@ mod tests;
 use k8s_openapi::api::coordination::v1::Lease;
 
 pub use self::config::LeaseLockConfig;
+pub use self::guard::{GuardEnd, LeaseGuard};
+pub(crate) use self::held::RunEnd;
+
+/// Ends `guard` as excluded for `DuplicateName`, as the renewer would (for other modules' tests).
+#[cfg(test)]
+pub(crate) fn guard_exclude(guard: &LeaseGuard) {
+    guard.exclude("DuplicateName".into());
+}
 pub use self::held::{HeldLease, HeldRunEnd};
 pub use self::lock::LeaseLock;
 pub use sharding_crds::lease::{
@@ -109,6 +119,9 @@ pub enum Error {
 const EVENT_ACQUIRED: &str = "lease_acquired";
 /// `event` of the record logged when the Lease is lost, right after the lost token fired.
 const EVENT_LOST: &str = "lease_lost";
+/// `event` of the record logged (at error level) when the lock finds its Lease excluded from its
+/// ring, with the `reason` (see [`LeaseLockConfig::with_exclusion_annotation`]).
+const EVENT_EXCLUDED: &str = "lease_excluded";
 /// `event` of the record logged when [`HeldLease::release`] emptied the holder.
 const EVENT_RELEASED: &str = "lease_released";
 

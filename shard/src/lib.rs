@@ -8,12 +8,20 @@
 //! - [`LeaseLock`]: a Lease lock (acquire, renew, notice loss, release) used for the shard's
 //!   membership Lease, and reusable for leader election;
 //! - [`HeldLease::run_while_held`]: the lifecycle of work guarded by a Lease: dropped at once on
-//!   loss, stopped and then the Lease released on shutdown;
+//!   loss, stopped and then the Lease released on shutdown; [`LeaseGuard`]: what work checks
+//!   right before it acts (the lost token and the monotonic renew deadline, shared with the
+//!   renewer);
+//! - [`Shard::run`]: a shard's membership, term after term: acquire, run while held, and step
+//!   out (release, pause, rejoin) when the sharder excludes the shard's Lease from its ring;
 //! - [`Shard`]: the shard's identity, its label keys, the label-selected
 //!   [watcher configuration](Shard::watcher_config) and its [Lease configuration](Shard::lease_config);
 //! - [`Shard::reconciler`]: a wrapper around your reconciler that acknowledges drains, never
-//!   lets your code see an object that is being moved away, and starts nothing once the Lease's
-//!   [lost token](HeldLease::lost_token) fired; [`Shard::predicate`] for event filters.
+//!   lets your code see an object that is being moved away, starts nothing once the Lease's
+//!   [guard](HeldLease::guard) ended and cancels reconciles in flight when it ends; it hands
+//!   your reconciler an [`Ownership`] to confirm before the first write; [`Shard::predicate`]
+//!   for event filters;
+//! - [`Shard::departures`]: a stream of objects that left the shard ([`Departure::Released`]),
+//!   told apart from deleted ones ([`Departure::Deleted`]), for local state.
 //!
 //! The crate logs through `tracing` and never installs a subscriber. The example shard,
 //! `checksum-controller`, is a package of its own (`shard/checksum-controller/`), so the library
@@ -21,8 +29,11 @@
 //!
 //! | module | what |
 //! |---|---|
-//! | [`lease`] | the Lease lock, [`HeldLease::run_while_held`], and the pure acquire decision it uses |
-//! | [`drain`] | the reconciler wrapper that acknowledges drains |
+//! | [`lease`] | the Lease lock, [`LeaseGuard`], [`HeldLease::run_while_held`], and the pure acquire decision it uses |
+//! | [`drain`] | the reconciler wrapper that acknowledges drains and cancels reconciles when the Lease ends |
+//! | `ownership` | [`Ownership`]: the check before a reconcile's first write |
+//! | [`departures`] | released versus deleted objects |
+//! | `membership` | [`Shard::run`]: terms, exclusion and rejoining |
 //! | `shard` | [`Shard`]: identity, label keys, watcher and Lease configuration |
 //!
 //! When a Lease expires, valid timing and valid shard names are the protocol's rules in
@@ -38,16 +49,25 @@
 //! use k8s_openapi::api::core::v1::{ConfigMap, Secret};
 //! use kube::runtime::controller::{Action, Controller};
 //! use kube::{Api, Client};
-//! use shard::{HeldRunEnd, LeaseLock, Shard};
+//! use shard::{Departure, LeaseLock, Ownership, OwnershipError, Shard, ShardRunEnd, Term};
 //! use tokio_util::sync::CancellationToken;
 //!
 //! #[derive(Debug, thiserror::Error)]
-//! #[error("failed to reconcile")]
-//! struct Error;
+//! enum Error {
+//!     #[error(transparent)]
+//!     Ownership(#[from] OwnershipError),
+//! }
 //!
-//! /// Your reconciler, unchanged: it only ever sees objects assigned to this shard that are not
-//! /// being drained.
-//! async fn reconcile(secret: Arc<Secret>, _context: Arc<()>) -> Result<Action, Error> {
+//! /// Your reconciler: it only ever sees objects assigned to this shard that are not being
+//! /// drained, and confirms they still are right before its first write.
+//! async fn reconcile(
+//!     secret: Arc<Secret>,
+//!     _context: Arc<()>,
+//!     ownership: Ownership,
+//! ) -> Result<Action, Error> {
+//!     // ... read and compute (no writes) ...
+//!     ownership.confirm().await?; // one GET: still ours, not draining, Lease held
+//!     // ... write ...
 //!     Ok(Action::await_change())
 //! }
 //!
@@ -56,38 +76,52 @@
 //!     let client = Client::try_default().await?;
 //!     // The shard name must be unique in the ring and stable: use the pod name.
 //!     let shard = Shard::new("my-ring", "my-controller-0", "default");
-//!
-//!     // 1. Announce membership before doing any work.
 //!     let lock = LeaseLock::new(client.clone(), shard.lease_config())?;
-//!     let held = lock.acquire().await;
-//!
-//!     // 2. Run the controller, watching only this shard's objects (main and controlled), while
-//!     //    the Lease is held: it is dropped at once when the Lease is lost (another shard may
-//!     //    own our objects now); on shutdown it stops, then the Lease is released so the sharder
-//!     //    hands our objects over at once.
 //!     let shutdown = CancellationToken::new();
 //!     let on_signal = shutdown.clone();
 //!     tokio::spawn(async move {
 //!         let _ = tokio::signal::ctrl_c().await;
 //!         on_signal.cancel();
 //!     });
-//!     // The wrapper checks the lost token right before every reconcile and drain
-//!     // acknowledgement, so nothing starts once the Lease is lost, even on another thread.
-//!     let lost = held.lost_token();
-//!     let controller = |stop: CancellationToken| {
-//!         Controller::new(Api::<Secret>::all(client.clone()), shard.watcher_config())
+//!
+//!     // Each membership term: the controller, watching only this shard's objects (main and
+//!     // controlled), and the departures of its main objects, next to each other.
+//!     let term = |term: Term| {
+//!         let controller = Controller::new(Api::<Secret>::all(client.clone()), shard.watcher_config())
 //!             .owns(Api::<ConfigMap>::all(client.clone()), shard.watcher_config())
-//!             .graceful_shutdown_on(stop.cancelled_owned())
+//!             .graceful_shutdown_on(term.stop.cancelled_owned())
 //!             .run(
-//!                 shard.reconciler(client.clone(), lost, reconcile),
+//!                 // Acknowledges drains; starts nothing once the term's guard ended and
+//!                 // cancels reconciles in flight when it ends.
+//!                 shard.reconciler(client.clone(), term.guard, reconcile),
 //!                 |_, _, _| Action::requeue(Duration::from_secs(5)),
 //!                 Arc::new(()),
 //!             )
-//!             .for_each(|_| async {})
+//!             .for_each(|_| async {});
+//!         let departures = shard
+//!             .departures(Api::<Secret>::all(client.clone()))
+//!             .stream()
+//!             .for_each(|departure| async move {
+//!                 match departure {
+//!                     // Moved to another shard: drop local state, leave external resources.
+//!                     Departure::Released { .. } => {}
+//!                     // Gone from the API server: clean up.
+//!                     Departure::Deleted { .. } => {}
+//!                 }
+//!             });
+//!         async move {
+//!             tokio::select! {
+//!                 () = controller => {}
+//!                 () = departures => {}
+//!             }
+//!         }
 //!     };
-//!     match held.run_while_held(&shutdown, controller).await? {
-//!         HeldRunEnd::LeaseLost => anyhow::bail!("lost the shard Lease"),
-//!         HeldRunEnd::WorkEnded { .. } => Ok(()),
+//!     // Acquires the Lease before any work; drops the work at once when the Lease is lost;
+//!     // on shutdown stops it, then releases the Lease so the sharder hands our objects over at
+//!     // once; steps out and rejoins later when the sharder excludes this shard.
+//!     match shard.run(&lock, &shutdown, term).await? {
+//!         ShardRunEnd::LeaseLost => anyhow::bail!("lost the shard Lease"),
+//!         ShardRunEnd::Stopped { .. } => Ok(()),
 //!     }
 //! }
 //! ```
@@ -118,13 +152,23 @@
 //!    `resourceVersion`, `{"metadata":{"resourceVersion":"<rv>","labels":{"<shard key>":null,
 //!    "<drain key>":null}}}`, and retry from a fresh read if it conflicts. Event filters must
 //!    always let objects with the drain label through.
+//! 5. **Step out when excluded** (this project's extension). While the Lease carries the
+//!    annotation `alpha.sharding.timebertt.dev/excluded` (value: the reason), the sharder keeps
+//!    it out of the ring: stop reconciling at once, acknowledge no drain, release the Lease, and
+//!    try again after a pause without taking a Lease that still carries the annotation.
 
+pub mod departures;
 pub mod drain;
 pub mod lease;
+mod membership;
+mod ownership;
 mod shard;
 
+pub use crate::departures::{Departure, Departures, ObjectKey, Release};
 pub use crate::drain::{Disposition, DrainPassthrough, ReconcileError};
-pub use crate::lease::{HeldLease, HeldRunEnd, LeaseLock, LeaseLockConfig};
-pub use crate::shard::Shard;
+pub use crate::lease::{GuardEnd, HeldLease, HeldRunEnd, LeaseGuard, LeaseLock, LeaseLockConfig};
+pub use crate::membership::{EVENT_SHARD_EXCLUDED, ShardRunEnd, Term};
+pub use crate::ownership::{Ownership, OwnershipError};
+pub use crate::shard::{DEFAULT_REJOIN_PAUSE, Shard};
 /// The kind of ring a [`Shard`] joins.
 pub use sharding_crds::RingKind;

@@ -1,6 +1,8 @@
 //! One shard of one ring: its name, the label keys of its ring, its membership Lease and the
 //! watch configuration that limits it to its own objects.
 
+use std::time::Duration;
+
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::runtime::watcher;
 use sharding_crds::RingKind;
@@ -31,7 +33,11 @@ pub struct Shard {
     shard_label_key: String,
     drain_label_key: String,
     weight: Option<u32>,
+    rejoin_pause: Duration,
 }
+
+/// How long [`Shard::run`] waits by default before rejoining after an exclusion.
+pub const DEFAULT_REJOIN_PAUSE: Duration = Duration::from_secs(30);
 
 impl Shard {
     /// A shard named `name` (also the name and holder identity of its Lease) in ring `ring`.
@@ -72,6 +78,7 @@ impl Shard {
             name: name.into(),
             lease_namespace: lease_namespace.into(),
             weight: None,
+            rejoin_pause: DEFAULT_REJOIN_PAUSE,
         }
     }
 
@@ -82,6 +89,19 @@ impl Shard {
     pub fn with_weight(mut self, weight: u32) -> Self {
         self.weight = Some(weight);
         self
+    }
+
+    /// The shard waiting `pause` (instead of [`DEFAULT_REJOIN_PAUSE`]) before [`Shard::run`]
+    /// tries to rejoin the ring after the sharder excluded it.
+    #[must_use]
+    pub fn with_rejoin_pause(mut self, pause: Duration) -> Self {
+        self.rejoin_pause = pause;
+        self
+    }
+
+    /// How long [`Shard::run`] waits before rejoining after an exclusion.
+    pub fn rejoin_pause(&self) -> Duration {
+        self.rejoin_pause
     }
 
     /// The kind of the ring.
@@ -131,13 +151,16 @@ impl Shard {
 
     /// Configuration of the shard's membership Lease: name and holder identity are the shard
     /// name, labelled with the ring (the label key depends on the ring kind), annotated with the
-    /// weight if one was set. Default timing; adjust it with the `with_*` methods.
+    /// weight if one was set, and watching the sharder's exclusion annotation
+    /// ([`labels::ANNOTATION_EXCLUDED`], see [`LeaseLockConfig::with_exclusion_annotation`]).
+    /// Default timing; adjust it with the `with_*` methods.
     pub fn lease_config(&self) -> LeaseLockConfig {
         // Dropping the other kind's ring label lets a shard move between kinds on the same Lease:
         // a Lease carrying both is used by neither ring.
         let config = LeaseLockConfig::new(&self.lease_namespace, &self.name, &self.name)
             .with_label(self.kind.lease_label(), &self.ring)
-            .without_label(self.kind.other().lease_label());
+            .without_label(self.kind.other().lease_label())
+            .with_exclusion_annotation(labels::ANNOTATION_EXCLUDED);
         match self.weight {
             Some(weight) => config.with_annotation(labels::ANNOTATION_WEIGHT, weight.to_string()),
             None => config,

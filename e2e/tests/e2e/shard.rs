@@ -1,14 +1,18 @@
 //! The shard library and the `checksum-controller` example against a real API server.
 //!
-//! No sharder runs here: the tests write shard and drain labels themselves, playing the sharder's
-//! part of the protocol.
+//! No sharder runs here, except for the exclusion test: the tests write shard and drain labels
+//! themselves, playing the sharder's part of the protocol.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 
 use anyhow::{Context, ensure};
-use e2e::fixtures::{ShardTiming, start_checksum_shard};
+use e2e::fixtures::{
+    ShardTiming, create_lease, create_ring, ring_spec, secret, start_checksum_shard,
+    start_checksum_shard_with, wait_labelled, wait_status, wait_webhook,
+};
 use e2e::process::{Process, poll_until};
+use e2e::scenario::SharedScenario;
 use e2e::{cluster, unique_name};
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::ByteString;
@@ -21,6 +25,7 @@ use kube::{Client, ResourceExt};
 use serde_json::{Value, json};
 use shard::{LeaseLock, LeaseLockConfig};
 use sharding_crds::labels;
+use sharding_crds::{RingKind, RingRef};
 
 const RING: &str = "checksum-controller";
 /// Lease duration of [`ShardTiming::FAST`], which the shards here use so that loss and takeover
@@ -530,5 +535,551 @@ async fn lease_lock_elects_one_holder_and_hands_over_on_release() -> anyhow::Res
     assert_eq!(lease.spec.and_then(|s| s.lease_transitions), Some(1));
     assert!(!successor.is_lost());
     assert!(successor.release().await?);
+    Ok(())
+}
+
+/// Starts a checksum-controller shard whose reconciles of `slow-*` Secrets wait `delay` seconds
+/// before writing, with `extra` flags.
+fn start_slow_shard(namespace: &str, shard: &str, delay: &str) -> anyhow::Result<Process> {
+    let ring = RingRef::new(RingKind::ClusterRing, RING);
+    start_checksum_shard_with(
+        &ring,
+        namespace,
+        shard,
+        ShardTiming::FAST,
+        &["--testing-reconcile-delay", delay],
+    )
+}
+
+/// Adds the drain label to Secret `name` as the sharder does: a merge patch guarded by the
+/// `resourceVersion` just read.
+async fn drain_secret(secrets: &Api<Secret>, name: &str) -> anyhow::Result<Secret> {
+    let current = secrets.get(name).await?;
+    Ok(secrets
+        .patch(
+            name,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {
+                "resourceVersion": current.resource_version(),
+                "labels": {drain_key(): "true"},
+            }})),
+        )
+        .await?)
+}
+
+/// A reconcile that was in flight when its object was drained re-reads the object before its
+/// first write, finds the drain label and stops: its ConfigMap is never written, and the drain
+/// is acknowledged once the reconcile has ended. Without the check the write landed on an
+/// object being handed to another shard.
+#[tokio::test]
+async fn a_reconcile_in_flight_when_its_object_is_drained_does_not_write() -> anyhow::Result<()> {
+    let client = cluster().client().await?;
+    let namespace = cluster().namespace(&client, "shard-slow-drain").await?;
+    let shard = unique_name("shard");
+    let mut process = start_slow_shard(&namespace, &shard, "4")?;
+    let leases: Api<Lease> = Api::namespaced(client.clone(), &namespace);
+    wait_for_holder(&leases, &shard, &shard).await?;
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), &namespace);
+    let config_maps: Api<ConfigMap> = Api::namespaced(client.clone(), &namespace);
+
+    let v1 = [("key", "v1")];
+    create_secret(&client, &namespace, "slow-a", Some(&shard), &v1).await?;
+    process
+        .wait_for_record("the slow reconcile to start", WAIT, |r| {
+            is_record(r, "reconcile", &namespace, "slow-a")
+        })
+        .await?;
+    drain_secret(&secrets, "slow-a").await?;
+
+    let refused = process
+        .wait_for_record("the reconcile to stop before writing", WAIT, |r| {
+            is_record(r, "write_refused", &namespace, "slow-a")
+        })
+        .await?;
+    ensure!(
+        refused["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("being drained")),
+        "{refused}"
+    );
+    process
+        .wait_for_record("the drain acknowledgement", WAIT, |r| {
+            is_record(r, "drain", &namespace, "slow-a")
+        })
+        .await?;
+    let acknowledged = secrets.get("slow-a").await?;
+    ensure!(
+        !acknowledged.labels().contains_key(&shard_key()),
+        "acknowledged: {:?}",
+        acknowledged.labels()
+    );
+    ensure!(
+        config_maps.get_opt("checksums-slow-a").await?.is_none(),
+        "the reconcile in flight wrote after the drain"
+    );
+    ensure!(
+        !process
+            .records()
+            .iter()
+            .any(|r| is_record(r, "applied", &namespace, "slow-a")),
+        "an applied record for the drained Secret"
+    );
+    process.terminate()?;
+    ensure!(process.wait(WAIT).await?.success());
+    process.passed();
+    Ok(())
+}
+
+/// The shard's local state learns how each object left: one drained (released, `drained`), one
+/// relabelled directly (released, `reassigned`), one deleted (deleted), each dropped from the
+/// record of what the shard served, and never mistaken for the other kind.
+#[tokio::test]
+async fn released_and_deleted_objects_are_told_apart() -> anyhow::Result<()> {
+    let client = cluster().client().await?;
+    let namespace = cluster().namespace(&client, "shard-departures").await?;
+    let shard = unique_name("shard");
+    let mut process = start_shard(&namespace, &shard)?;
+    let leases: Api<Lease> = Api::namespaced(client.clone(), &namespace);
+    wait_for_holder(&leases, &shard, &shard).await?;
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), &namespace);
+
+    let data = [("key", "v1"), ("user", "admin")];
+    let names = ["drained", "moved", "deleted"];
+    for name in names {
+        create_secret(&client, &namespace, name, Some(&shard), &data).await?;
+    }
+    for name in names {
+        process
+            .wait_for_record(&format!("{name} served"), WAIT, |r| {
+                is_record(r, "applied", &namespace, name)
+            })
+            .await?;
+    }
+
+    drain_secret(&secrets, "drained").await?;
+    secrets
+        .patch(
+            "moved",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"labels": {shard_key(): "other-shard"}}})),
+        )
+        .await?;
+    secrets
+        .delete("deleted", &kube::api::DeleteParams::default())
+        .await?;
+
+    let expected = [
+        ("drained", "released", Some("drained")),
+        ("moved", "released", Some("reassigned")),
+        ("deleted", "deleted", None),
+    ];
+    for (name, event, how) in expected {
+        let record = process
+            .wait_for_record(&format!("{event} record of {name}"), WAIT, |r| {
+                is_record(r, event, &namespace, name)
+            })
+            .await?;
+        ensure!(
+            record["had_state"] == true && record["checksums"] == 2,
+            "{name}: the served record was dropped: {record}"
+        );
+        if let Some(how) = how {
+            ensure!(record["how"] == how, "{name}: {record}");
+        }
+        let other = if event == "released" {
+            "deleted"
+        } else {
+            "released"
+        };
+        ensure!(
+            !process
+                .records()
+                .iter()
+                .any(|r| is_record(r, other, &namespace, name)),
+            "{name} also reported as {other}"
+        );
+    }
+    process.terminate()?;
+    ensure!(process.wait(WAIT).await?.success());
+    process.passed();
+    Ok(())
+}
+
+/// What the in-process test controller below did.
+#[derive(Default)]
+struct Probe {
+    /// When a reconcile started its slow part.
+    started: std::sync::Mutex<Option<std::time::Instant>>,
+    /// Writes the reconciles sent.
+    writes: std::sync::atomic::AtomicUsize,
+    /// Reconciles dropped before they finished.
+    dropped: std::sync::atomic::AtomicUsize,
+}
+
+/// Counts a reconcile dropped mid-flight.
+struct DropCounter(std::sync::Arc<Probe>, bool);
+
+impl Drop for DropCounter {
+    fn drop(&mut self) {
+        if !self.1 {
+            self.0
+                .dropped
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+}
+
+/// A controller built on the library, run in the test without `run_while_held` (so nothing but
+/// the reconciler wrapper stands between a lost Lease and a write): its reconcile waits 3 s,
+/// then creates a ConfigMap. The Lease is taken over while the reconcile waits: the wrapper
+/// cancels it at once, and the write never happens. Without the cancellation the reconcile
+/// finished and wrote after the loss.
+#[tokio::test]
+async fn a_reconcile_in_flight_is_cancelled_at_once_when_the_lease_is_lost() -> anyhow::Result<()> {
+    use std::sync::Arc;
+    use std::sync::atomic::Ordering;
+
+    use kube::runtime::controller::{Action, Controller};
+
+    let client = cluster().client().await?;
+    let namespace = cluster().namespace(&client, "shard-cancel").await?;
+    let name = unique_name("shard");
+    let shard = shard::Shard::new(RING, &name, &namespace);
+    let config = shard
+        .lease_config()
+        .with_lease_duration(Duration::from_secs(3))
+        .with_renew_deadline(Duration::from_secs(2))
+        .with_retry_period(Duration::from_millis(500));
+    let held = LeaseLock::new(client.clone(), config)?.acquire().await;
+    let probe = Arc::new(Probe::default());
+
+    let reconcile = {
+        let (probe, client) = (Arc::clone(&probe), client.clone());
+        move |secret: Arc<Secret>, _: Arc<()>, ownership: shard::Ownership| {
+            let (probe, client) = (Arc::clone(&probe), client.clone());
+            async move {
+                let mut finished = DropCounter(Arc::clone(&probe), false);
+                *probe.started.lock().expect("lock") = Some(std::time::Instant::now());
+                tokio::time::sleep(Duration::from_secs(3)).await;
+                // Deliberately no ownership check: only the wrapper's cancellation stops this.
+                let _ = &ownership;
+                let config_map = ConfigMap {
+                    metadata: ObjectMeta {
+                        name: Some(format!("written-{}", secret.name_any())),
+                        ..ObjectMeta::default()
+                    },
+                    ..ConfigMap::default()
+                };
+                probe.writes.fetch_add(1, Ordering::SeqCst);
+                Api::<ConfigMap>::namespaced(client, &secret.namespace().unwrap_or_default())
+                    .create(&PostParams::default(), &config_map)
+                    .await?;
+                finished.1 = true;
+                Ok::<_, kube::Error>(Action::await_change())
+            }
+        }
+    };
+    let (results, mut ended) = tokio::sync::mpsc::unbounded_channel();
+    let controller = Controller::new(
+        Api::<Secret>::namespaced(client.clone(), &namespace),
+        shard.watcher_config(),
+    )
+    .run(
+        shard.reconciler(client.clone(), held.guard(), reconcile),
+        |_, _, _| Action::await_change(),
+        Arc::new(()),
+    )
+    .for_each(move |result| {
+        if let Err(kube::runtime::controller::Error::ReconcilerFailed(error, _)) = result {
+            let _ = results.send((error.is_lease_lost(), std::time::Instant::now()));
+        }
+        futures::future::ready(())
+    });
+    let controller = tokio::spawn(controller);
+
+    create_secret(
+        &client,
+        &namespace,
+        "in-flight",
+        Some(&name),
+        &[("key", "v1")],
+    )
+    .await?;
+    poll_until("the reconcile to start", WAIT, || async {
+        Ok(*probe.started.lock().expect("lock"))
+    })
+    .await?;
+
+    // Take the Lease over as the sharder does for an unresponsive shard.
+    let leases: Api<Lease> = Api::namespaced(client.clone(), &namespace);
+    let taken_at = poll_until("the takeover to be written", WAIT, || async {
+        let mut lease = leases.get(&name).await?;
+        let spec = lease.spec.get_or_insert_default();
+        spec.holder_identity = Some(labels::IDENTITY_SHARD_LEASE_CONTROLLER.to_string());
+        spec.renew_time = Some(MicroTime(now()?));
+        match leases.replace(&name, &PostParams::default(), &lease).await {
+            Ok(_) => Ok(Some(std::time::Instant::now())),
+            Err(kube::Error::Api(status)) if status.code == 409 => Ok(None),
+            Err(error) => Err(error.into()),
+        }
+    })
+    .await?;
+
+    let (lease_lost, at) = tokio::time::timeout(WAIT, ended.recv())
+        .await
+        .context("the reconcile did not end")?
+        .context("controller ended")?;
+    ensure!(lease_lost, "the reconcile ended for another reason");
+    let started = probe.started.lock().expect("lock").context("started")?;
+    ensure!(
+        at < started + Duration::from_secs(3),
+        "cancelled only after the reconcile's own 3 s"
+    );
+    // The next renewal (every 0.5 s) notices the takeover.
+    ensure!(
+        at.duration_since(taken_at) < Duration::from_millis(1500),
+        "cancelled {:?} after the takeover",
+        at.duration_since(taken_at)
+    );
+    assert_eq!(
+        probe.dropped.load(Ordering::SeqCst),
+        1,
+        "dropped mid-flight"
+    );
+    // Past the moment the reconcile would have written.
+    tokio::time::sleep_until(tokio::time::Instant::from_std(
+        started + Duration::from_secs(4),
+    ))
+    .await;
+    assert_eq!(
+        probe.writes.load(Ordering::SeqCst),
+        0,
+        "no write after the loss"
+    );
+    ensure!(
+        Api::<ConfigMap>::namespaced(client.clone(), &namespace)
+            .get_opt("written-in-flight")
+            .await?
+            .is_none()
+    );
+    controller.abort();
+    Ok(())
+}
+
+/// docs/protocol.md §18: a checksum-controller whose shard name is taken by an older Lease of
+/// the same ring in another namespace is excluded by the sharder (the annotation
+/// `alpha.sharding.timebertt.dev/excluded`). It stops at once, releases its Lease, says why at
+/// error level, acknowledges no drain and reconciles none of the objects labelled with its name
+/// (they are the older copy's), and keeps waiting to rejoin.
+///
+/// Needs a sharder that writes the exclusion annotation.
+#[tokio::test]
+async fn an_excluded_shard_steps_out_and_touches_nothing() -> anyhow::Result<()> {
+    let SharedScenario {
+        mut logs,
+        cluster,
+        client,
+        ns,
+        ..
+    } = SharedScenario::in_namespace("shard-excluded").await?;
+    let older_ns = cluster.namespace(&client, "shard-excluded-older").await?;
+    let ring = unique_name("excluded");
+    create_ring(&client, &ring, ring_spec(&ns)).await?;
+    let name = "shard-x";
+    create_lease(&client, &older_ns, &ring, name, 3600).await?;
+    wait_status(&client, &ring, 1, 1).await?;
+    wait_webhook(&client, &ns, &ring, &[name]).await?;
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), &ns);
+    let key = labels::shard_label(&ring);
+    let drain = labels::drain_label(&ring);
+    secrets
+        .create(&PostParams::default(), &secret("before"))
+        .await?;
+    wait_labelled::<Secret>(
+        &client,
+        &ns,
+        &RingRef::new(RingKind::ClusterRing, ring.clone()),
+        &["before"],
+    )
+    .await?;
+
+    // Creation times have whole seconds: the shard's own Lease is created in a later one.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let mut process = start_checksum_shard_with(
+        &RingRef::new(RingKind::ClusterRing, ring.clone()),
+        &ns,
+        name,
+        ShardTiming::FAST,
+        &["--rejoin-pause", "2"],
+    )?;
+    let excluded = process
+        .wait_for_record("the shard to step out", WAIT, |r| {
+            r["event"] == shard::EVENT_SHARD_EXCLUDED
+        })
+        .await?;
+    ensure!(
+        excluded["level"] == "ERROR" && excluded["reason"].as_str().is_some_and(|r| !r.is_empty()),
+        "{excluded}"
+    );
+    let leases: Api<Lease> = Api::namespaced(client.clone(), &ns);
+    let lease = leases.get(name).await?;
+    ensure!(holder(&lease).is_empty(), "released: {lease:?}");
+    ensure!(
+        lease
+            .annotations()
+            .contains_key(labels::ANNOTATION_EXCLUDED),
+        "{lease:?}"
+    );
+
+    // From now on: the older copy's objects are none of this process's business.
+    let stepped_out = process.records().len();
+    secrets
+        .create(&PostParams::default(), &secret("after"))
+        .await?;
+    drain_secret(&secrets, "before").await?;
+    // Longer than a pause and a few retry periods.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let later = &process.records()[stepped_out..];
+    ensure!(
+        !later
+            .iter()
+            .any(|r| r["event"] == "reconcile" || r["event"] == "drain" || r["event"] == "applied"),
+        "the excluded shard acted: {later:?}"
+    );
+    let before = secrets.get("before").await?;
+    ensure!(
+        before.labels().get(&key).map(String::as_str) == Some(name)
+            && before.labels().contains_key(&drain),
+        "the drain was acknowledged: {:?}",
+        before.labels()
+    );
+    ensure!(
+        holder(&leases.get(name).await?).is_empty(),
+        "rejoined while excluded"
+    );
+    ensure!(process.try_status()?.is_none(), "the shard keeps running");
+    process.terminate()?;
+    ensure!(process.wait(WAIT).await?.success());
+    process.passed();
+    logs.passed();
+    Ok(())
+}
+
+/// Audit F6.2: a shard process stopped (SIGSTOP, as a suspended VM) past its renew deadline while
+/// a reconcile waits, then resumed: the reconcile's timer and the renewer's fire together, in no
+/// set order. The reconcile checks the renew deadline it shares with the renewer (by the
+/// monotonic clock) and stops; nothing is written, although nobody took the Lease and the API
+/// server would have accepted the write. The shard then exits for the lost Lease.
+#[tokio::test]
+async fn a_shard_resumed_after_its_renew_deadline_writes_nothing() -> anyhow::Result<()> {
+    let client = cluster().client().await?;
+    let namespace = cluster().namespace(&client, "shard-suspend").await?;
+    let shard = unique_name("shard");
+    let mut process = start_slow_shard(&namespace, &shard, "3")?;
+    let leases: Api<Lease> = Api::namespaced(client.clone(), &namespace);
+    wait_for_holder(&leases, &shard, &shard).await?;
+
+    create_secret(
+        &client,
+        &namespace,
+        "slow-a",
+        Some(&shard),
+        &[("key", "v1")],
+    )
+    .await?;
+    process
+        .wait_for_record("the slow reconcile to start", WAIT, |r| {
+            is_record(r, "reconcile", &namespace, "slow-a")
+        })
+        .await?;
+    process.signal("STOP")?;
+    // Past the reconcile's 3 s and the renew deadline (2 s after the last renewal).
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    process.signal("CONT")?;
+    let status = process.wait(WAIT).await?;
+    ensure!(
+        !status.success(),
+        "a shard past its deadline exits non-zero"
+    );
+    ensure!(
+        !events(&process, "lease_lost").is_empty(),
+        "the loss is reported"
+    );
+    ensure!(
+        !process
+            .records()
+            .iter()
+            .any(|r| is_record(r, "applied", &namespace, "slow-a")),
+        "the resumed reconcile wrote"
+    );
+    let config_maps: Api<ConfigMap> = Api::namespaced(client.clone(), &namespace);
+    ensure!(
+        config_maps.get_opt("checksums-slow-a").await?.is_none(),
+        "the resumed reconcile wrote its ConfigMap"
+    );
+    process.passed();
+    Ok(())
+}
+
+/// Objects a shard held state for before its watch started (an earlier term) and that left
+/// while it was not watching are reported from the first listing: one moved to another shard
+/// (released, `found_moved`), one deleted (deleted); one still on the shard is not reported.
+#[tokio::test]
+async fn departures_while_not_watching_are_found_by_the_first_listing() -> anyhow::Result<()> {
+    use shard::{Departure, ObjectKey, Release};
+
+    let client = cluster().client().await?;
+    let namespace = cluster().namespace(&client, "shard-found").await?;
+    let name = unique_name("shard");
+    let shard = shard::Shard::new(RING, &name, &namespace);
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), &namespace);
+    let key = |secret: &Secret| ObjectKey {
+        namespace: secret.namespace(),
+        name: secret.name_any(),
+        uid: secret.uid(),
+    };
+    // What the shard served in its earlier term, and what happened to each since.
+    let stayed = create_secret(&client, &namespace, "stayed", Some(&name), &[]).await?;
+    let moved = create_secret(&client, &namespace, "moved", Some("other-shard"), &[]).await?;
+    let deleted = create_secret(&client, &namespace, "deleted", Some(&name), &[]).await?;
+    secrets
+        .delete("deleted", &kube::api::DeleteParams::default())
+        .await?;
+    // Recreated under the same name: a new object, the old one is still deleted.
+    create_secret(&client, &namespace, "deleted", Some(&name), &[]).await?;
+
+    let mut departures = shard
+        .departures(secrets.clone())
+        .with_known([key(&stayed), key(&moved), key(&deleted)])
+        .stream()
+        .boxed();
+    let mut seen = Vec::new();
+    for _ in 0..2 {
+        let departure = tokio::time::timeout(WAIT, departures.next())
+            .await
+            .context("no departure reported")?
+            .context("the stream ended")?;
+        seen.push(departure);
+    }
+    seen.sort_by(|a, b| a.object().name.cmp(&b.object().name));
+    assert_eq!(
+        seen,
+        vec![
+            Departure::Deleted {
+                object: key(&deleted)
+            },
+            Departure::Released {
+                object: key(&moved),
+                how: Release::FoundMoved
+            },
+        ]
+    );
+    // Nothing about the object that stayed.
+    ensure!(
+        tokio::time::timeout(Duration::from_secs(2), departures.next())
+            .await
+            .is_err(),
+        "a departure reported for an object still on the shard"
+    );
     Ok(())
 }

@@ -5,8 +5,10 @@
 //! Secret it owns it applies a ConfigMap `checksums-<secret>`, controlled by the Secret, mapping
 //! every Secret key to the lowercase hex SHA-256 of its value.
 //!
-//! Order of life: acquire the shard Lease, then run the controller; exit non-zero the moment the
-//! Lease is lost; on SIGTERM/SIGINT stop the controller, release the Lease, exit 0.
+//! Order of life ([`shard::Shard::run`]): acquire the shard Lease, then run the controller and the
+//! departures watch; exit non-zero the moment the Lease is lost; on SIGTERM/SIGINT stop the
+//! controller, release the Lease, exit 0; when the sharder excludes the shard, stop at once,
+//! release the Lease and rejoin after `--rejoin-pause`.
 //!
 //! Every record that tells what the shard did carries an `event` field; `--log-format=json` prints
 //! one JSON object per line with the fields at the top level:
@@ -14,12 +16,22 @@
 //! | `event` | fields |
 //! |---|---|
 //! | `reconcile` (a reconcile starts) | `namespace`, `name`, `shard` |
+//! | `applied` (the ConfigMap write of a reconcile succeeded) | `namespace`, `name`, `shard`, `configmap` |
+//! | `write_refused` (a reconcile stopped before its write: [`shard::Ownership::confirm`] said no) | `namespace`, `name`, `shard`, `error` |
 //! | `drain` (a drain was acknowledged) | `namespace`, `name`, `shard`, `resource_version` (of the Secret, the version the patch was conditioned on) |
-//! | `lease_acquired`, `lease_lost`, `lease_released` (the shard library's) | `lease`, `namespace`, `resource_version` (of the Lease as written), see `shard::lease` |
+//! | `released` (a Secret left this shard, [`shard::Departure::Released`]) | `namespace`, `name`, `shard`, `how` (`drained`, `reassigned`, `found_moved`), `had_state`, `checksums` (of the dropped record), `released_total` |
+//! | `deleted` (a Secret of this shard was deleted, [`shard::Departure::Deleted`]) | `namespace`, `name`, `shard`, `had_state`, `checksums`, `deleted_total` |
+//! | `lease_acquired`, `lease_lost`, `lease_released`, `lease_excluded` (the shard library's) | `lease`, `namespace`, `resource_version` (of the Lease as written), see `shard::lease` |
+//! | `shard_excluded` (the shard library's: stepped out of the ring, rejoining after a pause) | `shard`, `reason`, `released` |
 //! | `shard_stopped` | `shard`, `reason` (`lease_lost` or `shutdown`) |
+//!
+//! Its local state is an in-memory record of what it served per Secret (the Secret's UID and
+//! the number of checksums); a record is dropped when the Secret leaves the shard (`released`)
+//! or is deleted (`deleted`), and counted by which, and survives a rejoin after an exclusion
+//! (the next term reports Secrets that left meanwhile).
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{Context as _, bail};
@@ -30,7 +42,10 @@ use kube::runtime::controller::{self, Action, Controller};
 use kube::{Client, Resource, ResourceExt};
 use sha2::{Digest, Sha256};
 use shard::lease::error_chain;
-use shard::{HeldRunEnd, LeaseLock, ReconcileError, Shard};
+use shard::{
+    Departure, LeaseLock, ObjectKey, Ownership, OwnershipError, ReconcileError, Shard, ShardRunEnd,
+    Term,
+};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 use tracing_subscriber::EnvFilter;
@@ -89,10 +104,17 @@ struct Args {
     /// Log filter (`tracing` env-filter syntax); `RUST_LOG` takes precedence when set.
     #[arg(long, default_value = "info")]
     log_level: String,
+    /// Seconds to wait before rejoining the ring after the sharder excluded this shard.
+    #[arg(long, default_value = "30", value_parser = parse_seconds)]
+    rejoin_pause: Duration,
     /// For tests only: write the Lease's timestamps this many seconds off the system clock
     /// (negative: behind), as a shard on a machine with a wrong clock would.
     #[arg(long, hide = true, allow_hyphen_values = true)]
     testing_clock_offset: Option<i64>,
+    /// For tests only: reconciles of Secrets whose name starts with `slow-` wait this many
+    /// seconds before they write, as a reconcile calling a slow system would.
+    #[arg(long, hide = true, value_parser = parse_seconds)]
+    testing_reconcile_delay: Option<Duration>,
 }
 
 fn parse_seconds(value: &str) -> Result<Duration, String> {
@@ -104,6 +126,9 @@ fn parse_seconds(value: &str) -> Result<Duration, String> {
         .filter(|d| !d.is_zero())
         .ok_or_else(|| "must be a positive number of seconds".to_string())
 }
+
+/// Prefix of the Secrets whose reconciles `--testing-reconcile-delay` slows down.
+const SLOW_PREFIX: &str = "slow-";
 
 /// Errors of one reconcile.
 #[derive(Debug, thiserror::Error)]
@@ -117,6 +142,26 @@ enum Error {
     },
     #[error("Secret {0} has no namespace")]
     NoNamespace(String),
+    #[error(transparent)]
+    Ownership(#[from] OwnershipError),
+}
+
+/// What this shard served for one Secret.
+#[derive(Debug, Clone)]
+struct Served {
+    /// The Secret's UID when it was served.
+    uid: Option<String>,
+    /// How many checksums its ConfigMap holds.
+    checksums: usize,
+}
+
+/// The controller's local state: what it served per Secret (by namespace and name), kept across
+/// membership terms, and how many records left by release and by deletion.
+#[derive(Debug, Default)]
+struct LocalState {
+    served: BTreeMap<(String, String), Served>,
+    released_total: u64,
+    deleted_total: u64,
 }
 
 /// What every reconcile needs.
@@ -125,6 +170,63 @@ struct Context {
     client: Client,
     /// This shard (for its name and label key).
     shard: Shard,
+    /// The local state, shared with the departure handler.
+    state: Arc<Mutex<LocalState>>,
+    /// `--testing-reconcile-delay`.
+    slow_down: Option<Duration>,
+}
+
+/// The local state, also after a panic elsewhere (it holds no invariant a panic could break).
+fn locked(state: &Mutex<LocalState>) -> std::sync::MutexGuard<'_, LocalState> {
+    state
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Drops the record of a Secret that left this shard or was deleted, and logs which.
+fn forget(state: &Mutex<LocalState>, shard: &Shard, departure: &Departure) {
+    let object = departure.object();
+    let namespace = object.namespace.clone().unwrap_or_default();
+    let slot = (namespace.clone(), object.name.clone());
+    let mut state = locked(state);
+    // A record of another object under the same name (recreated meanwhile) is not this one's.
+    let dropped = match state.served.get(&slot) {
+        Some(served) if object.uid.is_none() || served.uid == object.uid => {
+            state.served.remove(&slot)
+        }
+        _ => None,
+    };
+    let had_state = dropped.is_some();
+    let checksums = dropped.map_or(0, |served| served.checksums);
+    match departure {
+        Departure::Released { how, .. } => {
+            state.released_total += 1;
+            info!(
+                event = "released",
+                %namespace,
+                name = %object.name,
+                shard = %shard.name(),
+                how = how.as_str(),
+                had_state,
+                checksums,
+                released_total = state.released_total,
+                "Secret left this shard, dropped its record"
+            );
+        }
+        Departure::Deleted { .. } => {
+            state.deleted_total += 1;
+            info!(
+                event = "deleted",
+                %namespace,
+                name = %object.name,
+                shard = %shard.name(),
+                had_state,
+                checksums,
+                deleted_total = state.deleted_total,
+                "Secret was deleted, dropped its record"
+            );
+        }
+    }
 }
 
 /// Hex SHA-256 of every value of the Secret, keyed like the Secret.
@@ -157,7 +259,11 @@ fn desired_config_map(secret: &Secret, shard: &Shard) -> ConfigMap {
     }
 }
 
-async fn reconcile(secret: Arc<Secret>, context: Arc<Context>) -> Result<Action, Error> {
+async fn reconcile(
+    secret: Arc<Secret>,
+    context: Arc<Context>,
+    ownership: Ownership,
+) -> Result<Action, Error> {
     let name = secret.name_any();
     let namespace = secret
         .namespace()
@@ -171,6 +277,11 @@ async fn reconcile(secret: Arc<Secret>, context: Arc<Context>) -> Result<Action,
     );
     let config_map = desired_config_map(&secret, &context.shard);
     let config_map_name = config_map.name_any();
+    if let Some(delay) = context.slow_down.filter(|_| name.starts_with(SLOW_PREFIX)) {
+        tokio::time::sleep(delay).await;
+    }
+    // One GET: the Secret may have been drained, or the Lease lost, while this reconcile ran.
+    ownership.confirm().await?;
     let api: Api<ConfigMap> = Api::namespaced(context.client.clone(), &namespace);
     api.patch(
         &config_map_name,
@@ -180,9 +291,24 @@ async fn reconcile(secret: Arc<Secret>, context: Arc<Context>) -> Result<Action,
     .await
     .map_err(|source| Error::Apply {
         namespace: namespace.clone(),
-        name: config_map_name,
+        name: config_map_name.clone(),
         source,
     })?;
+    info!(
+        event = "applied",
+        %namespace,
+        %name,
+        shard = %context.shard.name(),
+        configmap = %config_map_name,
+        "applied ConfigMap"
+    );
+    let served = Served {
+        uid: secret.uid(),
+        checksums: config_map.data.as_ref().map_or(0, BTreeMap::len),
+    };
+    locked(&context.state)
+        .served
+        .insert((namespace, name), served);
     Ok(Action::await_change())
 }
 
@@ -198,6 +324,20 @@ fn error_policy(
             name = %secret.name_any(),
             shard = %context.shard.name(),
             "not reconciling, the shard Lease is lost"
+        );
+        return Action::await_change();
+    }
+    if let Some(Error::Ownership(refused)) = error.inner()
+        && refused.is_final()
+    {
+        // Drained, moved or deleted meanwhile: the event that says so is on its way.
+        info!(
+            event = "write_refused",
+            namespace = secret.namespace().unwrap_or_default(),
+            name = %secret.name_any(),
+            shard = %context.shard.name(),
+            error = %error_chain(error),
+            "reconcile stopped before writing"
         );
         return Action::await_change();
     }
@@ -289,6 +429,7 @@ async fn main() -> anyhow::Result<()> {
     if let Some(weight) = args.weight {
         shard = shard.with_weight(weight);
     }
+    let shard = shard.with_rejoin_pause(args.rejoin_pause);
     let config = shard
         .lease_config()
         .with_lease_duration(args.lease_duration)
@@ -309,13 +450,6 @@ async fn main() -> anyhow::Result<()> {
         None => LeaseLock::new(client.clone(), config)?,
     };
 
-    // Membership first: nothing is reconciled before the Lease is ours.
-    info!(shard = %shard.name(), ring = %shard.ring(), kind = %shard.kind(), namespace = %shard.lease_namespace(), "acquiring shard Lease");
-    let held = tokio::select! {
-        held = lock.acquire() => held,
-        () = shutdown.cancelled() => return Ok(()),
-    };
-
     let (secrets, config_maps): (Api<Secret>, Api<ConfigMap>) = match &args.namespace {
         Some(namespace) => (
             Api::namespaced(client.clone(), namespace),
@@ -323,18 +457,39 @@ async fn main() -> anyhow::Result<()> {
         ),
         None => (Api::all(client.clone()), Api::all(client.clone())),
     };
-    let context = Arc::new(Context {
-        client: client.clone(),
-        shard: shard.clone(),
-    });
-    // The wrapper starts no reconcile and no drain acknowledgement once the Lease is lost.
-    let lost = held.lost_token();
-    let controller = |stop: CancellationToken| {
-        Controller::new(secrets, shard.watcher_config())
-            .owns(config_maps, shard.watcher_config())
-            .graceful_shutdown_on(stop.cancelled_owned())
+    // Outlives the terms: a rejoin after an exclusion reports what left meanwhile.
+    let state = Arc::new(Mutex::new(LocalState::default()));
+    let term = |term: Term| {
+        let context = Arc::new(Context {
+            client: client.clone(),
+            shard: shard.clone(),
+            state: Arc::clone(&state),
+            slow_down: args.testing_reconcile_delay,
+        });
+        let known: Vec<ObjectKey> = locked(&state)
+            .served
+            .iter()
+            .map(|((namespace, name), served)| ObjectKey {
+                namespace: Some(namespace.clone()),
+                name: name.clone(),
+                uid: served.uid.clone(),
+            })
+            .collect();
+        let departures = shard
+            .departures(secrets.clone())
+            .with_known(known)
+            .stream()
+            .for_each(|departure| {
+                forget(&state, &shard, &departure);
+                futures::future::ready(())
+            });
+        // The wrapper starts no reconcile and no drain acknowledgement once the term's guard
+        // ended, and cancels those in flight.
+        let controller = Controller::new(secrets.clone(), shard.watcher_config())
+            .owns(config_maps.clone(), shard.watcher_config())
+            .graceful_shutdown_on(term.stop.cancelled_owned())
             .run(
-                shard.reconciler(client.clone(), lost, reconcile),
+                shard.reconciler(client.clone(), term.guard, reconcile),
                 error_policy,
                 context,
             )
@@ -345,16 +500,26 @@ async fn main() -> anyhow::Result<()> {
                     Err(controller::Error::ObjectNotFound(_)) => {}
                     Err(error) => warn!(error = %error_chain(&error), "controller error"),
                 }
-            })
+            });
+        // The departures watch ends with the controller (it never ends by itself).
+        async move {
+            tokio::select! {
+                () = controller => {}
+                () = departures => {}
+            }
+        }
     };
 
-    // Stops at once when the Lease is lost; on shutdown the controller stops first, then the
-    // Lease is released so our objects are handed over right away.
-    let ended = held
-        .run_while_held(&shutdown, controller)
+    // Membership first: nothing is reconciled before the Lease is ours. Stops at once when the
+    // Lease is lost; on shutdown the controller stops first, then the Lease is released so our
+    // objects are handed over right away; when the sharder excludes the shard, it steps out and
+    // rejoins after `--rejoin-pause`.
+    info!(shard = %shard.name(), ring = %shard.ring(), kind = %shard.kind(), namespace = %shard.lease_namespace(), "acquiring shard Lease");
+    let ended = shard
+        .run(&lock, &shutdown, term)
         .await
         .context("failed to release the shard Lease")?;
-    if ended == HeldRunEnd::LeaseLost {
+    if ended == ShardRunEnd::LeaseLost {
         error!(
             event = "shard_stopped",
             reason = "lease_lost",

@@ -5,8 +5,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use k8s_openapi::api::core::v1::Secret;
 use kube::api::ObjectMeta;
 use kube::runtime::predicates;
+use tokio_util::sync::CancellationToken;
 
 use super::*;
+use crate::lease::guard_exclude;
+use crate::ownership::OwnershipError;
 
 const RING: &str = "example";
 const SHARD_KEY: &str = "shard.alpha.sharding.timebertt.dev/clusterring-50d858e0-example";
@@ -60,6 +63,15 @@ impl Probe {
     }
 }
 
+/// A fetch that answers with `object`'s metadata as it is now, counting reads.
+fn fetch_of(object: Option<Arc<Secret>>, reads: Arc<AtomicUsize>) -> Fetch {
+    Arc::new(move || {
+        reads.fetch_add(1, Ordering::SeqCst);
+        let meta = object.as_ref().map(|o| o.metadata.clone());
+        async move { Ok(meta) }.boxed()
+    })
+}
+
 /// Calls `dispatch` for `object` as the controller would and returns the future, unpolled,
 /// with what it did so far.
 fn start(
@@ -70,11 +82,23 @@ fn start(
     BoxFuture<'static, Result<Action, ReconcileError<InnerError>>>,
     Arc<Probe>,
 ) {
+    start_guarded(object, ack_result, &LeaseGuard::from_token(lost.clone()))
+}
+
+/// [`start`] with any guard.
+fn start_guarded(
+    object: Arc<Secret>,
+    ack_result: Result<(), u16>,
+    guard: &LeaseGuard,
+) -> (
+    BoxFuture<'static, Result<Action, ReconcileError<InnerError>>>,
+    Arc<Probe>,
+) {
     let shard = Shard::new(RING, "shard-a", "default");
     let probe = Arc::new(Probe::default());
     let mut inner = {
         let probe = Arc::clone(&probe);
-        move |_: Arc<Secret>, _: Arc<()>| {
+        move |_: Arc<Secret>, _: Arc<()>, _: Ownership| {
             probe.calls.fetch_add(1, Ordering::SeqCst);
             let probe = Arc::clone(&probe);
             async move {
@@ -84,12 +108,14 @@ fn start(
         }
     };
     let recorded = Arc::clone(&probe);
+    let fetch = fetch_of(Some(Arc::clone(&object)), Arc::new(AtomicUsize::new(0)));
     let future = dispatch(
         &shard,
-        lost,
+        guard,
         object,
         Arc::new(()),
         &mut inner,
+        fetch,
         move |_, patch| {
             recorded.patches.lock().expect("lock").push(patch);
             async move {
@@ -271,7 +297,7 @@ async fn nothing_starts_once_the_lease_is_lost() {
         assert!(error.is_lease_lost(), "{error:?}");
         assert_eq!(
             error.to_string(),
-            "failed to start work on default/foo: the shard Lease is lost"
+            "failed to work on default/foo: the shard Lease is lost"
         );
         assert_eq!(probe.calls(), 0, "inner reconciler not even called");
         assert_eq!(probe.started(), 0);
@@ -313,14 +339,17 @@ async fn wrapper_sends_no_request_once_the_lease_is_lost() {
     let calls = Arc::new(AtomicUsize::new(0));
     let inner = {
         let calls = Arc::clone(&calls);
-        move |_: Arc<Secret>, _: Arc<()>| {
+        move |_: Arc<Secret>, _: Arc<()>, _: Ownership| {
             calls.fetch_add(1, Ordering::SeqCst);
             async { Ok::<_, InnerError>(Action::await_change()) }
         }
     };
     let lost = CancellationToken::new();
-    let mut reconcile =
-        Shard::new(RING, "shard-a", "default").reconciler(client, lost.clone(), inner);
+    let mut reconcile = Shard::new(RING, "shard-a", "default").reconciler(
+        client,
+        LeaseGuard::from_token(lost.clone()),
+        inner,
+    );
 
     // While the Lease is held the seam is real: a drain is sent to the API server.
     let drained = secret(&[(SHARD_KEY, "shard-a"), (DRAIN_KEY, "true")]);
@@ -364,4 +393,181 @@ fn predicate_lets_every_drained_version_through() {
     let second = predicate.hash_property(&newer);
     assert!(second.is_some());
     assert_ne!(first, second);
+}
+
+/// A wrapped reconcile whose inner reconciler fails only by refusing to write.
+type WriterFuture = BoxFuture<'static, Result<Action, ReconcileError<OwnershipError>>>;
+
+/// Builds a wrapped reconcile of `object` whose inner reconciler confirms ownership (against
+/// `current`, the object as a fresh read finds it), then waits for `proceed`; returns the
+/// future, the number of reads, and whether the inner reconciler "wrote" (got past both).
+fn start_writer(
+    object: Arc<Secret>,
+    current: Option<Arc<Secret>>,
+    guard: &LeaseGuard,
+    proceed: Arc<tokio::sync::Notify>,
+) -> (WriterFuture, Arc<AtomicUsize>, Arc<AtomicUsize>) {
+    let shard = Shard::new(RING, "shard-a", "default");
+    let reads = Arc::new(AtomicUsize::new(0));
+    let writes = Arc::new(AtomicUsize::new(0));
+    let mut inner = {
+        let writes = Arc::clone(&writes);
+        move |_: Arc<Secret>, _: Arc<()>, ownership: Ownership| {
+            let (writes, proceed) = (Arc::clone(&writes), Arc::clone(&proceed));
+            async move {
+                // The slow part of a reconcile, before its first write.
+                proceed.notified().await;
+                ownership.confirm().await?;
+                ownership.confirm().await?;
+                writes.fetch_add(1, Ordering::SeqCst);
+                Ok(Action::await_change())
+            }
+        }
+    };
+    let future = dispatch(
+        &shard,
+        guard,
+        object,
+        Arc::new(()),
+        &mut inner,
+        fetch_of(current, Arc::clone(&reads)),
+        |_, _| async { Ok(()) },
+    );
+    (future, reads, writes)
+}
+
+#[tokio::test]
+async fn a_reconcile_in_flight_is_cancelled_when_the_lease_ends() {
+    let lost = CancellationToken::new();
+    let guard = LeaseGuard::from_token(lost.clone());
+    let object = secret(&[(SHARD_KEY, "shard-a")]);
+    let proceed = Arc::new(tokio::sync::Notify::new());
+    let (future, reads, writes) = start_writer(
+        Arc::clone(&object),
+        Some(object),
+        &guard,
+        Arc::clone(&proceed),
+    );
+    let running = tokio::spawn(future);
+    tokio::task::yield_now().await;
+    assert!(
+        !running.is_finished(),
+        "the reconcile waits in its slow part"
+    );
+    lost.cancel();
+    let result = tokio::time::timeout(std::time::Duration::from_secs(1), running)
+        .await
+        .expect("cancelled at once, without waiting for the reconcile")
+        .expect("no panic");
+    let error = result.expect_err("the loss surfaces");
+    assert!(
+        matches!(error, ReconcileError::LeaseLost { .. }),
+        "{error:?}"
+    );
+    // Nothing left to wake: the reconcile future was dropped.
+    proceed.notify_one();
+    tokio::task::yield_now().await;
+    assert_eq!(writes.load(Ordering::SeqCst), 0);
+    assert_eq!(reads.load(Ordering::SeqCst), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_passed_renew_deadline_cancels_a_reconcile_without_the_renewer() {
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+    // No renewer runs here at all: only the shared deadline can end the guard.
+    let guard = LeaseGuard::with_deadline(deadline);
+    let object = secret(&[(SHARD_KEY, "shard-a")]);
+    let proceed = Arc::new(tokio::sync::Notify::new());
+    let (future, _, writes) = start_writer(Arc::clone(&object), Some(object), &guard, proceed);
+    let error = future.await.expect_err("ended at the deadline");
+    assert!(error.is_lease_lost(), "{error:?}");
+    assert_eq!(
+        tokio::time::Instant::now(),
+        deadline,
+        "cancelled exactly then"
+    );
+    assert_eq!(writes.load(Ordering::SeqCst), 0);
+
+    // And after a stall past the deadline, nothing starts (the token never fired before).
+    let stalled =
+        LeaseGuard::with_deadline(tokio::time::Instant::now() + std::time::Duration::from_secs(10));
+    tokio::time::advance(std::time::Duration::from_secs(60)).await;
+    for object in every_kind_of_object() {
+        let (future, probe) = start_guarded(object, Ok(()), &stalled);
+        assert!(future.await.expect_err("refused").is_lease_lost());
+        assert_eq!(probe.calls(), 0);
+        assert!(probe.patches().is_empty());
+    }
+}
+
+#[tokio::test]
+async fn confirm_reads_once_and_refuses_objects_that_left() {
+    let ours = secret(&[(SHARD_KEY, "shard-a")]);
+    let mut recreated = (*ours).clone();
+    recreated.metadata.uid = Some("uid-2".into());
+    // (case, the object as a fresh read finds it, what the refusal says)
+    type Case<'a> = (&'a str, Option<Arc<Secret>>, Option<&'a str>);
+    let cases: [Case; 5] = [
+        ("still ours", Some(Arc::clone(&ours)), None),
+        (
+            "drained meanwhile",
+            Some(secret(&[(SHARD_KEY, "shard-a"), (DRAIN_KEY, "true")])),
+            Some("being drained"),
+        ),
+        (
+            "moved meanwhile",
+            Some(secret(&[(SHARD_KEY, "shard-b")])),
+            Some("assigned to another shard"),
+        ),
+        ("deleted meanwhile", None, Some("deleted")),
+        (
+            "recreated meanwhile",
+            Some(Arc::new(recreated)),
+            Some("deleted"),
+        ),
+    ];
+    for (case, current, refused) in cases {
+        let guard = LeaseGuard::from_token(CancellationToken::new());
+        let proceed = Arc::new(tokio::sync::Notify::new());
+        proceed.notify_one();
+        let (future, reads, writes) = start_writer(Arc::clone(&ours), current, &guard, proceed);
+        let result = future.await;
+        assert_eq!(
+            reads.load(Ordering::SeqCst),
+            1,
+            "{case}: one read for two confirms"
+        );
+        match refused {
+            None => {
+                assert!(result.is_ok(), "{case}: {result:?}");
+                assert_eq!(writes.load(Ordering::SeqCst), 1, "{case}");
+            }
+            Some(reason) => {
+                let error = result.expect_err(case);
+                let inner = error.inner().expect("the reconciler's error");
+                assert!(inner.is_final(), "{case}");
+                assert!(inner.to_string().contains(reason), "{case}: {inner}");
+                assert_eq!(writes.load(Ordering::SeqCst), 0, "{case}: no write");
+            }
+        }
+    }
+}
+
+#[tokio::test]
+async fn nothing_is_acknowledged_once_excluded() {
+    let guard = LeaseGuard::with_deadline(
+        tokio::time::Instant::now() + std::time::Duration::from_secs(3600),
+    );
+    guard_exclude(&guard);
+    for object in every_kind_of_object() {
+        let (future, probe) = start_guarded(object, Ok(()), &guard);
+        let error = future.await.expect_err("refused");
+        assert!(
+            matches!(&error, ReconcileError::Excluded { reason, .. } if reason == "DuplicateName"),
+            "{error:?}"
+        );
+        assert!(error.is_lease_lost());
+        assert_eq!(probe.calls(), 0);
+        assert!(probe.patches().is_empty(), "no drain acknowledged");
+    }
 }

@@ -25,6 +25,7 @@ pub struct LeaseLockConfig {
     pub(super) labels: BTreeMap<String, String>,
     pub(super) removed_labels: Vec<String>,
     pub(super) annotations: BTreeMap<String, String>,
+    pub(super) exclusion_annotation: Option<String>,
     pub(super) timing: LeaseTiming,
 }
 
@@ -46,6 +47,7 @@ impl LeaseLockConfig {
             labels: BTreeMap::new(),
             removed_labels: Vec::new(),
             annotations: BTreeMap::new(),
+            exclusion_annotation: None,
             timing: LeaseTiming::default(),
         }
     }
@@ -121,6 +123,28 @@ impl LeaseLockConfig {
     pub fn with_annotation(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
         self.annotations.insert(key.into(), value.into());
         self
+    }
+
+    /// Makes the lock treat the annotation `key` on its Lease, written by someone else, as "you
+    /// are excluded" (a shard Lease the sharder keeps out of its ring, docs/protocol.md §18):
+    /// seen in the answer to a renewal or in a read, it ends the [`LeaseGuard`] as
+    /// [`GuardEnd::Excluded`] with the annotation's value as reason and stops renewing;
+    /// [`HeldLease::run_while_held`] then drops the work and releases the Lease, and
+    /// [`LeaseLock::acquire`] does not take a Lease that carries it. Without it (leader
+    /// election) annotations never stop the lock.
+    ///
+    /// [`LeaseGuard`]: super::LeaseGuard
+    /// [`GuardEnd::Excluded`]: super::GuardEnd::Excluded
+    /// [`HeldLease::run_while_held`]: super::HeldLease::run_while_held
+    #[must_use]
+    pub fn with_exclusion_annotation(mut self, key: impl Into<String>) -> Self {
+        self.exclusion_annotation = Some(key.into());
+        self
+    }
+
+    /// The annotation the lock treats as exclusion, if any.
+    pub fn exclusion_annotation(&self) -> Option<&str> {
+        self.exclusion_annotation.as_deref()
     }
 
     /// Annotations the lock keeps on the Lease.

@@ -7,18 +7,24 @@ use k8s_openapi::api::coordination::v1::Lease;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
-use tracing::{debug, info, warn};
+use tracing::{debug, error, info, warn};
 
 use super::decision::{AcquireDecision, RenewDeadline, desired_spec, is_held_by};
+use super::guard::{GuardEnd, LeaseGuard};
 use super::lock::Inner;
 use super::store::{is_conflict, is_not_found};
-use super::{EVENT_LOST, EVENT_RELEASED, Error, LeaseLockConfig, error_chain, resource_version};
+use super::{
+    EVENT_EXCLUDED, EVENT_LOST, EVENT_RELEASED, Error, LeaseLockConfig, error_chain,
+    resource_version,
+};
 
 /// Outcome of one renewal.
 enum Renewal {
     Renewed(Box<Lease>),
     /// The Lease is gone or has another (or no) holder.
     Lost(Option<String>),
+    /// The Lease (as written or read) carries the exclusion annotation, with this reason.
+    Excluded(Box<Lease>, String),
 }
 
 impl Inner {
@@ -43,10 +49,22 @@ impl Inner {
             };
             let lease = self.with_spec(Some(current), desired);
             match self.store.replace(&lease).await {
-                Ok(lease) => return Ok(Renewal::Renewed(Box::new(lease))),
+                Ok(lease) => {
+                    return Ok(match self.exclusion(&lease) {
+                        Some(reason) => Renewal::Excluded(Box::new(lease), reason),
+                        None => Renewal::Renewed(Box::new(lease)),
+                    });
+                }
                 Err(e) if is_conflict(&e) || is_not_found(&e) => {
                     match self.store.get().await.map_err(|e| self.get_error(e))? {
-                        Some(fresh) => current = fresh,
+                        Some(fresh) => match self.exclusion(&fresh) {
+                            Some(reason)
+                                if is_held_by(fresh.spec.as_ref(), &self.config.identity) =>
+                            {
+                                return Ok(Renewal::Excluded(Box::new(fresh), reason));
+                            }
+                            _ => current = fresh,
+                        },
                         None => return Ok(Renewal::Lost(None)),
                     }
                 }
@@ -57,29 +75,34 @@ impl Inner {
         Err(self.contended("renew"))
     }
 
-    /// Renews every retry period until stopped or lost; returns the last Lease it saw, which
-    /// release starts from.
+    /// Renews every retry period until stopped, lost or excluded; returns the last Lease it saw,
+    /// which release starts from. Shares the renew deadline with `guard`, and ends it on loss or
+    /// exclusion.
     pub(super) async fn renew_loop(
         self: Arc<Self>,
         mut lease: Lease,
         acquired_at: Instant,
         stop: CancellationToken,
-        lost: CancellationToken,
+        guard: LeaseGuard,
     ) -> Lease {
         let config = &self.config;
         let mut deadline = RenewDeadline::new(acquired_at, config.renew_deadline());
+        let ended = guard.token();
         loop {
             // Wake at the deadline at the latest, so loss is signalled the moment it happens.
             let wake = (Instant::now() + config.retry_period()).min(deadline.deadline());
             tokio::select! {
                 biased;
                 () = stop.cancelled() => return lease,
+                // A guard check that found the deadline passed (after a stall, before this task
+                // was scheduled again) ended the guard: report it like a missed deadline.
+                () = ended.cancelled() => {}
                 () = tokio::time::sleep_until(wake) => {}
             }
-            if deadline.is_missed(Instant::now()) {
-                // Signal first, then log: whatever checks the token after the record's timestamp
+            if deadline.is_missed(Instant::now()) || ended.is_cancelled() {
+                // Signal first, then log: whatever checks the guard after the record's timestamp
                 // sees the loss.
-                lost.cancel();
+                guard.lose();
                 warn!(
                     event = EVENT_LOST,
                     lease = %config.name,
@@ -104,9 +127,23 @@ impl Inner {
                     debug!(lease = %config.name, "renewed Lease");
                     lease = *renewed;
                     deadline.renewed(started);
+                    guard.extend(deadline.deadline());
+                }
+                Ok(Ok(Renewal::Excluded(current, reason))) => {
+                    guard.exclude(reason.clone());
+                    lease = *current;
+                    error!(
+                        event = EVENT_EXCLUDED,
+                        lease = %config.name,
+                        namespace = %config.namespace,
+                        %reason,
+                        resource_version = resource_version(&lease),
+                        "the sharder excluded this Lease from its ring, stopping work to release it"
+                    );
+                    return lease;
                 }
                 Ok(Ok(Renewal::Lost(holder))) => {
-                    lost.cancel();
+                    guard.lose();
                     warn!(
                         event = EVENT_LOST,
                         lease = %config.name,
@@ -133,36 +170,57 @@ impl Inner {
 ///
 /// **Sharp edges:**
 /// - Stop all work that needs the Lease as soon as [`HeldLease::lost`] resolves; after that
-///   someone else may legitimately hold it.
+///   someone else may legitimately hold it. Work that acts on objects checks
+///   [`HeldLease::guard`] right before each action, too.
 /// - Dropping the `HeldLease` stops renewing without releasing: others can take the Lease only
 ///   once it expires. Call [`HeldLease::release`] on graceful shutdown, *after* stopping the work
 ///   it guards.
 #[derive(Debug)]
 pub struct HeldLease {
     pub(super) inner: Arc<Inner>,
-    pub(super) lost: CancellationToken,
+    pub(super) guard: LeaseGuard,
+    /// Whether acquiring created the Lease (nobody else can have judged it yet).
+    pub(super) created: bool,
     pub(super) stop: CancellationToken,
     pub(super) renewer: Option<JoinHandle<Lease>>,
 }
 
 impl HeldLease {
     /// A future that resolves once the Lease is lost: not renewed within the renew deadline,
-    /// taken over by someone else, released by someone else or deleted. It is `Send + Sync +
-    /// 'static`, so it fits `Controller::graceful_shutdown_on`; resolves at once if already lost.
+    /// taken over by someone else, released by someone else or deleted (or, for a lock that
+    /// watches an exclusion annotation, excluded). It is `Send + Sync + 'static`, so it fits
+    /// `Controller::graceful_shutdown_on`; resolves at once if already lost.
+    ///
+    /// It resolves when the renewer signals, or when a [`LeaseGuard::check`] found the renew
+    /// deadline passed; [`LeaseGuard::ended`] also resolves at the deadline by itself.
     pub fn lost(&self) -> WaitForCancellationFutureOwned {
-        self.lost.clone().cancelled_owned()
+        self.guard.token().cancelled_owned()
     }
 
-    /// A token cancelled once the Lease is lost, to hand to tasks that stop on it (such as
-    /// [`Shard::reconciler`](crate::Shard::reconciler), which starts no reconcile and no drain
-    /// acknowledgement once it fired). Cancelling the returned token does not affect the lock.
+    /// A token cancelled once the Lease is lost (see [`HeldLease::lost`]). Cancelling the
+    /// returned token does not affect the lock. Prefer [`HeldLease::guard`], which also checks
+    /// the renew deadline itself.
     pub fn lost_token(&self) -> CancellationToken {
-        self.lost.child_token()
+        self.guard.token().child_token()
     }
 
-    /// Whether the Lease has been lost.
+    /// The guard work checks right before it acts: it fails once the Lease is lost or excluded,
+    /// and once the renew deadline shared with the renewer has passed by the monotonic clock,
+    /// even before the renewer noticed. Pass it to
+    /// [`Shard::reconciler`](crate::Shard::reconciler).
+    pub fn guard(&self) -> LeaseGuard {
+        self.guard.clone()
+    }
+
+    /// Whether acquiring this Lease created it: no one (the sharder, say) can have looked at it
+    /// before.
+    pub fn created(&self) -> bool {
+        self.created
+    }
+
+    /// Whether the Lease has been lost (or its renew deadline has passed, or it was excluded).
     pub fn is_lost(&self) -> bool {
-        self.lost.is_cancelled()
+        !self.guard.is_held()
     }
 
     /// The lock's configuration.
@@ -210,6 +268,17 @@ pub enum HeldRunEnd {
     },
 }
 
+/// How a run of guarded work ended, exclusion included (what [`crate::Shard::run`] needs).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum RunEnd {
+    /// As [`HeldRunEnd::LeaseLost`].
+    Lost,
+    /// The sharder excluded the Lease: the work was dropped at once, then the Lease released.
+    Excluded { reason: String, released: bool },
+    /// As [`HeldRunEnd::WorkEnded`].
+    Ended { released: bool },
+}
+
 impl HeldLease {
     /// Runs the work guarded by this Lease (a controller, say) until it ends, enforcing the
     /// Lease contract (docs/protocol.md §3):
@@ -218,23 +287,45 @@ impl HeldLease {
     ///   it (e.g. `Controller::graceful_shutdown_on(token.cancelled_owned())`). Once it has
     ///   ended, the Lease is released, so whoever waits for it takes over at once. Work still
     ///   running the renew deadline after `shutdown` is dropped, and the Lease released anyway.
-    /// - When the Lease is lost, the work future is dropped at once, whatever it is doing: no
-    ///   reconcile starts or continues after that, since another holder may act already.
+    /// - When the Lease is lost, or its renew deadline passes by the monotonic clock, the work
+    ///   future is dropped at once, whatever it is doing: no reconcile starts or continues after
+    ///   that, since another holder may act already.
     ///
     /// **Sharp edges:**
-    /// - "At once" means at this future's next poll. The renewal runs on a task of its own and
-    ///   may notice the loss while this future is in the middle of polling the work on another
-    ///   thread; that poll still finishes and could start a reconcile. So work that acts on
-    ///   objects checks [`HeldLease::lost_token`] right before each action, too: pass it to
-    ///   [`Shard::reconciler`](crate::Shard::reconciler), which does.
+    /// - "At once" means at this future's next poll. The loss may be noticed while this future
+    ///   is in the middle of polling the work on another thread; that poll still finishes. So
+    ///   work that acts on objects checks [`HeldLease::guard`] right before each action, and
+    ///   races what it is doing against [`LeaseGuard::ended`]: pass the guard to
+    ///   [`Shard::reconciler`](crate::Shard::reconciler), which does both.
     /// - Dropping only stops what the future owns. Work spawned with `tokio::spawn` from inside
     ///   it keeps running; keep such tasks in a `JoinSet` owned by the work, which aborts them
     ///   when it is dropped.
+    /// - A lock watching an exclusion annotation ([`LeaseLockConfig::with_exclusion_annotation`])
+    ///   ends an excluded run as [`HeldRunEnd::WorkEnded`] after releasing; shards use
+    ///   [`Shard::run`](crate::Shard::run), which tells exclusion apart and rejoins.
     pub async fn run_while_held<F, W>(
         self,
         shutdown: &CancellationToken,
         work: W,
     ) -> Result<HeldRunEnd, Error>
+    where
+        W: FnOnce(CancellationToken) -> F,
+        F: Future<Output = ()>,
+    {
+        Ok(match self.run(shutdown, work).await? {
+            RunEnd::Lost => HeldRunEnd::LeaseLost,
+            RunEnd::Excluded { released, .. } | RunEnd::Ended { released } => {
+                HeldRunEnd::WorkEnded { released }
+            }
+        })
+    }
+
+    /// [`HeldLease::run_while_held`], telling exclusion apart.
+    pub(crate) async fn run<F, W>(
+        self,
+        shutdown: &CancellationToken,
+        work: W,
+    ) -> Result<RunEnd, Error>
     where
         W: FnOnce(CancellationToken) -> F,
         F: Future<Output = ()>,
@@ -248,20 +339,35 @@ impl HeldLease {
             shutdown.cancelled().await;
             tokio::time::sleep(grace).await;
         };
+        let guard = self.guard.clone();
         tokio::select! {
-            // Checked first: once lost, the work must not be polled again.
+            // Checked first: once the guard ended, the work must not be polled again.
             biased;
-            () = self.lost() => return Ok(HeldRunEnd::LeaseLost),
+            end = guard.ended() => match end {
+                GuardEnd::LeaseLost => return Ok(RunEnd::Lost),
+                GuardEnd::Excluded(reason) => {
+                    // The work is dropped; the Lease is still ours: give it up, so the sharder
+                    // and the older copy of this shard see at once that this one is gone.
+                    let released = self.release().await?;
+                    return Ok(RunEnd::Excluded { reason, released });
+                }
+            },
             () = work => {}
             () = stop_bound => {
                 tracing::warn!(grace = ?grace, "work did not stop within the renew deadline after shutdown; dropped it");
             }
         }
-        if self.is_lost() {
-            return Ok(HeldRunEnd::LeaseLost);
+        match self.guard.check() {
+            Err(GuardEnd::LeaseLost) => Ok(RunEnd::Lost),
+            Err(GuardEnd::Excluded(reason)) => {
+                let released = self.release().await?;
+                Ok(RunEnd::Excluded { reason, released })
+            }
+            Ok(()) => {
+                let released = self.release().await?;
+                Ok(RunEnd::Ended { released })
+            }
         }
-        let released = self.release().await?;
-        Ok(HeldRunEnd::WorkEnded { released })
     }
 }
 

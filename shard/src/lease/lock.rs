@@ -8,13 +8,17 @@ use kube::Client;
 use kube::api::{Api, ObjectMeta};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, info, warn};
+use tracing::{debug, error, info, warn};
 
 use super::decision::{
     AcquireDecision, decide, desired_spec, is_held_by, merge_labels, released_spec,
 };
+use super::guard::LeaseGuard;
 use super::store::{Store, is_conflict, is_not_found};
-use super::{EVENT_ACQUIRED, Error, HeldLease, LeaseLockConfig, error_chain, resource_version};
+use super::{
+    EVENT_ACQUIRED, EVENT_EXCLUDED, EVENT_RELEASED, Error, HeldLease, LeaseLockConfig, error_chain,
+    resource_version,
+};
 
 /// The wall clock written into Leases. Injected so unit tests can run it on tokio's paused time.
 pub(super) type Clock = Arc<dyn Fn() -> Timestamp + Send + Sync>;
@@ -108,12 +112,33 @@ impl LeaseLock {
     /// `tokio::select!` with a shutdown signal): it holds nothing between attempts.
     ///
     /// Must be called within a tokio runtime: renewal runs as a spawned task.
+    ///
+    /// A lock watching an exclusion annotation
+    /// ([`LeaseLockConfig::with_exclusion_annotation`]) does not take a Lease that carries it:
+    /// it logs the reason at error level (once per reason), gives the Lease up if it still holds
+    /// it (after a restart, say), and keeps looking every retry period until the annotation is
+    /// gone.
     pub async fn acquire(&self) -> HeldLease {
         let mut last_holder = None;
+        let mut last_exclusion = None;
         loop {
             let started = Instant::now();
             match self.inner.try_acquire_once().await {
-                Ok(Attempt::Acquired(lease)) => return self.start_renewing(*lease, started),
+                Ok(Attempt::Acquired(lease, created)) => {
+                    return self.start_renewing(*lease, started, created);
+                }
+                Ok(Attempt::Excluded(reason)) => {
+                    if last_exclusion.as_ref() != Some(&reason) {
+                        error!(
+                            event = EVENT_EXCLUDED,
+                            lease = %self.inner.config.name,
+                            namespace = %self.inner.config.namespace,
+                            %reason,
+                            "the sharder excludes this Lease from its ring, waiting until it no longer does"
+                        );
+                        last_exclusion = Some(reason);
+                    }
+                }
                 Ok(Attempt::HeldBy(holder)) => {
                     if last_holder.as_ref() != Some(&holder) {
                         info!(
@@ -144,13 +169,16 @@ impl LeaseLock {
     pub async fn try_acquire(&self) -> Result<Option<HeldLease>, Error> {
         let started = Instant::now();
         match self.inner.try_acquire_once().await? {
-            Attempt::Acquired(lease) => Ok(Some(self.start_renewing(*lease, started))),
-            Attempt::HeldBy(_) | Attempt::LostRace => Ok(None),
+            Attempt::Acquired(lease, created) => {
+                Ok(Some(self.start_renewing(*lease, started, created)))
+            }
+            Attempt::HeldBy(_) | Attempt::LostRace | Attempt::Excluded(_) => Ok(None),
         }
     }
 
-    /// Starts the renewer for a Lease acquired by a write sent at `written_at`.
-    fn start_renewing(&self, lease: Lease, written_at: Instant) -> HeldLease {
+    /// Starts the renewer for a Lease acquired by a write sent at `written_at` (which `created`
+    /// it, or took or renewed an existing one).
+    fn start_renewing(&self, lease: Lease, written_at: Instant, created: bool) -> HeldLease {
         let config = &self.inner.config;
         info!(
             event = EVENT_ACQUIRED,
@@ -161,17 +189,18 @@ impl LeaseLock {
             resource_version = resource_version(&lease),
             "acquired Lease"
         );
-        let lost = CancellationToken::new();
+        let guard = LeaseGuard::with_deadline(written_at + config.renew_deadline());
         let stop = CancellationToken::new();
         let renewer = tokio::spawn(Arc::clone(&self.inner).renew_loop(
             lease,
             written_at,
             stop.clone(),
-            lost.clone(),
+            guard.clone(),
         ));
         HeldLease {
             inner: Arc::clone(&self.inner),
-            lost,
+            guard,
+            created,
             stop,
             renewer: Some(renewer),
         }
@@ -180,9 +209,12 @@ impl LeaseLock {
 
 /// Outcome of one acquire attempt.
 enum Attempt {
-    Acquired(Box<Lease>),
+    /// Ours now; `true` when this attempt created it.
+    Acquired(Box<Lease>, bool),
     HeldBy(String),
     LostRace,
+    /// The Lease carries the exclusion annotation with this reason; it is not ours (any more).
+    Excluded(String),
 }
 
 impl Inner {
@@ -235,8 +267,36 @@ impl Inner {
         lease
     }
 
+    /// The exclusion reason `lease` carries, if this lock watches an exclusion annotation.
+    pub(super) fn exclusion(&self, lease: &Lease) -> Option<String> {
+        let key = self.config.exclusion_annotation.as_ref()?;
+        lease.metadata.annotations.as_ref()?.get(key).cloned()
+    }
+
+    /// Gives up an excluded Lease this lock may still hold; logs when it wrote.
+    async fn release_excluded(&self, lease: Lease) -> Result<(), Error> {
+        if let Some(released) = self.release(Some(lease)).await? {
+            info!(
+                event = EVENT_RELEASED,
+                lease = %self.config.name,
+                namespace = %self.config.namespace,
+                resource_version = resource_version(&released),
+                "released Lease"
+            );
+        }
+        Ok(())
+    }
+
     async fn try_acquire_once(&self) -> Result<Attempt, Error> {
         let existing = self.store.get().await.map_err(|e| self.get_error(e))?;
+        if let Some(lease) = existing.as_ref()
+            && let Some(reason) = self.exclusion(lease)
+        {
+            if is_held_by(lease.spec.as_ref(), &self.config.identity) {
+                self.release_excluded(lease.clone()).await?;
+            }
+            return Ok(Attempt::Excluded(reason));
+        }
         let now = (self.clock)();
         let spec = existing
             .as_ref()
@@ -262,7 +322,14 @@ impl Inner {
             self.store.replace(&lease).await
         };
         match written {
-            Ok(lease) => Ok(Attempt::Acquired(Box::new(lease))),
+            // Only a concurrent writer could have put the annotation there; give it up at once.
+            Ok(lease) => match self.exclusion(&lease) {
+                Some(reason) => {
+                    self.release_excluded(lease).await?;
+                    Ok(Attempt::Excluded(reason))
+                }
+                None => Ok(Attempt::Acquired(Box::new(lease), creating)),
+            },
             // Someone created, changed or deleted it since we read it: look again next time.
             // (A 404 on create means the namespace is missing: an error worth a warning.)
             Err(e) if is_conflict(&e) || (!creating && is_not_found(&e)) => Ok(Attempt::LostRace),

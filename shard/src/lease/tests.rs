@@ -17,6 +17,8 @@ use super::*;
 const DURATION: Duration = Duration::from_secs(15);
 const DEADLINE: Duration = Duration::from_secs(10);
 const RETRY: Duration = Duration::from_secs(2);
+/// The exclusion annotation the test locks watch.
+const EXCLUDED: &str = "excluded";
 
 /// A wall clock that advances with tokio's (paused) clock.
 fn test_clock() -> Clock {
@@ -36,6 +38,7 @@ fn lock(fake: &FakeStore, identity: &str) -> LeaseLock {
         .with_label("ring", "r")
         .without_label("old-ring")
         .with_annotation("weight", "2")
+        .with_exclusion_annotation(EXCLUDED)
         .with_lease_duration(DURATION)
         .with_renew_deadline(DEADLINE)
         .with_retry_period(RETRY);
@@ -549,4 +552,237 @@ async fn deleted_lease_is_lost() {
     tokio::time::sleep(RETRY + Duration::from_millis(1)).await;
     settle().await;
     assert!(held.is_lost());
+}
+
+/// Puts the exclusion annotation on the stored Lease, as the sharder would.
+fn exclude(fake: &FakeStore, reason: &str) {
+    fake.modify(|lease| {
+        lease
+            .metadata
+            .annotations
+            .get_or_insert_default()
+            .insert(EXCLUDED.into(), reason.into());
+    });
+}
+
+#[tokio::test(start_paused = true)]
+async fn exclusion_seen_at_a_renewal_drops_the_work_and_releases() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let fake = FakeStore::new();
+    let held = lock(&fake, "shard-a").acquire().await;
+    let guard = held.guard();
+    let reconciles = Arc::new(AtomicUsize::new(0));
+    let counter = reconciles.clone();
+    let run = tokio::spawn(async move {
+        held.run(&CancellationToken::new(), |stop| {
+            counting_work(counter, stop, Duration::from_secs(5))
+        })
+        .await
+    });
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    // The sharder's write conflicts with the next renewal, whose fresh read shows it.
+    exclude(&fake, "DuplicateName");
+    let ended = tokio::time::timeout(RETRY, run)
+        .await
+        .expect("ends at the next renewal")
+        .expect("task ok")
+        .expect("no error");
+    assert_eq!(
+        ended,
+        RunEnd::Excluded {
+            reason: "DuplicateName".into(),
+            released: true
+        }
+    );
+    assert_eq!(
+        guard.check(),
+        Err(GuardEnd::Excluded("DuplicateName".into()))
+    );
+    assert!(
+        reconciles.load(Ordering::SeqCst) < 1_000,
+        "dropped, not stopped gracefully"
+    );
+    let lease = fake.lease().expect("lease");
+    assert_eq!(spec(&fake).holder_identity.as_deref(), Some(""), "released");
+    assert_eq!(
+        lease
+            .metadata
+            .annotations
+            .and_then(|a| a.get(EXCLUDED).cloned())
+            .as_deref(),
+        Some("DuplicateName"),
+        "the sharder's annotation is kept"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_excluded_lease_is_not_taken_and_one_still_held_is_given_up() {
+    let fake = FakeStore::new();
+    // A previous run of this shard held the Lease when the sharder excluded it.
+    let held = lock(&fake, "shard-a").acquire().await;
+    drop(held);
+    exclude(&fake, "DuplicateName");
+    let lock = lock(&fake, "shard-a");
+    assert!(lock.try_acquire().await.expect("no error").is_none());
+    assert_eq!(spec(&fake).holder_identity.as_deref(), Some(""), "given up");
+    let writes = fake.writes();
+
+    let waiting = tokio::spawn(async move { lock.acquire().await });
+    tokio::time::sleep(RETRY * 5).await;
+    settle().await;
+    assert!(!waiting.is_finished(), "waits while excluded");
+    assert_eq!(fake.writes(), writes, "only reads while excluded");
+
+    // The sharder lifts the exclusion (the older copy is gone): the shard joins.
+    fake.modify(|lease| {
+        lease
+            .metadata
+            .annotations
+            .get_or_insert_default()
+            .remove(EXCLUDED);
+    });
+    let held = tokio::time::timeout(RETRY * 2, waiting)
+        .await
+        .expect("joins at the next attempt")
+        .expect("task ok");
+    assert!(held.guard().is_held());
+    assert_eq!(spec(&fake).holder_identity.as_deref(), Some("shard-a"));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_lock_without_an_exclusion_annotation_ignores_it() {
+    let fake = FakeStore::new();
+    let config = LeaseLockConfig::new("ns", "leader", "replica-1")
+        .with_lease_duration(DURATION)
+        .with_renew_deadline(DEADLINE)
+        .with_retry_period(RETRY);
+    let lock =
+        LeaseLock::with_store(Store::Fake(fake.clone()), config, test_clock()).expect("valid");
+    let held = lock.acquire().await;
+    exclude(&fake, "DuplicateName");
+    tokio::time::sleep(RETRY * 3).await;
+    settle().await;
+    assert!(held.guard().is_held());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_shard_steps_out_when_excluded_and_rejoins_after_the_pause() {
+    use crate::{Shard, ShardRunEnd, Term};
+    let fake = FakeStore::new();
+    let lock = lock(&fake, "shard-a");
+    let shard = Shard::new("r", "shard-a", "ns").with_rejoin_pause(Duration::from_secs(30));
+    let terms = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let shutdown = CancellationToken::new();
+    let run = {
+        let (terms, shutdown) = (Arc::clone(&terms), shutdown.clone());
+        tokio::spawn(async move {
+            shard
+                .run(&lock, &shutdown, |term: Term| {
+                    terms
+                        .lock()
+                        .expect("lock")
+                        .push((term.number, Instant::now()));
+                    async move { term.stop.cancelled().await }
+                })
+                .await
+        })
+    };
+    // The Lease was created: the work starts after the first renewal, at 2 s.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(terms.lock().expect("lock").len(), 1);
+    exclude(&fake, "DuplicateName");
+    let excluded_at = Instant::now();
+    // Stepped out at the next renewal; the annotation stays for a while, then goes.
+    tokio::time::sleep(RETRY * 2).await;
+    assert_eq!(spec(&fake).holder_identity.as_deref(), Some(""));
+    tokio::time::sleep(Duration::from_secs(40)).await;
+    assert_eq!(
+        terms.lock().expect("lock").len(),
+        1,
+        "no term while excluded"
+    );
+    fake.modify(|lease| {
+        lease
+            .metadata
+            .annotations
+            .get_or_insert_default()
+            .remove(EXCLUDED);
+    });
+    tokio::time::sleep(RETRY * 2).await;
+    settle().await;
+    let started: Vec<_> = terms.lock().expect("lock").clone();
+    assert_eq!(started.len(), 2, "rejoined");
+    assert_eq!(started[1].0, 2);
+    assert!(
+        started[1].1 >= excluded_at + Duration::from_secs(30),
+        "after the pause"
+    );
+    assert_eq!(spec(&fake).holder_identity.as_deref(), Some("shard-a"));
+    shutdown.cancel();
+    let ended = run.await.expect("task ok").expect("no error");
+    assert_eq!(ended, ShardRunEnd::Stopped { released: true });
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_renewer_reports_a_deadline_a_guard_check_found_passed() {
+    let fake = FakeStore::new();
+    let held = lock(&fake, "shard-a").acquire().await;
+    fake.set_mode(Mode::Hang);
+    let guard = held.guard();
+    // The renewer is not scheduled while the clock jumps (a suspended VM).
+    tokio::time::advance(DEADLINE + Duration::from_secs(5)).await;
+    assert!(!guard.token().is_cancelled());
+    assert_eq!(guard.check(), Err(GuardEnd::LeaseLost));
+    assert!(held.is_lost());
+    let ended = held
+        .run_while_held(&CancellationToken::new(), |_| std::future::pending::<()>())
+        .await
+        .expect("no error");
+    assert_eq!(ended, HeldRunEnd::LeaseLost);
+}
+
+#[tokio::test(start_paused = true)]
+async fn work_on_a_created_lease_waits_for_the_first_renewal() {
+    use crate::{Shard, ShardRunEnd, Term};
+    let shard = Shard::new("r", "shard-a", "ns");
+    for excluded_at_once in [false, true] {
+        let fake = FakeStore::new();
+        let lock = lock(&fake, "shard-a");
+        let started = Arc::new(std::sync::Mutex::new(None));
+        let shutdown = CancellationToken::new();
+        let begin = Instant::now();
+        let run = {
+            let (shard, started, shutdown) =
+                (shard.clone(), Arc::clone(&started), shutdown.clone());
+            tokio::spawn(async move {
+                shard
+                    .run(&lock, &shutdown, |term: Term| {
+                        let started = Arc::clone(&started);
+                        async move {
+                            *started.lock().expect("lock") = Some(Instant::now());
+                            term.stop.cancelled().await;
+                        }
+                    })
+                    .await
+            })
+        };
+        settle().await;
+        assert!(fake.lease().is_some(), "created");
+        if excluded_at_once {
+            // The sharder judges the new Lease a duplicate before the first renewal.
+            exclude(&fake, "DuplicateName");
+        }
+        tokio::time::sleep(RETRY + Duration::from_millis(100)).await;
+        settle().await;
+        let at = *started.lock().expect("lock");
+        if excluded_at_once {
+            assert_eq!(at, None, "never worked on another copy's objects");
+            assert_eq!(spec(&fake).holder_identity.as_deref(), Some(""));
+        } else {
+            assert_eq!(at, Some(begin + RETRY), "started with the first renewal");
+        }
+        shutdown.cancel();
+        let ended = run.await.expect("task ok").expect("no error");
+        assert!(matches!(ended, ShardRunEnd::Stopped { .. }), "{ended:?}");
+    }
 }

@@ -1,0 +1,135 @@
+//! [`Shard::run`]: a shard's life in its ring, term after term: acquire the Lease, run the work
+//! while it is held, stop at once on loss, and step out and rejoin later when the sharder
+//! excludes the Lease from the ring.
+
+use std::future::Future;
+
+use tokio_util::sync::CancellationToken;
+use tracing::{error, info};
+
+use crate::Shard;
+use crate::lease::{Error, LeaseGuard, LeaseLock, RunEnd};
+
+/// `event` of the record [`Shard::run`] logs, at error level, when the shard stepped out of its
+/// ring because the sharder excluded its Lease.
+pub const EVENT_SHARD_EXCLUDED: &str = "shard_excluded";
+
+/// One membership term: what the work run by [`Shard::run`] gets.
+#[derive(Debug, Clone)]
+pub struct Term {
+    /// The Lease's guard for this term: pass it to [`Shard::reconciler`].
+    pub guard: LeaseGuard,
+    /// Cancelled on shutdown: stop gracefully on it
+    /// (`Controller::graceful_shutdown_on(stop.cancelled_owned())`).
+    pub stop: CancellationToken,
+    /// 1 for the first term, counting up with every rejoin.
+    pub number: u32,
+}
+
+/// How [`Shard::run`] ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[must_use]
+pub enum ShardRunEnd {
+    /// The Lease was lost: the work was dropped at once and nothing was released (someone
+    /// else may hold the Lease now). Exiting the process is the safest reaction.
+    LeaseLost,
+    /// Shutdown (or the work ended on its own): the work stopped, then the Lease was released
+    /// if it was held (`released`).
+    Stopped {
+        /// Whether the release wrote the Lease.
+        released: bool,
+    },
+}
+
+impl Shard {
+    /// Runs `work` as this shard, term after term, until the Lease is lost or `shutdown` fires
+    /// (docs/protocol.md §3):
+    ///
+    /// 1. acquires the Lease with `lock` (built from [`Shard::lease_config`]);
+    /// 2. runs `work(term)` while it is held ([`HeldLease::run_while_held`]): dropped at once
+    ///    when the Lease is lost, stopped and then the Lease released on shutdown;
+    /// 3. when the sharder excludes the Lease from its ring (the annotation
+    ///    [`ANNOTATION_EXCLUDED`], seen in the answer to a renewal or in a read, e.g. because
+    ///    an older Lease of the same shard name exists in another namespace, docs/protocol.md
+    ///    §18): the term's guard ends at once, so no reconcile continues or starts and no drain
+    ///    is acknowledged (the objects labelled with this name belong to the other copy); the
+    ///    work is dropped, the Lease released, the reason logged at error level
+    ///    (`event = "shard_excluded"`, `reason`), and after [`Shard::with_rejoin_pause`]
+    ///    (30 s by default) the shard tries to join again: [`LeaseLock::acquire`] waits while
+    ///    the Lease still carries the annotation, polling every retry period.
+    ///
+    /// Each term gets a fresh guard; local state that should survive a rejoin lives outside
+    /// `work`.
+    ///
+    /// **Cost:** when acquiring *created* the Lease (the first start of a shard, or after the
+    /// sharder deleted a Lease released long ago), the work starts only after the first
+    /// successful renewal, one retry period later: the sharder cannot have judged a Lease
+    /// before it existed, and an exclusion (a duplicate name) shows up in that renewal's
+    /// answer. A Lease that existed already was judged, and an exclusion is seen in the read
+    /// before taking it.
+    ///
+    /// [`HeldLease::run_while_held`]: crate::HeldLease::run_while_held
+    /// [`ANNOTATION_EXCLUDED`]: sharding_crds::labels::ANNOTATION_EXCLUDED
+    pub async fn run<W, F>(
+        &self,
+        lock: &LeaseLock,
+        shutdown: &CancellationToken,
+        mut work: W,
+    ) -> Result<ShardRunEnd, Error>
+    where
+        W: FnMut(Term) -> F,
+        F: Future<Output = ()>,
+    {
+        let mut number = 0;
+        loop {
+            let held = tokio::select! {
+                biased;
+                () = shutdown.cancelled() => return Ok(ShardRunEnd::Stopped { released: false }),
+                held = lock.acquire() => held,
+            };
+            number += 1;
+            let guard = held.guard();
+            // A Lease this process just created has not been judged by the sharder yet: if it
+            // is a duplicate, the exclusion arrives with the first renewal. Until then the
+            // objects labelled with this name may be another copy's.
+            let probation = held.created();
+            let end = held
+                .run(shutdown, |stop| {
+                    let first_renewal = guard.clone();
+                    let work = work(Term {
+                        guard,
+                        stop,
+                        number,
+                    });
+                    async move {
+                        if probation && first_renewal.renewed().await.is_err() {
+                            // Ended meanwhile: `run` reports how.
+                            return std::future::pending().await;
+                        }
+                        work.await;
+                    }
+                })
+                .await?;
+            match end {
+                RunEnd::Lost => return Ok(ShardRunEnd::LeaseLost),
+                RunEnd::Ended { released } => return Ok(ShardRunEnd::Stopped { released }),
+                RunEnd::Excluded { reason, released } => {
+                    error!(
+                        event = EVENT_SHARD_EXCLUDED,
+                        shard = %self.name(),
+                        %reason,
+                        released,
+                        rejoin_pause = ?self.rejoin_pause(),
+                        "the sharder excluded this shard from its ring: stopped work, released the Lease, rejoining after a pause"
+                    );
+                    tokio::select! {
+                        biased;
+                        () = shutdown.cancelled() => return Ok(ShardRunEnd::Stopped { released }),
+                        () = tokio::time::sleep(self.rejoin_pause()) => {}
+                    }
+                    info!(shard = %self.name(), "trying to rejoin the ring");
+                }
+            }
+        }
+    }
+}
