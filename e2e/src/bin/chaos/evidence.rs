@@ -81,10 +81,35 @@ pub(crate) struct RunLog {
 }
 
 impl RunLog {
-    /// Reads the log at `path`; a missing file reads as empty.
-    pub(crate) fn read(path: &Path) -> Self {
+    /// Reads the log at `path`, one [`RunLog`] per term of membership (see
+    /// [`RunLog::parse_terms`]); a missing file reads as one empty term.
+    pub(crate) fn read_terms(path: &Path) -> Vec<Self> {
         let text = std::fs::read_to_string(path).unwrap_or_default();
-        Self::parse(&text)
+        Self::parse_terms(&text)
+    }
+
+    /// Parses log text into terms: a shard that stepped out of its ring (its Lease excluded by
+    /// the sharder, then released) and joined again later is, between the two, a process that
+    /// holds nothing, and each term is judged on its own. A term ends with the first record of
+    /// the Lease lost or released; an acquisition after that starts the next one.
+    pub(crate) fn parse_terms(text: &str) -> Vec<Self> {
+        let mut terms = vec![String::new()];
+        let mut ended = false;
+        for line in text.lines() {
+            let record = serde_json::from_str::<serde_json::Value>(line).ok();
+            let kind = record.as_ref().and_then(Record::of);
+            if ended && kind == Some(Record::Acquired) {
+                terms.push(String::new());
+                ended = false;
+            }
+            if matches!(kind, Some(Record::Lost | Record::Released)) {
+                ended = true;
+            }
+            let current = terms.last_mut().expect("one term at least");
+            current.push_str(line);
+            current.push('\n');
+        }
+        terms.iter().map(|t| Self::parse(t)).collect()
     }
 
     /// Parses log text.
@@ -221,5 +246,30 @@ thread 'main' panicked at somewhere
         );
         assert_eq!(log.lease_end.map(|(_, end)| end), Some(LeaseEnd::Released));
         assert_eq!(log.lost_at(), None);
+    }
+
+    #[test]
+    fn a_shard_that_steps_out_and_rejoins_has_two_terms() {
+        let terms = RunLog::parse_terms(concat!(
+            r#"{"timestamp":"2026-01-01T00:00:01Z","event":"lease_acquired","transitions":1}"#,
+            "\n",
+            r#"{"timestamp":"2026-01-01T00:00:02Z","event":"reconcile","namespace":"ns","name":"a"}"#,
+            "\n",
+            r#"{"timestamp":"2026-01-01T00:00:03Z","event":"lease_released"}"#,
+            "\n",
+            r#"{"timestamp":"2026-01-01T00:00:09Z","event":"lease_acquired","transitions":3}"#,
+            "\n",
+            r#"{"timestamp":"2026-01-01T00:00:10Z","event":"reconcile","namespace":"ns","name":"b"}"#,
+            "\n",
+        ));
+        assert_eq!(terms.len(), 2);
+        assert_eq!(terms[0].reconciles.len(), 1);
+        assert_eq!(
+            terms[0].lease_end.map(|(_, end)| end),
+            Some(LeaseEnd::Released)
+        );
+        assert_eq!(terms[1].acquired.map(|(_, t)| t), Some(3));
+        assert_eq!(terms[1].reconciles[0].1, "ns/b");
+        assert_eq!(terms[1].lease_end, None);
     }
 }

@@ -635,19 +635,27 @@ fn judge(
     let mut ended = Vec::new();
     for (name, member) in &state.shards {
         for incarnation in &member.incarnations {
-            let log = RunLog::read(incarnation.log_path());
+            let terms = RunLog::read_terms(incarnation.log_path());
             ended.push(exits::Ended {
                 who: name.clone(),
                 incarnation,
-                lost_lease: log.lost_at(),
+                lost_lease: terms.iter().find_map(RunLog::lost_at),
             });
-            runs.push(ownership::ShardRun {
-                shard: name.clone(),
-                pid: incarnation.pid,
-                log,
-                signals: incarnation.signals.clone(),
-                exited: incarnation.exit.as_ref().map(|e| e.at),
-            });
+            let last = terms.len() - 1;
+            for (i, log) in terms.into_iter().enumerate() {
+                runs.push(ownership::ShardRun {
+                    shard: name.clone(),
+                    pid: incarnation.pid,
+                    log,
+                    signals: incarnation.signals.clone(),
+                    // An earlier term ended with the Lease released, not with the process.
+                    exited: incarnation
+                        .exit
+                        .as_ref()
+                        .filter(|_| i == last)
+                        .map(|e| e.at),
+                });
+            }
         }
     }
     for (slot, member) in state.sharders.iter().enumerate() {
