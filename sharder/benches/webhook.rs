@@ -57,6 +57,7 @@ fn state(shards: usize) -> WebhookState {
     WebhookState {
         rings,
         metrics: Metrics::default(),
+        client: None,
     }
 }
 

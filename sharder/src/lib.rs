@@ -137,6 +137,7 @@ pub async fn run(
         webhook::WebhookState {
             rings: ctx.views.clone(),
             metrics: ctx.metrics.clone(),
+            client: Some(client.clone()),
         },
         readiness.clone(),
         &mut tasks,

@@ -26,11 +26,13 @@ use sharding_crds::{GroupResource, RingKind, RingRef};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use crate::core::key::{GENERATE_NAME_NOT_SUPPORTED, KeyError, KeyOutcome, ObjectInfo};
+use crate::core::key::{
+    GENERATE_NAME_NOT_SUPPORTED, KeyError, KeyOutcome, ObjectInfo, ResourceRole,
+};
 use crate::metrics::{Metrics, OutcomeLabels};
 use crate::server::tls::CertReloader;
 use crate::server::{self, Readiness};
-use crate::views::Views;
+use crate::views::{RingView, Views};
 
 /// Starts the webhook's TLS server on the configured address, with its certificate watched and
 /// reloaded from disk (readiness waits for the first load); it stops on `shutdown` and lets open
@@ -92,12 +94,30 @@ const TOO_LARGE: &str = "request body too large\n";
 const MAX_RING_NAME: usize = 253;
 
 /// What the webhook handler needs.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct WebhookState {
     /// Current views of the rings.
     pub rings: Arc<Views>,
     /// Counters to increment on assignments.
     pub metrics: Metrics,
+    /// Reads a controller whose ring changed lately, to label a child it gets meanwhile with the
+    /// controller's own shard (see [`ControllerLookup`]); without one, children follow the ring.
+    pub client: Option<kube::Client>,
+}
+
+/// How long the webhook waits for a controller's labels before it follows the ring: well within
+/// the 5 s the API server gives the webhook.
+const CONTROLLER_LOOKUP_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// A controller to read before labelling a child: its ring changed within
+/// the views' transition window (5 minutes) and an earlier ring placed it elsewhere, so it may still
+/// sit on that shard, its drain pending. The child then goes where the controller is, and
+/// follows it when it moves (docs/protocol.md §9): a shard never writes a child that another
+/// shard reconciles while it still holds the controller.
+struct ControllerLookup {
+    resource: kube::api::ApiResource,
+    namespace: Option<String>,
+    name: String,
 }
 
 /// The webhook router: the ring route, 404 elsewhere and for rings the sharder does not know,
@@ -232,8 +252,17 @@ async fn handle(
     let Ok(body) = axum::body::to_bytes(body, MAX_BODY_BYTES).await else {
         return Err((StatusCode::PAYLOAD_TOO_LARGE, TOO_LARGE).into_response());
     };
-    let (outcome, result) = match review(&state, &ring, &body) {
-        Ok((decision, response)) => (decision.outcome(), Ok(response)),
+    let (outcome, result) = match decode(&body) {
+        Ok(request) => {
+            let (mut decision, lookup) = decide(&state, &ring, &request);
+            if let (Some(lookup), AdmissionDecision::Assign { shard, .. }) = (lookup, &mut decision)
+                && let Some(current) = controller_shard(&state, &ring, &lookup).await
+            {
+                *shard = current;
+            }
+            let response = respond(&state, &ring, &request, &decision);
+            (decision.outcome(), Ok(response))
+        }
         Err(bad) => ("invalid", Err(bad.into_response())),
     };
     state
@@ -244,12 +273,42 @@ async fn handle(
     result
 }
 
-/// Answers one AdmissionReview for `ring`, with the decision taken.
-fn review(
+/// The shard controller `lookup` carries the label of, if it may still be running; `None` when
+/// it has none, cannot be read in time, or its shard is gone (then the ring decides).
+async fn controller_shard(
     state: &WebhookState,
     ring: &RingRef,
-    body: &[u8],
-) -> Result<(AdmissionDecision, Response), BadRequest> {
+    lookup: &ControllerLookup,
+) -> Option<String> {
+    let client = state.client.clone()?;
+    let api: kube::Api<kube::api::DynamicObject> = match &lookup.namespace {
+        Some(namespace) => kube::Api::namespaced_with(client, namespace, &lookup.resource),
+        None => kube::Api::all_with(client, &lookup.resource),
+    };
+    let read = tokio::time::timeout(
+        CONTROLLER_LOOKUP_TIMEOUT,
+        api.get_metadata_opt(&lookup.name),
+    )
+    .await;
+    let meta = match read {
+        Ok(Ok(Some(meta))) => meta,
+        Ok(Ok(None)) => return None,
+        Ok(Err(error)) => {
+            tracing::debug!(%ring, %error, "failed to read a child's controller; the ring decides");
+            return None;
+        }
+        Err(_) => {
+            tracing::debug!(%ring, "reading a child's controller timed out; the ring decides");
+            return None;
+        }
+    };
+    let view = state.rings.get(ring)?;
+    let shard = meta.metadata.labels?.remove(&view.shard_label)?;
+    view.may_be_running(&shard).then_some(shard)
+}
+
+/// Decodes one AdmissionReview.
+fn decode(body: &[u8]) -> Result<Request, BadRequest> {
     // Answers name what is wrong, never the request's content (serde's messages quote values).
     let review: Review = serde_json::from_slice(body).map_err(|e| {
         BadRequest(format!(
@@ -263,10 +322,18 @@ fn review(
             "expected an admission.k8s.io/v1 AdmissionReview".into(),
         ));
     }
-    let request = review
+    review
         .request
-        .ok_or_else(|| BadRequest("AdmissionReview has no request".into()))?;
-    let decision = decide(state, ring, &request);
+        .ok_or_else(|| BadRequest("AdmissionReview has no request".into()))
+}
+
+/// The AdmissionReview answering `request` with `decision`.
+fn respond(
+    state: &WebhookState,
+    ring: &RingRef,
+    request: &Request,
+    decision: &AdmissionDecision,
+) -> Response {
     let mut response = json!({"uid": request.uid, "allowed": true});
     match &decision {
         AdmissionDecision::Allow(reason) => {
@@ -309,24 +376,29 @@ fn review(
         "kind": "AdmissionReview",
         "response": response,
     });
-    Ok((decision, axum::Json(body).into_response()))
+    axum::Json(body).into_response()
 }
 
-fn decide(state: &WebhookState, ring: &RingRef, request: &Request) -> AdmissionDecision {
+/// What the webhook answers for `request`, and the controller to read first, if any.
+fn decide(
+    state: &WebhookState,
+    ring: &RingRef,
+    request: &Request,
+) -> (AdmissionDecision, Option<ControllerLookup>) {
     if request
         .sub_resource
         .as_deref()
         .is_some_and(|s| !s.is_empty())
     {
-        return AdmissionDecision::Allow("subresource requests are not assigned");
+        return allow("subresource requests are not assigned");
     }
     let Some(object) = request.object.as_ref() else {
-        return AdmissionDecision::Allow("request carries no object");
+        return allow("request carries no object");
     };
     let meta = &object.metadata;
     let Some(view) = state.rings.get(ring) else {
         // Gone between the router's check and here.
-        return AdmissionDecision::Allow("unknown ring");
+        return allow("unknown ring");
     };
     if meta
         .labels
@@ -334,12 +406,12 @@ fn decide(state: &WebhookState, ring: &RingRef, request: &Request) -> AdmissionD
         .and_then(|l| l.get(&view.shard_label))
         .is_some_and(|v| !v.is_empty())
     {
-        return AdmissionDecision::Allow(ALREADY_ASSIGNED);
+        return allow(ALREADY_ASSIGNED);
     }
     let group_resource = GroupResource::new(&request.resource.group, &request.resource.resource);
     let Some(resource) = view.resources.get(&group_resource) else {
         tracing::warn!(%ring, resource = %group_resource, "webhook called for a resource that is not part of the ring; allowing unchanged");
-        return AdmissionDecision::Allow("resource is not part of the ring");
+        return allow("resource is not part of the ring");
     };
     let info = ObjectInfo {
         group: &request.kind.group,
@@ -352,27 +424,73 @@ fn decide(state: &WebhookState, ring: &RingRef, request: &Request) -> AdmissionD
     let key = match outcome {
         Ok(KeyOutcome::Key(key)) => key,
         Ok(KeyOutcome::Unassigned(_)) => {
-            return AdmissionDecision::Allow("object has no eligible controller");
+            return allow("object has no eligible controller");
         }
         // Hashed by its name, which the API server has not chosen yet: allowed unassigned, and
         // assigned by the missed-assignment path once it exists.
         Err(KeyError::GenerateNameNotSupported) => {
-            return AdmissionDecision::Allow(GENERATE_NAME_NOT_SUPPORTED);
+            return allow(GENERATE_NAME_NOT_SUPPORTED);
         }
     };
-    match view.hash_ring.shard_for(&key) {
-        None => AdmissionDecision::Allow("there is no available shard"),
-        Some(shard) => AdmissionDecision::Assign {
-            label: view.shard_label.clone(),
-            shard: shard.to_string(),
-            create_labels: meta.labels.is_none(),
-            stale_drain_label: meta
-                .labels
-                .as_ref()
-                .filter(|l| l.contains_key(&view.drain_label))
-                .map(|_| view.drain_label.clone()),
-        },
-    }
+    let Some(shard) = view.hash_ring.shard_for(&key) else {
+        return allow("there is no available shard");
+    };
+    let lookup = match &resource.role {
+        ResourceRole::Controlled { .. } if view.recently_moved(&key, std::time::Instant::now()) => {
+            controller_lookup(&view, &info)
+        }
+        _ => None,
+    };
+    let decision = AdmissionDecision::Assign {
+        label: view.shard_label.clone(),
+        shard: shard.to_string(),
+        create_labels: meta.labels.is_none(),
+        stale_drain_label: meta
+            .labels
+            .as_ref()
+            .filter(|l| l.contains_key(&view.drain_label))
+            .map(|_| view.drain_label.clone()),
+    };
+    (decision, lookup)
+}
+
+/// A decision that allows the object unchanged, for `reason`, with nothing to read.
+fn allow(reason: &'static str) -> (AdmissionDecision, Option<ControllerLookup>) {
+    (AdmissionDecision::Allow(reason), None)
+}
+
+/// Where to read the controller of `child` (its owner reference with `controller: true`), if
+/// its kind is a main resource of `view`.
+fn controller_lookup(view: &RingView, child: &ObjectInfo<'_>) -> Option<ControllerLookup> {
+    let owner = child
+        .owner_references
+        .iter()
+        .find(|o| o.controller == Some(true))?;
+    let (group, version) = owner
+        .api_version
+        .rsplit_once('/')
+        .unwrap_or(("", owner.api_version.as_str()));
+    let (main, resolved) = view.resources.iter().find(|(gr, resolved)| {
+        gr.group == group
+            && resolved.info.kind == owner.kind
+            && matches!(resolved.role, ResourceRole::Main)
+    })?;
+    let resource = kube::api::ApiResource {
+        group: group.to_string(),
+        version: version.to_string(),
+        api_version: owner.api_version.clone(),
+        kind: owner.kind.clone(),
+        plural: main.resource.clone(),
+    };
+    Some(ControllerLookup {
+        resource,
+        namespace: resolved
+            .info
+            .namespaced
+            .then(|| child.namespace.map(str::to_string))
+            .flatten(),
+        name: owner.name.clone(),
+    })
 }
 
 /// Escapes a JSON pointer segment (RFC 6901): `~` → `~0`, `/` → `~1`.

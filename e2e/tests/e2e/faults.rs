@@ -1010,6 +1010,31 @@ async fn controlled_objects_follow_their_controller_only_after_it_left() -> anyh
         );
     }
 
+    // A child created now, as the old shard reconciling its Secret would: the webhook labels it
+    // for the shard the Secret still sits on, not for shard-d (audit F6.4).
+    let late_parent = moving[0];
+    let parent = before
+        .items
+        .iter()
+        .find(|s| s.name_any() == format!("s-{late_parent}"))
+        .context("Secret listed")?;
+    let late: k8s_openapi::api::core::v1::ConfigMap = serde_json::from_value(json!({
+        "metadata": {
+            "name": "late",
+            "ownerReferences": [{
+                "apiVersion": "v1", "kind": "Secret", "name": parent.name_any(),
+                "uid": parent.uid(), "controller": true,
+            }],
+        },
+    }))?;
+    let late = configmaps.create(&PostParams::default(), &late).await?;
+    let parent_shard = shard_of_secret(late_parent, &before);
+    ensure!(
+        late.labels().get(&key) == parent_shard.as_ref(),
+        "a child created while s-{late_parent} waits on {parent_shard:?} was labelled {:?}",
+        late.labels().get(&key)
+    );
+
     // The old shards acknowledge: the Secrets land on shard-d, and their ConfigMaps follow.
     let list = secrets.list_metadata(&ListParams::default()).await?;
     for s in list
@@ -1033,10 +1058,16 @@ async fn controlled_objects_follow_their_controller_only_after_it_left() -> anyh
             Ok(cms
                 .items
                 .iter()
-                .filter_map(|c| Some((c.name_any().strip_prefix("cm-")?.to_string(), c)))
-                .all(|(i, c)| {
-                    c.labels().get(&key).map(String::as_str)
-                        == expected_shard(&four, &ns, &format!("s-{i}"))
+                .filter_map(|c| {
+                    let parent = match c.name_any().strip_prefix("cm-") {
+                        Some(i) => format!("s-{i}"),
+                        None if c.name_any() == "late" => format!("s-{late_parent}"),
+                        None => return None,
+                    };
+                    Some((parent, c))
+                })
+                .all(|(parent, c)| {
+                    c.labels().get(&key).map(String::as_str) == expected_shard(&four, &ns, &parent)
                 })
                 .then_some(()))
         },

@@ -223,6 +223,17 @@ pub(crate) async fn refresh(sources: &ViewSources, scope: Scope) {
         };
         view.discovery_generation = discovery_generation;
         view.excluded_held = excluded_held;
+        if let Some(current) = &current {
+            let now = std::time::Instant::now();
+            view.earlier = current.earlier.clone();
+            if shards_changed {
+                view.earlier.insert(0, (current.hash_ring.clone(), now));
+            }
+            view.earlier.retain(|(_, replaced)| {
+                now.duration_since(*replaced) < super::view::TRANSITION_WINDOW
+            });
+            view.earlier.truncate(super::view::MAX_EARLIER_RINGS);
+        }
         if !(shards_changed || spec_changed)
             && current
                 .as_ref()

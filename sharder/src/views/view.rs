@@ -82,7 +82,20 @@ pub struct RingView {
     /// Increases with every rebuild of any view; set by [`Views::insert`]. The sharder
     /// controller syncs a ring again when its view's revision changed.
     pub(crate) revision: u64,
+    /// The hash rings this ring had before [`RingView::hash_ring`], newest first, each with when
+    /// it was replaced; kept for [`TRANSITION_WINDOW`]. While one of them places a controller
+    /// elsewhere, the controller may still sit on that shard, waiting for its drain, and the
+    /// webhook asks the controller where it is before labelling a child created meanwhile.
+    pub(crate) earlier: Vec<(HashRing, std::time::Instant)>,
 }
+
+/// How long a replaced hash ring is kept in [`RingView::earlier`]: drains are acknowledged within
+/// seconds by a healthy shard; a child created while its controller's drain is pending for
+/// longer follows the current ring, and the sync's owner wait keeps the two apart as before.
+pub(crate) const TRANSITION_WINDOW: std::time::Duration = std::time::Duration::from_secs(300);
+
+/// At most this many replaced hash rings are kept (a burst of membership changes).
+pub(crate) const MAX_EARLIER_RINGS: usize = 4;
 
 impl RingView {
     /// Kind and name of the ring.
@@ -98,6 +111,15 @@ impl RingView {
         role: &ResourceRole,
     ) -> Result<KeyOutcome, KeyError> {
         key::ring_key(self.hash_key, object, role)
+    }
+
+    /// Whether a replaced hash ring of the last [`TRANSITION_WINDOW`] places `key` elsewhere than
+    /// the current one: an object of that key may still sit on the other shard.
+    pub(crate) fn recently_moved(&self, key: &str, now: std::time::Instant) -> bool {
+        let current = self.hash_ring.shard_for(key);
+        self.earlier.iter().any(|(ring, replaced)| {
+            now.duration_since(*replaced) < TRANSITION_WINDOW && ring.shard_for(key) != current
+        })
     }
 
     /// Whether shard `shard` may still be running and reconciling objects: it is available, or kept
@@ -226,6 +248,7 @@ pub fn build_view<R: RingObject>(
         generation: ring.meta().generation,
         discovery_generation: 0,
         revision: 0,
+        earlier: Vec::new(),
     }
 }
 

@@ -57,6 +57,7 @@ fn state(shards: &[&str]) -> WebhookState {
     WebhookState {
         rings,
         metrics: Metrics::default(),
+        client: None,
     }
 }
 
@@ -424,4 +425,85 @@ async fn unknown_ring_kind_is_not_found() {
     let (status, body) = call(state(&["shard-a"]), "/webhooks/sharder/ring/example", body).await;
     assert_eq!(status, StatusCode::NOT_FOUND);
     assert!(String::from_utf8_lossy(&body).contains("controllerring"));
+}
+
+/// Right after the ring changed, a child whose controller an earlier ring placed elsewhere is
+/// labelled only after its controller is read; its controller and objects of a ring that did
+/// not change cost no read.
+#[test]
+fn a_child_of_a_controller_that_may_be_moving_asks_for_its_controller() {
+    let state = state(&["shard-a", "shard-b", "shard-c"]);
+    let ring = RingRef::new(RingKind::ClusterRing, "example");
+    let child = |name: &str| {
+        let object = json!({"metadata": {
+            "name": format!("checksums-{name}"),
+            "namespace": "default",
+            "ownerReferences": [
+                {"apiVersion": "v1", "kind": "Secret", "name": name, "uid": "u1", "controller": true},
+            ],
+        }});
+        let body = serde_json::to_vec(&review("configmaps", "ConfigMap", object)).expect("json");
+        decode(&body).ok().expect("decodes")
+    };
+    // A controller the current ring does not place on shard-a.
+    let current = HashRing::new(["shard-a", "shard-b", "shard-c"]);
+    let moved = (0..100)
+        .map(|i| format!("s-{i}"))
+        .find(|n| current.shard_for(&format!("/Secret/default/{n}")) != Some("shard-a"))
+        .expect("some key is not on shard-a");
+    assert!(
+        decide(&state, &ring, &child(&moved)).1.is_none(),
+        "no ring change, no read"
+    );
+
+    // The ring had only shard-a until now: every controller elsewhere may still sit there.
+    let shards = BTreeMap::from([
+        ("shard-a".to_string(), 1),
+        ("shard-b".to_string(), 1),
+        ("shard-c".to_string(), 1),
+    ]);
+    let mut view = build_view(
+        &ClusterRing::new(
+            "example",
+            ClusterRingSpec {
+                resources: vec![RingResource::controlling(
+                    "",
+                    "secrets",
+                    vec![GroupResource::new("", "configmaps")],
+                )],
+                ..Default::default()
+            },
+        ),
+        &shards,
+        &HashMap::from([
+            (
+                GroupResource::new("", "secrets"),
+                ResourceInfo::core_namespaced("Secret"),
+            ),
+            (
+                GroupResource::new("", "configmaps"),
+                ResourceInfo::core_namespaced("ConfigMap"),
+            ),
+        ]),
+        &Default::default(),
+    );
+    view.earlier = vec![(HashRing::new(["shard-a"]), std::time::Instant::now())];
+    state.rings.insert(view);
+    let (decision, lookup) = decide(&state, &ring, &child(&moved));
+    assert!(matches!(decision, AdmissionDecision::Assign { .. }));
+    let lookup = lookup.expect("the controller is read");
+    assert_eq!(
+        (
+            lookup.resource.plural.as_str(),
+            lookup.resource.kind.as_str()
+        ),
+        ("secrets", "Secret")
+    );
+    assert_eq!(lookup.namespace.as_deref(), Some("default"));
+    assert_eq!(lookup.name, moved);
+    // The controller itself is placed by the ring, unread.
+    let main = json!({"metadata": {"name": moved, "namespace": "default"}});
+    let body = serde_json::to_vec(&review("secrets", "Secret", main)).expect("json");
+    let request = decode(&body).ok().expect("decodes");
+    assert!(decide(&state, &ring, &request).1.is_none());
 }

@@ -197,6 +197,7 @@ fn sharder_state(shard_counts: &[usize]) -> (WebhookState, Vec<(usize, ExpectedR
     let state = WebhookState {
         rings: views,
         metrics: Metrics::default(),
+        client: None,
     };
     (state, rings)
 }
