@@ -24,9 +24,14 @@ use kube::{Client, ResourceExt};
 use sharding_crds::labels;
 use sharding_crds::{ClusterRingSpec, GroupResource, RingKind, RingRef, RingResource};
 
-/// Lease duration of a shard these tests kill, in seconds (that of [`ShardTiming::FAST`]): its
-/// objects move once the sharder took its Lease over, twice this after its last renewal.
-const LEASE_SECONDS: u32 = 3;
+/// Lease duration of a shard these tests kill, in seconds (that of [`KILLED`]): its objects move
+/// once the sharder took its Lease over, twice this after its last renewal.
+const LEASE_SECONDS: u32 = 4;
+
+/// Timing of the shard these tests kill: a short Lease, so the takeover comes within seconds,
+/// with a renew deadline of 3 s, so that the shard does not lose its Lease to a busy machine
+/// before the test kills it ([`ShardTiming::FAST`]'s 2 s did, once, in a full run).
+const KILLED: ShardTiming = ShardTiming("4", "3", "0.5");
 
 /// Starts a shard that stays: with relaxed timing, so that a busy machine (CI runs many tests at
 /// once) never costs it its Lease; a shard that lost its Lease stops, and the objects it should
@@ -372,7 +377,7 @@ async fn crash(kind: RingKind) -> anyhow::Result<()> {
     // The one to be killed, with a short Lease, so that the takeover comes within seconds.
     shards.insert(
         "shard-1",
-        start_checksum_shard_of(&ring, &ns, "shard-1", ShardTiming::FAST)?,
+        start_checksum_shard_of(&ring, &ns, "shard-1", KILLED)?,
     );
     populate(&client, &ns, &ring, &names, 60).await?;
 
