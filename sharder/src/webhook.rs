@@ -494,7 +494,7 @@ fn controller_lookup(view: &RingView, child: &ObjectInfo<'_>) -> Option<Controll
 }
 
 /// Escapes a JSON pointer segment (RFC 6901): `~` → `~0`, `/` → `~1`.
-fn escape_pointer(segment: &str) -> String {
+pub(crate) fn escape_pointer(segment: &str) -> String {
     segment.replace('~', "~0").replace('/', "~1")
 }
 

@@ -946,7 +946,7 @@ async fn a_ring_whose_webhook_is_unreachable_sends_no_moves() -> anyhow::Result<
 /// A controlled object moves only after its controller has left its shard: while a Secret waits
 /// for its old shard to acknowledge the drain, its ConfigMap stays with it (that shard still
 /// reconciles the Secret and would write the ConfigMap back); once the drain is acknowledged,
-/// the ConfigMap follows within seconds. The test plays the shards.
+/// the ConfigMap follows at once, not at a later sync. The test plays the shards.
 #[tokio::test]
 async fn controlled_objects_follow_their_controller_only_after_it_left() -> anyhow::Result<()> {
     let SharedScenario {
@@ -1050,6 +1050,25 @@ async fn controlled_objects_follow_their_controller_only_after_it_left() -> anyh
             .patch(&s.name_any(), &PatchParams::default(), &Patch::Merge(&ack))
             .await?;
     }
+    // The ConfigMaps the sync held back move as the acknowledgements arrive, sooner than any
+    // sync after a backoff (5 s at the least) could move them.
+    poll_until(
+        "held-back ConfigMaps on their Secrets' new shard",
+        Duration::from_secs(4),
+        || async {
+            let cms = configmaps.list_metadata(&ListParams::default()).await?;
+            Ok(moving
+                .iter()
+                .all(|i| {
+                    cms.items.iter().any(|c| {
+                        c.name_any() == format!("cm-{i}")
+                            && c.labels().get(&key).map(String::as_str) == Some("shard-d")
+                    })
+                })
+                .then_some(()))
+        },
+    )
+    .await?;
     poll_until(
         "ConfigMaps on their Secrets' new shard",
         Duration::from_secs(30),

@@ -3,7 +3,10 @@
 //!
 //! Joins a ring whose main resource is `secrets` and controlled resource is `configmaps`. For each
 //! Secret it owns it applies a ConfigMap `checksums-<secret>`, controlled by the Secret, mapping
-//! every Secret key to the lowercase hex SHA-256 of its value.
+//! every Secret key to the lowercase hex SHA-256 of its value. By default every write labels the
+//! ConfigMap with this shard, so a ConfigMap follows its Secret with the new shard's first write;
+//! with `--leave-children-to-sharder` only the create does, and ConfigMaps follow their Secret by
+//! the sharder's moves alone.
 //!
 //! Order of life ([`shard::Shard::run`]): acquire the shard Lease, then run the controller and the
 //! departures watch; exit non-zero the moment the Lease is lost; on SIGTERM/SIGINT stop the
@@ -37,7 +40,7 @@ use std::time::Duration;
 use anyhow::{Context as _, bail};
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{ConfigMap, Secret};
-use kube::api::{Api, ObjectMeta, Patch, PatchParams};
+use kube::api::{Api, ObjectMeta, Patch, PatchParams, PostParams};
 use kube::runtime::controller::{self, Action, Controller};
 use kube::{Client, Resource, ResourceExt};
 use sha2::{Digest, Sha256};
@@ -52,6 +55,9 @@ use tracing_subscriber::EnvFilter;
 
 /// Field manager of the ConfigMaps this controller applies.
 const FIELD_MANAGER: &str = "checksum-controller";
+
+/// Field manager of the ConfigMaps' creates with `--leave-children-to-sharder`.
+const CREATE_FIELD_MANAGER: &str = "checksum-controller-create";
 
 /// Prefix of the ConfigMap names.
 const CONFIG_MAP_PREFIX: &str = "checksums-";
@@ -107,6 +113,12 @@ struct Args {
     /// Seconds to wait before rejoining the ring after the sharder excluded this shard.
     #[arg(long, default_value = "30", value_parser = parse_seconds)]
     rejoin_pause: Duration,
+    /// Leave the ConfigMaps' shard label to the sharder: create each ConfigMap once with the
+    /// Secret's shard label and never relabel it afterwards, so that ConfigMaps follow their
+    /// Secret only by the sharder's moves (as shards written for the protocol alone do).
+    /// Without it every write labels the ConfigMap with this shard.
+    #[arg(long)]
+    leave_children_to_sharder: bool,
     /// For tests only: write the Lease's timestamps this many seconds off the system clock
     /// (negative: behind), as a shard on a machine with a wrong clock would.
     #[arg(long, hide = true, allow_hyphen_values = true)]
@@ -174,6 +186,8 @@ struct Context {
     state: Arc<Mutex<LocalState>>,
     /// `--testing-reconcile-delay`.
     slow_down: Option<Duration>,
+    /// `--leave-children-to-sharder`.
+    leave_children: bool,
 }
 
 /// The local state, also after a panic elsewhere (it holds no invariant a panic could break).
@@ -283,17 +297,13 @@ async fn reconcile(
     // One GET: the Secret may have been drained, or the Lease lost, while this reconcile ran.
     ownership.confirm().await?;
     let api: Api<ConfigMap> = Api::namespaced(context.client.clone(), &namespace);
-    api.patch(
-        &config_map_name,
-        &PatchParams::apply(FIELD_MANAGER).force(),
-        &Patch::Apply(&config_map),
-    )
-    .await
-    .map_err(|source| Error::Apply {
-        namespace: namespace.clone(),
-        name: config_map_name.clone(),
-        source,
-    })?;
+    write_config_map(&api, config_map.clone(), context.leave_children)
+        .await
+        .map_err(|source| Error::Apply {
+            namespace: namespace.clone(),
+            name: config_map_name.clone(),
+            source,
+        })?;
     info!(
         event = "applied",
         %namespace,
@@ -310,6 +320,37 @@ async fn reconcile(
         .served
         .insert((namespace, name), served);
     Ok(Action::await_change())
+}
+
+/// Writes `config_map` (labelled with this shard). With `leave_children`, the label is written
+/// only by the create; an existing ConfigMap gets its data and owner without any label, so its
+/// shard label stays whatever the sharder made it.
+async fn write_config_map(
+    api: &Api<ConfigMap>,
+    mut config_map: ConfigMap,
+    leave_children: bool,
+) -> Result<(), kube::Error> {
+    let name = config_map.name_any();
+    if leave_children {
+        // A field manager of its own: the apply below must not own (and so drop) the label.
+        let create = PostParams {
+            field_manager: Some(CREATE_FIELD_MANAGER.into()),
+            ..PostParams::default()
+        };
+        match api.create(&create, &config_map).await {
+            Ok(_) => return Ok(()),
+            Err(kube::Error::Api(status)) if status.code == 409 => {}
+            Err(error) => return Err(error),
+        }
+        config_map.metadata.labels = None;
+    }
+    api.patch(
+        &name,
+        &PatchParams::apply(FIELD_MANAGER).force(),
+        &Patch::Apply(&config_map),
+    )
+    .await
+    .map(|_| ())
 }
 
 fn error_policy(
@@ -465,6 +506,7 @@ async fn main() -> anyhow::Result<()> {
             shard: shard.clone(),
             state: Arc::clone(&state),
             slow_down: args.testing_reconcile_delay,
+            leave_children: args.leave_children_to_sharder,
         });
         let known: Vec<ObjectKey> = locked(&state)
             .served

@@ -8,17 +8,20 @@
 //! | `pager` | the sync's paged lists, with continue tokens that expire |
 //! | `patch` | one drain or move patch, guarded by the object's `resourceVersion`, and whether the webhook assigned the moved object |
 //! | `patch_limit` | the bound on patches in flight across every ring |
+//! | `owner_moves` | controlled objects a sync held back, moved the moment their controller's drain is acknowledged |
 //! | `missed_assignments` | the fast path for objects the webhook missed: assigned within seconds |
 //! | `announce` | Events about membership changes and stuck drains |
 
 mod announce;
 mod missed_assignments;
+mod owner_moves;
 mod pager;
 mod patch;
 mod patch_limit;
 mod run;
 mod sync;
 
+pub use self::owner_moves::CONTROLLED_OBJECTS_FOLLOWED;
 pub use self::run::SYNC_SUPERSEDED;
 pub(crate) use self::run::run;
 pub use self::sync::{LIST_CONTINUED_INCONSISTENTLY, LIST_RESTARTED, SYNC_FINISHED, SYNC_STARTED};

@@ -4,10 +4,13 @@
 //! that shard, which still reconciles the controller until it acknowledges its drain. A sync walks
 //! main resources first, so by the time it meets a controlled object it has seen the controller
 //! if the controller is listed; this remembers where the misplaced controllers sit.
+//!
+//! The children a sync held back are remembered ([`HeldChildren`]) so that each moves the moment
+//! its controller's drain is acknowledged, instead of at the next sync ([`Waiting`]).
 
 use std::collections::{HashMap, HashSet};
 
-use sharding_crds::HashKey;
+use sharding_crds::{GroupResource, HashKey};
 
 use crate::core::hash_ring::hash;
 use crate::core::rebalance::waits_for_owner;
@@ -31,15 +34,82 @@ pub(crate) struct OwnerWait {
     namespace_shards: HashSet<(u64, u64)>,
     /// Controlled objects held back so far.
     pub(crate) waiting: usize,
+    /// The held-back objects themselves, in the order they were held, while there are at most
+    /// [`MAX_REMEMBERED`]; `None` once there were more (they then wait for the next sync).
+    pub(crate) held: Option<Vec<HeldChild>>,
 }
+
+/// Most held-back controlled objects one sync remembers (about 100 bytes each): beyond that they
+/// wait for the next sync, as they would without the watch of drained controllers.
+pub(crate) const MAX_REMEMBERED: usize = 100_000;
+
+/// A controlled object a sync held back, with what it waits for.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct HeldChild {
+    /// Its resource.
+    pub(crate) resource: GroupResource,
+    /// Its namespace, for namespaced resources.
+    pub(crate) namespace: Option<String>,
+    /// Its name.
+    pub(crate) name: String,
+    /// The shard it sits on, which its controller has to leave first.
+    pub(crate) shard: String,
+    /// Hash of its hash key (its controller's, or its namespace's).
+    key_hash: u64,
+}
+
+/// A (hash key, shard) pair as hashes: "a main object with this key sits on this shard".
+type Blocker = (u64, u64);
 
 impl OwnerWait {
     /// An empty record for a ring hashing by `hash_key`.
     pub(crate) fn new(hash_key: HashKey) -> Self {
         Self {
             by_namespace: hash_key == HashKey::Namespace,
+            held: Some(Vec::new()),
             ..Self::default()
         }
+    }
+
+    /// Remembers a controlled object [`holds_back`](Self::holds_back) just held, with hash key
+    /// `key`, sitting on `shard`.
+    pub(crate) fn remember(
+        &mut self,
+        key: &str,
+        resource: &GroupResource,
+        namespace: Option<&str>,
+        name: &str,
+        shard: &str,
+    ) {
+        if self
+            .held
+            .as_ref()
+            .is_some_and(|h| h.len() >= MAX_REMEMBERED)
+        {
+            self.held = None;
+        }
+        if let Some(held) = &mut self.held {
+            held.push(HeldChild {
+                resource: resource.clone(),
+                namespace: namespace.map(str::to_owned),
+                name: name.to_owned(),
+                shard: shard.to_owned(),
+                key_hash: hash(key),
+            });
+        }
+    }
+
+    /// Forgets what was held after the `len`th remembered object (a list that started over
+    /// meets them again).
+    pub(crate) fn truncate_held(&mut self, len: usize) {
+        if let Some(held) = &mut self.held {
+            held.truncate(len);
+        }
+    }
+
+    /// How many held objects are remembered, for [`truncate_held`](Self::truncate_held).
+    pub(crate) fn held_len(&self) -> usize {
+        self.held.as_ref().map_or(0, Vec::len)
     }
 
     /// Takes in a listed main object with hash key `key`, labelled for shard `current`, which the
@@ -81,6 +151,113 @@ impl OwnerWait {
             self.waiting += 1;
         }
         wait
+    }
+}
+
+/// The controlled objects a finished sync held back, waiting for the main objects in their way
+/// to leave their shards.
+///
+/// A child waits while a main object with its hash key carrying the drain label sits on the
+/// child's shard (with namespace keys: any main object of its namespace). The sync holds a child
+/// back only when its controller sits misplaced on the child's shard, and every such controller
+/// leaves that sync draining (or moved), so watching the drain-labelled main objects tells when
+/// each child may go: [`draining`](Self::draining) for each of them as the watch lists or sees
+/// it, [`gone`](Self::gone) when it is deleted or loses the drain label (acknowledged), and
+/// [`released`](Self::released) for what may move.
+#[derive(Debug, Default)]
+pub(crate) struct Waiting {
+    /// Held children by the (key, shard) they wait on.
+    held: HashMap<Blocker, Vec<HeldChild>>,
+    /// Drain-labelled main objects, by UID hash: the watch they came from and where they sit.
+    draining: HashMap<u64, (usize, Blocker)>,
+    /// How many drain-labelled main objects sit at each (key, shard).
+    blockers: HashMap<Blocker, usize>,
+}
+
+impl Waiting {
+    /// The children `held` in one sync.
+    pub(crate) fn new(held: Vec<HeldChild>) -> Self {
+        let mut waiting = Self::default();
+        for child in held {
+            waiting
+                .held
+                .entry((child.key_hash, hash(&child.shard)))
+                .or_default()
+                .push(child);
+        }
+        waiting
+    }
+
+    /// Children still waiting.
+    pub(crate) fn len(&self) -> usize {
+        self.held.values().map(Vec::len).sum()
+    }
+
+    /// Whether no child waits any more.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.held.is_empty()
+    }
+
+    /// Takes in a main object (UID `uid`) carrying the drain label, with hash key `key`, on
+    /// `shard`, as the watch `source` listed or saw it.
+    pub(crate) fn draining(&mut self, source: usize, uid: &str, key: &str, shard: &str) {
+        let blocker = (hash(key), hash(shard));
+        if let Some((_, old)) = self.draining.insert(hash(uid), (source, blocker)) {
+            self.unblock(old);
+        }
+        *self.blockers.entry(blocker).or_default() += 1;
+    }
+
+    /// Takes in that a main object left the drain-labelled set (its drain was acknowledged, or it
+    /// was deleted). Returns the children that may move now, all of them waiting on nothing else.
+    pub(crate) fn gone(&mut self, uid: &str) -> Vec<HeldChild> {
+        let Some((_, blocker)) = self.draining.remove(&hash(uid)) else {
+            return Vec::new();
+        };
+        self.unblock(blocker);
+        if self.blockers.contains_key(&blocker) {
+            return Vec::new();
+        }
+        self.held.remove(&blocker).unwrap_or_default()
+    }
+
+    /// Forgets what the watch `source` listed before, as it lists again.
+    pub(crate) fn relisting(&mut self, source: usize) {
+        let stale: Vec<u64> = self
+            .draining
+            .iter()
+            .filter(|(_, (s, _))| *s == source)
+            .map(|(uid, _)| *uid)
+            .collect();
+        for uid in stale {
+            if let Some((_, blocker)) = self.draining.remove(&uid) {
+                self.unblock(blocker);
+            }
+        }
+    }
+
+    fn unblock(&mut self, blocker: Blocker) {
+        if let Some(count) = self.blockers.get_mut(&blocker) {
+            *count -= 1;
+            if *count == 0 {
+                self.blockers.remove(&blocker);
+            }
+        }
+    }
+
+    /// Takes out every child nothing waits on any more: once every watch has listed, and
+    /// whenever [`gone`](Self::gone) could not be trusted to say it (not every watch listed yet).
+    pub(crate) fn released(&mut self) -> Vec<HeldChild> {
+        let free: Vec<Blocker> = self
+            .held
+            .keys()
+            .filter(|blocker| !self.blockers.contains_key(blocker))
+            .copied()
+            .collect();
+        free.into_iter()
+            .filter_map(|blocker| self.held.remove(&blocker))
+            .flatten()
+            .collect()
     }
 }
 
@@ -146,5 +323,71 @@ mod tests {
             "unassigned"
         );
         assert_eq!(wait.waiting, 0);
+    }
+
+    fn child(wait: &mut OwnerWait, key: &str, name: &str, shard: &str) {
+        let configmaps = GroupResource::new("", "configmaps");
+        wait.remember(key, &configmaps, Some("default"), name, shard);
+    }
+
+    fn names(children: Vec<HeldChild>) -> Vec<String> {
+        let mut names: Vec<String> = children.into_iter().map(|c| c.name).collect();
+        names.sort();
+        names
+    }
+
+    #[test]
+    fn a_held_child_is_released_when_its_controller_leaves_the_drain() {
+        let mut wait = OwnerWait::new(HashKey::Object);
+        child(&mut wait, KEY, "c1", "a");
+        child(&mut wait, KEY, "c2", "a");
+        child(&mut wait, "/Secret/default/t", "c3", "a");
+        let mut waiting = Waiting::new(wait.held.take().expect("remembered"));
+        assert_eq!(waiting.len(), 3);
+        // The watch lists the controller of c1/c2 draining on `a`; t already left.
+        waiting.draining(0, "uid-s", KEY, "a");
+        assert_eq!(names(waiting.released()), ["c3"]);
+        assert!(waiting.released().is_empty());
+        // Another object being drained from `b` under the same key holds nothing back.
+        waiting.draining(0, "uid-other", KEY, "b");
+        assert!(waiting.gone("uid-other").is_empty());
+        assert_eq!(waiting.len(), 2);
+        // The drain is acknowledged.
+        assert_eq!(names(waiting.gone("uid-s")), ["c1", "c2"]);
+        assert!(waiting.is_empty());
+    }
+
+    #[test]
+    fn with_namespace_keys_children_wait_for_every_drained_main_object_of_the_namespace() {
+        let mut wait = OwnerWait::new(HashKey::Namespace);
+        child(&mut wait, "team", "c1", "a");
+        let mut waiting = Waiting::new(wait.held.take().expect("remembered"));
+        waiting.draining(0, "uid-1", "team", "a");
+        waiting.draining(1, "uid-2", "team", "a");
+        assert!(waiting.released().is_empty());
+        assert!(waiting.gone("uid-1").is_empty());
+        // The second watch lists again and no longer sees its object: only then it may move.
+        waiting.relisting(1);
+        assert_eq!(names(waiting.released()), ["c1"]);
+    }
+
+    #[test]
+    fn a_main_object_seen_twice_counts_once() {
+        let mut wait = OwnerWait::new(HashKey::Object);
+        child(&mut wait, KEY, "c1", "a");
+        let mut waiting = Waiting::new(wait.held.take().expect("remembered"));
+        waiting.draining(0, "uid-s", KEY, "a");
+        waiting.draining(0, "uid-s", KEY, "a");
+        assert_eq!(names(waiting.gone("uid-s")), ["c1"]);
+    }
+
+    #[test]
+    fn too_many_held_children_are_not_remembered() {
+        let mut wait = OwnerWait::new(HashKey::Object);
+        for i in 0..=MAX_REMEMBERED {
+            child(&mut wait, KEY, &i.to_string(), "a");
+        }
+        assert!(wait.held.is_none(), "the next sync moves them");
+        assert_eq!(wait.held_len(), 0);
     }
 }

@@ -3,8 +3,10 @@
 //!
 //! A ring is synced when it first appears and when its view changes (spec changed, a shard became
 //! available or unavailable), `syncPeriod` after a successful sync, with exponential backoff
-//! (5 s doubling up to `syncPeriod`) after a failed one, and (5 s doubling up to 30 s) after one
-//! that held controlled objects back for their controllers. At most one sync per ring runs at a
+//! (5 s doubling up to `syncPeriod`) after a failed one. After one that held controlled objects
+//! back for their controllers, those move as the drains are acknowledged and the ring is synced
+//! once more when all have moved; 30 s after the sync at the latest (5 s doubling up to 30 s when
+//! the sync could not remember them). At most one sync per ring runs at a
 //! time; a ring whose webhook configuration is not in place yet is looked at again shortly,
 //! because moves rely on the webhook.
 
@@ -161,6 +163,38 @@ impl<I: Copy + Ord + Add<Duration, Output = I>> SyncSchedule<I> {
         let backoff = backoff(schedule.waits, OWNER_WAIT_MAX.min(self.sync_period));
         schedule.due = now + backoff;
         Some(backoff)
+    }
+
+    /// Records the end of a ring's sync that held controlled objects back and left them to be
+    /// moved as their controllers' drains are acknowledged: the next sync is only the safety
+    /// net, due after [`OWNER_WAIT_MAX`] (or `syncPeriod`, if shorter). Returns that wait.
+    pub(crate) fn following(&mut self, ring: &str, now: I) -> Option<Duration> {
+        self.running.remove(ring);
+        let schedule = self.rings.get_mut(ring)?;
+        schedule.failures = 0;
+        schedule.waits += 1;
+        let wait = OWNER_WAIT_MAX.min(self.sync_period);
+        schedule.due = now + wait;
+        Some(wait)
+    }
+
+    /// Records that every controlled object a sync of `ring` left to follow its controller has
+    /// moved (`all_moved`), or that some moves failed. After all moved the ring is synced once
+    /// more at once: children the old shards created while their controllers were draining were
+    /// labelled for those shards and are not among those the sync remembered; after a failure,
+    /// after the first backoff. Ignored while a sync of the ring runs, which decides itself.
+    pub(crate) fn followed(&mut self, ring: &str, all_moved: bool, now: I) {
+        if self.running.contains(ring) {
+            return;
+        }
+        if let Some(schedule) = self.rings.get_mut(ring) {
+            schedule.waits = 0;
+            schedule.due = if all_moved {
+                now
+            } else {
+                now + INITIAL_BACKOFF
+            };
+        }
     }
 
     /// When to look at the schedule again unless a view changes or a sync finishes first: the
@@ -345,5 +379,26 @@ mod tests {
         assert!(schedule.superseded([("r", 2)]).is_empty());
         assert_eq!(schedule.finished("r", true, at(4)), None);
         assert_eq!(schedule.next_wake(at(4)), at(4) + PERIOD);
+    }
+
+    #[test]
+    fn a_sync_whose_children_follow_their_controllers_is_due_again_only_as_a_safety_net() {
+        let mut schedule = SyncSchedule::new(PERIOD);
+        let at = |s: u64| Duration::from_secs(s);
+        assert_eq!(schedule.start_due(at(0), [("a", 1)], |_| true), ["a"]);
+        assert_eq!(schedule.following("a", at(1)), Some(OWNER_WAIT_MAX));
+        assert_eq!(schedule.next_wake(at(1)), at(1) + OWNER_WAIT_MAX);
+        // Every child moved: one more sync at once picks up children created meanwhile.
+        schedule.followed("a", true, at(3));
+        assert_eq!(schedule.start_due(at(3), [("a", 1)], |_| true), ["a"]);
+        assert_eq!(schedule.following("a", at(4)), Some(OWNER_WAIT_MAX));
+        // A failed move brings the next sync forward to the first backoff.
+        schedule.followed("a", false, at(10));
+        assert!(schedule.start_due(at(14), [("a", 1)], |_| true).is_empty());
+        assert_eq!(schedule.start_due(at(15), [("a", 1)], |_| true), ["a"]);
+        // While a sync runs, the report of an older task changes nothing.
+        schedule.followed("a", true, at(16));
+        assert!(schedule.finished("a", true, at(17)).is_none());
+        assert_eq!(schedule.next_wake(at(17)), at(17) + PERIOD);
     }
 }

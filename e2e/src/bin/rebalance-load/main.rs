@@ -125,6 +125,10 @@ struct Args {
     /// Milliseconds between two samples of the timeline.
     #[arg(long, default_value_t = 500)]
     sample_every: u64,
+    /// Run the shards with `--leave-children-to-sharder`: ConfigMaps then follow their Secret
+    /// only by the sharder's moves, as with shards that never relabel what they own.
+    #[arg(long)]
+    leave_children_to_sharder: bool,
     /// Print the report as JSON instead of text.
     #[arg(long)]
     json: bool,
@@ -251,7 +255,12 @@ async fn measure(
     let three = &SHARDS[..3];
     let mut shards = Vec::new();
     for shard in three {
-        shards.push(start_shard(ring, namespace, shard)?);
+        shards.push(start_shard(
+            ring,
+            namespace,
+            shard,
+            args.leave_children_to_sharder,
+        )?);
     }
     wait_status(client, ring, 3, 3).await?;
     wait_webhook(client, namespace, ring, three).await?;
@@ -331,7 +340,12 @@ async fn measure(
     );
     let t0 = Instant::now();
     let sampler = tracker.sample(&SHARDS, t0, Duration::from_millis(args.sample_every.max(1)));
-    shards.push(start_shard(ring, namespace, SHARDS[3])?);
+    shards.push(start_shard(
+        ring,
+        namespace,
+        SHARDS[3],
+        args.leave_children_to_sharder,
+    )?);
     wait_status(client, ring, 4, 4).await?;
     let available = t0.elapsed();
     progress(started, "4 shards available");
@@ -344,6 +358,12 @@ async fn measure(
         )
         .await?;
     let converged = converged_at.saturating_duration_since(t0);
+    let secrets_converged = tracker
+        .lock()
+        .target
+        .as_ref()
+        .and_then(|t| t.secrets_good_since)
+        .map(|at| secs(at.saturating_duration_since(t0)));
     let window = t0.elapsed();
     let server_after = apiserver_metrics(client).await?;
     let sharder_after_text = files.metrics()?;
@@ -425,6 +445,16 @@ async fn measure(
     let scale_out = ScaleOut {
         available_seconds: secs(available),
         converged_seconds: secs(converged),
+        secrets_converged_seconds: secrets_converged,
+        children_left_to_sharder: args.leave_children_to_sharder,
+        patch_conflicts: ["secrets", "configmaps"]
+            .iter()
+            .map(|resource| {
+                let labels = [("code", "409"), ("verb", "PATCH"), ("resource", *resource)];
+                sum(&server_after, APISERVER_REQUESTS, &labels)
+                    - sum(&server_before, APISERVER_REQUESTS, &labels)
+            })
+            .sum(),
         predicted_moves,
         moved_secrets: moved_of(Kind::Secret),
         moved_configmaps: moved_of(Kind::ConfigMap),

@@ -47,6 +47,10 @@ pub(crate) struct Target {
     pub(crate) bad: HashSet<(Kind, String)>,
     /// Since when every object has been in place, if it is.
     pub(crate) good_since: Option<Instant>,
+    /// Secrets in `bad`.
+    pub(crate) bad_secrets: usize,
+    /// Since when every Secret has been in place, if they are (ConfigMaps aside).
+    pub(crate) secrets_good_since: Option<Instant>,
     pub(crate) transitions: Transitions,
     /// Label changes seen per object since the target was set.
     pub(crate) changes: HashMap<(Kind, String), Changes>,
@@ -110,12 +114,15 @@ impl State {
                 }
             }
         }
+        let bad_secrets = bad.iter().filter(|(kind, _)| *kind == Kind::Secret).count();
         self.target = Some(Target {
             ring,
             count,
             set_at: Instant::now(),
             bad,
             good_since: None,
+            bad_secrets,
+            secrets_good_since: None,
             transitions: Transitions::default(),
             changes: HashMap::new(),
         });
@@ -169,12 +176,17 @@ impl State {
                     }
                 }
             }
+            let is_secret = kind == Kind::Secret;
             match &placement {
                 Some(p) if Self::misplaced(&target.ring, &self.namespace, &name, p) => {
-                    target.bad.insert((kind, name));
+                    if target.bad.insert((kind, name)) && is_secret {
+                        target.bad_secrets += 1;
+                    }
                 }
                 _ => {
-                    target.bad.remove(&(kind, name));
+                    if target.bad.remove(&(kind, name)) && is_secret {
+                        target.bad_secrets -= 1;
+                    }
                 }
             }
         }
@@ -192,7 +204,17 @@ impl State {
 
     pub(crate) fn update_good(&mut self) {
         let good = self.is_good();
+        let secrets_good = self.target.as_ref().is_some_and(|t| {
+            t.bad_secrets == 0
+                && self.synced.contains(&Kind::Secret)
+                && self.secrets.len() == t.count
+        });
         if let Some(target) = self.target.as_mut() {
+            if !secrets_good {
+                target.secrets_good_since = None;
+            } else if target.secrets_good_since.is_none() {
+                target.secrets_good_since = Some(Instant::now());
+            }
             if !good {
                 target.good_since = None;
             } else if target.good_since.is_none() {

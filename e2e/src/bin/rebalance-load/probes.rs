@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use anyhow::Context;
-use e2e::fixtures::{ShardTiming, start_checksum_shard};
+use e2e::fixtures::{ShardTiming, start_checksum_shard_with};
 use e2e::process::{Process, poll_until};
 use e2e::sharder_process::{SharderFiles, counter};
 use kube::Client;
@@ -17,11 +17,24 @@ use sharding_crds::{RingKind, RingRef};
 
 use crate::report::{Counters, MemorySample, PageProbe, SyncRecord};
 
-/// Starts a checksum-controller shard restricted to `namespace`, with default Lease timing.
+/// Starts a checksum-controller shard restricted to `namespace`, with default Lease timing, that
+/// leaves its ConfigMaps' labels to the sharder if `leave_children`.
 ///
 /// Its log stays on disk (see the report); it is never printed, as it holds a line per object.
-pub(crate) fn start_shard(ring: &str, namespace: &str, shard: &str) -> anyhow::Result<Process> {
-    let mut process = start_checksum_shard(ring, namespace, shard, ShardTiming::DEFAULT)?;
+pub(crate) fn start_shard(
+    ring: &str,
+    namespace: &str,
+    shard: &str,
+    leave_children: bool,
+) -> anyhow::Result<Process> {
+    let ring = RingRef::new(RingKind::ClusterRing, ring);
+    let extra: &[&str] = if leave_children {
+        &["--leave-children-to-sharder"]
+    } else {
+        &[]
+    };
+    let mut process =
+        start_checksum_shard_with(&ring, namespace, shard, ShardTiming::DEFAULT, extra)?;
     process.passed();
     Ok(process)
 }

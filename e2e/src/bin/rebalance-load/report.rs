@@ -77,6 +77,15 @@ pub(crate) struct ScaleOut {
     pub(crate) available_seconds: f64,
     /// Seconds from starting the 4th shard until convergence.
     pub(crate) converged_seconds: f64,
+    /// Seconds from starting the 4th shard until every Secret was in place (ConfigMaps aside),
+    /// as it still held at convergence.
+    pub(crate) secrets_converged_seconds: Option<f64>,
+    /// Whether the shards left their ConfigMaps' labels to the sharder
+    /// (`--leave-children-to-sharder`).
+    pub(crate) children_left_to_sharder: bool,
+    /// PATCH requests of Secrets and ConfigMaps the API server answered with 409 Conflict
+    /// ("the object has been modified") in the window, every client's.
+    pub(crate) patch_conflicts: f64,
     /// Objects the 4-shard ring puts elsewhere than the 3-shard ring (per kind, equal).
     pub(crate) predicted_moves: usize,
     pub(crate) moved_secrets: usize,
@@ -276,6 +285,23 @@ impl Report {
             out,
             "  4 shards available after {:.2} s, converged after {:.2} s",
             s.available_seconds, s.converged_seconds
+        );
+        if let Some(secrets) = s.secrets_converged_seconds {
+            let _ = writeln!(
+                out,
+                "  Secrets alone in place after {secrets:.2} s: Secrets + ConfigMaps took {:.2}x that (ConfigMaps {})",
+                s.converged_seconds / secrets.max(f64::EPSILON),
+                if s.children_left_to_sharder {
+                    "moved by the sharder only"
+                } else {
+                    "relabelled by their new shard too"
+                }
+            );
+        }
+        let _ = writeln!(
+            out,
+            "  PATCH of Secrets and ConfigMaps answered 409 Conflict: {}",
+            s.patch_conflicts
         );
         let _ = writeln!(
             out,

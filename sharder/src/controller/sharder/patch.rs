@@ -3,13 +3,15 @@
 
 use std::sync::Arc;
 
+use kube::Resource;
 use kube::api::{Api, DynamicObject, Patch, PatchParams};
-use kube::core::ApiResource;
+use kube::core::{ApiResource, PartialObjectMeta};
 use serde_json::json;
 use sharding_crds::{GroupResource, RingRef};
 
 use super::patch_limit::PatchLimit;
 use crate::context::Context;
+use crate::core::owner_wait::HeldChild;
 use crate::core::rebalance::RebalanceDecision;
 use crate::events::{REASON_WEBHOOK_REACHABLE, REASON_WEBHOOK_UNREACHABLE};
 use crate::metrics::Metrics;
@@ -37,7 +39,7 @@ impl Patcher {
     }
 
     /// Sends the patch for `decision` about an object of resource `gr`, guarded by the object's
-    /// resourceVersion. A move counts as done only when the object landed where the ring's view
+    /// resourceVersion if `meta` has one. A move counts as done only when the object landed where the ring's view
     /// wants it now, which may be newer than `view`.
     pub(super) async fn patch(
         &self,
@@ -55,39 +57,21 @@ impl Patcher {
         // Every ring's sync and the missed-assignment path share one bound; held for the probe and
         // the patch alike.
         let _permit = self.limit.acquire().await;
-        let body =
-            json!({"metadata": {"resourceVersion": meta.resource_version, "labels": labels}});
+        // Without a resourceVersion (a held-back child whose controller left its shard) the
+        // move is unconditional: whatever happened to the object since, the webhook places it.
+        let body = match &meta.resource_version {
+            Some(version) => json!({"metadata": {"resourceVersion": version, "labels": labels}}),
+            None => json!({"metadata": {"labels": labels}}),
+        };
         let api: Api<DynamicObject> = match &meta.namespace {
             Some(ns) => Api::namespaced_with(self.ctx.client.clone(), ns, ar),
             None => Api::all_with(self.ctx.client.clone(), ar),
         };
         let name = meta.name.as_deref().unwrap_or_default();
-        let ring = view.ring_ref();
-        if decision == RebalanceDecision::Move {
-            match self.ctx.reachability.gate(&ring, std::time::Instant::now()) {
-                MoveGate::Open => {}
-                MoveGate::Closed => return Err(PatchError::Held),
-                MoveGate::Probe => {
-                    // A dry run goes through admission like the real write, without changing the
-                    // object: if the webhook assigns it, moves may go again.
-                    let params = PatchParams {
-                        dry_run: true,
-                        ..crate::controller::patch_params()
-                    };
-                    match api
-                        .patch_metadata(name, &params, &Patch::Merge(&body))
-                        .await
-                    {
-                        Ok(probed) if !self.webhook_ran(view, &probed.metadata) => {
-                            self.webhook_missed(&ring).await;
-                            return Err(PatchError::NotAssigned);
-                        }
-                        Ok(_) => self.webhook_answered(&ring).await,
-                        Err(kube::Error::Api(status)) if status.code == 404 => return Ok(()),
-                        Err(e) => return Err(e.into()),
-                    }
-                }
-            }
+        if decision == RebalanceDecision::Move
+            && self.gate(view, &api, name, &body).await? == Gate::Gone
+        {
+            return Ok(());
         }
         match api
             .patch_metadata(
@@ -97,31 +81,129 @@ impl Patcher {
             )
             .await
         {
-            Ok(updated) => {
-                if decision == RebalanceDecision::Move {
-                    if !self.webhook_ran(view, &updated.metadata) {
-                        self.webhook_missed(&ring).await;
-                        return Err(PatchError::NotAssigned);
-                    }
-                    self.webhook_answered(&ring).await;
-                    // The webhook assigned the object in the same request, as the current view wants.
-                    let current = self.ctx.views.get(&ring);
-                    let current = current.as_deref().unwrap_or(view);
-                    let landed = current.resources.get(gr).is_none_or(|resource| {
-                        current
-                            .placement(&gr.group, resource, &updated.metadata)
-                            .decision
-                            == RebalanceDecision::Keep
-                    });
-                    if !landed {
-                        return Err(PatchError::NotAssigned);
-                    }
-                }
-                Ok(())
+            Ok(updated) if decision == RebalanceDecision::Move => {
+                self.landed(view, gr, &updated.metadata).await
             }
+            Ok(_) => Ok(()),
             // Deleted meanwhile: nothing left to move.
             Err(kube::Error::Api(status)) if status.code == 404 => Ok(()),
             Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Moves a controlled object a sync held back off `child.shard`, if it still sits there: a
+    /// JSON patch tests the shard label before it removes it, so a child moved meanwhile (by its
+    /// shard, or by a sync) is left alone without a write, and no resourceVersion can conflict
+    /// with its new shard's writes. Returns whether it moved.
+    pub(super) async fn move_child(
+        &self,
+        view: &RingView,
+        ar: &ApiResource,
+        child: &HeldChild,
+    ) -> Result<bool, PatchError> {
+        let _permit = self.limit.acquire().await;
+        let api: Api<DynamicObject> = match &child.namespace {
+            Some(ns) => Api::namespaced_with(self.ctx.client.clone(), ns, ar),
+            None => Api::all_with(self.ctx.client.clone(), ar),
+        };
+        let probe = json!({"metadata": {"labels": { &view.shard_label: null }}});
+        if self.gate(view, &api, &child.name, &probe).await? == Gate::Gone {
+            return Ok(false);
+        }
+        let pointer = format!(
+            "/metadata/labels/{}",
+            crate::webhook::escape_pointer(&view.shard_label)
+        );
+        let ops = json!([
+            {"op": "test", "path": pointer, "value": child.shard},
+            {"op": "remove", "path": pointer},
+        ]);
+        let url = format!(
+            "{}/{}?fieldManager={}",
+            DynamicObject::url_path(ar, child.namespace.as_deref()),
+            child.name,
+            crate::core::webhook_config::FIELD_MANAGER
+        );
+        let request = axum::http::Request::patch(url)
+            .header(axum::http::header::CONTENT_TYPE, JSON_PATCH)
+            .header(axum::http::header::ACCEPT, METADATA_ONLY)
+            .body(serde_json::to_vec(&ops).unwrap_or_default())
+            .map_err(|e| PatchError::Api(kube::Error::HttpError(e)))?;
+        match self
+            .ctx
+            .client
+            .request::<PartialObjectMeta<DynamicObject>>(request)
+            .await
+        {
+            Ok(updated) => self
+                .landed(view, &child.resource, &updated.metadata)
+                .await
+                .map(|()| true),
+            // Deleted meanwhile, or no longer on that shard (the test failed): nothing to move.
+            Err(kube::Error::Api(status)) if matches!(status.code, 404 | 422) => Ok(false),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Whether a move may be sent now: the ring's webhook answers, or a dry run of `body` (a
+    /// merge patch) is the probe that finds it answering again.
+    async fn gate(
+        &self,
+        view: &RingView,
+        api: &Api<DynamicObject>,
+        name: &str,
+        body: &serde_json::Value,
+    ) -> Result<Gate, PatchError> {
+        let ring = view.ring_ref();
+        match self.ctx.reachability.gate(&ring, std::time::Instant::now()) {
+            MoveGate::Open => Ok(Gate::Go),
+            MoveGate::Closed => Err(PatchError::Held),
+            MoveGate::Probe => {
+                // A dry run goes through admission like the real write, without changing the
+                // object: if the webhook assigns it, moves may go again.
+                let params = PatchParams {
+                    dry_run: true,
+                    ..crate::controller::patch_params()
+                };
+                match api.patch_metadata(name, &params, &Patch::Merge(body)).await {
+                    Ok(probed) if !self.webhook_ran(view, &probed.metadata) => {
+                        self.webhook_missed(&ring).await;
+                        Err(PatchError::NotAssigned)
+                    }
+                    Ok(_) => {
+                        self.webhook_answered(&ring).await;
+                        Ok(Gate::Go)
+                    }
+                    Err(kube::Error::Api(status)) if status.code == 404 => Ok(Gate::Gone),
+                    Err(e) => Err(e.into()),
+                }
+            }
+        }
+    }
+
+    /// Whether a moved object, as the API server answered the move, landed where the ring's view
+    /// wants it now (which may be newer than `view`): the webhook assigned it in the same request.
+    async fn landed(
+        &self,
+        view: &RingView,
+        gr: &GroupResource,
+        meta: &kube::api::ObjectMeta,
+    ) -> Result<(), PatchError> {
+        let ring = view.ring_ref();
+        if !self.webhook_ran(view, meta) {
+            self.webhook_missed(&ring).await;
+            return Err(PatchError::NotAssigned);
+        }
+        self.webhook_answered(&ring).await;
+        let current = self.ctx.views.get(&ring);
+        let current = current.as_deref().unwrap_or(view);
+        let landed = current.resources.get(gr).is_none_or(|resource| {
+            current.placement(&gr.group, resource, meta).decision == RebalanceDecision::Keep
+        });
+        if landed {
+            Ok(())
+        } else {
+            Err(PatchError::NotAssigned)
         }
     }
 
@@ -180,6 +262,21 @@ impl Patcher {
             }
         }
     }
+}
+
+/// Content type of a JSON patch (RFC 6902).
+const JSON_PATCH: &str = "application/json-patch+json";
+
+/// Accept header asking for the object's metadata only.
+const METADATA_ONLY: &str = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1";
+
+/// Whether a move may go on after its gate.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Gate {
+    /// Send it.
+    Go,
+    /// The probe found the object deleted: nothing left to move.
+    Gone,
 }
 
 /// A patch that did not have the intended effect.

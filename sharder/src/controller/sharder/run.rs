@@ -11,6 +11,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::announce::{Announcer, DRAIN_CHECK_PERIOD};
 use super::missed_assignments::MissedAssignments;
+use super::owner_moves::OwnerMoves;
 use super::patch::Patcher;
 use super::sync::{Error, SyncStats, sync_ring};
 use crate::context::Context;
@@ -34,9 +35,10 @@ pub(crate) async fn run(ctx: Context, shutdown: CancellationToken) {
     // it finished must not be taken for its successor.
     let mut started_syncs = 0u64;
     // Running syncs by ring, with the token that stops one when a newer view supersedes it.
-    let mut handles: HashMap<String, (u64, CancellationToken)> = HashMap::new();
+    let mut handles: HashMap<String, (u64, CancellationToken, Arc<RingView>)> = HashMap::new();
     let patcher = Patcher::new(ctx.clone());
     let mut missed = MissedAssignments::default();
+    let mut owner_moves = OwnerMoves::default();
     let mut announcer = Announcer::default();
     let mut drain_check = tokio::time::interval(DRAIN_CHECK_PERIOD);
     loop {
@@ -53,7 +55,7 @@ pub(crate) async fn run(ctx: Context, shutdown: CancellationToken) {
             // Stopped, not aborted: a sync stops before its next page, so the patches in flight
             // complete and are counted. The next sync of the ring may start meanwhile; both
             // write only labels towards the ring's current wishes, and the newer one decides.
-            if let Some((_, stop)) = handles.remove(&key) {
+            if let Some((_, stop, _)) = handles.remove(&key) {
                 stop.cancel();
             }
             schedule.abandoned(&key, now);
@@ -78,16 +80,20 @@ pub(crate) async fn run(ctx: Context, shutdown: CancellationToken) {
             let Some(view) = keyed.get(&key) else {
                 continue;
             };
+            // The sync looks at the children left to follow their controllers itself.
+            owner_moves.stop(&key);
             let (patcher, view) = (patcher.clone(), Arc::clone(view));
             let task_key = key.clone();
             started_syncs += 1;
             let id = started_syncs;
             let stop = shutdown.child_token();
             let task_stop = stop.clone();
+            let synced = Arc::clone(&view);
             running
                 .spawn(async move { (task_key, id, sync_ring(&patcher, &view, task_stop).await) });
-            handles.insert(key, (id, stop));
+            handles.insert(key, (id, stop, synced));
         }
+        owner_moves.retain(|key| keyed.contains_key(key));
         missed.reconcile(&patcher, &views);
         announcer.membership(&ctx, &views).await;
 
@@ -96,20 +102,27 @@ pub(crate) async fn run(ctx: Context, shutdown: CancellationToken) {
             _ = changes.changed() => {}
             _ = drain_check.tick() => announcer.stuck_drains(&ctx).await,
             () = tokio::time::sleep_until(schedule.next_wake(now)) => {}
+            (name, followed) = owner_moves.next_done() => {
+                schedule.followed(&name, followed.failed == 0, Instant::now());
+            }
             Some(joined) = running.join_next(), if !running.is_empty() => {
                 // A superseded sync was accounted for when it was stopped.
                 let Ok((name, id, result)) = joined else { continue };
-                if handles.get(&name).is_none_or(|(current, _)| *current != id) {
+                if handles.get(&name).is_none_or(|(current, _, _)| *current != id) {
                     continue;
                 }
-                handles.remove(&name);
-                let waiting = matches!(result, Err(Error::WaitingForOwners { .. }));
+                let Some((_, _, view)) = handles.remove(&name) else { continue };
                 let error = result.as_ref().err().map(ToString::to_string);
                 let now = Instant::now();
-                let retry = if waiting {
-                    schedule.waiting(&name, now)
-                } else {
-                    schedule.finished(&name, result.is_ok(), now)
+                let (waiting, retry) = match result {
+                    Err(Error::WaitingForOwners { held: Some(held), .. }) => {
+                        owner_moves.start(name.clone(), patcher.clone(), view, held);
+                        (true, schedule.following(&name, now))
+                    }
+                    Err(Error::WaitingForOwners { held: None, .. }) => {
+                        (true, schedule.waiting(&name, now))
+                    }
+                    result => (false, schedule.finished(&name, result.is_ok(), now)),
                 };
                 if let Some(backoff) = retry {
                     let error = error.unwrap_or_default();

@@ -18,7 +18,7 @@ use super::pager::{Pager, PagerError};
 use super::patch::{PatchError, Patcher, api_resource};
 use crate::core::key::KeyOutcome;
 use crate::core::list_scope::{ListScope, list_scope};
-use crate::core::owner_wait::OwnerWait;
+use crate::core::owner_wait::{OwnerWait, Waiting};
 use crate::core::rebalance::RebalanceDecision;
 use crate::events::{REASON_REBALANCE_FINISHED, REASON_REBALANCE_STARTED, REASON_SYNC_FAILED};
 use crate::metrics::{Metrics, OutcomeLabels, RingLabel};
@@ -55,12 +55,14 @@ pub(super) enum Error {
         #[source]
         source: PagerError,
     },
-    /// Controlled objects wait for their controllers to leave their shard (drain acknowledged);
-    /// the sync runs again soon, with backoff.
+    /// Controlled objects wait for their controllers to leave their shard (drain acknowledged):
+    /// each moves when its controller's drain is acknowledged, or at the next sync, soon.
     #[error("{waiting} controlled objects wait for their controllers to leave their shard")]
     WaitingForOwners {
         /// Controlled objects held back.
         waiting: usize,
+        /// Those objects, when the sync could remember them all.
+        held: Option<Waiting>,
     },
     /// Moves were held back because the ring's webhook is unreachable.
     #[error("held back {held} moves: the API server does not reach the ring's webhook")]
@@ -144,6 +146,15 @@ fn tally_object(
                     view.may_be_running(shard)
                 })
         {
+            if let Some(shard) = current {
+                tally.owner_wait.remember(
+                    key,
+                    gr,
+                    meta.namespace.as_deref(),
+                    meta.name.as_deref().unwrap_or_default(),
+                    shard,
+                );
+            }
             return RebalanceDecision::Keep;
         }
     }
@@ -269,6 +280,7 @@ pub(super) async fn sync_ring(
         None if stats.held > 0 => Err(Error::WebhookUnreachable { held: stats.held }),
         None if tally.owner_wait.waiting > 0 => Err(Error::WaitingForOwners {
             waiting: tally.owner_wait.waiting,
+            held: tally.owner_wait.held.take().map(Waiting::new),
         }),
         None => Ok(stats),
     };
@@ -362,6 +374,7 @@ async fn sync_list(
         stats.listed,
         tally.objects.clone(),
         tally.owner_wait.waiting,
+        tally.owner_wait.held_len(),
     );
     let mut pager = Pager::new(api);
     loop {
@@ -400,6 +413,7 @@ async fn sync_list(
             stats.listed = checkpoint.0;
             tally.objects = checkpoint.1.clone();
             tally.owner_wait.waiting = checkpoint.2;
+            tally.owner_wait.truncate_held(checkpoint.3);
         }
         stats.listed += page.items.len();
         let actions: Vec<(PartialObjectMeta<DynamicObject>, RebalanceDecision)> = page

@@ -1,0 +1,247 @@
+//! Controlled objects that a sync held back move the moment their controller's drain is
+//! acknowledged (docs/protocol.md §9), not at the next sync.
+//!
+//! After a sync that held children back, one task per ring watches the ring's main objects that
+//! carry its drain label, metadata-only (a handful of objects: those being drained). An object
+//! leaving that set, by its shard's acknowledgement or by its deletion, frees the children that
+//! waited on it, and they are moved at once. The next sync stays the safety net: it runs after
+//! [`OWNER_WAIT_MAX`](crate::core::sync_schedule::OWNER_WAIT_MAX), or sooner when a move fails.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
+use futures::StreamExt;
+use kube::api::{Api, DynamicObject};
+use kube::core::PartialObjectMeta;
+use kube::runtime::{WatchStreamExt, watcher};
+use sharding_crds::GroupResource;
+use tokio::sync::Semaphore;
+use tokio::task::{AbortHandle, JoinSet};
+
+use super::patch::{Patcher, api_resource};
+use crate::core::key::KeyOutcome;
+use crate::core::owner_wait::{HeldChild, Waiting};
+use crate::core::rebalance::RebalanceDecision;
+use crate::views::{ResolvedResource, RingView};
+
+/// Message of the log record when a ring's held-back controlled objects have all moved after
+/// their controllers, with the fields `ring`, `moved` and `failed`.
+pub const CONTROLLED_OBJECTS_FOLLOWED: &str =
+    "controlled objects followed their controllers' acknowledged drains";
+
+/// How the children a sync held back fared.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(super) struct Followed {
+    /// Children moved (or found moved or deleted already).
+    pub(super) moved: usize,
+    /// Moves that failed; the next sync takes them up.
+    pub(super) failed: usize,
+}
+
+/// The running tasks, at most one per ring, keyed like the sync schedule (`Kind/name`). Dropping
+/// it stops them all.
+#[derive(Debug, Default)]
+pub(super) struct OwnerMoves {
+    tasks: JoinSet<(String, u64, Followed)>,
+    running: HashMap<String, (u64, AbortHandle)>,
+    started: u64,
+}
+
+impl OwnerMoves {
+    /// Follows the children `waiting` of ring `key` (as synced with `view`), replacing what
+    /// followed that ring before.
+    pub(super) fn start(
+        &mut self,
+        key: String,
+        patcher: Patcher,
+        view: Arc<RingView>,
+        waiting: Waiting,
+    ) {
+        self.stop(&key);
+        self.started += 1;
+        let id = self.started;
+        let task_key = key.clone();
+        let handle = self.tasks.spawn(async move {
+            let followed = follow(&patcher, view, waiting).await;
+            (task_key, id, followed)
+        });
+        self.running.insert(key, (id, handle));
+    }
+
+    /// Stops following the children of ring `key`: a sync starts that looks at them itself.
+    pub(super) fn stop(&mut self, key: &str) {
+        if let Some((_, handle)) = self.running.remove(key) {
+            handle.abort();
+        }
+    }
+
+    /// Stops following rings that are gone.
+    pub(super) fn retain(&mut self, keep: impl Fn(&str) -> bool) {
+        self.running.retain(|key, (_, handle)| {
+            let kept = keep(key);
+            if !kept {
+                handle.abort();
+            }
+            kept
+        });
+    }
+
+    /// The next ring whose held-back children have all moved (or failed to), with how they fared;
+    /// pending forever while none is followed.
+    pub(super) async fn next_done(&mut self) -> (String, Followed) {
+        loop {
+            match self.tasks.join_next().await {
+                Some(Ok((key, id, followed))) => {
+                    if self
+                        .running
+                        .get(&key)
+                        .is_some_and(|(current, _)| *current == id)
+                    {
+                        self.running.remove(&key);
+                        return (key, followed);
+                    }
+                }
+                // Aborted: replaced or stopped.
+                Some(Err(_)) => {}
+                None => futures::future::pending::<()>().await,
+            }
+        }
+    }
+}
+
+/// Watches the drain-labelled main objects of `view`'s ring and moves each child of `waiting` as
+/// soon as nothing it waits on is left; returns once every child moved or failed to.
+async fn follow(patcher: &Patcher, view: Arc<RingView>, mut waiting: Waiting) -> Followed {
+    let ring = view.ring_ref();
+    let mains: Vec<(&GroupResource, _)> = view
+        .resources
+        .iter()
+        .filter(|(_, resource)| resource.is_main())
+        .collect();
+    let watches = mains.iter().enumerate().map(|(source, (gr, resource))| {
+        // `PartialObjectMeta` makes the watch metadata-only.
+        let api: Api<PartialObjectMeta<DynamicObject>> = Api::all_with(
+            patcher.ctx.client.clone(),
+            &api_resource(gr, &resource.info),
+        );
+        let config = watcher::Config::default().labels(&view.drain_label);
+        watcher::watcher(api, config)
+            .default_backoff()
+            .map(move |event| (source, event))
+            .boxed()
+    });
+    let mut events = futures::stream::select_all(watches);
+    let concurrency = usize::try_from(patcher.ctx.config.controller.sharder.concurrent_moves)
+        .unwrap_or(1)
+        .max(1);
+    let limit = Arc::new(Semaphore::new(concurrency));
+    let mut moves: JoinSet<bool> = JoinSet::new();
+    let mut listed: HashSet<usize> = HashSet::new();
+    let mut followed = Followed::default();
+    let total = waiting.len();
+    loop {
+        if waiting.is_empty() && moves.is_empty() {
+            break;
+        }
+        let mut freed = Vec::new();
+        tokio::select! {
+            Some(done) = moves.join_next(), if !moves.is_empty() => {
+                match done {
+                    Ok(true) => followed.moved += 1,
+                    _ => followed.failed += 1,
+                }
+                continue;
+            }
+            event = events.next() => {
+                let Some((source, event)) = event else { break };
+                match event {
+                    Ok(watcher::Event::Init) => {
+                        listed.remove(&source);
+                        waiting.relisting(source);
+                    }
+                    Ok(watcher::Event::InitApply(object) | watcher::Event::Apply(object)) => {
+                        let (gr, resource) = mains[source];
+                        let released = draining(&view, resource, gr, source, &object, &mut waiting);
+                        if listed.len() == mains.len() {
+                            freed = released;
+                        }
+                    }
+                    Ok(watcher::Event::InitDone) => {
+                        listed.insert(source);
+                        if listed.len() == mains.len() {
+                            freed = waiting.released();
+                        }
+                    }
+                    Ok(watcher::Event::Delete(object)) => {
+                        let uid = object.metadata.uid.as_deref().unwrap_or_default();
+                        let released = waiting.gone(uid);
+                        if listed.len() == mains.len() {
+                            freed = released;
+                        }
+                    }
+                    Err(error) => {
+                        tracing::debug!(%error, %ring, "watch of drained controllers failed, retrying");
+                    }
+                }
+            }
+        }
+        for child in freed {
+            let (patcher, limit) = (patcher.clone(), Arc::clone(&limit));
+            let Some(resource) = view.resources.get(&child.resource) else {
+                followed.failed += 1;
+                continue;
+            };
+            let ar = api_resource(&child.resource, &resource.info);
+            let view = Arc::clone(&view);
+            moves.spawn(async move {
+                let _slot = limit.acquire_owned().await;
+                move_one(&patcher, &view, &ar, &child).await
+            });
+        }
+    }
+    tracing::info!(%ring, held = total, moved = followed.moved, failed = followed.failed, "{CONTROLLED_OBJECTS_FOLLOWED}");
+    followed
+}
+
+/// Takes in a drain-labelled main object the watch `source` of resource `gr` listed or saw;
+/// returns the children that may move now (see [`Waiting::gone`]).
+fn draining(
+    view: &RingView,
+    resource: &ResolvedResource,
+    gr: &GroupResource,
+    source: usize,
+    object: &PartialObjectMeta<DynamicObject>,
+    waiting: &mut Waiting,
+) -> Vec<HeldChild> {
+    let placement = view.placement(&gr.group, resource, &object.metadata);
+    let uid = object.metadata.uid.as_deref().unwrap_or_default();
+    match (&placement.key, placement.object.current) {
+        (Ok(KeyOutcome::Key(key)), Some(shard)) if placement.object.draining => {
+            waiting.draining(source, uid, key, shard);
+            Vec::new()
+        }
+        // Not in the way of any child (no key or no shard any more).
+        _ => waiting.gone(uid),
+    }
+}
+
+/// Moves one freed child; whether it went through.
+async fn move_one(
+    patcher: &Patcher,
+    view: &RingView,
+    ar: &kube::core::ApiResource,
+    child: &HeldChild,
+) -> bool {
+    match patcher.move_child(view, ar, child).await {
+        Ok(moved) => {
+            if moved {
+                patcher.count(view, &child.resource, RebalanceDecision::Move);
+            }
+            true
+        }
+        Err(error) => {
+            tracing::debug!(%error, object = %child.name, "moving a controlled object after its controller failed");
+            false
+        }
+    }
+}
