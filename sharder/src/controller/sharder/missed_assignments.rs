@@ -48,7 +48,7 @@ const RETRY_MAX: Duration = Duration::from_secs(4);
 /// of them becomes the probe when it is due.
 const HELD_WAIT: Duration = Duration::from_millis(500);
 
-/// A running watch of one ring resource (see [`MissedAssignments`]).
+/// Which watch task: ring, resource and the version watched (see [`MissedAssignments`]).
 type WatchKey = (RingRef, GroupResource, String);
 
 /// The running watches, one per ring resource. They are tasks of a `JoinSet` this value owns, so
@@ -237,21 +237,24 @@ async fn watch_unassigned(
     mut selector: watch::Receiver<LabelSelector>,
 ) {
     let ctx = &patcher.ctx;
-    let Some(view) = ctx.views.get(&ring) else {
-        return;
+    // What the watch needs of the view; the view itself is not kept (its hash ring may be big,
+    // and a newer view replaces it).
+    let (ar, namespaced, labels) = {
+        let Some(view) = ctx.views.get(&ring) else {
+            return;
+        };
+        let Some(resource) = view.resources.get(&gr) else {
+            return;
+        };
+        (
+            api_resource(&gr, &resource.info),
+            resource.info.namespaced,
+            format!("!{}", view.shard_label),
+        )
     };
-    let Some(resource) = view.resources.get(&gr) else {
-        return;
-    };
-    let ar = api_resource(&gr, &resource.info);
-    let namespaced = resource.info.namespaced;
     // Subscribed before the first scope is computed, so that no change goes unseen.
     let mut namespace_changes = ctx.caches.changes.namespaces();
-    let mut watches = Watches::new(
-        ctx.client.clone(),
-        ar.clone(),
-        format!("!{}", view.shard_label),
-    );
+    let mut watches = Watches::new(ctx.client.clone(), ar.clone(), labels);
     let rescope = |watches: &mut Watches, selector: &LabelSelector| {
         let (selected, all) = if namespaced {
             ctx.caches.selected_namespaces(selector)
@@ -294,7 +297,8 @@ async fn watch_unassigned(
                 continue;
             }
             Some(item) = watches.events.next(), if !watches.events.is_empty() => item,
-            // Only when the controller let go of this watch: it is being stopped.
+            // Nothing left to wait for: the controller let go of this watch, or the caches
+            // stopped; either way the sharder controller is stopping it.
             else => return,
         };
         let obj = match event {
