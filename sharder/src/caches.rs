@@ -134,7 +134,18 @@ impl Caches {
             &runner,
             Api::<Namespace>::all(runner.client.clone()),
             watcher::Config::default(),
-            |_: &watcher::Event<Namespace>| true,
+            {
+                let changes = changes.clone();
+                // Any change may change which namespaces a ring selects: the missed-assignment
+                // watches then cover another set of namespaces. Namespaces change seldom, so
+                // telling apart the events that changed labels is not worth a copy of them.
+                move |event: &watcher::Event<Namespace>| {
+                    if !matches!(event, watcher::Event::Init | watcher::Event::InitApply(_)) {
+                        changes.namespace_changed();
+                    }
+                    true
+                }
+            },
             shutdown,
         );
         Self {
@@ -199,6 +210,19 @@ impl Caches {
         self.namespaces
             .get(&ObjectRef::new(namespace))
             .is_some_and(|ns| selector_matches(selector, ns.labels()))
+    }
+
+    /// The names of the cached Namespaces `selector` matches, sorted, and how many Namespaces are
+    /// cached in all.
+    pub(crate) fn selected_namespaces(&self, selector: &LabelSelector) -> (Vec<String>, usize) {
+        let namespaces = self.namespaces.state();
+        let mut selected: Vec<String> = namespaces
+            .iter()
+            .filter(|ns| selector_matches(selector, ns.labels()))
+            .map(|ns| ns.name_any())
+            .collect();
+        selected.sort();
+        (selected, namespaces.len())
     }
 
     /// Every cached Lease of ring `ring` (by its ring label), whatever its state.

@@ -1,7 +1,7 @@
 //! The sharder under faults (issue: leadership loss, webhook outages, misbehaving shards): each
 //! test injects one fault against the real API server and checks what the README promises.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use anyhow::{Context, ensure};
@@ -17,7 +17,7 @@ use e2e::sharder_process::{SharderFiles, SharderSettings, counter};
 use e2e::{Cluster, IndependentRing, cluster, unique_name};
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::api::core::v1::Secret;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, MicroTime};
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 use kube::api::{Api, ListParams, ObjectMeta, Patch, PatchParams, PostParams};
@@ -399,6 +399,136 @@ async fn the_missed_assignment_watch_survives_an_apiserver_restart() -> anyhow::
         records_with_message(&sharder, "became leader, starting controllers") == 1,
         "the sharder lost leadership across the restart: its new term started a fresh watch"
     );
+    sharder.passed();
+    Ok(())
+}
+
+/// Objects created in a namespace while no ring selects it are left alone; once the namespace gains
+/// the ring's selector label, the missed-assignment watch starts watching it and assigns them
+/// within seconds. The periodic sync is an hour away and no sync starts meanwhile, so only that
+/// watch can have done it. When the namespace loses the label again, its watch stops.
+#[tokio::test]
+async fn objects_of_a_namespace_that_joins_a_ring_are_assigned_within_seconds() -> anyhow::Result<()>
+{
+    let DedicatedScenario {
+        dedicated, client, ..
+    } = DedicatedScenario::open().await?;
+    let cluster = dedicated.cluster();
+    let ring = unique_name("joins");
+    let selected_label = "e2e.sharding.timebertt.dev/ring";
+    let select = |value: Option<&str>| json!({"metadata": {"labels": {selected_label: value}}});
+    let namespaces = Api::<k8s_openapi::api::core::v1::Namespace>::all(client.clone());
+    // The Leases live in a namespace the ring selects from the start; the objects in one it
+    // comes to select later.
+    let home = cluster.namespace(&client, "joins-home").await?;
+    namespaces
+        .patch(
+            &home,
+            &e2e::patch_params(),
+            &Patch::Merge(select(Some(&ring))),
+        )
+        .await?;
+    let late = cluster.namespace(&client, "joins-late").await?;
+    let spec = sharding_crds::ClusterRingSpec {
+        namespace_selector: Some(LabelSelector {
+            match_labels: Some(BTreeMap::from([(selected_label.to_string(), ring.clone())])),
+            match_expressions: None,
+        }),
+        ..ring_spec(&home)
+    };
+    create_ring(&client, &ring, spec).await?;
+    let shards = ["shard-a", "shard-b"];
+    for shard in shards {
+        create_lease(&client, &home, &ring, shard, 3600).await?;
+    }
+    let settings = SharderSettings {
+        sync_period: "1h".into(),
+        ..Default::default()
+    };
+    let files = SharderFiles::create(cluster.kubeconfig(), &settings)?;
+    let mut sharder = files.start_process()?;
+    files.wait_ready(STARTUP).await?;
+    wait_status(&client, &ring, 2, 2).await?;
+    wait_webhook(&client, &home, &ring, &shards).await?;
+    sharder
+        .wait_for_record("the ring's first sync to finish", STARTUP, |r| {
+            r["fields"]["message"] == SYNC_FINISHED
+        })
+        .await?;
+    let syncs = records_with_message(&sharder, SYNC_STARTED);
+    // The sharder's only namespace-scoped watch of Secrets is the one of `home`.
+    let namespace_watches = || {
+        cluster.apiserver_metric(
+            "apiserver_longrunning_requests",
+            &[
+                ("verb", "WATCH"),
+                ("resource", "secrets"),
+                ("scope", "namespace"),
+            ],
+        )
+    };
+    poll_until("one namespace-scoped watch of Secrets", WAIT, || async {
+        Ok((namespace_watches()? == 1).then_some(()))
+    })
+    .await?;
+
+    let secrets = Api::<Secret>::namespaced(client.clone(), &late);
+    let key = labels::shard_label(&ring);
+    for i in 0..20 {
+        let name = format!("early-{i}");
+        let created = secrets
+            .create(&PostParams::default(), &secret(&name))
+            .await?;
+        ensure!(
+            !created.labels().contains_key(&key),
+            "{name} was assigned in a namespace the ring does not select"
+        );
+    }
+    namespaces
+        .patch(
+            &late,
+            &e2e::patch_params(),
+            &Patch::Merge(select(Some(&ring))),
+        )
+        .await?;
+    let joined = std::time::Instant::now();
+
+    let predicted = IndependentRing::unweighted(shards);
+    poll_until(
+        "every object of the joining namespace to be assigned",
+        Duration::from_secs(10),
+        || async {
+            let list = secrets.list(&ListParams::default()).await?;
+            let done = list.items.iter().all(|s| {
+                let want = expected_shard(&predicted, &late, &s.name_any());
+                want.is_some() && s.labels().get(&key).map(String::as_str) == want
+            });
+            Ok((list.items.len() == 20 && done).then_some(()))
+        },
+    )
+    .await?;
+    println!(
+        "objects of the joining namespace assigned {:?} after it was labelled",
+        joined.elapsed()
+    );
+    ensure!(
+        records_with_message(&sharder, SYNC_STARTED) == syncs,
+        "a sync started after the namespace joined: it, not the missed-assignment watch, may have \
+         assigned the objects"
+    );
+    ensure!(
+        namespace_watches()? == 2,
+        "the joining namespace is not watched on its own"
+    );
+
+    // The namespace leaves the ring: its watch stops.
+    namespaces
+        .patch(&late, &e2e::patch_params(), &Patch::Merge(select(None)))
+        .await?;
+    poll_until("the left namespace's watch to stop", WAIT, || async {
+        Ok((namespace_watches()? == 1).then_some(()))
+    })
+    .await?;
     sharder.passed();
     Ok(())
 }

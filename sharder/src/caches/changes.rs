@@ -1,5 +1,6 @@
-//! The one place changes of the caches are announced: the ring views, the ring controller and the
-//! shard-lease controller subscribe here instead of to the watches themselves.
+//! The one place changes of the caches are announced: the ring views, the ring controller, the
+//! shard-lease controller and the missed-assignment watches subscribe here instead of to the
+//! watches themselves.
 
 use tokio::sync::watch;
 
@@ -13,6 +14,7 @@ use tokio::sync::watch;
 pub(crate) struct Changes {
     rings: watch::Sender<u64>,
     leases: watch::Sender<u64>,
+    namespaces: watch::Sender<u64>,
 }
 
 impl Default for Changes {
@@ -20,6 +22,7 @@ impl Default for Changes {
         Self {
             rings: watch::Sender::new(0),
             leases: watch::Sender::new(0),
+            namespaces: watch::Sender::new(0),
         }
     }
 }
@@ -35,6 +38,12 @@ impl Changes {
         self.leases.send_modify(|c| *c = c.wrapping_add(1));
     }
 
+    /// A Namespace was created, changed or deleted (or the namespace cache relisted): which
+    /// namespaces a ring selects may have changed.
+    pub(crate) fn namespace_changed(&self) {
+        self.namespaces.send_modify(|c| *c = c.wrapping_add(1));
+    }
+
     /// Wakes on every ring change after this call.
     pub(crate) fn rings(&self) -> watch::Receiver<u64> {
         self.rings.subscribe()
@@ -43,6 +52,11 @@ impl Changes {
     /// Wakes on every membership change of a shard Lease after this call.
     pub(crate) fn leases(&self) -> watch::Receiver<u64> {
         self.leases.subscribe()
+    }
+
+    /// Wakes on every Namespace change after this call.
+    pub(crate) fn namespaces(&self) -> watch::Receiver<u64> {
+        self.namespaces.subscribe()
     }
 }
 
@@ -55,6 +69,7 @@ mod tests {
         let changes = Changes::default();
         let mut rings = changes.rings();
         let mut leases = changes.leases();
+        let mut namespaces = changes.namespaces();
         changes.ring_changed();
         changes.ring_changed();
         assert!(rings.has_changed().unwrap());
@@ -67,5 +82,9 @@ mod tests {
         changes.lease_changed();
         leases.changed().await.unwrap();
         assert!(!rings.has_changed().unwrap());
+        assert!(!namespaces.has_changed().unwrap());
+        changes.namespace_changed();
+        namespaces.changed().await.unwrap();
+        assert!(!rings.has_changed().unwrap() && !leases.has_changed().unwrap());
     }
 }

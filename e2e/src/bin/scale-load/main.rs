@@ -11,6 +11,10 @@
 //!   (a membership change of one ring): the work and requests per change, and how many rings
 //!   were rebuilt for it.
 //!
+//! `scale-load unselected` creates ConfigMaps in a namespace that a ring over ConfigMaps does not
+//! select and measures the sharder's CPU per CREATE against an idle window of the same length:
+//! what objects no ring owns cost it (issue 24).
+//!
 //! `scale-load webhook` needs no control plane: it serves the sharder's webhook and a trivial one
 //! in-process, each on one core, and loads both over TLS on loopback with concurrent HTTP/2
 //! clients: reviews per second per core and client-observed latency, side by side.
@@ -21,6 +25,7 @@
 
 mod membership;
 mod samples;
+mod unselected;
 mod webhook;
 
 use anyhow::Context as _;
@@ -38,6 +43,8 @@ enum Command {
     /// Shard Leases renewed by the tool: the sharder's CPU and API requests per renewal and per
     /// membership change.
     Membership(membership::Args),
+    /// ConfigMaps created in a namespace no ring selects: the sharder's CPU per CREATE.
+    Unselected(unselected::Args),
     /// The webhook's admission reviews per second on one core and its latency under concurrent
     /// clients, next to a trivial webhook's; in-process, no control plane.
     Webhook(webhook::Args),
@@ -52,6 +59,11 @@ fn main() -> anyhow::Result<()> {
             let cluster = e2e::cluster();
             let runtime = tokio::runtime::Runtime::new().context("failed to start a runtime")?;
             runtime.block_on(membership::run(&args, cluster))
+        }
+        Command::Unselected(args) => {
+            let cluster = e2e::cluster();
+            let runtime = tokio::runtime::Runtime::new().context("failed to start a runtime")?;
+            runtime.block_on(unselected::run(&args, cluster))
         }
         // Starts its servers' and its clients' runtimes itself.
         Command::Webhook(args) => webhook::run(&args),
