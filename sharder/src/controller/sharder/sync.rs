@@ -10,7 +10,6 @@ use kube::api::{Api, DynamicObject};
 use kube::core::PartialObjectMeta;
 use kube::{Resource, ResourceExt};
 use sharding_crds::GroupResource;
-use sharding_crds::selector::selector_matches;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
@@ -332,21 +331,13 @@ fn list_apis(
     if !resource.info.namespaced {
         return vec![Api::all_with(ctx.client.clone(), &ar)];
     }
-    let namespaces = ctx.caches.namespaces.state();
-    let mut selected: Vec<String> = namespaces
-        .iter()
-        .filter(|ns| selector_matches(&view.namespace_selector, ns.labels()))
-        .map(|ns| ns.name_any())
-        .collect();
-    match list_scope(selected.len(), namespaces.len()) {
+    let (selected, all) = ctx.caches.selected_namespaces(&view.namespace_selector);
+    match list_scope(selected.len(), all) {
         ListScope::Cluster => vec![Api::all_with(ctx.client.clone(), &ar)],
-        ListScope::Namespaces => {
-            selected.sort();
-            selected
-                .iter()
-                .map(|ns| Api::namespaced_with(ctx.client.clone(), ns, &ar))
-                .collect()
-        }
+        ListScope::Namespaces => selected
+            .iter()
+            .map(|ns| Api::namespaced_with(ctx.client.clone(), ns, &ar))
+            .collect(),
     }
 }
 
