@@ -5,8 +5,8 @@
 //! available or unavailable), `syncPeriod` after a successful sync, with exponential backoff
 //! (5 s doubling up to `syncPeriod`) after a failed one. After one that held controlled objects
 //! back for their controllers, those move as the drains are acknowledged and the ring is synced
-//! once more when all have moved; 30 s after the sync at the latest (5 s doubling up to 30 s when
-//! the sync could not remember them). At most one sync per ring runs at a
+//! once more when all have moved, or 5 s after a move failed (5 s doubling up to 30 s when the
+//! sync could not remember them). At most one sync per ring runs at a
 //! time; a ring whose webhook configuration is not in place yet is looked at again shortly,
 //! because moves rely on the webhook.
 
@@ -166,16 +166,17 @@ impl<I: Copy + Ord + Add<Duration, Output = I>> SyncSchedule<I> {
     }
 
     /// Records the end of a ring's sync that held controlled objects back and left them to be
-    /// moved as their controllers' drains are acknowledged: the next sync is only the safety
-    /// net, due after [`OWNER_WAIT_MAX`] (or `syncPeriod`, if shorter). Returns that wait.
+    /// moved as their controllers' drains are acknowledged. The following reports its end with
+    /// [`followed`](Self::followed), which schedules the next sync; until then only a view change
+    /// or `syncPeriod` starts one, so a safety-net sync never interrupts moves that are under
+    /// way (a sync stops the following and looks at the held objects itself). Returns the wait.
     pub(crate) fn following(&mut self, ring: &str, now: I) -> Option<Duration> {
         self.running.remove(ring);
         let schedule = self.rings.get_mut(ring)?;
         schedule.failures = 0;
         schedule.waits += 1;
-        let wait = OWNER_WAIT_MAX.min(self.sync_period);
-        schedule.due = now + wait;
-        Some(wait)
+        schedule.due = now + self.sync_period;
+        Some(self.sync_period)
     }
 
     /// Records that every controlled object a sync of `ring` left to follow its controller has
@@ -382,16 +383,16 @@ mod tests {
     }
 
     #[test]
-    fn a_sync_whose_children_follow_their_controllers_is_due_again_only_as_a_safety_net() {
+    fn a_sync_whose_children_follow_their_controllers_is_due_again_when_the_following_ends() {
         let mut schedule = SyncSchedule::new(PERIOD);
         let at = |s: u64| Duration::from_secs(s);
         assert_eq!(schedule.start_due(at(0), [("a", 1)], |_| true), ["a"]);
-        assert_eq!(schedule.following("a", at(1)), Some(OWNER_WAIT_MAX));
-        assert_eq!(schedule.next_wake(at(1)), at(1) + OWNER_WAIT_MAX);
+        assert_eq!(schedule.following("a", at(1)), Some(PERIOD));
+        assert_eq!(schedule.next_wake(at(1)), at(1) + PERIOD);
         // Every child moved: one more sync at once picks up children created meanwhile.
         schedule.followed("a", true, at(3));
         assert_eq!(schedule.start_due(at(3), [("a", 1)], |_| true), ["a"]);
-        assert_eq!(schedule.following("a", at(4)), Some(OWNER_WAIT_MAX));
+        assert_eq!(schedule.following("a", at(4)), Some(PERIOD));
         // A failed move brings the next sync forward to the first backoff.
         schedule.followed("a", false, at(10));
         assert!(schedule.start_due(at(14), [("a", 1)], |_| true).is_empty());

@@ -4,8 +4,9 @@
 //! After a sync that held children back, one task per ring watches the ring's main objects that
 //! carry its drain label, metadata-only (a handful of objects: those being drained). An object
 //! leaving that set, by its shard's acknowledgement or by its deletion, frees the children that
-//! waited on it, and they are moved at once. The next sync stays the safety net: it runs after
-//! [`OWNER_WAIT_MAX`](crate::core::sync_schedule::OWNER_WAIT_MAX), or sooner when a move fails.
+//! waited on it, and they are moved at once. When the task ends the ring is synced again: at once
+//! when all moved, 5 s later when a move failed or the watch could not list within
+//! [`LIST_DEADLINE`].
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -36,6 +37,11 @@ pub const CONTROLLED_OBJECTS_FOLLOWED: &str =
 /// 1,000-Secret scale-out, 100 in flight let 178 of 235 lookups run into their 1 s timeout, 16
 /// let 21 do.
 const MAX_MOVES_IN_FLIGHT: usize = 16;
+
+/// How long the watches of drained controllers may take to list before the following gives up
+/// and leaves the held objects to a sync (a watch that cannot list, for want of rights say,
+/// retries forever).
+const LIST_DEADLINE: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// How the children a sync held back fared.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -147,12 +153,19 @@ async fn follow(patcher: &Patcher, view: Arc<RingView>, mut waiting: Waiting) ->
     let mut listed: HashSet<usize> = HashSet::new();
     let mut followed = Followed::default();
     let total = waiting.len();
+    let list_deadline = tokio::time::sleep(LIST_DEADLINE);
+    tokio::pin!(list_deadline);
     loop {
         if waiting.is_empty() && moves.is_empty() {
             break;
         }
         let mut freed = Vec::new();
         tokio::select! {
+            () = &mut list_deadline, if listed.len() < mains.len() => {
+                tracing::warn!(%ring, "the watch of drained controllers did not list in time; a sync moves the held objects");
+                followed.failed += waiting.len();
+                break;
+            }
             Some(done) = moves.join_next(), if !moves.is_empty() => {
                 match done {
                     Ok(true) => followed.moved += 1,
