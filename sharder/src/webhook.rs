@@ -1,13 +1,15 @@
 //! The sharder's admission webhook (docs/protocol.md §7): assigns unassigned objects of a ring's
 //! resources to a shard in the admission response itself.
 //!
-//! Only the few fields the decision needs are decoded from the `AdmissionReview`, so large objects
-//! cost little. The sharder's own lag never blocks users: anything it cannot decide is allowed
-//! unchanged (the missed-assignment path and the sync assign it later), a main object created
-//! with `generateName` included: nothing the webhook answers refuses a user's write.
+//! Only the few fields the decision needs are decoded from the `AdmissionReview` (`decode`),
+//! borrowed from the body, so a large object costs no more than a small one. The sharder's own
+//! lag never blocks users: anything it cannot decide is allowed unchanged (the missed-assignment
+//! path and the sync assign it later), a main object created with `generateName` included:
+//! nothing the webhook answers refuses a user's write.
 //! A request for a ring this sharder does not know is answered 404 (docs/protocol.md §19).
 
-use std::collections::BTreeMap;
+mod decode;
+
 use std::sync::Arc;
 
 use anyhow::Context as _;
@@ -18,14 +20,13 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use k8s_openapi::ByteString;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
-use serde::Deserialize;
 use serde_json::{Value, json};
 use sharding_crds::config::SharderConfig;
 use sharding_crds::{GroupResource, RingKind, RingRef};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
+use self::decode::{Request, Review};
 use crate::core::key::{
     GENERATE_NAME_NOT_SUPPORTED, KeyError, KeyOutcome, ObjectInfo, ResourceRole,
 };
@@ -127,63 +128,6 @@ pub fn router(state: WebhookState) -> Router {
         .route(ROUTE, post(handle))
         .fallback(|| async { (StatusCode::NOT_FOUND, NOT_FOUND) })
         .with_state(state)
-}
-
-#[derive(Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct Review {
-    api_version: String,
-    kind: String,
-    request: Option<Request>,
-}
-
-#[derive(Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct Request {
-    uid: String,
-    kind: GroupVersionKind,
-    resource: GroupVersionResource,
-    #[serde(default)]
-    sub_resource: Option<String>,
-    #[serde(default)]
-    namespace: Option<String>,
-    #[serde(default)]
-    object: Option<PartialObject>,
-    #[serde(default)]
-    dry_run: Option<bool>,
-}
-
-#[derive(Deserialize)]
-struct GroupVersionKind {
-    #[serde(default)]
-    group: String,
-    kind: String,
-}
-
-#[derive(Deserialize)]
-struct GroupVersionResource {
-    #[serde(default)]
-    group: String,
-    resource: String,
-}
-
-#[derive(Deserialize)]
-struct PartialObject {
-    #[serde(default)]
-    metadata: PartialMeta,
-}
-
-#[derive(Deserialize, Default)]
-#[serde(rename_all = "camelCase")]
-struct PartialMeta {
-    #[serde(default)]
-    name: Option<String>,
-    #[serde(default)]
-    namespace: Option<String>,
-    #[serde(default)]
-    labels: Option<BTreeMap<String, String>>,
-    #[serde(default)]
-    owner_references: Option<Vec<OwnerReference>>,
 }
 
 /// A request the webhook cannot read; answered with HTTP 400.
@@ -307,17 +251,19 @@ async fn controller_shard(
     view.may_be_running(&shard).then_some(shard)
 }
 
-/// Decodes one AdmissionReview.
-fn decode(body: &[u8]) -> Result<Request, BadRequest> {
+/// Decodes one AdmissionReview, borrowing its strings from `body`.
+fn decode(body: &[u8]) -> Result<Request<'_>, BadRequest> {
     // Answers name what is wrong, never the request's content (serde's messages quote values).
-    let review: Review = serde_json::from_slice(body).map_err(|e| {
+    let review: Review<'_> = serde_json::from_slice(body).map_err(|e| {
         BadRequest(format!(
             "failed to decode AdmissionReview: invalid JSON or fields at line {} column {}",
             e.line(),
             e.column()
         ))
     })?;
-    if review.api_version != "admission.k8s.io/v1" || review.kind != "AdmissionReview" {
+    if review.api_version.as_str() != "admission.k8s.io/v1"
+        || review.kind.as_str() != "AdmissionReview"
+    {
         return Err(BadRequest(
             "expected an admission.k8s.io/v1 AdmissionReview".into(),
         ));
@@ -331,13 +277,13 @@ fn decode(body: &[u8]) -> Result<Request, BadRequest> {
 fn respond(
     state: &WebhookState,
     ring: &RingRef,
-    request: &Request,
+    request: &Request<'_>,
     decision: &AdmissionDecision,
 ) -> Response {
-    let mut response = json!({"uid": request.uid, "allowed": true});
+    let mut response = json!({"uid": request.uid.as_str(), "allowed": true});
     match &decision {
         AdmissionDecision::Allow(reason) => {
-            tracing::debug!(ring = %ring, uid = %request.uid, reason, "allowing object unchanged");
+            tracing::debug!(ring = %ring, uid = request.uid.as_str(), reason, "allowing object unchanged");
         }
         AdmissionDecision::Assign {
             label,
@@ -383,7 +329,7 @@ fn respond(
 fn decide(
     state: &WebhookState,
     ring: &RingRef,
-    request: &Request,
+    request: &Request<'_>,
 ) -> (AdmissionDecision, Option<ControllerLookup>) {
     if request
         .sub_resource
@@ -408,17 +354,26 @@ fn decide(
     {
         return allow(ALREADY_ASSIGNED);
     }
-    let group_resource = GroupResource::new(&request.resource.group, &request.resource.resource);
+    let group_resource = GroupResource::new(
+        request.resource.group.as_str(),
+        request.resource.resource.as_str(),
+    );
     let Some(resource) = view.resources.get(&group_resource) else {
         tracing::warn!(%ring, resource = %group_resource, "webhook called for a resource that is not part of the ring; allowing unchanged");
         return allow("resource is not part of the ring");
     };
+    // The key reads only the controller reference: an owned copy of it, if there is one.
+    let controller = meta
+        .controller
+        .as_ref()
+        .and_then(|c| c.0.as_ref())
+        .map(decode::OwnerRef::to_owner_reference);
     let info = ObjectInfo {
         group: &request.kind.group,
         kind: &request.kind.kind,
         namespace: meta.namespace.as_deref().or(request.namespace.as_deref()),
         name: meta.name.as_deref(),
-        owner_references: meta.owner_references.as_deref().unwrap_or_default(),
+        owner_references: controller.as_slice(),
     };
     let outcome = view.key(&info, &resource.role);
     let key = match outcome {
