@@ -1,14 +1,21 @@
 //! The sharder's admission webhook (docs/protocol.md §7): assigns unassigned objects of a ring's
 //! resources to a shard in the admission response itself.
 //!
-//! Only the few fields the decision needs are decoded from the `AdmissionReview` (`decode`),
-//! borrowed from the body, so a large object costs no more than a small one. The sharder's own
-//! lag never blocks users: anything it cannot decide is allowed unchanged (the missed-assignment
-//! path and the sync assign it later), a main object created with `generateName` included:
-//! nothing the webhook answers refuses a user's write.
+//! Only the few fields the decision needs are decoded from the `AdmissionReview` (`decode`), and
+//! the answer is written straight into bytes (`encode`), so a large object costs no more than a
+//! small one. The sharder's own lag never blocks users: anything it cannot decide is allowed
+//! unchanged (the missed-assignment path and the sync assign it later), a main object created
+//! with `generateName` included: nothing the webhook answers refuses a user's write.
 //! A request for a ring this sharder does not know is answered 404 (docs/protocol.md §19).
+//!
+//! | module | what |
+//! |---|---|
+//! | `decode` | the fields of an `AdmissionReview` the decision reads, borrowed from the body |
+//! | `encode` | the answer, the JSON patch and the `AdmissionReview` around it, written as bytes |
+//! | `tests` | router tests with `AdmissionReview` JSON as the API server sends it |
 
 mod decode;
+mod encode;
 
 use std::sync::Arc;
 
@@ -16,11 +23,9 @@ use anyhow::Context as _;
 use axum::Router;
 use axum::body::Body;
 use axum::extract::{Path, State};
-use axum::http::StatusCode;
+use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
-use k8s_openapi::ByteString;
-use serde_json::{Value, json};
 use sharding_crds::config::SharderConfig;
 use sharding_crds::{GroupResource, RingKind, RingRef};
 use tokio::task::JoinSet;
@@ -280,10 +285,11 @@ fn respond(
     request: &Request<'_>,
     decision: &AdmissionDecision,
 ) -> Response {
-    let mut response = json!({"uid": request.uid.as_str(), "allowed": true});
-    match &decision {
+    let uid = request.uid.as_str();
+    let patch = match &decision {
         AdmissionDecision::Allow(reason) => {
-            tracing::debug!(ring = %ring, uid = request.uid.as_str(), reason, "allowing object unchanged");
+            tracing::debug!(ring = %ring, uid, reason, "allowing object unchanged");
+            None
         }
         AdmissionDecision::Assign {
             label,
@@ -291,19 +297,6 @@ fn respond(
             create_labels,
             stale_drain_label,
         } => {
-            let pointer = format!("/metadata/labels/{}", escape_pointer(label));
-            let mut patch = Vec::with_capacity(2);
-            if *create_labels {
-                patch.push(json!({"op": "add", "path": "/metadata/labels", "value": {}}));
-            }
-            patch.push(json!({"op": "add", "path": pointer, "value": shard}));
-            if let Some(drain) = stale_drain_label {
-                let pointer = format!("/metadata/labels/{}", escape_pointer(drain));
-                patch.push(json!({"op": "remove", "path": pointer}));
-            }
-            let bytes = serde_json::to_vec(&patch).unwrap_or_default();
-            response["patchType"] = Value::from("JSONPatch");
-            response["patch"] = serde_json::to_value(ByteString(bytes)).unwrap_or_default();
             if request.dry_run != Some(true) {
                 state
                     .metrics
@@ -315,14 +308,23 @@ fn respond(
                     ))
                     .inc();
             }
+            Some(encode::label_patch(
+                label,
+                shard,
+                *create_labels,
+                stale_drain_label.as_deref(),
+            ))
         }
-    }
-    let body = json!({
-        "apiVersion": "admission.k8s.io/v1",
-        "kind": "AdmissionReview",
-        "response": response,
-    });
-    axum::Json(body).into_response()
+    };
+    let body = encode::allowed_review(uid, patch.as_deref());
+    (
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        )],
+        body,
+    )
+        .into_response()
 }
 
 /// What the webhook answers for `request`, and the controller to read first, if any.
@@ -446,11 +448,6 @@ fn controller_lookup(view: &RingView, child: &ObjectInfo<'_>) -> Option<Controll
             .flatten(),
         name: owner.name.clone(),
     })
-}
-
-/// Escapes a JSON pointer segment (RFC 6901): `~` → `~0`, `/` → `~1`.
-fn escape_pointer(segment: &str) -> String {
-    segment.replace('~', "~0").replace('/', "~1")
 }
 
 #[cfg(test)]

@@ -24,6 +24,13 @@ fn decode(body: &[u8]) -> Result<Request<'static>, BadRequest> {
     super::decode(Vec::leak(body.to_vec()))
 }
 
+/// A label key escaped as a JSON pointer segment, as the patch writer escapes it.
+fn escape_pointer(segment: &str) -> String {
+    let mut out = Vec::new();
+    encode::push_pointer_segment(&mut out, segment);
+    String::from_utf8(out).expect("utf-8")
+}
+
 fn state(shards: &[&str]) -> WebhookState {
     let ring = ClusterRing {
         metadata: ObjectMeta {
