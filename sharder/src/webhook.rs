@@ -1,31 +1,37 @@
 //! The sharder's admission webhook (docs/protocol.md §7): assigns unassigned objects of a ring's
 //! resources to a shard in the admission response itself.
 //!
-//! Only the few fields the decision needs are decoded from the `AdmissionReview`, so large objects
-//! cost little. The sharder's own lag never blocks users: anything it cannot decide is allowed
+//! Only the few fields the decision needs are decoded from the `AdmissionReview` (`decode`), and
+//! the answer is written straight into bytes (`encode`), so a large object costs no more than a
+//! small one. The sharder's own lag never blocks users: anything it cannot decide is allowed
 //! unchanged (the missed-assignment path and the sync assign it later), a main object created
 //! with `generateName` included: nothing the webhook answers refuses a user's write.
 //! A request for a ring this sharder does not know is answered 404 (docs/protocol.md §19).
+//!
+//! | module | what |
+//! |---|---|
+//! | `decode` | the fields of an `AdmissionReview` the decision reads, borrowed from the body |
+//! | `encode` | the answer, the JSON patch and the `AdmissionReview` around it, written as bytes |
+//! | `tests` | router tests with `AdmissionReview` JSON as the API server sends it |
 
-use std::collections::BTreeMap;
+mod decode;
+mod encode;
+
 use std::sync::Arc;
 
 use anyhow::Context as _;
 use axum::Router;
 use axum::body::Body;
 use axum::extract::{Path, State};
-use axum::http::StatusCode;
+use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
-use k8s_openapi::ByteString;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
-use serde::Deserialize;
-use serde_json::{Value, json};
 use sharding_crds::config::SharderConfig;
 use sharding_crds::{GroupResource, RingKind, RingRef};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
+use self::decode::{Request, Review};
 use crate::core::key::{
     GENERATE_NAME_NOT_SUPPORTED, KeyError, KeyOutcome, ObjectInfo, ResourceRole,
 };
@@ -126,64 +132,8 @@ pub fn router(state: WebhookState) -> Router {
     Router::new()
         .route(ROUTE, post(handle))
         .fallback(|| async { (StatusCode::NOT_FOUND, NOT_FOUND) })
-        .with_state(state)
-}
-
-#[derive(Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct Review {
-    api_version: String,
-    kind: String,
-    request: Option<Request>,
-}
-
-#[derive(Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct Request {
-    uid: String,
-    kind: GroupVersionKind,
-    resource: GroupVersionResource,
-    #[serde(default)]
-    sub_resource: Option<String>,
-    #[serde(default)]
-    namespace: Option<String>,
-    #[serde(default)]
-    object: Option<PartialObject>,
-    #[serde(default)]
-    dry_run: Option<bool>,
-}
-
-#[derive(Deserialize)]
-struct GroupVersionKind {
-    #[serde(default)]
-    group: String,
-    kind: String,
-}
-
-#[derive(Deserialize)]
-struct GroupVersionResource {
-    #[serde(default)]
-    group: String,
-    resource: String,
-}
-
-#[derive(Deserialize)]
-struct PartialObject {
-    #[serde(default)]
-    metadata: PartialMeta,
-}
-
-#[derive(Deserialize, Default)]
-#[serde(rename_all = "camelCase")]
-struct PartialMeta {
-    #[serde(default)]
-    name: Option<String>,
-    #[serde(default)]
-    namespace: Option<String>,
-    #[serde(default)]
-    labels: Option<BTreeMap<String, String>>,
-    #[serde(default)]
-    owner_references: Option<Vec<OwnerReference>>,
+        // Behind an `Arc`, each request clones one pointer instead of every metric family's.
+        .with_state(Arc::new(state))
 }
 
 /// A request the webhook cannot read; answered with HTTP 400.
@@ -230,7 +180,7 @@ impl AdmissionDecision {
 }
 
 async fn handle(
-    State(state): State<WebhookState>,
+    State(state): State<Arc<WebhookState>>,
     Path((kind, ring)): Path<(String, String)>,
     body: Body,
 ) -> Result<Response, Response> {
@@ -307,17 +257,19 @@ async fn controller_shard(
     view.may_be_running(&shard).then_some(shard)
 }
 
-/// Decodes one AdmissionReview.
-fn decode(body: &[u8]) -> Result<Request, BadRequest> {
+/// Decodes one AdmissionReview, borrowing its strings from `body`.
+fn decode(body: &[u8]) -> Result<Request<'_>, BadRequest> {
     // Answers name what is wrong, never the request's content (serde's messages quote values).
-    let review: Review = serde_json::from_slice(body).map_err(|e| {
+    let review: Review<'_> = serde_json::from_slice(body).map_err(|e| {
         BadRequest(format!(
             "failed to decode AdmissionReview: invalid JSON or fields at line {} column {}",
             e.line(),
             e.column()
         ))
     })?;
-    if review.api_version != "admission.k8s.io/v1" || review.kind != "AdmissionReview" {
+    if review.api_version.as_str() != "admission.k8s.io/v1"
+        || review.kind.as_str() != "AdmissionReview"
+    {
         return Err(BadRequest(
             "expected an admission.k8s.io/v1 AdmissionReview".into(),
         ));
@@ -331,13 +283,14 @@ fn decode(body: &[u8]) -> Result<Request, BadRequest> {
 fn respond(
     state: &WebhookState,
     ring: &RingRef,
-    request: &Request,
+    request: &Request<'_>,
     decision: &AdmissionDecision,
 ) -> Response {
-    let mut response = json!({"uid": request.uid, "allowed": true});
-    match &decision {
+    let uid = request.uid.as_str();
+    let patch = match &decision {
         AdmissionDecision::Allow(reason) => {
-            tracing::debug!(ring = %ring, uid = %request.uid, reason, "allowing object unchanged");
+            tracing::debug!(ring = %ring, uid, reason, "allowing object unchanged");
+            None
         }
         AdmissionDecision::Assign {
             label,
@@ -345,19 +298,6 @@ fn respond(
             create_labels,
             stale_drain_label,
         } => {
-            let pointer = format!("/metadata/labels/{}", escape_pointer(label));
-            let mut patch = Vec::with_capacity(2);
-            if *create_labels {
-                patch.push(json!({"op": "add", "path": "/metadata/labels", "value": {}}));
-            }
-            patch.push(json!({"op": "add", "path": pointer, "value": shard}));
-            if let Some(drain) = stale_drain_label {
-                let pointer = format!("/metadata/labels/{}", escape_pointer(drain));
-                patch.push(json!({"op": "remove", "path": pointer}));
-            }
-            let bytes = serde_json::to_vec(&patch).unwrap_or_default();
-            response["patchType"] = Value::from("JSONPatch");
-            response["patch"] = serde_json::to_value(ByteString(bytes)).unwrap_or_default();
             if request.dry_run != Some(true) {
                 state
                     .metrics
@@ -369,21 +309,30 @@ fn respond(
                     ))
                     .inc();
             }
+            Some(encode::label_patch(
+                label,
+                shard,
+                *create_labels,
+                stale_drain_label.as_deref(),
+            ))
         }
-    }
-    let body = json!({
-        "apiVersion": "admission.k8s.io/v1",
-        "kind": "AdmissionReview",
-        "response": response,
-    });
-    axum::Json(body).into_response()
+    };
+    let body = encode::allowed_review(uid, patch.as_deref());
+    (
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        )],
+        body,
+    )
+        .into_response()
 }
 
 /// What the webhook answers for `request`, and the controller to read first, if any.
 fn decide(
     state: &WebhookState,
     ring: &RingRef,
-    request: &Request,
+    request: &Request<'_>,
 ) -> (AdmissionDecision, Option<ControllerLookup>) {
     if request
         .sub_resource
@@ -408,17 +357,26 @@ fn decide(
     {
         return allow(ALREADY_ASSIGNED);
     }
-    let group_resource = GroupResource::new(&request.resource.group, &request.resource.resource);
+    let group_resource = GroupResource::new(
+        request.resource.group.as_str(),
+        request.resource.resource.as_str(),
+    );
     let Some(resource) = view.resources.get(&group_resource) else {
         tracing::warn!(%ring, resource = %group_resource, "webhook called for a resource that is not part of the ring; allowing unchanged");
         return allow("resource is not part of the ring");
     };
+    // The key reads only the controller reference: an owned copy of it, if there is one.
+    let controller = meta
+        .controller
+        .as_ref()
+        .and_then(|c| c.0.as_ref())
+        .map(decode::OwnerRef::to_owner_reference);
     let info = ObjectInfo {
         group: &request.kind.group,
         kind: &request.kind.kind,
         namespace: meta.namespace.as_deref().or(request.namespace.as_deref()),
         name: meta.name.as_deref(),
-        owner_references: meta.owner_references.as_deref().unwrap_or_default(),
+        owner_references: controller.as_slice(),
     };
     let outcome = view.key(&info, &resource.role);
     let key = match outcome {
@@ -491,11 +449,6 @@ fn controller_lookup(view: &RingView, child: &ObjectInfo<'_>) -> Option<Controll
             .flatten(),
         name: owner.name.clone(),
     })
-}
-
-/// Escapes a JSON pointer segment (RFC 6901): `~` → `~0`, `/` → `~1`.
-pub(crate) fn escape_pointer(segment: &str) -> String {
-    segment.replace('~', "~0").replace('/', "~1")
 }
 
 #[cfg(test)]

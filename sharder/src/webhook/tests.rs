@@ -3,6 +3,7 @@ use std::collections::{BTreeMap, HashMap};
 use axum::body::Body;
 use axum::http::{Request as HttpRequest, StatusCode};
 use http_body_util::BodyExt;
+use k8s_openapi::ByteString;
 use kube::api::ObjectMeta;
 use serde_json::{Value, json};
 use sharding_crds::{
@@ -16,6 +17,19 @@ use crate::metrics::Metrics;
 use crate::views::{ResourceInfo, build_view};
 
 const SHARD_LABEL: &str = "shard.alpha.sharding.timebertt.dev/clusterring-50d858e0-example";
+
+/// Decodes a review for a test that keeps the request after the body it was decoded from: a
+/// request borrows its strings from its body, so the body is leaked (a few bytes per test).
+fn decode(body: &[u8]) -> Result<Request<'static>, BadRequest> {
+    super::decode(Vec::leak(body.to_vec()))
+}
+
+/// A label key escaped as a JSON pointer segment, as the patch writer escapes it.
+fn escape_pointer(segment: &str) -> String {
+    let mut out = Vec::new();
+    encode::push_pointer_segment(&mut out, segment);
+    String::from_utf8(out).expect("utf-8")
+}
 
 fn state(shards: &[&str]) -> WebhookState {
     let ring = ClusterRing {
@@ -506,4 +520,55 @@ fn a_child_of_a_controller_that_may_be_moving_asks_for_its_controller() {
     let body = serde_json::to_vec(&review("secrets", "Secret", main)).expect("json");
     let request = decode(&body).ok().expect("decodes");
     assert!(decide(&state, &ring, &request).1.is_none());
+}
+
+/// Only an `admission.k8s.io/v1` AdmissionReview is read, however its strings are escaped; the
+/// answer to any other names what was expected, not what came.
+#[test]
+fn decode_accepts_only_v1_admission_reviews() {
+    let request = r#"{"uid":"u","kind":{"kind":"Secret"},"resource":{"resource":"secrets"}}"#;
+    let body = |api_version: &str, kind: &str| {
+        format!(r#"{{"apiVersion":{api_version},"kind":{kind},"request":{request}}}"#)
+    };
+    let escaped = body(r#""admission.k8s.io\/v1""#, r#""Admission\u0052eview""#);
+    assert!(super::decode(escaped.as_bytes()).is_ok());
+    for (api_version, kind, message) in [
+        (
+            r#""admission.k8s.io/v1beta1""#,
+            r#""AdmissionReview""#,
+            "expected an admission.k8s.io/v1 AdmissionReview",
+        ),
+        (
+            r#""admission.k8s.io/v1""#,
+            r#""AdmissionReviewList""#,
+            "expected an admission.k8s.io/v1 AdmissionReview",
+        ),
+        (
+            r#""v1""#,
+            r#""AdmissionReview""#,
+            "expected an admission.k8s.io/v1 AdmissionReview",
+        ),
+        (
+            r#""""#,
+            r#""""#,
+            "expected an admission.k8s.io/v1 AdmissionReview",
+        ),
+        (
+            "null",
+            r#""AdmissionReview""#,
+            "failed to decode AdmissionReview",
+        ),
+        (
+            "1",
+            r#""AdmissionReview""#,
+            "failed to decode AdmissionReview",
+        ),
+    ] {
+        let body = body(api_version, kind);
+        let Err(BadRequest(text)) = super::decode(body.as_bytes()) else {
+            panic!("{body} decoded");
+        };
+        assert!(text.starts_with(message), "{body}: {text}");
+        assert!(!text.contains("beta") && !text.contains("List"), "{text}");
+    }
 }

@@ -110,10 +110,7 @@ impl Patcher {
         if self.gate(view, &api, &child.name, &probe).await? == Gate::Gone {
             return Ok(false);
         }
-        let pointer = format!(
-            "/metadata/labels/{}",
-            crate::webhook::escape_pointer(&view.shard_label)
-        );
+        let pointer = format!("/metadata/labels/{}", escape_pointer(&view.shard_label));
         let ops = json!([
             {"op": "test", "path": pointer, "value": child.shard},
             {"op": "remove", "path": pointer},
@@ -264,6 +261,11 @@ impl Patcher {
     }
 }
 
+/// Escapes a JSON pointer segment (RFC 6901): `~` → `~0`, `/` → `~1`.
+fn escape_pointer(segment: &str) -> String {
+    segment.replace('~', "~0").replace('/', "~1")
+}
+
 /// Content type of a JSON patch (RFC 6902).
 const JSON_PATCH: &str = "application/json-patch+json";
 
@@ -306,5 +308,18 @@ pub(super) fn api_resource(gr: &GroupResource, info: &ResourceInfo) -> ApiResour
         },
         kind: info.kind.clone(),
         plural: gr.resource.clone(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::escape_pointer;
+
+    #[test]
+    fn label_keys_are_escaped_as_pointer_segments() {
+        assert_eq!(
+            escape_pointer("shard.alpha.sharding.timebertt.dev/a~b"),
+            "shard.alpha.sharding.timebertt.dev~1a~0b"
+        );
     }
 }
