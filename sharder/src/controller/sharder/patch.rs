@@ -313,7 +313,7 @@ pub(super) fn api_resource(gr: &GroupResource, info: &ResourceInfo) -> ApiResour
 
 #[cfg(test)]
 mod tests {
-    use super::escape_pointer;
+    use super::*;
 
     #[test]
     fn label_keys_are_escaped_as_pointer_segments() {
