@@ -355,6 +355,9 @@ where
                 guard
                     .check()
                     .map_err(|end| ReconcileError::from_end(end, object_name.clone()))?;
+                // The record carries the write's round trip, so that a reader of the log can
+                // tell when the acknowledgement was sent, not only when it was answered.
+                let sent = std::time::Instant::now();
                 let acknowledged = tokio::select! {
                     biased;
                     end = guard.ended() => return Err(ReconcileError::from_end(end, object_name)),
@@ -370,6 +373,7 @@ where
                     %name,
                     shard = %shard_name,
                     %resource_version,
+                    took_ms = sent.elapsed().as_secs_f64() * 1e3,
                     "acknowledged drain"
                 );
                 Ok(Action::await_change())

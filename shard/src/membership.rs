@@ -4,6 +4,8 @@
 
 use std::future::Future;
 
+use futures::StreamExt;
+use sharding_crds::labels::LABEL_STATE;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info};
 
@@ -13,6 +15,40 @@ use crate::lease::{Error, LeaseGuard, LeaseLock, RunEnd};
 /// `event` of the record [`Shard::run`] logs, at error level, when the shard stepped out of its
 /// ring because the sharder excluded its Lease.
 pub const EVENT_SHARD_EXCLUDED: &str = "shard_excluded";
+
+/// Resolves once a version of the Lease `lock` just created shows that the sharder admitted it:
+/// held by us, with the sharder's state label ([`LABEL_STATE`]) and without the exclusion
+/// annotation, which the sharder writes in the same patch as the state label. Never resolves
+/// otherwise (an exclusion reaches the renewer, which ends the term).
+fn admitted(lock: &LeaseLock) -> impl Future<Output = ()> + Send + 'static {
+    let mut versions = lock.changes();
+    let config = lock.config();
+    let identity = config.identity().to_string();
+    let exclusion = config.exclusion_annotation().map(str::to_string);
+    async move {
+        while let Some(lease) = versions.next().await {
+            let meta = &lease.metadata;
+            let ours = lease
+                .spec
+                .as_ref()
+                .and_then(|s| s.holder_identity.as_deref())
+                == Some(identity.as_str());
+            let labelled = meta
+                .labels
+                .as_ref()
+                .is_some_and(|l| l.contains_key(LABEL_STATE));
+            let excluded = exclusion.as_ref().is_some_and(|key| {
+                meta.annotations
+                    .as_ref()
+                    .is_some_and(|a| a.contains_key(key))
+            });
+            if ours && labelled && !excluded {
+                return;
+            }
+        }
+        std::future::pending().await
+    }
+}
 
 /// One membership term: what the work run by [`Shard::run`] gets.
 #[derive(Debug, Clone)]
@@ -62,11 +98,13 @@ impl Shard {
     /// `work`.
     ///
     /// **Cost:** when acquiring *created* the Lease (the first start of a shard, or after the
-    /// sharder deleted a Lease released long ago), the work starts only after the first
-    /// successful renewal, one retry period later: the sharder cannot have judged a Lease
-    /// before it existed, and an exclusion (a duplicate name) shows up in that renewal's
-    /// answer. A Lease that existed already was judged, and an exclusion is seen in the read
-    /// before taking it.
+    /// sharder deleted a Lease released long ago), the work starts only once the sharder has
+    /// judged it: a watch of the Lease sees the state label the sharder writes (together with
+    /// the exclusion annotation when it excludes the Lease) and no exclusion, usually within
+    /// milliseconds, or, with a sharder that never labels, after the first successful renewal
+    /// (one retry period), whose answer carries an exclusion if there is one. Until then the
+    /// objects labelled with this name may be another copy's. A Lease that existed already was
+    /// judged, and an exclusion is seen in the read before taking it.
     ///
     /// [`HeldLease::run_while_held`]: crate::HeldLease::run_while_held
     /// [`ANNOTATION_EXCLUDED`]: sharding_crds::labels::ANNOTATION_EXCLUDED
@@ -96,15 +134,23 @@ impl Shard {
             let end = held
                 .run(shutdown, |stop| {
                     let first_renewal = guard.clone();
+                    let judged = probation.then(|| admitted(lock));
                     let work = work(Term {
                         guard,
                         stop,
                         number,
                     });
                     async move {
-                        if probation && first_renewal.renewed().await.is_err() {
-                            // Ended meanwhile: `run` reports how.
-                            return std::future::pending().await;
+                        if let Some(judged) = judged {
+                            // Whichever comes first; an exclusion ends the term through the
+                            // renewer either way.
+                            tokio::select! {
+                                renewed = first_renewal.renewed() => if renewed.is_err() {
+                                    // Ended meanwhile: `run` reports how.
+                                    return std::future::pending().await;
+                                },
+                                () = judged => {}
+                            }
                         }
                         work.await;
                     }

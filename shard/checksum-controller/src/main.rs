@@ -21,7 +21,7 @@
 //! | `reconcile` (a reconcile starts) | `namespace`, `name`, `shard` |
 //! | `applied` (the ConfigMap write of a reconcile succeeded) | `namespace`, `name`, `shard`, `configmap` |
 //! | `write_refused` (a reconcile stopped before its write: [`shard::Ownership::confirm`] said no) | `namespace`, `name`, `shard`, `error` |
-//! | `drain` (a drain was acknowledged) | `namespace`, `name`, `shard`, `resource_version` (of the Secret, the version the patch was conditioned on) |
+//! | `drain` (a drain was acknowledged) | `namespace`, `name`, `shard`, `resource_version` (of the Secret, the version the patch was conditioned on), `took_ms` (the acknowledging write's round trip, milliseconds) |
 //! | `released` (a Secret left this shard, [`shard::Departure::Released`]) | `namespace`, `name`, `shard`, `how` (`drained`, `reassigned`, `found_moved`), `had_state`, `checksums` (of the dropped record), `released_total` |
 //! | `deleted` (a Secret of this shard was deleted, [`shard::Departure::Deleted`]) | `namespace`, `name`, `shard`, `had_state`, `checksums`, `deleted_total` |
 //! | `lease_acquired`, `lease_lost`, `lease_released`, `lease_excluded` (the shard library's) | `lease`, `namespace`, `resource_version` (of the Lease as written), see `shard::lease` |

@@ -100,6 +100,11 @@ impl LeaseLock {
         })
     }
 
+    /// Every version of the Lease from now on, as a watch by name sees them.
+    pub(crate) fn changes(&self) -> futures::stream::BoxStream<'static, Lease> {
+        self.inner.store.changes()
+    }
+
     /// The configuration.
     pub fn config(&self) -> &LeaseLockConfig {
         &self.inner.config

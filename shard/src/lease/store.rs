@@ -1,9 +1,12 @@
 //! Where the Lease lives: the API server, or (in unit tests) an in-memory fake with the same
 //! optimistic-concurrency rules.
 
+use futures::stream::BoxStream;
+use futures::{StreamExt, future};
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::Api;
 use kube::api::PostParams;
+use kube::runtime::{WatchStreamExt, watcher};
 
 /// Access to the single Lease a lock manages.
 #[derive(Clone)]
@@ -55,6 +58,23 @@ impl Store {
             Self::Fake(fake) => fake.replace(lease).await,
         }
     }
+
+    /// Every version of the Lease written from now on (and the current one), as a watch sees
+    /// them; errors are retried with backoff and never end the stream.
+    pub(crate) fn changes(&self) -> BoxStream<'static, Lease> {
+        match self {
+            Self::Api { api, name } => {
+                let config = watcher::Config::default().fields(&format!("metadata.name={name}"));
+                watcher(api.clone(), config)
+                    .default_backoff()
+                    .applied_objects()
+                    .filter_map(|lease| future::ready(lease.ok()))
+                    .boxed()
+            }
+            #[cfg(test)]
+            Self::Fake(fake) => fake.changes(),
+        }
+    }
 }
 
 /// Whether the API refused a write because someone else changed or created the object first.
@@ -71,6 +91,8 @@ pub(crate) fn is_not_found(error: &kube::Error) -> bool {
 pub(crate) mod fake {
     use std::sync::{Arc, Mutex, MutexGuard};
 
+    use futures::StreamExt;
+    use futures::stream::BoxStream;
     use k8s_openapi::api::coordination::v1::Lease;
     use kube::core::Status;
 
@@ -91,6 +113,8 @@ pub(crate) mod fake {
         resource_version: u64,
         mode: Mode,
         writes: usize,
+        /// Tells watchers (`FakeStore::changes`) about every new version.
+        versions: tokio::sync::watch::Sender<Option<Lease>>,
     }
 
     impl State {
@@ -101,6 +125,7 @@ pub(crate) mod fake {
             let mut stored = lease.clone();
             stored.metadata.resource_version = Some(self.resource_version.to_string());
             self.lease = Some(stored.clone());
+            self.versions.send_replace(self.lease.clone());
             stored
         }
     }
@@ -120,6 +145,7 @@ pub(crate) mod fake {
                 resource_version: 0,
                 mode: Mode::Normal,
                 writes: 0,
+                versions: tokio::sync::watch::Sender::new(None),
             })))
         }
 
@@ -150,11 +176,33 @@ pub(crate) mod fake {
                 f(lease);
                 lease.metadata.resource_version = Some(rv);
             }
+            let current = state.lease.clone();
+            state.versions.send_replace(current);
         }
 
         /// Deletes the stored Lease as another writer would.
         pub(crate) fn delete(&self) {
-            self.state().lease = None;
+            let mut state = self.state();
+            state.lease = None;
+            state.versions.send_replace(None);
+        }
+
+        /// The current version and every later one, like a watch by name.
+        pub(crate) fn changes(&self) -> BoxStream<'static, Lease> {
+            let versions = self.state().versions.subscribe();
+            futures::stream::unfold((versions, true), |(mut versions, first)| async move {
+                if !first {
+                    versions.changed().await.ok()?;
+                }
+                loop {
+                    let current = versions.borrow_and_update().clone();
+                    if let Some(lease) = current {
+                        return Some((lease, (versions, false)));
+                    }
+                    versions.changed().await.ok()?;
+                }
+            })
+            .boxed()
         }
 
         async fn gate(&self) -> Result<(), kube::Error> {

@@ -742,6 +742,73 @@ async fn the_renewer_reports_a_deadline_a_guard_check_found_passed() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn work_on_a_created_lease_starts_when_the_sharder_labels_it() {
+    use crate::{Shard, Term};
+    use sharding_crds::labels::LABEL_STATE;
+    let shard = Shard::new("r", "shard-a", "ns");
+    let judged_after = Duration::from_millis(300);
+    for excluded in [false, true] {
+        let fake = FakeStore::new();
+        let lock = lock(&fake, "shard-a");
+        let started = Arc::new(std::sync::Mutex::new(None));
+        let shutdown = CancellationToken::new();
+        let begin = Instant::now();
+        let run = {
+            let (shard, started, shutdown) =
+                (shard.clone(), Arc::clone(&started), shutdown.clone());
+            tokio::spawn(async move {
+                shard
+                    .run(&lock, &shutdown, |term: Term| {
+                        let started = Arc::clone(&started);
+                        async move {
+                            *started.lock().expect("lock") = Some(Instant::now());
+                            term.stop.cancelled().await;
+                        }
+                    })
+                    .await
+            })
+        };
+        tokio::time::sleep(judged_after).await;
+        assert_eq!(
+            *started.lock().expect("lock"),
+            None,
+            "not before the judgement"
+        );
+        // The sharder writes its state label, and the exclusion with it when it excludes.
+        fake.modify(|lease| {
+            lease
+                .metadata
+                .labels
+                .get_or_insert_default()
+                .insert(LABEL_STATE.into(), "ready".into());
+            if excluded {
+                lease
+                    .metadata
+                    .annotations
+                    .get_or_insert_default()
+                    .insert(EXCLUDED.into(), "DuplicateName".into());
+            }
+        });
+        settle().await;
+        let at = *started.lock().expect("lock");
+        if excluded {
+            assert_eq!(at, None, "an excluded Lease does not start the work");
+            tokio::time::sleep(RETRY + Duration::from_millis(100)).await;
+            settle().await;
+            assert_eq!(*started.lock().expect("lock"), None, "nor does its renewal");
+        } else {
+            assert_eq!(at, Some(begin + judged_after), "started on the state label");
+        }
+        shutdown.cancel();
+        let ended = run.await.expect("task ok").expect("no error");
+        assert!(
+            matches!(ended, crate::ShardRunEnd::Stopped { .. }),
+            "{ended:?}"
+        );
+    }
+}
+
+#[tokio::test(start_paused = true)]
 async fn work_on_a_created_lease_waits_for_the_first_renewal() {
     use crate::{Shard, ShardRunEnd, Term};
     let shard = Shard::new("r", "shard-a", "ns");

@@ -12,10 +12,13 @@
 //!    `controller_sharding_movements_total` per resource against the minimum, one drain per moved
 //!    Secret and one move per moved ConfigMap (fewer moves when the new shard's own write already
 //!    relabelled a ConfigMap);
-//! 3. **floor**: the time the same number of plain merge patches, each setting a label on one of
+//! 3. **handover gap**: for every moved Secret, from its old shard sending the drain
+//!    acknowledgement to its new shard's first reconcile, from the shards' own log records
+//!    (`handover`);
+//! 4. **floor**: the time the same number of plain merge patches, each setting a label on one of
 //!    the objects that moved, take with the sharder's `concurrentMoves` in flight, against the
 //!    same server in the same run (`--floor-runs` times, median reported);
-//! 4. **sharder memory**: `VmHWM` (peak RSS) and `VmRSS` of the sharder process from
+//! 5. **sharder memory**: `VmHWM` (peak RSS) and `VmRSS` of the sharder process from
 //!    `/proc/<pid>/status`, each measured on a *fresh* sharder process right after its first full
 //!    sync, once with `--small` objects in the ring and once with `--objects` (two sharder runs on
 //!    the same growing namespace; the later one also carries out the scale-out). Beside it, the
@@ -37,6 +40,7 @@
 //! | module | what |
 //! |---|---|
 //! | `main` | flags, the run and its phases |
+//! | `handover` | the gap from each drain acknowledgement to the new shard's first reconcile |
 //! | `objects` | creating the Secrets, the floor measurement |
 //! | `placement` | following every object's placement until it converges |
 //! | `probes` | the sharder and shard processes, their sync records, memory, metrics, list pages |
@@ -46,6 +50,7 @@
 //! The sharder's page size, end-of-sync log message and counter names are imported from the
 //! `sharder` crate, so the tool follows when they change.
 
+mod handover;
 mod objects;
 mod placement;
 mod probes;
@@ -55,7 +60,7 @@ mod timeline;
 use std::collections::BTreeMap;
 use std::fmt::Debug;
 use std::path::PathBuf;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::Context;
 use clap::Parser;
@@ -68,6 +73,7 @@ use kube::Client;
 use kube::api::{Api, DeleteParams};
 use sharding_crds::ClusterRing;
 
+use crate::handover::{ShardLog, handover};
 use crate::objects::{create_secrets, floor_run};
 use crate::placement::{Kind, Tracker};
 use crate::probes::{
@@ -339,6 +345,7 @@ async fn measure(
         ),
     );
     let t0 = Instant::now();
+    let t0_wall = SystemTime::now();
     let sampler = tracker.sample(&SHARDS, t0, Duration::from_millis(args.sample_every.max(1)));
     shards.push(start_shard(
         ring,
@@ -401,6 +408,23 @@ async fn measure(
         .all(|key| after.get(key).and_then(Option::as_deref) == Some(SHARDS[3]));
     let moved_of = |kind: Kind| moved.iter().filter(|(k, _)| *k == kind).count();
     let (changes, relists) = tracker.changes();
+    let logs: Vec<(String, ShardLog)> = SHARDS
+        .iter()
+        .zip(&shards)
+        .map(|(name, process)| ((*name).to_string(), ShardLog::parse(&process.records())))
+        .collect();
+    let handover = handover(&logs, &changes, namespace, t0_wall);
+    let webhook = |suffix: &str| {
+        let metric = format!("{WEBHOOK_DURATION}_{suffix}");
+        let labels = [("operation", "UPDATE"), ("type", "admit")];
+        sum(&server_after, &metric, &labels) - sum(&server_before, &metric, &labels)
+    };
+    let webhook_updates = webhook("count");
+    let webhook_update_mean_ms = if webhook_updates > 0.0 {
+        (webhook("sum") / webhook_updates * 1e5).round() / 100.0
+    } else {
+        0.0
+    };
     let mut duplicates = Duplicates {
         watch_relists: relists - relists_before,
         sharder_secret_patches: sharder_requests(&sharder_before, &sharder_after_text, "secrets"),
@@ -465,6 +489,9 @@ async fn measure(
         sharder_after,
         duplicates,
         writes,
+        handover,
+        webhook_updates,
+        webhook_update_mean_ms,
     };
     drop(tracker);
 
@@ -505,6 +532,9 @@ async fn measure(
     let _ = sharder.terminate();
     Ok((phases, scale_out, floor, concurrency, timeline))
 }
+
+/// The API server's histogram of admission webhook calls.
+const WEBHOOK_DURATION: &str = "apiserver_admission_webhook_admission_duration_seconds";
 
 /// The API server's counter of served requests.
 const APISERVER_REQUESTS: &str = "apiserver_request_total";

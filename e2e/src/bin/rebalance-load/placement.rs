@@ -4,7 +4,7 @@
 use std::collections::{HashMap, HashSet};
 use std::fmt::Debug;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::bail;
 use e2e::IndependentRing;
@@ -63,6 +63,9 @@ pub(crate) struct Changes {
     pub(crate) drains: u32,
     /// Times the shard label changed to another shard.
     pub(crate) relabels: u32,
+    /// Wall-clock time the watch last saw the shard label change, comparable with the shards'
+    /// log timestamps (same machine).
+    pub(crate) relabelled_at: Option<SystemTime>,
 }
 
 /// Placements of every Secret and ConfigMap, keyed by the Secret's name.
@@ -161,7 +164,9 @@ impl State {
                     t.last_drain_seconds = Some(since);
                 }
                 if old.shard != new.shard && new.shard.is_some() {
-                    target.changes.entry(key).or_default().relabels += 1;
+                    let changes = target.changes.entry(key).or_default();
+                    changes.relabels += 1;
+                    changes.relabelled_at = Some(SystemTime::now());
                     match kind {
                         Kind::Secret => t.secret_relabels += 1,
                         Kind::ConfigMap => {

@@ -6,6 +6,8 @@ use std::time::Duration;
 
 use serde::Serialize;
 
+use crate::handover::{Handover, Percentiles};
+
 /// Everything measured in one run.
 #[derive(Debug, Serialize)]
 pub(crate) struct Report {
@@ -102,6 +104,13 @@ pub(crate) struct ScaleOut {
     pub(crate) duplicates: Duplicates,
     /// Mutating requests during the scale-out, the sharder's and everyone's.
     pub(crate) writes: Writes,
+    /// From each drain acknowledgement to the new shard's first reconcile (`handover`).
+    pub(crate) handover: Handover,
+    /// Mutating admission webhook calls of UPDATE requests in the window, as the API server
+    /// counted them, and their mean duration (milliseconds): what the sharder's webhook adds to
+    /// each drain, acknowledgement and move.
+    pub(crate) webhook_updates: f64,
+    pub(crate) webhook_update_mean_ms: f64,
 }
 
 /// Per-object evidence of patches sent twice, from the watches (the API server's view): a moved
@@ -302,6 +311,31 @@ impl Report {
             out,
             "  PATCH of Secrets and ConfigMaps answered 409 Conflict: {}",
             s.patch_conflicts
+        );
+        let h = &s.handover;
+        let ms = |p: Option<Percentiles>| {
+            p.map_or("-".to_string(), |p| {
+                format!("p50 {} p90 {} p99 {} max {}", p.p50, p.p90, p.p99, p.max)
+            })
+        };
+        let _ = writeln!(
+            out,
+            "  handover gap, drain acknowledged -> new shard's first reconcile ({} Secrets, {} unmatched): {} ms",
+            h.handovers,
+            h.unmatched,
+            ms(h.gap_ms)
+        );
+        let _ = writeln!(
+            out,
+            "    acknowledgement's round trip: {} ms; from sending it: {} ms; the tool's watch seeing the new label -> reconcile: {} ms",
+            ms(h.acknowledgement_ms),
+            ms(h.from_sent_ms),
+            ms(h.seen_to_reconcile_ms)
+        );
+        let _ = writeln!(
+            out,
+            "    mutating webhook calls on UPDATE in the window: {}, mean {:.2} ms (the API server's account)",
+            s.webhook_updates, s.webhook_update_mean_ms
         );
         let _ = writeln!(
             out,
