@@ -1,7 +1,7 @@
 //! The shard library and the `checksum-controller` example against a real API server.
 //!
-//! No sharder runs here, except for the exclusion test: the tests write shard and drain labels
-//! themselves, playing the sharder's part of the protocol.
+//! No sharder runs here, except for the exclusion test and the start of a new shard: the tests
+//! write shard and drain labels themselves, playing the sharder's part of the protocol.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -965,6 +965,75 @@ async fn an_excluded_shard_steps_out_and_touches_nothing() -> anyhow::Result<()>
         "rejoined while excluded"
     );
     ensure!(process.try_status()?.is_none(), "the shard keeps running");
+    process.terminate()?;
+    ensure!(process.wait(WAIT).await?.success());
+    process.passed();
+    logs.passed();
+    Ok(())
+}
+
+/// A shard whose Lease is new starts its work as soon as the sharder has labelled the Lease with
+/// its state (and no exclusion), not one retry period later at the first renewal: the sharder
+/// moves objects to a new shard from the moment it sees its Lease, so every moment of waiting
+/// is a moment those objects have no shard at work.
+#[tokio::test]
+async fn a_new_shard_starts_when_the_sharder_has_labelled_its_lease() -> anyhow::Result<()> {
+    let SharedScenario {
+        mut logs,
+        client,
+        ns,
+        ..
+    } = SharedScenario::in_namespace("shard-judged").await?;
+    let ring = unique_name("judged");
+    create_ring(&client, &ring, ring_spec(&ns)).await?;
+    let name = "shard-j";
+    // Already the shard's: its work reconciles it at once when it starts.
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), &ns);
+    let mut first = secret("first");
+    first
+        .metadata
+        .labels
+        .get_or_insert_default()
+        .insert(labels::shard_label(&ring), name.to_string());
+    secrets.create(&PostParams::default(), &first).await?;
+    // A retry period far longer than the sharder takes to label a Lease: before, the work
+    // started with the first renewal, 8 s after the Lease was created.
+    let retry = Duration::from_secs(8);
+    let mut process = start_checksum_shard_with(
+        &RingRef::new(RingKind::ClusterRing, ring.clone()),
+        &ns,
+        name,
+        ShardTiming("30", "20", "8"),
+        &[],
+    )?;
+    let timestamp = |record: &Value| -> anyhow::Result<Timestamp> {
+        Ok(record["timestamp"]
+            .as_str()
+            .context("a timestamp")?
+            .parse::<Timestamp>()?)
+    };
+    let acquired = process
+        .wait_for_record("the shard's Lease acquired", WAIT, |r| {
+            r["event"] == "lease_acquired"
+        })
+        .await?;
+    let reconciled = process
+        .wait_for_record("the shard's first reconcile", WAIT, |r| {
+            is_record(r, "reconcile", &ns, "first")
+        })
+        .await?;
+    let waited = timestamp(&reconciled)?.duration_since(timestamp(&acquired)?);
+    ensure!(
+        waited < SignedDuration::try_from(retry / 2)?,
+        "the work started {waited:?} after the Lease was created, retry period {retry:?}"
+    );
+    let lease = Api::<Lease>::namespaced(client.clone(), &ns)
+        .get(name)
+        .await?;
+    ensure!(
+        lease.labels().contains_key(labels::LABEL_STATE),
+        "the sharder labelled the Lease: {lease:?}"
+    );
     process.terminate()?;
     ensure!(process.wait(WAIT).await?.success());
     process.passed();

@@ -419,6 +419,16 @@ async fn measure(
         let labels = [("operation", "UPDATE"), ("type", "admit")];
         sum(&server_after, &metric, &labels) - sum(&server_before, &metric, &labels)
     };
+    let inside = |suffix: &str| {
+        let metric = format!("{SHARDER_WEBHOOK_DURATION}_{suffix}");
+        sum(&sharder_after_text, &metric, &[]) - sum(&sharder_before, &metric, &[])
+    };
+    let sharder_webhook_requests = inside("count");
+    let sharder_webhook_mean_ms = if sharder_webhook_requests > 0.0 {
+        (inside("sum") / sharder_webhook_requests * 1e6).round() / 1000.0
+    } else {
+        0.0
+    };
     let webhook_updates = webhook("count");
     let webhook_update_mean_ms = if webhook_updates > 0.0 {
         (webhook("sum") / webhook_updates * 1e5).round() / 100.0
@@ -492,6 +502,8 @@ async fn measure(
         handover,
         webhook_updates,
         webhook_update_mean_ms,
+        sharder_webhook_requests,
+        sharder_webhook_mean_ms,
     };
     drop(tracker);
 
@@ -535,6 +547,9 @@ async fn measure(
 
 /// The API server's histogram of admission webhook calls.
 const WEBHOOK_DURATION: &str = "apiserver_admission_webhook_admission_duration_seconds";
+
+/// The sharder's histogram of its webhook's answers.
+const SHARDER_WEBHOOK_DURATION: &str = "controller_sharding_webhook_request_duration_seconds";
 
 /// The API server's counter of served requests.
 const APISERVER_REQUESTS: &str = "apiserver_request_total";
