@@ -121,7 +121,27 @@ impl Process {
         K: AsRef<std::ffi::OsStr>,
         V: AsRef<std::ffi::OsStr>,
     {
-        let path = binary(name)?;
+        Self::start_binary(&binary(name)?, name, args, envs)
+    }
+
+    /// Like [`Process::start_with_env`], running the executable at `path` instead of the
+    /// workspace's `name` (which still names the log): a load tool measuring another build of a
+    /// binary beside this one.
+    ///
+    /// Must be called within a tokio runtime.
+    pub fn start_binary<I, S, E, K, V>(
+        path: &Path,
+        name: &str,
+        args: I,
+        envs: E,
+    ) -> anyhow::Result<Self>
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<std::ffi::OsStr>,
+        E: IntoIterator<Item = (K, V)>,
+        K: AsRef<std::ffi::OsStr>,
+        V: AsRef<std::ffi::OsStr>,
+    {
         let log_dir = std::env::temp_dir().join(format!(
             "controller-sharding-e2e-logs-{}",
             std::process::id()
@@ -134,7 +154,7 @@ impl Process {
         let stderr = log
             .try_clone()
             .context("failed to duplicate the log file")?;
-        let child = tokio::process::Command::new(&path)
+        let child = tokio::process::Command::new(path)
             .args(args)
             .env("KUBECONFIG", cluster().kubeconfig())
             .envs(envs)

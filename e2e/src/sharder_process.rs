@@ -159,6 +159,26 @@ shutdownDelay: 1s
         )
     }
 
+    /// Like [`SharderFiles::start_process`], running the sharder executable at `path` (another
+    /// build) with extra environment variables `envs`.
+    pub fn start_process_at<E, K, V>(&self, path: &Path, envs: E) -> anyhow::Result<Process>
+    where
+        E: IntoIterator<Item = (K, V)>,
+        K: AsRef<std::ffi::OsStr>,
+        V: AsRef<std::ffi::OsStr>,
+    {
+        Process::start_binary(
+            path,
+            "sharder",
+            [
+                "--config".as_ref(),
+                self.config.as_os_str(),
+                "--log-format=json".as_ref(),
+            ],
+            envs,
+        )
+    }
+
     /// Base URL of the webhook server.
     pub fn webhook_url(&self) -> String {
         format!("https://127.0.0.1:{}", self.webhook_port)

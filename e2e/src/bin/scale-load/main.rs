@@ -15,6 +15,10 @@
 //! select and measures the sharder's CPU per CREATE against an idle window of the same length:
 //! what objects no ring owns cost it (issue 24).
 //!
+//! `scale-load churn` fills a ring with Secrets and the ConfigMaps they control, then creates,
+//! updates and deletes them at a steady rate and samples the sharder's resident memory and CPU
+//! every second (issue 24, part 5).
+//!
 //! `scale-load webhook` needs no control plane: it serves the sharder's webhook and a trivial one
 //! in-process, each on one core, and loads both over TLS on loopback with concurrent HTTP/2
 //! clients: reviews per second per core and client-observed latency, side by side.
@@ -23,6 +27,7 @@
 //! `cargo build --release --workspace --bins && target/release/scale-load membership`.
 //! docs/scale.md has the last results.
 
+mod churn;
 mod membership;
 mod samples;
 mod unselected;
@@ -43,6 +48,9 @@ enum Command {
     /// Shard Leases renewed by the tool: the sharder's CPU and API requests per renewal and per
     /// membership change.
     Membership(membership::Args),
+    /// A ring's objects created, updated and deleted at a steady rate: the sharder's resident
+    /// memory and CPU.
+    Churn(churn::Args),
     /// ConfigMaps created in a namespace no ring selects: the sharder's CPU per CREATE.
     Unselected(unselected::Args),
     /// The webhook's admission reviews per second on one core and its latency under concurrent
@@ -59,6 +67,11 @@ fn main() -> anyhow::Result<()> {
             let cluster = e2e::cluster();
             let runtime = tokio::runtime::Runtime::new().context("failed to start a runtime")?;
             runtime.block_on(membership::run(&args, cluster))
+        }
+        Command::Churn(args) => {
+            let cluster = e2e::cluster();
+            let runtime = tokio::runtime::Runtime::new().context("failed to start a runtime")?;
+            runtime.block_on(churn::run(&args, cluster))
         }
         Command::Unselected(args) => {
             let cluster = e2e::cluster();
