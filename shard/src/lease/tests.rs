@@ -741,33 +741,46 @@ async fn the_renewer_reports_a_deadline_a_guard_check_found_passed() {
     assert_eq!(ended, HeldRunEnd::LeaseLost);
 }
 
+/// When the work of a shard run began, if it did.
+type Started = Arc<std::sync::Mutex<Option<Instant>>>;
+
+/// Runs `shard` on `lock` in a task until `shutdown`; its work records when it started.
+fn spawn_shard_run(
+    shard: &crate::Shard,
+    lock: LeaseLock,
+    shutdown: &CancellationToken,
+) -> (
+    Started,
+    tokio::task::JoinHandle<Result<crate::ShardRunEnd, Error>>,
+) {
+    let started: Started = Arc::default();
+    let run = {
+        let (shard, started, shutdown) = (shard.clone(), Arc::clone(&started), shutdown.clone());
+        tokio::spawn(async move {
+            shard
+                .run(&lock, &shutdown, |term: crate::Term| {
+                    let started = Arc::clone(&started);
+                    async move {
+                        *started.lock().expect("lock") = Some(Instant::now());
+                        term.stop.cancelled().await;
+                    }
+                })
+                .await
+        })
+    };
+    (started, run)
+}
+
 #[tokio::test(start_paused = true)]
 async fn work_on_a_created_lease_starts_when_the_sharder_labels_it() {
-    use crate::{Shard, Term};
     use sharding_crds::labels::LABEL_STATE;
-    let shard = Shard::new("r", "shard-a", "ns");
+    let shard = crate::Shard::new("r", "shard-a", "ns");
     let judged_after = Duration::from_millis(300);
     for excluded in [false, true] {
         let fake = FakeStore::new();
-        let lock = lock(&fake, "shard-a");
-        let started = Arc::new(std::sync::Mutex::new(None));
         let shutdown = CancellationToken::new();
         let begin = Instant::now();
-        let run = {
-            let (shard, started, shutdown) =
-                (shard.clone(), Arc::clone(&started), shutdown.clone());
-            tokio::spawn(async move {
-                shard
-                    .run(&lock, &shutdown, |term: Term| {
-                        let started = Arc::clone(&started);
-                        async move {
-                            *started.lock().expect("lock") = Some(Instant::now());
-                            term.stop.cancelled().await;
-                        }
-                    })
-                    .await
-            })
-        };
+        let (started, run) = spawn_shard_run(&shard, lock(&fake, "shard-a"), &shutdown);
         tokio::time::sleep(judged_after).await;
         assert_eq!(
             *started.lock().expect("lock"),
@@ -810,29 +823,13 @@ async fn work_on_a_created_lease_starts_when_the_sharder_labels_it() {
 
 #[tokio::test(start_paused = true)]
 async fn work_on_a_created_lease_waits_for_the_first_renewal() {
-    use crate::{Shard, ShardRunEnd, Term};
-    let shard = Shard::new("r", "shard-a", "ns");
+    use crate::ShardRunEnd;
+    let shard = crate::Shard::new("r", "shard-a", "ns");
     for excluded_at_once in [false, true] {
         let fake = FakeStore::new();
-        let lock = lock(&fake, "shard-a");
-        let started = Arc::new(std::sync::Mutex::new(None));
         let shutdown = CancellationToken::new();
         let begin = Instant::now();
-        let run = {
-            let (shard, started, shutdown) =
-                (shard.clone(), Arc::clone(&started), shutdown.clone());
-            tokio::spawn(async move {
-                shard
-                    .run(&lock, &shutdown, |term: Term| {
-                        let started = Arc::clone(&started);
-                        async move {
-                            *started.lock().expect("lock") = Some(Instant::now());
-                            term.stop.cancelled().await;
-                        }
-                    })
-                    .await
-            })
-        };
+        let (started, run) = spawn_shard_run(&shard, lock(&fake, "shard-a"), &shutdown);
         settle().await;
         assert!(fake.lease().is_some(), "created");
         if excluded_at_once {
