@@ -15,6 +15,10 @@
 //! select and measures the sharder's CPU per CREATE against an idle window of the same length:
 //! what objects no ring owns cost it (issue 24).
 //!
+//! `scale-load assign` creates ConfigMaps at a steady rate in a ring without a webhook
+//! (`assignment: Watch`) and measures each one's time from CREATE answered to its shard label
+//! seen, and the sharder's CPU per object (issue 25).
+//!
 //! `scale-load webhook` needs no control plane: it serves the sharder's webhook and a trivial one
 //! in-process, each on one core, and loads both over TLS on loopback with concurrent HTTP/2
 //! clients: reviews per second per core and client-observed latency, side by side.
@@ -23,6 +27,7 @@
 //! `cargo build --release --workspace --bins && target/release/scale-load membership`.
 //! docs/scale.md has the last results.
 
+mod assign;
 mod membership;
 mod samples;
 mod unselected;
@@ -45,6 +50,9 @@ enum Command {
     Membership(membership::Args),
     /// ConfigMaps created in a namespace no ring selects: the sharder's CPU per CREATE.
     Unselected(unselected::Args),
+    /// ConfigMaps created at a rate in a Watch ring: time from CREATE to shard label, and the
+    /// sharder's CPU per object.
+    Assign(assign::Args),
     /// The webhook's admission reviews per second on one core and its latency under concurrent
     /// clients, next to a trivial webhook's; in-process, no control plane.
     Webhook(webhook::Args),
@@ -64,6 +72,11 @@ fn main() -> anyhow::Result<()> {
             let cluster = e2e::cluster();
             let runtime = tokio::runtime::Runtime::new().context("failed to start a runtime")?;
             runtime.block_on(unselected::run(&args, cluster))
+        }
+        Command::Assign(args) => {
+            let cluster = e2e::cluster();
+            let runtime = tokio::runtime::Runtime::new().context("failed to start a runtime")?;
+            runtime.block_on(assign::run(&args, cluster))
         }
         // Starts its servers' and its clients' runtimes itself.
         Command::Webhook(args) => webhook::run(&args),
