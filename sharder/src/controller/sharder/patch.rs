@@ -138,24 +138,12 @@ impl Patcher {
         {
             shard = current;
         }
-        let labels = meta.labels.as_ref();
-        let ops = match labels {
-            None => json!([
-                {"op": "test", "path": "/metadata/labels", "value": null},
-                {"op": "add", "path": "/metadata/labels", "value": { &view.shard_label: shard }},
-            ]),
-            Some(labels) => {
-                let pointer = label_pointer(&view.shard_label);
-                let mut ops = vec![
-                    json!({"op": "test", "path": pointer, "value": labels.get(&view.shard_label)}),
-                    json!({"op": "add", "path": pointer, "value": shard}),
-                ];
-                if labels.contains_key(&view.drain_label) {
-                    ops.push(json!({"op": "remove", "path": label_pointer(&view.drain_label)}));
-                }
-                serde_json::Value::Array(ops)
-            }
-        };
+        let ops = assign_ops(
+            meta.labels.as_ref(),
+            &view.shard_label,
+            &view.drain_label,
+            &shard,
+        );
         let _permit = self.limit.acquire().await;
         match self
             .json_patch(
@@ -376,6 +364,32 @@ impl Patcher {
     }
 }
 
+/// The JSON patch that writes `shard` as label `shard_label` of an object whose labels were
+/// `labels`, only if that label still has the value read (`test` of `null` passes for an absent
+/// member, and for an absent labels map), and drops a leftover `drain_label`.
+fn assign_ops(
+    labels: Option<&std::collections::BTreeMap<String, String>>,
+    shard_label: &str,
+    drain_label: &str,
+    shard: &str,
+) -> serde_json::Value {
+    let Some(labels) = labels else {
+        return json!([
+            {"op": "test", "path": "/metadata/labels", "value": null},
+            {"op": "add", "path": "/metadata/labels", "value": { shard_label: shard }},
+        ]);
+    };
+    let pointer = label_pointer(shard_label);
+    let mut ops = vec![
+        json!({"op": "test", "path": pointer, "value": labels.get(shard_label)}),
+        json!({"op": "add", "path": pointer, "value": shard}),
+    ];
+    if labels.contains_key(drain_label) {
+        ops.push(json!({"op": "remove", "path": label_pointer(drain_label)}));
+    }
+    serde_json::Value::Array(ops)
+}
+
 /// The JSON pointer of label `key` of an object.
 fn label_pointer(key: &str) -> String {
     format!("/metadata/labels/{}", escape_pointer(key))
@@ -434,6 +448,42 @@ pub(super) fn api_resource(gr: &GroupResource, info: &ResourceInfo) -> ApiResour
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_assignment_tests_the_label_it_replaces() {
+        use std::collections::BTreeMap;
+        let (shard, drain) = ("shard.x/r", "drain.x/r");
+        // No labels at all: the map is created, only if it is still absent.
+        assert_eq!(
+            assign_ops(None, shard, drain, "a"),
+            json!([
+                {"op": "test", "path": "/metadata/labels", "value": null},
+                {"op": "add", "path": "/metadata/labels", "value": {"shard.x/r": "a"}},
+            ])
+        );
+        // Other labels: the shard label is tested absent, then added.
+        let other = BTreeMap::from([("app".to_string(), "web".to_string())]);
+        assert_eq!(
+            assign_ops(Some(&other), shard, drain, "a"),
+            json!([
+                {"op": "test", "path": "/metadata/labels/shard.x~1r", "value": null},
+                {"op": "add", "path": "/metadata/labels/shard.x~1r", "value": "a"},
+            ])
+        );
+        // A move off a dead shard tests the old value; a leftover drain label goes.
+        let moved = BTreeMap::from([
+            (shard.to_string(), "gone".to_string()),
+            (drain.to_string(), "true".to_string()),
+        ]);
+        assert_eq!(
+            assign_ops(Some(&moved), shard, drain, "b"),
+            json!([
+                {"op": "test", "path": "/metadata/labels/shard.x~1r", "value": "gone"},
+                {"op": "add", "path": "/metadata/labels/shard.x~1r", "value": "b"},
+                {"op": "remove", "path": "/metadata/labels/drain.x~1r"},
+            ])
+        );
+    }
 
     #[test]
     fn label_keys_are_escaped_as_pointer_segments() {
