@@ -70,6 +70,30 @@ pub struct ClusterRingSpec {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(extend("x-kubernetes-list-type" = "set"))]
     pub lease_namespaces: Vec<String>,
+
+    /// How new objects get their shard label (docs/protocol.md §20): `Webhook` (the default) has
+    /// the API server call the sharder's admission webhook, so an object is stored with its label
+    /// already; `Watch` installs no webhook: the sharder watches the ring's unassigned objects
+    /// and labels each with a patch right after it is created. `Watch` suits clusters whose API
+    /// server cannot reach the sharder; a shard then sees a new object only after that patch,
+    /// and new objects stay unassigned while no sharder runs. Our extension.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub assignment: Option<Assignment>,
+}
+
+/// How a ring's new objects get their shard label (docs/protocol.md §20).
+///
+/// Named after the mechanism rather than a yes/no switch on the webhook: the choice is between
+/// two ways of labelling, each with its own trade-off, and a third (say, a shard labelling its
+/// own objects) would fit beside them.
+#[derive(Deserialize, Serialize, Clone, Copy, Debug, Default, PartialEq, Eq, Hash, JsonSchema)]
+pub enum Assignment {
+    /// The sharder's mutating admission webhook labels each object as it is written; the watch
+    /// of unassigned objects only catches what the webhook missed.
+    #[default]
+    Webhook,
+    /// No webhook: the sharder labels each new object from its watch of unassigned objects.
+    Watch,
 }
 
 /// What a ring hashes objects by (docs/protocol.md §16).
@@ -178,6 +202,11 @@ impl ClusterRingSpec {
     /// The hash key in effect: [`HashKey::Object`] when unset.
     pub fn hash_key(&self) -> HashKey {
         self.hash_key.unwrap_or_default()
+    }
+
+    /// The assignment mode in effect: [`Assignment::Webhook`] when unset.
+    pub fn assignment(&self) -> Assignment {
+        self.assignment.unwrap_or_default()
     }
 }
 

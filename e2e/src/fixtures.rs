@@ -35,6 +35,7 @@ pub fn ring_spec(namespace: &str) -> ClusterRingSpec {
         }),
         hash_key: None,
         lease_namespaces: Vec::new(),
+        assignment: None,
     }
 }
 

@@ -43,6 +43,7 @@ fn state(shards: usize) -> WebhookState {
             namespace_selector: None,
             hash_key: None,
             lease_namespaces: Vec::new(),
+            assignment: None,
         },
         status: None,
     };

@@ -38,7 +38,7 @@ use crate::core::key::{
 use crate::metrics::{Metrics, OutcomeLabels};
 use crate::server::tls::CertReloader;
 use crate::server::{self, Readiness};
-use crate::views::{RingView, Views};
+use crate::views::{ControllerLookup, Views, controller_shard};
 
 /// Starts the webhook's TLS server on the configured address, with its certificate watched and
 /// reloaded from disk (readiness waits for the first load); it stops on `shutdown` and lets open
@@ -107,23 +107,8 @@ pub struct WebhookState {
     /// Counters to increment on assignments.
     pub metrics: Metrics,
     /// Reads a controller whose ring changed lately, to label a child it gets meanwhile with the
-    /// controller's own shard (see [`ControllerLookup`]); without one, children follow the ring.
+    /// controller's own shard (see `ControllerLookup`); without one, children follow the ring.
     pub client: Option<kube::Client>,
-}
-
-/// How long the webhook waits for a controller's labels before it follows the ring: well within
-/// the 5 s the API server gives the webhook.
-const CONTROLLER_LOOKUP_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(1);
-
-/// A controller to read before labelling a child: its ring changed within
-/// the views' transition window (5 minutes) and an earlier ring placed it elsewhere, so it may still
-/// sit on that shard, its drain pending. The child then goes where the controller is, and
-/// follows it when it moves (docs/protocol.md §9): a shard never writes a child that another
-/// shard reconciles while it still holds the controller.
-struct ControllerLookup {
-    resource: kube::api::ApiResource,
-    namespace: Option<String>,
-    name: String,
 }
 
 /// The webhook router: the ring route, 404 elsewhere and for rings the sharder does not know,
@@ -206,7 +191,8 @@ async fn handle(
         Ok(request) => {
             let (mut decision, lookup) = decide(&state, &ring, &request);
             if let (Some(lookup), AdmissionDecision::Assign { shard, .. }) = (lookup, &mut decision)
-                && let Some(current) = controller_shard(&state, &ring, &lookup).await
+                && let Some(client) = state.client.clone()
+                && let Some(current) = controller_shard(client, &state.rings, &ring, &lookup).await
             {
                 *shard = current;
             }
@@ -221,40 +207,6 @@ async fn handle(
         .get_or_create(&OutcomeLabels::new(&ring, outcome))
         .observe(started.elapsed().as_secs_f64());
     result
-}
-
-/// The shard controller `lookup` carries the label of, if it may still be running; `None` when
-/// it has none, cannot be read in time, or its shard is gone (then the ring decides).
-async fn controller_shard(
-    state: &WebhookState,
-    ring: &RingRef,
-    lookup: &ControllerLookup,
-) -> Option<String> {
-    let client = state.client.clone()?;
-    let api: kube::Api<kube::api::DynamicObject> = match &lookup.namespace {
-        Some(namespace) => kube::Api::namespaced_with(client, namespace, &lookup.resource),
-        None => kube::Api::all_with(client, &lookup.resource),
-    };
-    let read = tokio::time::timeout(
-        CONTROLLER_LOOKUP_TIMEOUT,
-        api.get_metadata_opt(&lookup.name),
-    )
-    .await;
-    let meta = match read {
-        Ok(Ok(Some(meta))) => meta,
-        Ok(Ok(None)) => return None,
-        Ok(Err(error)) => {
-            tracing::debug!(%ring, %error, "failed to read a child's controller; the ring decides");
-            return None;
-        }
-        Err(_) => {
-            tracing::debug!(%ring, "reading a child's controller timed out; the ring decides");
-            return None;
-        }
-    };
-    let view = state.rings.get(ring)?;
-    let shard = meta.metadata.labels?.remove(&view.shard_label)?;
-    view.may_be_running(&shard).then_some(shard)
 }
 
 /// Decodes one AdmissionReview, borrowing its strings from `body`.
@@ -395,7 +347,7 @@ fn decide(
     };
     let lookup = match &resource.role {
         ResourceRole::Controlled { .. } if view.recently_moved(&key, std::time::Instant::now()) => {
-            controller_lookup(&view, &info)
+            view.controller_lookup(&info)
         }
         _ => None,
     };
@@ -415,40 +367,6 @@ fn decide(
 /// A decision that allows the object unchanged, for `reason`, with nothing to read.
 fn allow(reason: &'static str) -> (AdmissionDecision, Option<ControllerLookup>) {
     (AdmissionDecision::Allow(reason), None)
-}
-
-/// Where to read the controller of `child` (its owner reference with `controller: true`), if
-/// its kind is a main resource of `view`.
-fn controller_lookup(view: &RingView, child: &ObjectInfo<'_>) -> Option<ControllerLookup> {
-    let owner = child
-        .owner_references
-        .iter()
-        .find(|o| o.controller == Some(true))?;
-    let (group, version) = owner
-        .api_version
-        .rsplit_once('/')
-        .unwrap_or(("", owner.api_version.as_str()));
-    let (main, resolved) = view.resources.iter().find(|(gr, resolved)| {
-        gr.group == group
-            && resolved.info.kind == owner.kind
-            && matches!(resolved.role, ResourceRole::Main)
-    })?;
-    let resource = kube::api::ApiResource {
-        group: group.to_string(),
-        version: version.to_string(),
-        api_version: owner.api_version.clone(),
-        kind: owner.kind.clone(),
-        plural: main.resource.clone(),
-    };
-    Some(ControllerLookup {
-        resource,
-        namespace: resolved
-            .info
-            .namespaced
-            .then(|| child.namespace.map(str::to_string))
-            .flatten(),
-        name: owner.name.clone(),
-    })
 }
 
 #[cfg(test)]

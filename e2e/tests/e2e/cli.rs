@@ -323,7 +323,7 @@ async fn status_reports_rings_of_both_kinds() -> anyhow::Result<()> {
     eprintln!("{text}");
     ensure!(
         text.contains(&format!(
-            "ClusterRing {name}: Ready=True, 3 shards, 2 available, hashKey Object"
+            "ClusterRing {name}: Ready=True, 3 shards, 2 available, hashKey Object, assignment Webhook"
         )),
         "{text}"
     );

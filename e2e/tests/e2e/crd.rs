@@ -54,6 +54,7 @@ async fn valid_ring_round_trips_with_status() -> anyhow::Result<()> {
         }),
         hash_key: Some(sharding_crds::HashKey::Namespace),
         lease_namespaces: Vec::new(),
+        assignment: None,
     };
     let created = api
         .create(

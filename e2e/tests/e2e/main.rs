@@ -17,4 +17,5 @@ mod shard;
 mod sharder;
 mod sync_lists;
 mod trust;
+mod watch_assignment;
 mod webhook_server;

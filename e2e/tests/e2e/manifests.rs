@@ -641,7 +641,7 @@ fn sharder_cluster_role_is_exactly_the_spec_list() -> anyhow::Result<()> {
         (
             &["admissionregistration.k8s.io"],
             "mutatingwebhookconfigurations",
-            &["create", "patch", "get", "list", "watch"],
+            &["create", "patch", "get", "list", "watch", "delete"],
         ),
         (
             &["coordination.k8s.io"],

@@ -478,6 +478,7 @@ async fn cluster_scoped_resources_are_assigned() -> anyhow::Result<()> {
         namespace_selector: ring_spec(&ns).namespace_selector,
         hash_key: None,
         lease_namespaces: Vec::new(),
+        assignment: None,
     };
     create_ring(&client, &ring, spec).await?;
     let key = labels::shard_label(&ring);

@@ -188,6 +188,7 @@ fn spec_of(resource: &str, selector: LabelSelector) -> ClusterRingSpec {
         namespace_selector: Some(selector),
         hash_key: None,
         lease_namespaces: Vec::new(),
+        assignment: None,
     }
 }
 

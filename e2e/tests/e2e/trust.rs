@@ -422,12 +422,21 @@ async fn the_sharder_identity_writes_only_its_webhook_configurations_and_shard_l
         refused,
     )?;
     configs
-        .create(&PostParams::default(), &config(&mine, service)?)
+        .create(&PostParams::default(), &config(&mine, service.clone())?)
         .await
         .context("the sharder's own kind of webhook configuration was refused")?;
-    Api::<MutatingWebhookConfiguration>::all(client.clone())
+    // Deleting: its own kind yes (a ring switched to `assignment: Watch`), anyone else's no.
+    configs
         .delete(&mine, &Default::default())
+        .await
+        .context("the sharder may delete its own kind of webhook configuration")?;
+    let foreign = unique_name("foreign");
+    let admin_configs = Api::<MutatingWebhookConfiguration>::all(client.clone());
+    admin_configs
+        .create(&PostParams::default(), &config(&foreign, service.clone())?)
         .await?;
+    forbidden(configs.delete(&foreign, &Default::default()).await, refused)?;
+    admin_configs.delete(&foreign, &Default::default()).await?;
 
     // Leases: a shard Lease's state label yes; its ring label, or any other Lease, no.
     let admin_leases = Api::<Lease>::namespaced(client.clone(), &ns);

@@ -15,7 +15,7 @@ use super::Error;
 use super::cluster::{self, Connection, LoadedRing, covers};
 use super::output::{Table, or_dash};
 use super::resources::Catalog;
-use super::status::hash_key_name;
+use super::status::{assignment_name, hash_key_name};
 use crate::core::key::{ControllerKind, KeyError, KeyOutcome, ResourceRole, Unassigned};
 use crate::core::membership::ring_members;
 use crate::views::{Placement, ResolvedResource};
@@ -48,6 +48,8 @@ pub(crate) struct RingExplanation {
     pub(crate) role: &'static str,
     /// The ring's `hashKey`.
     pub(crate) hash_key: &'static str,
+    /// The ring's `assignment`: who labels the object if it has no shard yet.
+    pub(crate) assignment: &'static str,
     /// The object's hash key, when it has one.
     pub(crate) key: Option<String>,
     /// The shard the ring wants the object on now.
@@ -147,6 +149,7 @@ pub(crate) fn explain_ring(
             "controlled"
         },
         hash_key: hash_key_name(view.hash_key),
+        assignment: assignment_name(view.assignment),
         key: match &placement.key {
             Ok(KeyOutcome::Key(key)) if acted_on => Some(key.clone()),
             _ => None,
@@ -430,8 +433,8 @@ pub(crate) fn table(report: &ExplainReport) -> String {
     }
     for ring in &report.rings {
         text.push_str(&format!(
-            "\n{} {} ({} resource, hashKey {})\n",
-            ring.ring_kind, ring.ring, ring.role, ring.hash_key
+            "\n{} {} ({} resource, hashKey {}, assignment {})\n",
+            ring.ring_kind, ring.ring, ring.role, ring.hash_key, ring.assignment
         ));
         if matches!(
             ring.verdict,
@@ -658,7 +661,7 @@ mod tests {
         let expected = "\
 Secret s in namespace ns (secrets)
 
-ClusterRing r (main resource, hashKey Object)
+ClusterRing r (main resource, hashKey Object, assignment Webhook)
   hash key:      /Secret/ns/s
   ring wants:    a
   shard label:   shard.alpha.sharding.timebertt.dev/clusterring-454349e4-r=a

@@ -10,7 +10,7 @@ use kube::ResourceExt;
 use kube::api::ObjectMeta;
 use serde::Serialize;
 use sharding_crds::lease::ShardLease;
-use sharding_crds::{GroupResource, HashKey, RingKind, RingRef};
+use sharding_crds::{Assignment, GroupResource, HashKey, RingKind, RingRef};
 
 use super::cluster::{self, Connection, LoadedRing, SelectorSource};
 use super::output::{Table, age, imbalance, or_dash, ratio};
@@ -50,6 +50,8 @@ pub(crate) struct RingStatus {
     pub(crate) available_shards: i32,
     /// What objects are hashed by.
     pub(crate) hash_key: &'static str,
+    /// Who labels new objects: `Webhook` or `Watch` (`spec.assignment`).
+    pub(crate) assignment: &'static str,
     /// The namespaces the ring covers.
     pub(crate) namespace_selector: LabelSelector,
     /// Where that selector comes from.
@@ -283,6 +285,7 @@ pub(crate) fn ring_status(ring: &LoadedRing, tally: Tally, now: Timestamp) -> Ri
         shards: status.map_or(0, |s| s.shards),
         available_shards: status.map_or(0, |s| s.available_shards),
         hash_key: hash_key_name(view.hash_key),
+        assignment: assignment_name(view.assignment),
         namespace_selector: view.namespace_selector.clone(),
         namespace_selector_source: ring.selector_source,
         resources: resources.into_iter().map(|(_, gr)| gr).collect(),
@@ -306,6 +309,14 @@ pub(crate) fn hash_key_name(hash_key: HashKey) -> &'static str {
     match hash_key {
         HashKey::Object => "Object",
         HashKey::Namespace => "Namespace",
+    }
+}
+
+/// The name of an assignment mode, as written in the spec.
+pub(crate) fn assignment_name(assignment: Assignment) -> &'static str {
+    match assignment {
+        Assignment::Webhook => "Webhook",
+        Assignment::Watch => "Watch",
     }
 }
 
@@ -376,8 +387,14 @@ fn table_at(report: &StatusReport, now: Timestamp) -> String {
 
 fn ring_table(ring: &RingStatus, now: Timestamp) -> String {
     let mut text = format!(
-        "{} {}: Ready={}, {} shards, {} available, hashKey {}\n",
-        ring.kind, ring.name, ring.ready, ring.shards, ring.available_shards, ring.hash_key
+        "{} {}: Ready={}, {} shards, {} available, hashKey {}, assignment {}\n",
+        ring.kind,
+        ring.name,
+        ring.ready,
+        ring.shards,
+        ring.available_shards,
+        ring.hash_key,
+        ring.assignment
     );
     if let Some(message) = &ring.ready_message {
         text.push_str(&format!("  not ready: {message}\n"));
@@ -602,7 +619,7 @@ mod tests {
         };
         let text = table_at(&report, now());
         let expected = "\
-ClusterRing r: Ready=Unknown, 0 shards, 0 available, hashKey Object
+ClusterRing r: Ready=Unknown, 0 shards, 0 available, hashKey Object, assignment Webhook
   SHARD          NAMESPACE   STATE   HOLDER   RENEWED   WEIGHT   SECRETS   CONFIGMAPS   TOTAL   DRAINING   WANTED   NOTE
   a              shards      ready   a        3s        1        1         0            1       0          1
   b              shards      ready   b        3s        1        0         0            0       0          0        invalid weight, counts as 1

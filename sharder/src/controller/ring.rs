@@ -1,6 +1,7 @@
 //! The ring controller (docs/protocol.md §10), run once per ring kind: validates each ring, keeps
-//! its MutatingWebhookConfiguration applied (restoring it within seconds after deletion or edits),
-//! and writes the ring's status.
+//! its MutatingWebhookConfiguration applied (restoring it within seconds after deletion or edits)
+//! or, for a ring with `assignment: Watch`, absent (docs/protocol.md §20), and writes the ring's
+//! status.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -19,7 +20,7 @@ use sharding_crds::cluster_ring::{
     CONDITION_READY, REASON_RECONCILIATION_FAILED, REASON_RECONCILIATION_SUCCEEDED,
 };
 use sharding_crds::labels::{APP_NAME, LABEL_APP_NAME};
-use sharding_crds::{ClusterRingStatus, RingObject, RingRef};
+use sharding_crds::{Assignment, ClusterRingStatus, RingObject, RingRef};
 use tokio_util::sync::CancellationToken;
 
 use crate::context::Context;
@@ -189,7 +190,10 @@ async fn reconcile<R: RingObject>(ring: Arc<R>, state: Arc<State>) -> Result<Act
         .err()
         .map(|e| (REASON_RECONCILIATION_FAILED, capitalised(e)))
         .or_else(|| {
-            ctx.reachability.is_unreachable(&ring.ring_ref()).then(|| {
+            // A ring without a webhook has nothing to be unreachable; a verdict from before
+            // it switched does not count.
+            let webhook = ring.ring_spec().assignment() == Assignment::Webhook;
+            (webhook && ctx.reachability.is_unreachable(&ring.ring_ref())).then(|| {
                 (
                     REASON_WEBHOOK_UNREACHABLE,
                     WEBHOOK_UNREACHABLE_MESSAGE.to_string(),
@@ -259,6 +263,9 @@ async fn apply_webhook_configuration<R: RingObject>(
     let name = desired.name_any();
     let api: Api<MutatingWebhookConfiguration> = Api::all(ctx.client.clone());
     let existing = cache.get(&ObjectRef::new(&name));
+    if ring.ring_spec().assignment() == Assignment::Watch {
+        return remove_webhook_configuration(ring, &api, existing.as_deref()).await;
+    }
     let up_to_date = existing.as_ref().is_some_and(|existing| {
         let (desired, existing) = (
             serde_json::to_value(&desired),
@@ -293,6 +300,45 @@ async fn apply_webhook_configuration<R: RingObject>(
         tracing::info!(webhook_configuration = %name, "applied webhook configuration");
     }
     Ok(())
+}
+
+/// Deletes the webhook configuration of a ring whose sharder assigns new objects itself
+/// (`assignment: Watch`), if the sharder wrote it for this ring; someone else's configuration of
+/// that name is left alone.
+///
+/// Deleting it while objects are being created loses none of them: the API server stops calling
+/// the webhook, and from then on the sharder's watch of unassigned objects labels them, as it
+/// labels those created before the switch that the webhook missed. The delete is guarded by the
+/// configuration's UID, so a configuration the ring got back meanwhile is not the one removed.
+async fn remove_webhook_configuration<R: RingObject>(
+    ring: &R,
+    api: &Api<MutatingWebhookConfiguration>,
+    existing: Option<&MutatingWebhookConfiguration>,
+) -> Result<(), Error> {
+    let Some(existing) = existing.filter(|config| written_for(config, ring)) else {
+        return Ok(());
+    };
+    let name = existing.name_any();
+    let params = kube::api::DeleteParams {
+        preconditions: Some(kube::api::Preconditions {
+            uid: existing.uid(),
+            resource_version: None,
+        }),
+        ..Default::default()
+    };
+    match api.delete(&name, &params).await {
+        Ok(_) => {
+            tracing::info!(webhook_configuration = %name, "deleted webhook configuration: the ring's objects are assigned by the sharder's watch");
+            Ok(())
+        }
+        // Gone already, or replaced (the UID precondition failed): the cache catches up and the
+        // ring is reconciled again.
+        Err(kube::Error::Api(status)) if matches!(status.code, 404 | 409) => Ok(()),
+        Err(source) => Err(Error::Api {
+            action: "delete webhook configuration",
+            source,
+        }),
+    }
 }
 
 /// Whether `config` is the sharder's for `ring`: it carries the ring's label, or a controller

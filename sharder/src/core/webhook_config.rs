@@ -128,6 +128,7 @@ mod tests {
                 namespace_selector: None,
                 hash_key: None,
                 lease_namespaces: Vec::new(),
+                assignment: None,
             },
         );
         ring.metadata.uid = Some("uid-1".into());

@@ -4,7 +4,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
-use sharding_crds::{GroupResource, HashKey, RingKind, RingObject, RingRef};
+use sharding_crds::{Assignment, GroupResource, HashKey, RingKind, RingObject, RingRef};
 
 use crate::core::hash_ring::HashRing;
 use crate::core::key::{self, ControllerKind, KeyError, KeyOutcome, ObjectInfo, ResourceRole};
@@ -67,6 +67,8 @@ pub struct RingView {
     pub(crate) excluded_held: BTreeSet<String>,
     /// What objects are hashed by.
     pub(crate) hash_key: HashKey,
+    /// Who writes the shard label of new objects: the webhook, or the sharder controller itself.
+    pub(crate) assignment: Assignment,
     /// Namespaces whose objects belong to the ring: its selector, else the configured default.
     pub(crate) namespace_selector: LabelSelector,
     /// Every resolved resource of the ring with its role. A resource that is main in one entry
@@ -120,6 +122,13 @@ impl RingView {
         self.earlier.iter().any(|(ring, replaced)| {
             now.duration_since(*replaced) < TRANSITION_WINDOW && ring.shard_for(key) != current
         })
+    }
+
+    /// Whether the sharder controller writes the shard label itself ([`Assignment::Watch`]): no
+    /// webhook is installed, so a move or an assignment is one patch that sets the desired shard
+    /// instead of a patch that removes the label for the webhook to fill in.
+    pub(crate) fn assigns_directly(&self) -> bool {
+        self.assignment == Assignment::Watch
     }
 
     /// Whether shard `shard` may still be running and reconciling objects: it is available, or kept
@@ -239,6 +248,7 @@ pub fn build_view<R: RingObject>(
         hash_ring: HashRing::weighted(shards.iter().map(|(name, weight)| (name, *weight))),
         excluded_held: BTreeSet::new(),
         hash_key: spec.hash_key(),
+        assignment: spec.assignment(),
         namespace_selector: spec
             .namespace_selector
             .clone()
@@ -288,6 +298,7 @@ mod tests {
                 namespace_selector: None,
                 hash_key: None,
                 lease_namespaces: Vec::new(),
+                assignment: None,
             },
         );
         let discovered = HashMap::from([
@@ -332,6 +343,7 @@ mod tests {
                 namespace_selector: None,
                 hash_key: None,
                 lease_namespaces: Vec::new(),
+                assignment: None,
             },
         );
         let discovered = HashMap::from([(GroupResource::new("", "secrets"), info("Secret", true))]);
@@ -372,6 +384,7 @@ mod tests {
             namespace_selector: None,
             hash_key: Some(HashKey::Namespace),
             lease_namespaces: Vec::new(),
+            assignment: None,
         };
         let ring = ControllerRing::new("r", spec.into());
         let discovered = HashMap::from([

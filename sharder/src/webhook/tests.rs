@@ -46,6 +46,7 @@ fn state(shards: &[&str]) -> WebhookState {
             namespace_selector: None,
             hash_key: None,
             lease_namespaces: Vec::new(),
+            assignment: None,
         },
         status: None,
     };

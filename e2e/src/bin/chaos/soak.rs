@@ -306,6 +306,7 @@ fn ring_spec(namespaces: &[String]) -> ClusterRingSpec {
         }),
         hash_key: None,
         lease_namespaces: Vec::new(),
+        assignment: None,
     }
 }
 

@@ -18,6 +18,9 @@
 //! `scale-load churn` fills a ring with Secrets and the ConfigMaps they control, then creates,
 //! updates and deletes them at a steady rate and samples the sharder's resident memory and CPU
 //! every second (issue 24, part 5).
+//! `scale-load assign` creates ConfigMaps at a steady rate in a ring without a webhook
+//! (`assignment: Watch`) and measures each one's time from CREATE answered to its shard label
+//! seen, and the sharder's CPU per object (issue 25).
 //!
 //! `scale-load webhook` needs no control plane: it serves the sharder's webhook and a trivial one
 //! in-process, each on one core, and loads both over TLS on loopback with concurrent HTTP/2
@@ -27,6 +30,7 @@
 //! `cargo build --release --workspace --bins && target/release/scale-load membership`.
 //! docs/scale.md has the last results.
 
+mod assign;
 mod churn;
 mod membership;
 mod samples;
@@ -53,6 +57,9 @@ enum Command {
     Churn(churn::Args),
     /// ConfigMaps created in a namespace no ring selects: the sharder's CPU per CREATE.
     Unselected(unselected::Args),
+    /// ConfigMaps created at a rate in a Watch ring: time from CREATE to shard label, and the
+    /// sharder's CPU per object.
+    Assign(assign::Args),
     /// The webhook's admission reviews per second on one core and its latency under concurrent
     /// clients, next to a trivial webhook's; in-process, no control plane.
     Webhook(webhook::Args),
@@ -77,6 +84,11 @@ fn main() -> anyhow::Result<()> {
             let cluster = e2e::cluster();
             let runtime = tokio::runtime::Runtime::new().context("failed to start a runtime")?;
             runtime.block_on(unselected::run(&args, cluster))
+        }
+        Command::Assign(args) => {
+            let cluster = e2e::cluster();
+            let runtime = tokio::runtime::Runtime::new().context("failed to start a runtime")?;
+            runtime.block_on(assign::run(&args, cluster))
         }
         // Starts its servers' and its clients' runtimes itself.
         Command::Webhook(args) => webhook::run(&args),

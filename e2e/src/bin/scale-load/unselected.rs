@@ -143,6 +143,7 @@ pub(crate) async fn run(args: &Args, cluster: &Cluster) -> anyhow::Result<()> {
         }),
         hash_key: None,
         lease_namespaces: Vec::new(),
+        assignment: None,
     };
     create_ring(&client, &ring, spec).await?;
     for shard in SHARDS {

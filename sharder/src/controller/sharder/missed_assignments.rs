@@ -3,7 +3,9 @@
 //! The webhook uses `failurePolicy: Ignore`, so objects created while no sharder is reachable stay
 //! unassigned. A metadata-only watch per ring resource on objects *without* the shard label moves
 //! them within seconds, so the webhook assigns them; the periodic sync stays the safety net. The
-//! watch caches nothing, so memory does not grow with the number of objects.
+//! watch caches nothing, so memory does not grow with the number of objects. For a ring without
+//! a webhook (`assignment: Watch`, docs/protocol.md §20) this is how every new object is
+//! labelled: the patch writes the shard itself.
 //!
 //! The watch of a namespaced resource covers only the namespaces its ring selects: one watch per
 //! selected namespace when the ring selects few of them, one across the cluster otherwise (the
@@ -36,7 +38,11 @@ use crate::core::list_scope::{ListScope, list_scope};
 use crate::core::rebalance::RebalanceDecision;
 use crate::views::RingView;
 
-/// Concurrent patches per watched resource.
+/// Concurrent patches per watched resource of a ring with a webhook, where this path only
+/// catches what the webhook missed. A ring without one (`assignment: Watch`) labels every new
+/// object here, and its bound is the process-wide `maxPatchesInFlight` instead: at 16, a
+/// patch that takes 100 ms on a busy API server caps assignments at 160 per second and new
+/// objects queue behind each other.
 const CONCURRENCY: usize = 16;
 /// First delay before a failed move, or the watch after an error, is tried again.
 const RETRY_INITIAL: Duration = Duration::from_millis(500);
@@ -48,8 +54,10 @@ const RETRY_MAX: Duration = Duration::from_secs(4);
 /// of them becomes the probe when it is due.
 const HELD_WAIT: Duration = Duration::from_millis(500);
 
-/// Which watch task: ring, resource and the version watched (see [`MissedAssignments`]).
-type WatchKey = (RingRef, GroupResource, String);
+/// Which watch task: ring, resource, the version watched and whether the sharder assigns
+/// directly (see [`MissedAssignments`]). A ring that switches its assignment mode gets a new
+/// watch, whose listing picks up every object left unassigned across the switch.
+type WatchKey = (RingRef, GroupResource, String, bool);
 
 /// The running watches, one per ring resource. They are tasks of a `JoinSet` this value owns, so
 /// dropping it (the sharder controller stopped, or dropped on lost leadership) stops them all.
@@ -79,7 +87,12 @@ impl MissedAssignments {
             .flat_map(|v| {
                 v.resources.iter().map(|(gr, r)| {
                     (
-                        (v.ring_ref(), gr.clone(), r.info.version.clone()),
+                        (
+                            v.ring_ref(),
+                            gr.clone(),
+                            r.info.version.clone(),
+                            v.assigns_directly(),
+                        ),
                         &v.namespace_selector,
                     )
                 })
@@ -105,11 +118,19 @@ impl MissedAssignments {
                 continue;
             }
             let (selector, receiver) = watch::channel(selector.clone());
+            let concurrency = if key.3 {
+                usize::try_from(patcher.ctx.config.controller.sharder.max_patches_in_flight)
+                    .unwrap_or(CONCURRENCY)
+                    .max(1)
+            } else {
+                CONCURRENCY
+            };
             let task = self.tasks.spawn(watch_unassigned(
                 patcher.clone(),
                 key.0.clone(),
                 key.1.clone(),
                 receiver,
+                concurrency,
             ));
             self.running.insert(key, Running { task, selector });
         }
@@ -229,12 +250,14 @@ impl Watches {
 /// in a namespace the ring just came to select, those created before.
 ///
 /// `selector` is the ring's namespace selector as of its current view; the watches of a
-/// namespaced resource follow it and the namespace cache (see [`reaches`]).
+/// namespaced resource follow it and the namespace cache (see [`reaches`]). At most `concurrency`
+/// objects are patched at once.
 async fn watch_unassigned(
     patcher: Patcher,
     ring: RingRef,
     gr: GroupResource,
     mut selector: watch::Receiver<LabelSelector>,
+    concurrency: usize,
 ) {
     let ctx = &patcher.ctx;
     // What the watch needs of the view; the view itself is not kept (its hash ring may be big,
@@ -275,7 +298,7 @@ async fn watch_unassigned(
             &gr.resource,
         ))
         .clone();
-    let limit = Arc::new(Semaphore::new(CONCURRENCY));
+    let limit = Arc::new(Semaphore::new(concurrency));
     // One task per object being assigned, owned here: they stop with the watch.
     let mut assigning: JoinSet<ObjectKey> = JoinSet::new();
     let mut pending: HashSet<ObjectKey> = HashSet::new();

@@ -1,5 +1,6 @@
 //! One drain or move patch of the sharder controller, from the sync or the missed-assignment
-//! path, and what a move's answer says about the ring's webhook.
+//! path, and what a move's answer says about the ring's webhook; for a ring without a webhook
+//! (`assignment: Watch`), the patch that writes the shard label itself.
 
 use std::sync::Arc;
 
@@ -11,12 +12,13 @@ use sharding_crds::{GroupResource, RingRef};
 
 use super::patch_limit::PatchLimit;
 use crate::context::Context;
+use crate::core::key::{KeyOutcome, ObjectInfo};
 use crate::core::owner_wait::HeldChild;
 use crate::core::rebalance::RebalanceDecision;
 use crate::events::{REASON_WEBHOOK_REACHABLE, REASON_WEBHOOK_UNREACHABLE};
 use crate::metrics::Metrics;
 use crate::reachability::MoveGate;
-use crate::views::{ResourceInfo, RingView};
+use crate::views::{ResourceInfo, RingView, controller_shard};
 
 /// Sends the sharder controller's patches, at most `controller.sharder.maxPatchesInFlight` at
 /// once across every ring and both paths.
@@ -49,6 +51,9 @@ impl Patcher {
         meta: &kube::api::ObjectMeta,
         decision: RebalanceDecision,
     ) -> Result<(), PatchError> {
+        if decision == RebalanceDecision::Move && view.assigns_directly() {
+            return self.assign(view, gr, ar, meta).await;
+        }
         let labels = match decision {
             RebalanceDecision::Keep => return Ok(()),
             RebalanceDecision::Drain => json!({ &view.drain_label: "true" }),
@@ -91,6 +96,110 @@ impl Patcher {
         }
     }
 
+    /// Writes the shard the ring wants for an object straight into its shard label, for a ring
+    /// without a webhook ([`RingView::assigns_directly`]): the move of such a ring.
+    ///
+    /// The JSON patch tests that the label still has the value `meta` shows (absent included:
+    /// the API server's `test` of `null` passes for a missing member), so an assignment or move
+    /// written meanwhile by another replica, a sync or a shard is never overwritten; the test
+    /// fails with 422 and the caller reads the object again. No resourceVersion is sent, so
+    /// writes to other fields do not make it fail. A drain label left from an earlier shard goes
+    /// in the same patch, as the webhook removes it. A controlled object whose controller may
+    /// still sit on the shard an earlier hash ring gave it follows the controller, as the webhook
+    /// decides (`controller_shard`).
+    async fn assign(
+        &self,
+        view: &RingView,
+        gr: &GroupResource,
+        ar: &ApiResource,
+        meta: &kube::api::ObjectMeta,
+    ) -> Result<(), PatchError> {
+        let Some(resource) = view.resources.get(gr) else {
+            return Ok(());
+        };
+        let placement = view.placement(&gr.group, resource, meta);
+        let Some(desired) = placement.desired else {
+            // No key, or no available shard: nothing to write; the sync tries again when shards
+            // come.
+            return Ok(());
+        };
+        let mut shard = desired.to_string();
+        if let (false, Ok(KeyOutcome::Key(key))) = (resource.is_main(), &placement.key)
+            && view.recently_moved(key, std::time::Instant::now())
+            && let Some(lookup) =
+                view.controller_lookup(&ObjectInfo::from_meta(&gr.group, &resource.info.kind, meta))
+            && let Some(current) = controller_shard(
+                self.ctx.client.clone(),
+                &self.ctx.views,
+                &view.ring_ref(),
+                &lookup,
+            )
+            .await
+        {
+            shard = current;
+        }
+        let ops = assign_ops(
+            meta.labels.as_ref(),
+            &view.shard_label,
+            &view.drain_label,
+            &shard,
+        );
+        let _permit = self.limit.acquire().await;
+        match self
+            .json_patch(
+                ar,
+                meta.namespace.as_deref(),
+                meta.name.as_deref().unwrap_or_default(),
+                &ops,
+            )
+            .await
+        {
+            Ok(_) => {
+                // Counted here, where it is known whether the object had a shard: a first
+                // assignment counts as the webhook's would, a move as a move.
+                let labels = Metrics::resource_labels(&view.ring_ref(), &gr.group, &gr.resource);
+                let counter = if placement.object.current.is_none() {
+                    &self.ctx.metrics.assignments
+                } else {
+                    &self.ctx.metrics.movements
+                };
+                counter.get_or_create(&labels).inc();
+                Ok(())
+            }
+            // Deleted meanwhile: nothing left to assign.
+            Err(kube::Error::Api(status)) if status.code == 404 => Ok(()),
+            // The label changed since `meta` was read: the caller reads again and decides anew.
+            Err(kube::Error::Api(status)) if status.code == 422 => Err(PatchError::NotAssigned),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Sends the JSON patch `ops` to an object and returns its metadata as the API server
+    /// answered.
+    async fn json_patch(
+        &self,
+        ar: &ApiResource,
+        namespace: Option<&str>,
+        name: &str,
+        ops: &serde_json::Value,
+    ) -> Result<PartialObjectMeta<DynamicObject>, kube::Error> {
+        let url = format!(
+            "{}/{}?fieldManager={}",
+            DynamicObject::url_path(ar, namespace),
+            name,
+            crate::core::webhook_config::FIELD_MANAGER
+        );
+        let request = axum::http::Request::patch(url)
+            .header(axum::http::header::CONTENT_TYPE, JSON_PATCH)
+            .header(axum::http::header::ACCEPT, METADATA_ONLY)
+            .body(serde_json::to_vec(ops).unwrap_or_default())
+            .map_err(kube::Error::HttpError)?;
+        self.ctx
+            .client
+            .request::<PartialObjectMeta<DynamicObject>>(request)
+            .await
+    }
+
     /// Moves a controlled object a sync held back off `child.shard`, if it still sits there: a
     /// JSON patch tests the shard label before it removes it, so a child moved meanwhile (by its
     /// shard, or by a sync) is left alone without a write, and no resourceVersion can conflict
@@ -107,31 +216,23 @@ impl Patcher {
             None => Api::all_with(self.ctx.client.clone(), ar),
         };
         let probe = json!({"metadata": {"labels": { &view.shard_label: null }}});
-        if self.gate(view, &api, &child.name, &probe).await? == Gate::Gone {
+        if !view.assigns_directly()
+            && self.gate(view, &api, &child.name, &probe).await? == Gate::Gone
+        {
             return Ok(false);
         }
-        let pointer = format!("/metadata/labels/{}", escape_pointer(&view.shard_label));
+        let pointer = label_pointer(&view.shard_label);
         let ops = json!([
             {"op": "test", "path": pointer, "value": child.shard},
             {"op": "remove", "path": pointer},
         ]);
-        let url = format!(
-            "{}/{}?fieldManager={}",
-            DynamicObject::url_path(ar, child.namespace.as_deref()),
-            child.name,
-            crate::core::webhook_config::FIELD_MANAGER
-        );
-        let request = axum::http::Request::patch(url)
-            .header(axum::http::header::CONTENT_TYPE, JSON_PATCH)
-            .header(axum::http::header::ACCEPT, METADATA_ONLY)
-            .body(serde_json::to_vec(&ops).unwrap_or_default())
-            .map_err(|e| PatchError::Api(kube::Error::HttpError(e)))?;
         match self
-            .ctx
-            .client
-            .request::<PartialObjectMeta<DynamicObject>>(request)
+            .json_patch(ar, child.namespace.as_deref(), &child.name, &ops)
             .await
         {
+            // Without a webhook the child is now unassigned, and the watch of unassigned
+            // objects gives it its controller's new shard.
+            Ok(_) if view.assigns_directly() => Ok(true),
             Ok(updated) => self
                 .landed(view, &child.resource, &updated.metadata)
                 .await
@@ -209,6 +310,8 @@ impl Patcher {
         let labels = Metrics::resource_labels(&view.ring_ref(), &gr.group, &gr.resource);
         match decision {
             RebalanceDecision::Drain => self.ctx.metrics.drains.get_or_create(&labels).inc(),
+            // Counted by `assign`, which knows whether it assigned or moved.
+            RebalanceDecision::Move if view.assigns_directly() => 0,
             RebalanceDecision::Move => self.ctx.metrics.movements.get_or_create(&labels).inc(),
             RebalanceDecision::Keep => 0,
         };
@@ -259,6 +362,37 @@ impl Patcher {
             }
         }
     }
+}
+
+/// The JSON patch that writes `shard` as label `shard_label` of an object whose labels were
+/// `labels`, only if that label still has the value read (`test` of `null` passes for an absent
+/// member, and for an absent labels map), and drops a leftover `drain_label`.
+fn assign_ops(
+    labels: Option<&std::collections::BTreeMap<String, String>>,
+    shard_label: &str,
+    drain_label: &str,
+    shard: &str,
+) -> serde_json::Value {
+    let Some(labels) = labels else {
+        return json!([
+            {"op": "test", "path": "/metadata/labels", "value": null},
+            {"op": "add", "path": "/metadata/labels", "value": { shard_label: shard }},
+        ]);
+    };
+    let pointer = label_pointer(shard_label);
+    let mut ops = vec![
+        json!({"op": "test", "path": pointer, "value": labels.get(shard_label)}),
+        json!({"op": "add", "path": pointer, "value": shard}),
+    ];
+    if labels.contains_key(drain_label) {
+        ops.push(json!({"op": "remove", "path": label_pointer(drain_label)}));
+    }
+    serde_json::Value::Array(ops)
+}
+
+/// The JSON pointer of label `key` of an object.
+fn label_pointer(key: &str) -> String {
+    format!("/metadata/labels/{}", escape_pointer(key))
 }
 
 /// Escapes a JSON pointer segment (RFC 6901): `~` → `~0`, `/` → `~1`.
@@ -314,6 +448,42 @@ pub(super) fn api_resource(gr: &GroupResource, info: &ResourceInfo) -> ApiResour
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_assignment_tests_the_label_it_replaces() {
+        use std::collections::BTreeMap;
+        let (shard, drain) = ("shard.x/r", "drain.x/r");
+        // No labels at all: the map is created, only if it is still absent.
+        assert_eq!(
+            assign_ops(None, shard, drain, "a"),
+            json!([
+                {"op": "test", "path": "/metadata/labels", "value": null},
+                {"op": "add", "path": "/metadata/labels", "value": {"shard.x/r": "a"}},
+            ])
+        );
+        // Other labels: the shard label is tested absent, then added.
+        let other = BTreeMap::from([("app".to_string(), "web".to_string())]);
+        assert_eq!(
+            assign_ops(Some(&other), shard, drain, "a"),
+            json!([
+                {"op": "test", "path": "/metadata/labels/shard.x~1r", "value": null},
+                {"op": "add", "path": "/metadata/labels/shard.x~1r", "value": "a"},
+            ])
+        );
+        // A move off a dead shard tests the old value; a leftover drain label goes.
+        let moved = BTreeMap::from([
+            (shard.to_string(), "gone".to_string()),
+            (drain.to_string(), "true".to_string()),
+        ]);
+        assert_eq!(
+            assign_ops(Some(&moved), shard, drain, "b"),
+            json!([
+                {"op": "test", "path": "/metadata/labels/shard.x~1r", "value": "gone"},
+                {"op": "add", "path": "/metadata/labels/shard.x~1r", "value": "b"},
+                {"op": "remove", "path": "/metadata/labels/drain.x~1r"},
+            ])
+        );
+    }
 
     #[test]
     fn label_keys_are_escaped_as_pointer_segments() {

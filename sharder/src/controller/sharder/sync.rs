@@ -519,6 +519,7 @@ mod tests {
                 namespace_selector: None,
                 hash_key: None,
                 lease_namespaces: Vec::new(),
+                assignment: None,
             },
         );
         let discovered = HashMap::from([
