@@ -128,8 +128,9 @@ impl Shard {
             number += 1;
             let guard = held.guard();
             // A Lease this process just created has not been judged by the sharder yet: if it
-            // is a duplicate, the exclusion arrives with the first renewal. Until then the
-            // objects labelled with this name may be another copy's.
+            // is a duplicate, the exclusion arrives with the sharder's state label, or at the
+            // latest with the first renewal. Until then the objects labelled with this name may
+            // be another copy's.
             let probation = held.created();
             let end = held
                 .run(shutdown, |stop| {
