@@ -37,6 +37,7 @@ use sharder::controller::sharder::SYNC_FINISHED;
 use sharding_crds::{Assignment, ClusterRing, ClusterRingSpec, RingResource, labels};
 use tokio_util::sync::CancellationToken;
 
+use crate::progress;
 use crate::samples::cpu_seconds;
 
 /// Targets at 100 CREATEs per second (issue 25), in milliseconds from CREATE answered to label
@@ -371,11 +372,6 @@ fn text(report: &Report) -> String {
     );
     let _ = writeln!(out, "load average: {}", report.load_average);
     out
-}
-
-/// Prints a progress line to stderr.
-fn progress(started: Instant, message: &str) {
-    eprintln!("[{:>6.1}s] {message}", started.elapsed().as_secs_f64());
 }
 
 #[cfg(test)]

@@ -39,6 +39,7 @@ use sharder::controller::sharder::SYNC_FINISHED;
 use sharding_crds::{ClusterRing, RingKind, RingRef};
 use tokio_util::sync::CancellationToken;
 
+use crate::progress;
 use crate::samples::cpu_seconds;
 
 /// The goal under churn at 9,000 objects (issue 24, part 5), in MiB of the sharder's RSS.
@@ -722,11 +723,6 @@ fn text(report: &Report) -> String {
         report.cpu_share, report.load_average.0, report.load_average.1
     );
     out
-}
-
-/// Prints a progress line to stderr.
-fn progress(started: Instant, message: &str) {
-    eprintln!("[{:>6.1}s] {message}", started.elapsed().as_secs_f64());
 }
 
 #[cfg(test)]

@@ -65,6 +65,11 @@ enum Command {
     Webhook(webhook::Args),
 }
 
+/// Prints a progress line to stderr, with the seconds since `started`.
+pub(crate) fn progress(started: std::time::Instant, message: &str) {
+    eprintln!("[{:>6.1}s] {message}", started.elapsed().as_secs_f64());
+}
+
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let _ = rustls::crypto::ring::default_provider().install_default();

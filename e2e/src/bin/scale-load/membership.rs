@@ -23,6 +23,7 @@ use tokio_util::sync::CancellationToken;
 
 use e2e::prometheus::{apiserver_metrics, label, samples, sum};
 
+use crate::progress;
 use crate::samples::cpu_seconds;
 
 /// The sharder's request counter, as exposed.
@@ -498,9 +499,4 @@ fn text(report: &Report) -> String {
         }
     }
     out
-}
-
-/// Prints a progress line to stderr.
-fn progress(started: Instant, message: &str) {
-    eprintln!("[{:>6.1}s] {message}", started.elapsed().as_secs_f64());
 }

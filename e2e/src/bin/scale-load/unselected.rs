@@ -34,6 +34,7 @@ use serde::Serialize;
 use sharder::controller::sharder::SYNC_FINISHED;
 use sharding_crds::{ClusterRing, ClusterRingSpec, RingResource};
 
+use crate::progress;
 use crate::samples::cpu_seconds;
 
 /// The goal per CREATE in a namespace no ring selects (issue 24), in milliseconds of sharder CPU.
@@ -372,9 +373,4 @@ fn text(report: &Report) -> String {
         let _ = writeln!(out, "  {n:>6} {labels}");
     }
     out
-}
-
-/// Prints a progress line to stderr.
-fn progress(started: Instant, message: &str) {
-    eprintln!("[{:>6.1}s] {message}", started.elapsed().as_secs_f64());
 }
