@@ -43,17 +43,30 @@ pub fn binary(name: &str) -> anyhow::Result<PathBuf> {
 
 /// `VmRSS` (resident set size) of process `pid`, in KiB, from `/proc/<pid>/status`.
 pub fn rss_kib(pid: u32) -> anyhow::Result<u64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .with_context(|| format!("failed to read /proc/{pid}/status"))?;
-    let line = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .with_context(|| format!("no VmRSS in /proc/{pid}/status"))?;
-    line.trim()
-        .trim_end_matches("kB")
-        .trim()
-        .parse()
-        .with_context(|| format!("unexpected VmRSS {line:?}"))
+    let [rss] = status_fields(pid, ["VmRSS"])?;
+    Ok(rss)
+}
+
+/// Numeric fields of `/proc/<pid>/status` by name (`VmRSS`, `VmHWM`, `Threads`, ...), in the
+/// order asked, read from one snapshot; sizes are in KiB as the kernel writes them.
+pub fn status_fields<const N: usize>(pid: u32, names: [&str; N]) -> anyhow::Result<[u64; N]> {
+    let path = format!("/proc/{pid}/status");
+    let status =
+        std::fs::read_to_string(&path).with_context(|| format!("failed to read {path}"))?;
+    let mut values = [0; N];
+    for (value, name) in values.iter_mut().zip(names) {
+        let line = status
+            .lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
+            .with_context(|| format!("no {name} in {path}"))?;
+        *value = line
+            .trim()
+            .trim_end_matches("kB")
+            .trim()
+            .parse()
+            .with_context(|| format!("unexpected {name} value {line:?}"))?;
+    }
+    Ok(values)
 }
 
 /// Polls `check` every [`POLL_INTERVAL`] until it returns `Some`, failing after `timeout` with
@@ -256,5 +269,21 @@ impl Drop for Process {
         // kill_on_drop reaps it; killing here as well makes the intent explicit. The log guard
         // prints the log afterwards, when the fields are dropped.
         let _ = self.child.start_kill();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn status_fields_are_read_by_name_in_the_order_asked() {
+        let pid = std::process::id();
+        let [threads, rss] = status_fields(pid, ["Threads", "VmRSS"]).expect("own status");
+        assert!(threads >= 1, "{threads}");
+        assert!(rss > 0, "{rss}");
+        // A name is a whole field name: `VmRS` is not `VmRSS`.
+        assert!(status_fields(pid, ["VmRS"]).is_err());
+        assert!(status_fields(pid, ["NoSuchField"]).is_err());
     }
 }

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use e2e::fixtures::{ShardTiming, start_checksum_shard_with};
-use e2e::process::{Process, poll_until};
+use e2e::process::{Process, poll_until, status_fields};
 use e2e::sharder_process::{SharderFiles, counter};
 use kube::Client;
 use kube::api::ListParams;
@@ -106,20 +106,10 @@ pub(crate) async fn wait_sync(
 /// `VmHWM` and `VmRSS` of a process.
 pub(crate) fn memory(process: &Process) -> anyhow::Result<MemorySample> {
     let pid = process.id().context("the sharder has exited")?;
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .with_context(|| format!("failed to read /proc/{pid}/status"))?;
-    let field = |name: &str| -> anyhow::Result<u64> {
-        let line = status
-            .lines()
-            .find_map(|l| l.strip_prefix(name))
-            .with_context(|| format!("no {name} in /proc/{pid}/status"))?;
-        let kib = line.trim().trim_end_matches("kB").trim();
-        kib.parse()
-            .with_context(|| format!("unexpected {name} value {line:?}"))
-    };
+    let [vm_hwm_kib, vm_rss_kib] = status_fields(pid, ["VmHWM", "VmRSS"])?;
     Ok(MemorySample {
-        vm_hwm_kib: field("VmHWM:")?,
-        vm_rss_kib: field("VmRSS:")?,
+        vm_hwm_kib,
+        vm_rss_kib,
     })
 }
 

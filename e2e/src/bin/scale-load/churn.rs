@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context as _;
 use e2e::Cluster;
 use e2e::fixtures::{create_lease, create_ring, ring_spec, wait_status, wait_webhook};
-use e2e::process::{Process, binary};
+use e2e::process::{Process, binary, status_fields};
 use e2e::renewals::{RenewalCounters, renew};
 use e2e::sharder_process::{SharderFiles, SharderSettings};
 use futures::StreamExt;
@@ -633,22 +633,11 @@ fn spread(n: u64) -> usize {
 
 /// `VmRSS`, `VmHWM` and `Threads` of process `pid`.
 fn memory(pid: u32) -> anyhow::Result<Memory> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .with_context(|| format!("failed to read /proc/{pid}/status"))?;
-    let field = |name: &str| -> anyhow::Result<u64> {
-        let line = status
-            .lines()
-            .find_map(|l| l.strip_prefix(name))
-            .with_context(|| format!("no {name} in /proc/{pid}/status"))?;
-        let value = line.trim().trim_end_matches("kB").trim();
-        value
-            .parse()
-            .with_context(|| format!("unexpected {name} value {line:?}"))
-    };
+    let [rss_kib, hwm_kib, threads] = status_fields(pid, ["VmRSS", "VmHWM", "Threads"])?;
     Ok(Memory {
-        rss_kib: field("VmRSS:")?,
-        hwm_kib: field("VmHWM:")?,
-        threads: field("Threads:")?,
+        rss_kib,
+        hwm_kib,
+        threads,
     })
 }
 
