@@ -21,10 +21,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use e2e::Cluster;
-use e2e::fixtures::{create_lease, create_ring, wait_status};
-use e2e::process::Process;
+use e2e::fixtures::{create_lease, create_ring};
 use e2e::renewals::{RenewalCounters, renew};
-use e2e::sharder_process::{SharderFiles, SharderSettings};
 use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{ConfigMap, Namespace};
@@ -33,12 +31,11 @@ use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, ObjectMeta, PostParams};
 use kube::runtime::watcher;
 use serde::Serialize;
-use sharder::controller::sharder::SYNC_FINISHED;
 use sharding_crds::{Assignment, ClusterRing, ClusterRingSpec, RingResource, labels};
 use tokio_util::sync::CancellationToken;
 
 use crate::progress;
-use crate::samples::cpu_seconds;
+use crate::samples::{cpu, start_settled_sharder};
 
 /// Targets at 100 CREATEs per second (issue 25), in milliseconds from CREATE answered to label
 /// seen.
@@ -156,24 +153,10 @@ pub(crate) async fn run(args: &Args, cluster: &Cluster) -> anyhow::Result<()> {
         async move { renew(api, names, Duration::from_secs(2), 4, &counters, stop).await }
     });
 
-    let settings = SharderSettings {
-        // No periodic sync within the run: every label comes from the watch.
-        sync_period: "1h".into(),
-        ..SharderSettings::default()
-    };
-    let files = SharderFiles::create(cluster.kubeconfig(), &settings)?;
-    let mut sharder = files.start_process()?;
-    files.wait_ready(Duration::from_secs(120)).await?;
     let n = i32::try_from(shards.len())?;
-    wait_status(&client, &ring, n, n).await?;
-    sharder
-        .wait_for_record(
-            "the ring's first sync to finish",
-            Duration::from_secs(120),
-            |r| r["fields"]["message"] == SYNC_FINISHED,
-        )
-        .await?;
-    tokio::time::sleep(Duration::from_secs(args.settle)).await;
+    // No periodic sync within the run: every label comes from the watch.
+    let (_files, mut sharder) =
+        start_settled_sharder(cluster, &client, &ring, n, args.settle).await?;
     progress(started, "the sharder settled; creating");
 
     let stamps = Arc::new(Mutex::new(Stamps::default()));
@@ -336,11 +319,6 @@ fn percentile(sorted: &[f64], q: f64) -> f64 {
     }
     let rank = (q * sorted.len() as f64).ceil() as usize;
     sorted[rank.clamp(1, sorted.len()) - 1]
-}
-
-/// CPU seconds the sharder process used so far.
-fn cpu(sharder: &Process) -> anyhow::Result<f64> {
-    cpu_seconds(sharder.id().context("the sharder exited")?)
 }
 
 /// The report as text, next to the targets.

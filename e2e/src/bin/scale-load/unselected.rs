@@ -21,21 +21,19 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use e2e::Cluster;
-use e2e::fixtures::{create_lease, create_ring, wait_status};
-use e2e::process::{Process, rss_kib};
+use e2e::fixtures::{create_lease, create_ring};
+use e2e::process::rss_kib;
 use e2e::prometheus::{apiserver_metrics, sum};
-use e2e::sharder_process::{SharderFiles, SharderSettings};
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::{ConfigMap, Namespace};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use kube::Client;
 use kube::api::{Api, DeleteParams, ObjectMeta, PostParams};
 use serde::Serialize;
-use sharder::controller::sharder::SYNC_FINISHED;
 use sharding_crds::{ClusterRing, ClusterRingSpec, RingResource};
 
 use crate::progress;
-use crate::samples::cpu_seconds;
+use crate::samples::{cpu, start_settled_sharder};
 
 /// The goal per CREATE in a namespace no ring selects (issue 24), in milliseconds of sharder CPU.
 const GOAL_MS_PER_CREATE: f64 = 0.01;
@@ -152,24 +150,9 @@ pub(crate) async fn run(args: &Args, cluster: &Cluster) -> anyhow::Result<()> {
     }
 
     let watches_before = configmap_watches(&client).await?;
-    let settings = SharderSettings {
-        // No periodic sync within the run: only the first one.
-        sync_period: "1h".into(),
-        ..SharderSettings::default()
-    };
-    let files = SharderFiles::create(cluster.kubeconfig(), &settings)?;
-    let mut sharder = files.start_process()?;
-    files.wait_ready(Duration::from_secs(120)).await?;
     let shards = i32::try_from(SHARDS.len())?;
-    wait_status(&client, &ring, shards, shards).await?;
-    sharder
-        .wait_for_record(
-            "the ring's first sync to finish",
-            Duration::from_secs(120),
-            |r| r["fields"]["message"] == SYNC_FINISHED,
-        )
-        .await?;
-    tokio::time::sleep(Duration::from_secs(args.settle)).await;
+    let (files, mut sharder) =
+        start_settled_sharder(cluster, &client, &ring, shards, args.settle).await?;
     let settled_cpu_seconds = cpu(&sharder)?;
     let settled_rss_mib = rss_kib(sharder.id().context("the sharder exited")?)? as f64 / 1024.0;
     let watches_after = configmap_watches(&client).await?;
@@ -288,11 +271,6 @@ async fn create_configmaps(
         .try_for_each(|_| async { Ok(()) })
         .await
         .context("failed to create a ConfigMap")
-}
-
-/// CPU seconds the sharder process used so far.
-fn cpu(sharder: &Process) -> anyhow::Result<f64> {
-    cpu_seconds(sharder.id().context("the sharder exited")?)
 }
 
 /// Watches on ConfigMaps the API server holds now, by scope.
