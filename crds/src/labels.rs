@@ -38,6 +38,11 @@ pub const SHARD_LABEL_PREFIX: &str = "shard.alpha.sharding.timebertt.dev/";
 /// Prefix of the ring-specific drain label key on sharded objects.
 pub const DRAIN_LABEL_PREFIX: &str = "drain.alpha.sharding.timebertt.dev/";
 
+/// Prefix of the annotation that pins an object, or every object of a namespace, to a shard of
+/// one ring; the rest of the key is the ring's part of its shard label key (this project's
+/// extension, docs/protocol.md §21).
+pub const PIN_ANNOTATION_PREFIX: &str = "pin.alpha.sharding.timebertt.dev/";
+
 /// Holder identity the sharder writes when it takes over the Lease of an unresponsive shard.
 pub const IDENTITY_SHARD_LEASE_CONTROLLER: &str = "shardlease-controller";
 
@@ -94,6 +99,11 @@ pub fn shard_label(ring_name: &str) -> String {
 /// The label key that asks the current shard of an object to give it up, in the given ring.
 pub fn drain_label(ring_name: &str) -> String {
     format!("{DRAIN_LABEL_PREFIX}{}", ring_suffix(ring_name))
+}
+
+/// The annotation key that pins an object (or a namespace's objects) to a shard of the given ring.
+pub fn pin_annotation(ring_name: &str) -> String {
+    format!("{PIN_ANNOTATION_PREFIX}{}", ring_suffix(ring_name))
 }
 
 /// Name of the ring's MutatingWebhookConfiguration.

@@ -86,6 +86,14 @@ impl RingKind {
         }
     }
 
+    /// The annotation key pinning an object of ring `ring` (or a namespace's objects) to a shard.
+    pub fn pin_annotation(self, ring: &str) -> String {
+        match self {
+            Self::ClusterRing => labels::pin_annotation(ring),
+            Self::ControllerRing => format!("{}{ring}", labels::PIN_ANNOTATION_PREFIX),
+        }
+    }
+
     /// Name of the MutatingWebhookConfiguration of ring `ring`.
     pub fn webhook_configuration_name(self, ring: &str) -> String {
         match self {
@@ -165,6 +173,11 @@ impl RingRef {
     /// The ring's drain label key.
     pub fn drain_label(&self) -> String {
         self.kind.drain_label(&self.name)
+    }
+
+    /// The ring's pin annotation key.
+    pub fn pin_annotation(&self) -> String {
+        self.kind.pin_annotation(&self.name)
     }
 }
 
@@ -256,6 +269,28 @@ mod tests {
             RingKind::ClusterRing.webhook_path("example"),
             labels::webhook_path("example")
         );
+    }
+
+    #[test]
+    fn pin_annotations_share_the_shard_labels_ring_part() {
+        assert_eq!(
+            RingKind::ControllerRing.pin_annotation("example"),
+            "pin.alpha.sharding.timebertt.dev/example"
+        );
+        assert_eq!(
+            RingKind::ClusterRing.pin_annotation("example"),
+            "pin.alpha.sharding.timebertt.dev/clusterring-50d858e0-example"
+        );
+        for kind in RingKind::ALL {
+            let name = "a-ring-name-long-enough-to-be-cut-in-the-label-key-of-its-kind";
+            let pin = kind.pin_annotation(name);
+            let shard = kind.shard_label(name);
+            assert_eq!(
+                pin.strip_prefix(labels::PIN_ANNOTATION_PREFIX),
+                shard.strip_prefix(labels::SHARD_LABEL_PREFIX)
+            );
+            assert!(labels::is_valid_label_key(&pin), "{pin}");
+        }
     }
 
     #[test]

@@ -8,6 +8,7 @@
 //! | `key` | the hash key of an object, from its own identity or its controller's (docs/protocol.md §6) |
 //! | `owner_wait` | which controlled objects a sync holds back until their controller has left their shard (docs/protocol.md §9) |
 //! | `list_scope` | whether a sync lists a namespaced resource per selected namespace or across the cluster (docs/protocol.md §9) |
+//! | `pin` | whether a pin (annotation on an object, its namespace or its controller) places an object, or why not (docs/protocol.md §21) |
 //! | `membership` | which shard Leases put their shard into the ring, and why others are kept out (docs/protocol.md §4, §18) |
 //! | `rebalance` | keep, drain or move one object (docs/protocol.md §9) |
 //! | `sync_schedule` | when each ring is synced: on change, periodically, with backoff (docs/protocol.md §9) |
@@ -23,6 +24,7 @@ pub(crate) mod key;
 pub mod list_scope;
 pub(crate) mod membership;
 pub(crate) mod owner_wait;
+pub(crate) mod pin;
 pub(crate) mod rebalance;
 pub(crate) mod sync_schedule;
 pub(crate) mod validation;

@@ -48,6 +48,10 @@ pub const REASON_INVALID_WEIGHT: &str = "InvalidShardWeight";
 /// than a few seconds (docs/protocol.md §4).
 pub const REASON_CLOCK_SKEW: &str = "ShardClockSkew";
 
+/// Reason of the Warning Event on an object whose pin did not decide its shard: the pinned shard
+/// is not available, or the value names no shard (docs/protocol.md §21).
+pub const REASON_PIN_UNSATISFIED: &str = "PinUnsatisfied";
+
 /// `reportingController` of our Events.
 const REPORTING_CONTROLLER: &str = "sharder";
 /// Longest note the API server accepts.

@@ -116,6 +116,7 @@ pub async fn run(
         allowed_protected: config.webhook.config.allowed_protected_resources.clone(),
         default_selector: config.webhook.config.namespace_selector.clone(),
         ring_calculations: ctx.metrics.ring_calculations.clone(),
+        pins: views::Pins::new(ctx.caches.namespaces.clone()),
     };
     tasks.spawn(views::maintain(
         view_sources.clone(),

@@ -17,6 +17,9 @@ pub(crate) struct RingObjects {
     pub(crate) per_shard: BTreeMap<(String, GroupResource), u64>,
     /// Objects the ring should assign that carry no shard label, by resource.
     pub(crate) unassigned: BTreeMap<GroupResource, u64>,
+    /// Objects a pin applies to, by what it did: `honoured`, `unavailable` (its shard is not
+    /// available) or `invalid` (its value names no shard).
+    pub(crate) pins: BTreeMap<&'static str, u64>,
 }
 
 /// One object waiting for its shard to acknowledge a drain.

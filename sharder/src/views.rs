@@ -11,17 +11,20 @@
 //! | `registry` | the current view of every ring, shared by the webhook and the controllers |
 //! | `maintain` | the task that rebuilds views when rings, Leases or discovery change |
 //! | `discovery` | kinds and scopes of resources, from API discovery, cached |
+//! | `pins` | the pins of namespaces and of controllers a placement reads |
 //! | `controller_lookup` | the shard a new child's controller sits on while its ring changes |
 
 mod controller_lookup;
 mod discovery;
 mod maintain;
+mod pins;
 mod registry;
 mod view;
 
 pub(crate) use self::controller_lookup::{ControllerLookup, controller_shard};
 pub(crate) use self::discovery::Discovery;
 pub(crate) use self::maintain::{Scope, ViewSources, maintain, refresh};
+pub use self::pins::Pins;
 pub use self::registry::Views;
 pub(crate) use self::view::{Placement, ResolvedResource};
 pub use self::view::{ResourceInfo, RingView, build_view};

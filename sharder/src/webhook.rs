@@ -35,10 +35,11 @@ use self::decode::{Request, Review};
 use crate::core::key::{
     GENERATE_NAME_NOT_SUPPORTED, KeyError, KeyOutcome, ObjectInfo, ResourceRole,
 };
+use crate::core::pin::PinOutcome;
 use crate::metrics::{Metrics, OutcomeLabels};
 use crate::server::tls::CertReloader;
 use crate::server::{self, Readiness};
-use crate::views::{ControllerLookup, Views, controller_shard};
+use crate::views::{ControllerLookup, RingView, Views, controller_shard};
 
 /// Starts the webhook's TLS server on the configured address, with its certificate watched and
 /// reloaded from disk (readiness waits for the first load); it stops on `shutdown` and lets open
@@ -189,14 +190,14 @@ async fn handle(
     };
     let (outcome, result) = match decode(&body) {
         Ok(request) => {
-            let (mut decision, lookup) = decide(&state, &ring, &request);
+            let (mut decision, lookup, warnings) = decide(&state, &ring, &request);
             if let (Some(lookup), AdmissionDecision::Assign { shard, .. }) = (lookup, &mut decision)
                 && let Some(client) = state.client.clone()
                 && let Some(current) = controller_shard(client, &state.rings, &ring, &lookup).await
             {
                 *shard = current;
             }
-            let response = respond(&state, &ring, &request, &decision);
+            let response = respond(&state, &ring, &request, &decision, &warnings);
             (decision.outcome(), Ok(response))
         }
         Err(bad) => ("invalid", Err(bad.into_response())),
@@ -237,6 +238,7 @@ fn respond(
     ring: &RingRef,
     request: &Request<'_>,
     decision: &AdmissionDecision,
+    warnings: &[String],
 ) -> Response {
     let uid = request.uid.as_str();
     let patch = match &decision {
@@ -269,7 +271,7 @@ fn respond(
             ))
         }
     };
-    let body = encode::allowed_review(uid, patch.as_deref());
+    let body = encode::allowed_review(uid, patch.as_deref(), warnings);
     (
         [(
             header::CONTENT_TYPE,
@@ -280,12 +282,13 @@ fn respond(
         .into_response()
 }
 
-/// What the webhook answers for `request`, and the controller to read first, if any.
+/// What the webhook answers for `request`, the controller to read first, if any, and warnings
+/// for whoever wrote the object (pins that did not decide, docs/protocol.md §21).
 fn decide(
     state: &WebhookState,
     ring: &RingRef,
     request: &Request<'_>,
-) -> (AdmissionDecision, Option<ControllerLookup>) {
+) -> (AdmissionDecision, Option<ControllerLookup>, Vec<String>) {
     if request
         .sub_resource
         .as_deref()
@@ -323,30 +326,49 @@ fn decide(
         .as_ref()
         .and_then(|c| c.0.as_ref())
         .map(decode::OwnerRef::to_owner_reference);
+    let namespace = meta.namespace.as_deref().or(request.namespace.as_deref());
     let info = ObjectInfo {
         group: &request.kind.group,
         kind: &request.kind.kind,
-        namespace: meta.namespace.as_deref().or(request.namespace.as_deref()),
+        namespace,
         name: meta.name.as_deref(),
         owner_references: controller.as_slice(),
     };
     let outcome = view.key(&info, &resource.role);
+    let mut warnings = meta
+        .annotations
+        .as_ref()
+        .map(|pins| pin_warnings(state, &view, resource.is_main(), pins))
+        .unwrap_or_default();
     let key = match outcome {
         Ok(KeyOutcome::Key(key)) => key,
         Ok(KeyOutcome::Unassigned(_)) => {
-            return allow("object has no eligible controller");
+            return with_warnings(allow("object has no eligible controller"), warnings);
         }
         // Hashed by its name, which the API server has not chosen yet: allowed unassigned, and
         // assigned by the missed-assignment path once it exists.
         Err(KeyError::GenerateNameNotSupported) => {
-            return allow(GENERATE_NAME_NOT_SUPPORTED);
+            return with_warnings(allow(GENERATE_NAME_NOT_SUPPORTED), warnings);
         }
     };
-    let Some(shard) = view.hash_ring.shard_for(&key) else {
-        return allow("there is no available shard");
+    let own = meta
+        .annotations
+        .as_ref()
+        .and_then(|pins| pins.get(&view.pin_annotation));
+    if resource.is_main() {
+        view.pins.main_seen(ring, &key, own);
+    }
+    let (shard, pin) = view.place(&key, resource.is_main(), own, namespace);
+    warnings.extend(pin.problem());
+    let Some(shard) = shard else {
+        return with_warnings(allow("there is no available shard"), warnings);
     };
+    // A pin decided: the controller lookup of a ring in transition is about the hash ring.
     let lookup = match &resource.role {
-        ResourceRole::Controlled { .. } if view.recently_moved(&key, std::time::Instant::now()) => {
+        ResourceRole::Controlled { .. }
+            if pin == PinOutcome::Unpinned
+                && view.recently_moved(&key, std::time::Instant::now()) =>
+        {
             view.controller_lookup(&info)
         }
         _ => None,
@@ -361,12 +383,45 @@ fn decide(
             .filter(|l| l.contains_key(&view.drain_label))
             .map(|_| view.drain_label.clone()),
     };
-    (decision, lookup)
+    (decision, lookup, warnings)
+}
+
+/// Warnings about pin annotations of an object that no pin of `view` reads: a pin on a controlled
+/// object (it follows its controller), and a pin whose key names no ring this sharder knows.
+fn pin_warnings(
+    state: &WebhookState,
+    view: &RingView,
+    main: bool,
+    pins: &decode::PinAnnotations<'_>,
+) -> Vec<String> {
+    let mut warnings = Vec::new();
+    for key in pins.keys() {
+        if key == view.pin_annotation {
+            if !main {
+                warnings.push(format!(
+                    "Annotation {key} is ignored: a controlled object follows its controller's pin"
+                ));
+            }
+        } else if !state.rings.all().iter().any(|v| v.pin_annotation == key) {
+            warnings.push(format!(
+                "Annotation {key} names no ring this sharder knows: it pins nothing"
+            ));
+        }
+    }
+    warnings
 }
 
 /// A decision that allows the object unchanged, for `reason`, with nothing to read.
-fn allow(reason: &'static str) -> (AdmissionDecision, Option<ControllerLookup>) {
-    (AdmissionDecision::Allow(reason), None)
+fn allow(reason: &'static str) -> (AdmissionDecision, Option<ControllerLookup>, Vec<String>) {
+    (AdmissionDecision::Allow(reason), None, Vec::new())
+}
+
+/// `decided` with `warnings`.
+fn with_warnings(
+    decided: (AdmissionDecision, Option<ControllerLookup>, Vec<String>),
+    warnings: Vec<String>,
+) -> (AdmissionDecision, Option<ControllerLookup>, Vec<String>) {
+    (decided.0, decided.1, warnings)
 }
 
 #[cfg(test)]

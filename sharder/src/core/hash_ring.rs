@@ -139,9 +139,17 @@ impl HashRing {
     /// Whether `shard` is one of the ring's shards.
     #[must_use]
     pub(crate) fn contains(&self, shard: &str) -> bool {
-        self.names
+        self.member(shard).is_some()
+    }
+
+    /// The ring's own copy of the name `shard`, if it is one of the ring's shards.
+    #[must_use]
+    pub(crate) fn member(&self, shard: &str) -> Option<&str> {
+        let index = self
+            .names
             .binary_search_by(|name| name.as_str().cmp(shard))
-            .is_ok()
+            .ok()?;
+        Some(self.names[index].as_str())
     }
 }
 

@@ -134,6 +134,13 @@ struct ShardObjectLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PinLabels {
+    #[prometheus(flatten)]
+    ring: RingLabel,
+    state: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RingShardLabels {
     #[prometheus(flatten)]
     ring: RingLabel,
@@ -338,6 +345,20 @@ impl<S: StateSource> prometheus_client::collector::Collector for StateCollector<
         )?;
         encode_gauges(
             &mut encoder,
+            "controller_sharding_pinned_objects",
+            "Objects a pin applies to (their own, their controller's or their namespace's), by what it did: honoured, unavailable (the shard is not available; the ring placed them) or invalid (the value names no shard), as of the ring's latest sync (leader only)",
+            objects.rings.iter().flat_map(|(ring, o)| {
+                o.pins.iter().map(move |(state, count)| {
+                    let labels = PinLabels {
+                        ring: RingLabel(ring.clone()),
+                        state: (*state).to_string(),
+                    };
+                    (labels, i64::try_from(*count).unwrap_or(i64::MAX))
+                })
+            }),
+        )?;
+        encode_gauges(
+            &mut encoder,
             "controller_sharding_drains_pending",
             "Objects carrying the drain label, waiting for their shard to acknowledge (leader only)",
             objects.pending_drains.iter().map(|((ring, shard), p)| {
@@ -449,6 +470,7 @@ mod tests {
                     RingObjects {
                         per_shard: BTreeMap::from([(("shard-c".to_string(), secrets.clone()), 7)]),
                         unassigned: BTreeMap::from([(secrets, 2)]),
+                        pins: BTreeMap::from([("honoured", 4), ("unavailable", 1)]),
                     },
                 )],
                 pending_drains: BTreeMap::from([(
@@ -513,6 +535,8 @@ mod tests {
             r#"controller_sharding_shard_objects{controllerring="example",shard="shard-c",group="",resource="secrets"} 7"#,
             r#"controller_sharding_unassigned_objects{controllerring="example",group="",resource="secrets"} 2"#,
             r#"controller_sharding_drains_pending{controllerring="example",shard="shard-c"} 3"#,
+            r#"controller_sharding_pinned_objects{controllerring="example",state="honoured"} 4"#,
+            r#"controller_sharding_pinned_objects{controllerring="example",state="unavailable"} 1"#,
             r#"controller_sharding_webhook_unreachable{controllerring="example"} 1"#,
             r#"controller_sharding_drain_oldest_age_seconds{controllerring="example",shard="shard-c"} 1.5"#,
             r#"controller_sharding_webhook_request_duration_seconds_count{controllerring="example",outcome="assigned"} 1"#,

@@ -39,6 +39,8 @@ pub(crate) struct ViewSources {
     pub(crate) default_selector: LabelSelector,
     /// Counts the rebuilds of each ring's hash ring.
     pub(crate) ring_calculations: Family<RingLabel, Counter>,
+    /// Namespace and controller pins, handed to every view.
+    pub(crate) pins: super::Pins,
 }
 
 /// Which rings a [`refresh`] looks at.
@@ -223,6 +225,7 @@ pub(crate) async fn refresh(sources: &ViewSources, scope: Scope) {
         };
         view.discovery_generation = discovery_generation;
         view.excluded_held = excluded_held;
+        view.pins = sources.pins.clone();
         if let Some(current) = &current {
             let now = std::time::Instant::now();
             view.earlier = current.earlier.clone();
@@ -257,5 +260,6 @@ pub(crate) async fn refresh(sources: &ViewSources, scope: Scope) {
     }
     if matches!(scope, Scope::All { .. }) {
         sources.views.retain(&keep);
+        sources.pins.retain(&keep);
     }
 }

@@ -6,8 +6,10 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use sharding_crds::{Assignment, GroupResource, HashKey, RingKind, RingObject, RingRef};
 
+use super::pins::Pins;
 use crate::core::hash_ring::HashRing;
 use crate::core::key::{self, ControllerKind, KeyError, KeyOutcome, ObjectInfo, ResourceRole};
+use crate::core::pin::{self, PinInputs, PinOutcome};
 use crate::core::rebalance::{ObjectState, RebalanceDecision, decide};
 
 /// Kind and scope of a resource, from API discovery.
@@ -60,6 +62,10 @@ pub struct RingView {
     pub(crate) shard_label: String,
     /// The ring's drain label key.
     pub(crate) drain_label: String,
+    /// The ring's pin annotation key (docs/protocol.md §21).
+    pub(crate) pin_annotation: String,
+    /// Namespace and controller pins, shared by every view of the process.
+    pub(crate) pins: Pins,
     /// Hash ring over the available shards.
     pub(crate) hash_ring: HashRing,
     /// Shards kept out of the ring whose Leases their shards still hold (see
@@ -139,8 +145,10 @@ impl RingView {
     }
 
     /// Where an object of `resource` (group `group`) with metadata `meta` stands in this ring:
-    /// its key, the shard the ring wants, the labels it carries and what the sharder does next
-    /// (docs/protocol.md §6, §9). Namespace selection is the caller's business.
+    /// its key, the shard the ring wants (a pin's, if one applies and its shard is available, else
+    /// the hash ring's), the labels it carries and what the sharder does next (docs/protocol.md §6,
+    /// §9, §21). A main object's own pin is remembered for its children ([`Pins::main_seen`]).
+    /// Namespace selection is the caller's business.
     pub(crate) fn placement<'a>(
         &'a self,
         group: &str,
@@ -151,9 +159,19 @@ impl RingView {
             &ObjectInfo::from_meta(group, &resource.info.kind, meta),
             &resource.role,
         );
-        let desired = match &key {
-            Ok(KeyOutcome::Key(key)) => self.hash_ring.shard_for(key),
-            _ => None,
+        let (desired, pin) = match &key {
+            Ok(KeyOutcome::Key(key)) => {
+                let own = meta
+                    .annotations
+                    .as_ref()
+                    .and_then(|a| a.get(&self.pin_annotation))
+                    .map(String::as_str);
+                if resource.is_main() {
+                    self.pins.main_seen(&self.ring_ref(), key, own);
+                }
+                self.place(key, resource.is_main(), own, meta.namespace.as_deref())
+            }
+            _ => (None, PinOutcome::Unpinned),
         };
         let labels = meta.labels.as_ref();
         let object = ObjectState {
@@ -169,8 +187,47 @@ impl RingView {
             key,
             desired,
             object,
+            pin,
         }
     }
+
+    /// The shard the ring wants an object with hash key `key` on, and what a pin did: a main
+    /// object's own pin `own`, else (for a controlled object) its controller's remembered pin,
+    /// else the pin of its namespace `namespace` when its key lies in that namespace; the hash
+    /// ring when none applies or the pinned shard is not available.
+    pub(crate) fn place(
+        &self,
+        key: &str,
+        main: bool,
+        own: Option<&str>,
+        namespace: Option<&str>,
+    ) -> (Option<&str>, PinOutcome) {
+        let controller = if main {
+            None
+        } else {
+            self.pins.controller(&self.ring_ref(), key)
+        };
+        // A controlled object whose controller is cluster-scoped has a key outside every
+        // namespace: its namespace's pin would part it from its controller.
+        let namespace = namespace
+            .filter(|ns| !ns.is_empty())
+            .filter(|_| main || self.hash_key == HashKey::Namespace || key_in_namespace(key))
+            .and_then(|ns| self.pins.namespace(ns, &self.pin_annotation));
+        let inputs = PinInputs {
+            object: own.filter(|_| main),
+            controller: controller.as_deref(),
+            namespace: namespace.as_deref(),
+        };
+        match pin::resolve(&self.hash_ring, &inputs) {
+            (Some(shard), outcome) => (Some(shard), outcome),
+            (None, outcome) => (self.hash_ring.shard_for(key), outcome),
+        }
+    }
+}
+
+/// Whether hash key `key` (`group/kind/namespace/name`) names a namespaced object.
+fn key_in_namespace(key: &str) -> bool {
+    key.split('/').nth(2).is_some_and(|ns| !ns.is_empty())
 }
 
 /// One object's standing in a ring, from [`RingView::placement`].
@@ -184,6 +241,8 @@ pub(crate) struct Placement<'a> {
     pub(crate) object: ObjectState<'a>,
     /// What the sharder's sync does with it.
     pub(crate) decision: RebalanceDecision,
+    /// Whether a pin decided `desired`, or why not.
+    pub(crate) pin: PinOutcome,
 }
 
 /// Builds a view from a ring, its available shards with their weights, discovery results and the
@@ -244,6 +303,8 @@ pub fn build_view<R: RingObject>(
         kind,
         shard_label: kind.shard_label(&name),
         drain_label: kind.drain_label(&name),
+        pin_annotation: kind.pin_annotation(&name),
+        pins: Pins::default(),
         name,
         hash_ring: HashRing::weighted(shards.iter().map(|(name, weight)| (name, *weight))),
         excluded_held: BTreeSet::new(),
@@ -438,5 +499,13 @@ mod tests {
             view.key(&cluster_scoped, main),
             Ok(KeyOutcome::Key("/Secret//s".to_string()))
         );
+    }
+
+    #[test]
+    fn namespace_pins_reach_only_keys_inside_the_namespace() {
+        assert!(key_in_namespace("/Secret/ns/a"));
+        assert!(key_in_namespace("apps/Deployment/ns/a"));
+        assert!(!key_in_namespace("/Namespace//ns"));
+        assert!(!key_in_namespace("example.com/Cluster//a"));
     }
 }

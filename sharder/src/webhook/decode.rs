@@ -85,6 +85,10 @@ pub(super) struct PartialMeta<'a> {
     pub(super) namespace: Option<Text<'a>>,
     #[serde(default, borrow)]
     pub(super) labels: Option<Labels<'a>>,
+    /// Only the pin annotations (docs/protocol.md §21); the others are checked to be strings and
+    /// skipped, so a large `last-applied-configuration` costs nothing.
+    #[serde(default, borrow)]
+    pub(super) annotations: Option<PinAnnotations<'a>>,
     /// The controller among the owner references; `Some(None)` when there are owner references
     /// but none with `controller: true`.
     #[serde(default, borrow, rename = "ownerReferences")]
@@ -181,6 +185,56 @@ impl<'de: 'a, 'a> Deserialize<'de> for Labels<'a> {
         }
 
         deserializer.deserialize_map(LabelsVisitor)
+    }
+}
+
+/// The annotations of an object whose key starts with
+/// [`sharding_crds::labels::PIN_ANNOTATION_PREFIX`], in the order they came; a key given twice
+/// counts with its last value.
+#[derive(Debug, Default)]
+pub(super) struct PinAnnotations<'a>(Vec<(Text<'a>, Text<'a>)>);
+
+impl PinAnnotations<'_> {
+    /// The value of pin annotation `key`.
+    pub(super) fn get(&self, key: &str) -> Option<&str> {
+        self.0
+            .iter()
+            .rev()
+            .find(|(k, _)| k.as_str() == key)
+            .map(|(_, v)| v.as_str())
+    }
+
+    /// Every pin annotation's key.
+    pub(super) fn keys(&self) -> impl Iterator<Item = &str> {
+        self.0.iter().map(|(k, _)| k.as_str())
+    }
+}
+
+impl<'de: 'a, 'a> Deserialize<'de> for PinAnnotations<'a> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct PinVisitor;
+
+        impl<'de> Visitor<'de> for PinVisitor {
+            type Value = PinAnnotations<'de>;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a map of strings")
+            }
+
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+                let mut pins = Vec::new();
+                while let Some(key) = map.next_key::<Text<'de>>()? {
+                    if key.starts_with(sharding_crds::labels::PIN_ANNOTATION_PREFIX) {
+                        pins.push((key, map.next_value::<Text<'de>>()?));
+                    } else {
+                        map.next_value::<CheckedString>()?;
+                    }
+                }
+                Ok(PinAnnotations(pins))
+            }
+        }
+
+        deserializer.deserialize_map(PinVisitor)
     }
 }
 

@@ -52,8 +52,9 @@ pub(super) fn label_patch(
 
 /// The body of an `admission.k8s.io/v1` `AdmissionReview` that answers request `uid` by allowing
 /// it, with `patch` (the patch's JSON, sent base64-encoded) if given.
-pub(super) fn allowed_review(uid: &str, patch: Option<&[u8]>) -> Vec<u8> {
-    let mut out = Vec::with_capacity(review_capacity(uid, patch));
+pub(super) fn allowed_review(uid: &str, patch: Option<&[u8]>, warnings: &[String]) -> Vec<u8> {
+    let warnings_len: usize = warnings.iter().map(|w| w.len() + 3).sum();
+    let mut out = Vec::with_capacity(review_capacity(uid, patch) + warnings_len);
     out.extend_from_slice(REVIEW_HEAD);
     push_string(&mut out, uid);
     out.extend_from_slice(ALLOWED);
@@ -61,6 +62,17 @@ pub(super) fn allowed_review(uid: &str, patch: Option<&[u8]>) -> Vec<u8> {
         out.extend_from_slice(PATCH_HEAD);
         push_base64(&mut out, patch);
         out.push(b'"');
+    }
+    if !warnings.is_empty() {
+        // Shown by kubectl and client-go to whoever wrote the object.
+        out.extend_from_slice(br#","warnings":["#);
+        for (i, warning) in warnings.iter().enumerate() {
+            if i > 0 {
+                out.push(b',');
+            }
+            push_string(&mut out, warning);
+        }
+        out.push(b']');
     }
     out.extend_from_slice(b"}}");
     out

@@ -504,7 +504,7 @@ fn a_child_of_a_controller_that_may_be_moving_asks_for_its_controller() {
     );
     view.earlier = vec![(HashRing::new(["shard-a"]), std::time::Instant::now())];
     state.rings.insert(view);
-    let (decision, lookup) = decide(&state, &ring, &child(&moved));
+    let (decision, lookup, _) = decide(&state, &ring, &child(&moved));
     assert!(matches!(decision, AdmissionDecision::Assign { .. }));
     let lookup = lookup.expect("the controller is read");
     assert_eq!(
@@ -573,3 +573,5 @@ fn decode_accepts_only_v1_admission_reviews() {
         assert!(!text.contains("beta") && !text.contains("List"), "{text}");
     }
 }
+
+mod pins;

@@ -14,6 +14,7 @@ use super::patch_limit::PatchLimit;
 use crate::context::Context;
 use crate::core::key::{KeyOutcome, ObjectInfo};
 use crate::core::owner_wait::HeldChild;
+use crate::core::pin::PinOutcome;
 use crate::core::rebalance::RebalanceDecision;
 use crate::events::{REASON_WEBHOOK_REACHABLE, REASON_WEBHOOK_UNREACHABLE};
 use crate::metrics::Metrics;
@@ -125,6 +126,7 @@ impl Patcher {
         };
         let mut shard = desired.to_string();
         if let (false, Ok(KeyOutcome::Key(key))) = (resource.is_main(), &placement.key)
+            && placement.pin == PinOutcome::Unpinned
             && view.recently_moved(key, std::time::Instant::now())
             && let Some(lookup) =
                 view.controller_lookup(&ObjectInfo::from_meta(&gr.group, &resource.info.kind, meta))

@@ -19,7 +19,9 @@ use crate::core::key::KeyOutcome;
 use crate::core::list_scope::{ListScope, list_scope};
 use crate::core::owner_wait::{OwnerWait, Waiting};
 use crate::core::rebalance::RebalanceDecision;
-use crate::events::{REASON_REBALANCE_FINISHED, REASON_REBALANCE_STARTED, REASON_SYNC_FAILED};
+use crate::events::{
+    REASON_PIN_UNSATISFIED, REASON_REBALANCE_FINISHED, REASON_REBALANCE_STARTED, REASON_SYNC_FAILED,
+};
 use crate::metrics::{Metrics, OutcomeLabels, RingLabel};
 use crate::observed::{DrainsSeen, RingObjects, uid_hash};
 use crate::views::{ResolvedResource, RingView};
@@ -112,6 +114,16 @@ fn tally_object(
 ) -> RebalanceDecision {
     let placement = view.placement(&gr.group, resource, meta);
     let current = placement.object.current;
+    if let Some(state) = placement.pin.state() {
+        *tally.objects.pins.entry(state).or_default() += 1;
+    }
+    if let Some(problem) = placement.pin.problem()
+        && tally.pin_problems.len() < MAX_PIN_EVENTS
+    {
+        tally
+            .pin_problems
+            .push((object_reference(gr, resource, meta), problem));
+    }
     match current {
         Some(shard) => {
             *tally
@@ -160,6 +172,31 @@ fn tally_object(
     placement.decision
 }
 
+/// Most Warning Events about unsatisfied pins one sync publishes (the process's Event budget
+/// applies on top): the metric counts them all.
+const MAX_PIN_EVENTS: usize = 50;
+
+/// A reference to the listed object `meta` of `resource`, for an Event about it.
+fn object_reference(
+    gr: &GroupResource,
+    resource: &ResolvedResource,
+    meta: &kube::api::ObjectMeta,
+) -> k8s_openapi::api::core::v1::ObjectReference {
+    let api_version = if gr.group.is_empty() {
+        resource.info.version.clone()
+    } else {
+        format!("{}/{}", gr.group, resource.info.version)
+    };
+    k8s_openapi::api::core::v1::ObjectReference {
+        api_version: Some(api_version),
+        kind: Some(resource.info.kind.clone()),
+        namespace: meta.namespace.clone(),
+        name: meta.name.clone(),
+        uid: meta.uid.clone(),
+        ..Default::default()
+    }
+}
+
 /// The ring's resources in the order a sync walks them: main resources first, then controlled
 /// ones, each by group and name.
 ///
@@ -186,6 +223,8 @@ struct Tally {
     announced: bool,
     /// Controlled objects held back because their controller has not left their shard yet.
     owner_wait: OwnerWait,
+    /// Objects whose pin did not decide their shard, with why, for Warning Events.
+    pin_problems: Vec<(k8s_openapi::api::core::v1::ObjectReference, String)>,
     /// Fires when a newer view supersedes this sync.
     stop: CancellationToken,
 }
@@ -240,6 +279,11 @@ pub(super) async fn sync_ring(
         held = stats.held,
         "{SYNC_FINISHED}"
     );
+    for (object, problem) in std::mem::take(&mut tally.pin_problems) {
+        ctx.events
+            .warning(&object, REASON_PIN_UNSATISFIED, "", problem)
+            .await;
+    }
     let reference = ctx.caches.ring(&ring).map(|r| r.object_ref());
     if first_error.is_none() {
         // Every resource was listed to the end: the counts are complete.

@@ -110,7 +110,7 @@ fn patches_read_back_as_the_operations_they_name() {
 #[test]
 fn answers_read_back_as_admission_reviews() {
     let allowed: Value =
-        serde_json::from_slice(&allowed_review("705ab4f5-6393", None)).expect("JSON");
+        serde_json::from_slice(&allowed_review("705ab4f5-6393", None, &[])).expect("JSON");
     assert_eq!(
         allowed,
         json!({
@@ -120,8 +120,19 @@ fn answers_read_back_as_admission_reviews() {
         })
     );
 
+    let warned: Value = serde_json::from_slice(&allowed_review(
+        "u1",
+        None,
+        &["pin \"x\" is\nodd".to_string(), "second".to_string()],
+    ))
+    .expect("JSON");
+    assert_eq!(
+        warned["response"]["warnings"],
+        json!(["pin \"x\" is\nodd", "second"])
+    );
+
     let patch = label_patch("a/b", "s", true, None);
-    let body = allowed_review("u\"\\\n1", Some(&patch));
+    let body = allowed_review("u\"\\\n1", Some(&patch), &[]);
     let answer: Value = serde_json::from_slice(&body).expect("JSON");
     assert_eq!(
         answer,
@@ -160,9 +171,12 @@ fn answers_fit_their_first_allocation() {
                     "{label}"
                 );
                 let uid = "705ab4f5-6393-11e8-b7cc-42010a800002";
-                let body = allowed_review(uid, Some(&patch));
+                let body = allowed_review(uid, Some(&patch), &[]);
                 assert_eq!(body.len(), review_capacity(uid, Some(&patch)));
-                assert_eq!(allowed_review(uid, None).len(), review_capacity(uid, None));
+                assert_eq!(
+                    allowed_review(uid, None, &[]).len(),
+                    review_capacity(uid, None)
+                );
             }
         }
     }
