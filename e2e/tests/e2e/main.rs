@@ -10,6 +10,7 @@ mod leader;
 mod manifests;
 mod monitoring;
 mod observability;
+mod pins;
 mod rebalance;
 mod ring_kinds;
 mod secure_metrics;
