@@ -524,6 +524,9 @@ async fn example_ring(kind: RingKind, readme: bool, count: usize) -> anyhow::Res
             out.contains(&format!("{shard_label}={shard}")),
             "the README's steps did not show demo's shard:\n{out}"
         );
+        if kind == RingKind::ClusterRing {
+            readme_pins(c, &dir, &shard_label).await?;
+        }
         c.kubectl(&["-n", "default", "delete", "secret", "demo"])?;
     }
     ensure_example(c, kind, 3).await?;
@@ -551,6 +554,55 @@ async fn example_ring(kind: RingKind, readme: bool, count: usize) -> anyhow::Res
     wait_converged(c, kind, &namespace, Duration::from_secs(60)).await?;
     c.kubectl(&["delete", "namespace", &namespace, "--wait=false"])?;
     guard.passed();
+    Ok(())
+}
+
+/// The README's pin commands on the example ClusterRing: a new Secret created pinned lands on the
+/// pinned shard, and `demo`, pinned and drained in one write, moves there once its shard
+/// acknowledges. The namespace pin is removed afterwards, and the pinned Secret deleted.
+async fn readme_pins(
+    c: &InCluster,
+    dir: &std::path::Path,
+    shard_label: &str,
+) -> anyhow::Result<()> {
+    c.shell(
+        &readme_block("### Pins: an object or a namespace on a chosen shard")?,
+        dir,
+    )?;
+    let pinned = c.kubectl_json(&["-n", "default", "get", "secret", "pinned"])?;
+    let shard = pinned["metadata"]["labels"][shard_label]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    ensure!(
+        shard_pods(c)?.contains(&shard),
+        "the pinned Secret is on {shard:?}, not a running shard"
+    );
+    let annotation = format!(
+        "{}{}",
+        sharding_crds::labels::PIN_ANNOTATION_PREFIX,
+        sharding_crds::labels::ring_suffix(RING)
+    );
+    ensure!(
+        pinned["metadata"]["annotations"][&annotation].as_str() == Some(shard.as_str()),
+        "the pinned Secret is on {shard:?}, not on the shard its pin names: {}",
+        pinned["metadata"]
+    );
+    eventually("demo on its pinned shard", Duration::from_secs(60), || {
+        let demo = c.kubectl_json(&["-n", "default", "get", "secret", "demo"])?;
+        Ok(
+            (demo["metadata"]["labels"][shard_label].as_str() == Some(shard.as_str()))
+                .then_some(()),
+        )
+    })
+    .await?;
+    c.kubectl(&[
+        "annotate",
+        "namespace",
+        "default",
+        &format!("{annotation}-"),
+    ])?;
+    c.kubectl(&["-n", "default", "delete", "secret", "pinned"])?;
     Ok(())
 }
 
