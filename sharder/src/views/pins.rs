@@ -11,6 +11,7 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
+use std::time::Instant;
 
 use k8s_openapi::api::core::v1::Namespace;
 use kube::runtime::reflector::{ObjectRef, Store};
@@ -20,8 +21,11 @@ use sharding_crds::RingRef;
 #[derive(Clone)]
 pub struct Pins {
     namespaces: Store<Namespace>,
-    controllers: Arc<RwLock<HashMap<RingRef, HashMap<String, String>>>>,
+    controllers: Arc<RwLock<HashMap<RingRef, ControllerPins>>>,
 }
+
+/// One ring's pinned main objects: hash key → its pin and when it was last seen.
+type ControllerPins = HashMap<String, (String, Instant)>;
 
 impl Default for Pins {
     /// No namespaces and no controller pins: for views built without an API server.
@@ -59,18 +63,20 @@ impl Pins {
 
     /// The pin last seen on the main object with hash key `key` in `ring`.
     pub(crate) fn controller(&self, ring: &RingRef, key: &str) -> Option<String> {
-        self.controllers.read().ok()?.get(ring)?.get(key).cloned()
+        let controllers = self.controllers.read().ok()?;
+        Some(controllers.get(ring)?.get(key)?.0.clone())
     }
 
     /// Remembers the pin `value` (its own annotation; `None`: none) of the main object with hash
-    /// key `key` in `ring`.
+    /// key `key` in `ring`, seen now.
     pub(crate) fn main_seen(&self, ring: &RingRef, key: &str, value: Option<&str>) {
-        // Most main objects carry no pin: a read lock finds nothing to forget.
-        let known = self.controllers.read().ok().and_then(|c| {
-            c.get(ring)
-                .map(|pins| pins.get(key).map(String::as_str) == value)
-        });
-        if known == Some(true) || (known.is_none() && value.is_none()) {
+        // Most main objects carry no pin and were never pinned: a read lock finds nothing to do.
+        let known = self
+            .controllers
+            .read()
+            .ok()
+            .is_some_and(|c| c.get(ring).is_some_and(|pins| pins.contains_key(key)));
+        if !known && value.is_none() {
             return;
         }
         let Ok(mut controllers) = self.controllers.write() else {
@@ -81,13 +87,23 @@ impl Pins {
                 controllers
                     .entry(ring.clone())
                     .or_default()
-                    .insert(key.to_string(), value.to_string());
+                    .insert(key.to_string(), (value.to_string(), Instant::now()));
             }
             None => {
                 if let Some(pins) = controllers.get_mut(ring) {
                     pins.remove(key);
                 }
             }
+        }
+    }
+
+    /// Forgets the pins of `ring` not seen since `since`: a sync that listed every main object
+    /// from `since` on did not meet those objects, so they are gone (or lost their pin unseen).
+    pub(crate) fn forget_unseen(&self, ring: &RingRef, since: Instant) {
+        if let Ok(mut controllers) = self.controllers.write()
+            && let Some(pins) = controllers.get_mut(ring)
+        {
+            pins.retain(|_, (_, seen)| *seen >= since);
         }
     }
 
@@ -124,6 +140,16 @@ mod tests {
         );
         pins.main_seen(&ring, "/Secret/ns/a", None);
         assert_eq!(pins.controller(&ring, "/Secret/ns/a"), None);
+        pins.main_seen(&ring, "/Secret/ns/gone", Some("shard-a"));
+        std::thread::sleep(std::time::Duration::from_millis(2));
+        let sync_started = Instant::now();
+        pins.main_seen(&ring, "/Secret/ns/kept", Some("shard-a"));
+        pins.forget_unseen(&ring, sync_started);
+        assert_eq!(pins.controller(&ring, "/Secret/ns/gone"), None);
+        assert_eq!(
+            pins.controller(&ring, "/Secret/ns/kept").as_deref(),
+            Some("shard-a")
+        );
         pins.main_seen(&other, "/Secret/ns/b", Some("shard-a"));
         pins.retain(&std::collections::BTreeSet::from([ring.clone()]));
         assert_eq!(pins.controller(&other, "/Secret/ns/b"), None);

@@ -286,6 +286,8 @@ pub(super) async fn sync_ring(
     }
     let reference = ctx.caches.ring(&ring).map(|r| r.object_ref());
     if first_error.is_none() {
+        // Every main object was listed since the sync started: pins not seen are gone.
+        view.pins.forget_unseen(&ring, started.into_std());
         // Every resource was listed to the end: the counts are complete.
         ctx.observed.sync_finished(
             &ring,
