@@ -104,6 +104,29 @@ pub async fn ring_of_kind_with_shards(
     Ok((namespace, ring))
 }
 
+/// Creates a ClusterRing named after `prefix` with `assignment: Watch` over `namespace`
+/// ([`ring_spec`]) and an hour-long self-held Lease in it for each of `shards`, and waits until the
+/// ring is Ready with all of them available. Returns the ring's name.
+pub async fn watch_ring_with_shards(
+    client: &Client,
+    namespace: &str,
+    prefix: &str,
+    shards: &[&str],
+) -> anyhow::Result<String> {
+    let ring = crate::unique_name(prefix);
+    let spec = ClusterRingSpec {
+        assignment: Some(sharding_crds::Assignment::Watch),
+        ..ring_spec(namespace)
+    };
+    create_ring(client, &ring, spec).await?;
+    for shard in shards {
+        create_lease(client, namespace, &ring, shard, 3600).await?;
+    }
+    let count = i32::try_from(shards.len())?;
+    wait_status(client, &ring, count, count).await?;
+    Ok(ring)
+}
+
 /// Creates a shard Lease of ClusterRing `ring` held by the shard itself, renewed now.
 pub async fn create_lease(
     client: &Client,

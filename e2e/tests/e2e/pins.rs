@@ -5,19 +5,19 @@
 use std::time::Duration;
 
 use anyhow::{Context as _, ensure};
+use e2e::IndependentRing;
 use e2e::fixtures::{
-    WAIT, create_lease, create_ring, ring_spec, ring_with_shards, secret, wait_webhook,
+    WAIT, create_lease, ring_with_shards, secret, wait_webhook, watch_ring_with_shards,
 };
 use e2e::process::poll_until;
 use e2e::scenario::SharedScenario;
-use e2e::{IndependentRing, unique_name};
 use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Secret};
 use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::ResourceExt;
 use kube::api::{Api, ListParams, ObjectMeta, Patch, PostParams};
 use serde_json::json;
-use sharding_crds::{Assignment, labels};
+use sharding_crds::labels;
 
 /// A Secret `name` pinned to `shard` by the pin annotation of ClusterRing `ring`.
 fn pinned_secret(ring: &str, name: &str, shard: &str) -> Secret {
@@ -265,17 +265,8 @@ async fn a_watch_ring_honours_pins() -> anyhow::Result<()> {
         ns,
         ..
     } = SharedScenario::in_namespace("pinwatch").await?;
-    let ring = unique_name("pinwatch");
-    let spec = sharding_crds::ClusterRingSpec {
-        assignment: Some(Assignment::Watch),
-        ..ring_spec(&ns)
-    };
-    create_ring(&client, &ring, spec).await?;
     let shards = ["shard-a", "shard-b", "shard-c"];
-    for shard in shards {
-        create_lease(&client, &ns, &ring, shard, 3600).await?;
-    }
-    e2e::fixtures::wait_status(&client, &ring, 3, 3).await?;
+    let ring = watch_ring_with_shards(&client, &ns, "pinwatch", &shards).await?;
     let secrets = Api::<Secret>::namespaced(client.clone(), &ns);
     let names: Vec<String> = (0..5)
         .map(|i| name_off(&shards, &ns, &format!("w{i}"), "shard-c"))

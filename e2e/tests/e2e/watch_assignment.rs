@@ -9,6 +9,7 @@ use std::time::Duration;
 use anyhow::ensure;
 use e2e::fixtures::{
     WAIT, create_lease, create_ring, expected_shard, ring_spec, secret, wait_status,
+    watch_ring_with_shards,
 };
 use e2e::process::poll_until;
 use e2e::scenario::SharedScenario;
@@ -114,19 +115,10 @@ async fn a_watch_ring_has_no_webhook_and_labels_new_objects_within_seconds() -> 
         ns,
         ..
     } = SharedScenario::in_namespace("watch").await?;
-    let ring = unique_name("watch");
-    let spec = sharding_crds::ClusterRingSpec {
-        assignment: Some(Assignment::Watch),
-        ..ring_spec(&ns)
-    };
-    create_ring(&client, &ring, spec).await?;
     let shards = ["shard-a", "shard-b", "shard-c"];
-    for shard in shards {
-        create_lease(&client, &ns, &ring, shard, 3600).await?;
-    }
     // Ready means the ring controller reconciled the ring: a webhook ring has its configuration
     // by now.
-    wait_status(&client, &ring, 3, 3).await?;
+    let ring = watch_ring_with_shards(&client, &ns, "watch", &shards).await?;
     ensure!(
         !has_webhook_configuration(&client, &ring).await?,
         "a Watch ring got a webhook configuration"

@@ -162,6 +162,11 @@ impl Labels<'_> {
     pub(super) fn contains_key(&self, key: &str) -> bool {
         self.0.iter().any(|(k, _)| k.as_str() == key)
     }
+
+    /// Every key, in the order they came.
+    pub(super) fn keys(&self) -> impl Iterator<Item = &str> {
+        self.0.iter().map(|(k, _)| k.as_str())
+    }
 }
 
 impl<'de: 'a, 'a> Deserialize<'de> for Labels<'a> {
@@ -189,24 +194,15 @@ impl<'de: 'a, 'a> Deserialize<'de> for Labels<'a> {
 }
 
 /// The annotations of an object whose key starts with
-/// [`sharding_crds::labels::PIN_ANNOTATION_PREFIX`], in the order they came; a key given twice
-/// counts with its last value.
+/// [`sharding_crds::labels::PIN_ANNOTATION_PREFIX`], read like [`Labels`].
 #[derive(Debug, Default)]
-pub(super) struct PinAnnotations<'a>(Vec<(Text<'a>, Text<'a>)>);
+pub(super) struct PinAnnotations<'a>(Labels<'a>);
 
-impl PinAnnotations<'_> {
-    /// The value of pin annotation `key`.
-    pub(super) fn get(&self, key: &str) -> Option<&str> {
-        self.0
-            .iter()
-            .rev()
-            .find(|(k, _)| k.as_str() == key)
-            .map(|(_, v)| v.as_str())
-    }
+impl<'a> Deref for PinAnnotations<'a> {
+    type Target = Labels<'a>;
 
-    /// Every pin annotation's key.
-    pub(super) fn keys(&self) -> impl Iterator<Item = &str> {
-        self.0.iter().map(|(k, _)| k.as_str())
+    fn deref(&self) -> &Labels<'a> {
+        &self.0
     }
 }
 
@@ -230,7 +226,7 @@ impl<'de: 'a, 'a> Deserialize<'de> for PinAnnotations<'a> {
                         map.next_value::<CheckedString>()?;
                     }
                 }
-                Ok(PinAnnotations(pins))
+                Ok(PinAnnotations(Labels(pins)))
             }
         }
 
