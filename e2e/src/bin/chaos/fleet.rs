@@ -152,7 +152,8 @@ pub(crate) struct Processes {
 }
 
 impl Processes {
-    fn ring_mut(&mut self, ring: usize, name: &str) -> anyhow::Result<&mut Member> {
+    /// Shard `name` of ring `ring` (an index into [`Processes::shards`]).
+    fn shard_mut(&mut self, ring: usize, name: &str) -> anyhow::Result<&mut Member> {
         self.shards
             .get_mut(ring)
             .and_then(|shards| shards.get_mut(name))
@@ -312,14 +313,14 @@ impl Fleet {
         then: Then,
     ) -> anyhow::Result<()> {
         let mut state = self.lock();
-        signal_member(state.ring_mut(ring, name)?, signal, then)
+        signal_member(state.shard_mut(ring, name)?, signal, then)
     }
 
     /// Has shard `name` of `ring` write its Lease's timestamps `offset` seconds off from its
     /// next start on.
     pub(crate) fn skew_shard(&self, ring: usize, name: &str, offset: i64) -> anyhow::Result<()> {
         let mut state = self.lock();
-        state.ring_mut(ring, name)?.clock_offset = Some(offset);
+        state.shard_mut(ring, name)?.clock_offset = Some(offset);
         Ok(())
     }
 
@@ -337,7 +338,7 @@ impl Fleet {
     /// SIGCONT when paused).
     pub(crate) fn retire_shard(&self, ring: usize, name: &str) -> anyhow::Result<()> {
         let mut state = self.lock();
-        let member = state.ring_mut(ring, name)?;
+        let member = state.shard_mut(ring, name)?;
         member.wanted = false;
         member.restart_at = None;
         if let Some(incarnation) = member.current_mut() {
