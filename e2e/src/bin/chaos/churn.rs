@@ -52,6 +52,8 @@ pub(crate) struct ChurnConfig {
     /// Live Secrets to hover around.
     pub(crate) objects: usize,
     pub(crate) seed: u64,
+    /// The stream of `seed` to draw from: one per ring, so that rings churn independently.
+    pub(crate) stream: u64,
 }
 
 /// A Secret the churn created and believes still exists.
@@ -67,7 +69,7 @@ pub(crate) async fn run(
     config: ChurnConfig,
     stop: CancellationToken,
 ) -> ChurnStats {
-    let mut rng = crate::plan::Rng::stream(config.seed, 2);
+    let mut rng = crate::plan::Rng::stream(config.seed, config.stream);
     let mut stats = ChurnStats::default();
     let mut live: Vec<Live> = Vec::new();
     let mut next = 0u64;

@@ -1,5 +1,9 @@
 //! Carrying out the fault plan against the live system, and ending every fault: a paused shard
 //! gets SIGCONT, a closed gate reopens, stopped processes are started again by the supervisor.
+//!
+//! A fault on shards ([`FaultKind::on_shards`]) strikes every ring under test at once, each
+//! with a victim of its own picked the same way, and is recorded once per ring: so each ring
+//! goes through the whole plan, as a single ring did before there were two.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -22,6 +26,8 @@ pub(crate) struct FaultRecord {
     /// Seconds after the chaos phase began that it was carried out.
     pub(crate) at_seconds: f64,
     pub(crate) kind: FaultKind,
+    /// The ring whose shard (or shard Lease) it struck; `None` for a fault on the whole system.
+    pub(crate) ring: Option<String>,
     /// The victim (shard name, `sharder-<slot>`, `kube-apiserver`, `webhook`), if any.
     pub(crate) target: Option<String>,
     pub(crate) hold_seconds: f64,
@@ -35,8 +41,12 @@ pub(crate) struct FaultRecord {
 /// A step that ends a fault later.
 #[derive(Debug)]
 enum FollowUp {
-    /// SIGCONT to the paused shard; index of the fault record.
-    Resume { shard: String, record: usize },
+    /// SIGCONT to the paused shard of `ring`; index of the fault record.
+    Resume {
+        ring: usize,
+        shard: String,
+        record: usize,
+    },
     /// Reopen the webhook gate.
     OpenGate { record: usize },
     /// Delete the squatting Lease named like `shard` in `namespace`.
@@ -54,12 +64,13 @@ pub(crate) struct Injector {
     apiserver: Option<ApiServer>,
     /// Start of the chaos phase.
     started: Instant,
-    /// Most shards wanted at once (scale-out stops there); least is two (scale-in stops there).
+    /// Most shards of a ring wanted at once (scale-out stops there); least is two (scale-in stops
+    /// there).
     most_shards: usize,
     /// How long to wait for a leader before a leader or follower fault is skipped.
     leader_wait: Duration,
     follow_ups: Vec<(Instant, FollowUp)>,
-    /// Malformed Leases created so far (they are named after the count).
+    /// Malformed Leases created so far, over all rings (they are named after the count).
     malformed: usize,
     pub(crate) records: Vec<FaultRecord>,
     /// API server outages: from the stop until it was ready again.
@@ -130,18 +141,33 @@ impl Injector {
         }
     }
 
+    /// Carries out `fault`: once for the whole system, or on each ring's shards.
     async fn inject(&mut self, fault: &PlannedFault) {
+        if fault.kind.on_shards() {
+            for ring in 0..self.fleet.rings().len() {
+                self.inject_into(fault, Some(ring)).await;
+            }
+        } else {
+            self.inject_into(fault, None).await;
+        }
+    }
+
+    async fn inject_into(&mut self, fault: &PlannedFault, ring: Option<usize>) {
         let hold = Duration::from_secs_f64(fault.hold_seconds);
         let index = self.records.len();
         self.records.push(FaultRecord {
             at_seconds: self.offset(),
             kind: fault.kind,
+            ring: ring.map(|r| self.fleet.rings()[r].ring.clone()),
             target: None,
             hold_seconds: fault.hold_seconds,
             outcome: "done".into(),
             ended_seconds: None,
         });
-        let result = self.apply(fault, hold, index).await;
+        let result = match ring {
+            Some(ring) => self.apply_to_ring(fault, ring, hold, index).await,
+            None => self.apply(fault, hold, index).await,
+        };
         let offset = self.offset();
         let record = &mut self.records[index];
         match result {
@@ -170,6 +196,7 @@ impl Injector {
         ));
     }
 
+    /// Carries out a fault on the whole system.
     async fn apply(
         &mut self,
         fault: &PlannedFault,
@@ -178,52 +205,6 @@ impl Injector {
     ) -> anyhow::Result<Applied> {
         let pick = |n: usize| (fault.pick % n.max(1) as u64) as usize;
         match fault.kind {
-            FaultKind::ShardKill | FaultKind::ShardTerm | FaultKind::ShardPause => {
-                let candidates = self.fleet.active_shards();
-                if candidates.is_empty() {
-                    return Ok(Applied::Skipped("no active shard"));
-                }
-                let shard = candidates[pick(candidates.len())].clone();
-                match fault.kind {
-                    FaultKind::ShardKill => {
-                        self.fleet
-                            .signal_shard(&shard, "KILL", Then::RestartAfter(hold))?
-                    }
-                    FaultKind::ShardTerm => {
-                        self.fleet
-                            .signal_shard(&shard, "TERM", Then::RestartAfter(hold))?
-                    }
-                    _ => {
-                        self.fleet.signal_shard(&shard, "STOP", Then::Keep)?;
-                        self.follow_ups.push((
-                            Instant::now() + hold,
-                            FollowUp::Resume {
-                                shard: shard.clone(),
-                                record: index,
-                            },
-                        ));
-                    }
-                }
-                Ok(Applied::Done(Some(shard)))
-            }
-            FaultKind::ScaleOut => {
-                if self.fleet.wanted_shards().len() >= self.most_shards {
-                    return Ok(Applied::Skipped("at the most shards"));
-                }
-                Ok(Applied::Done(Some(self.fleet.add_shard()?)))
-            }
-            FaultKind::ScaleIn => {
-                if self.fleet.wanted_shards().len() <= FEWEST_SHARDS {
-                    return Ok(Applied::Skipped("at the fewest shards"));
-                }
-                let candidates = self.fleet.active_shards();
-                if candidates.is_empty() {
-                    return Ok(Applied::Skipped("no active shard"));
-                }
-                let shard = candidates[pick(candidates.len())].clone();
-                self.fleet.signal_shard(&shard, "TERM", Then::Retire)?;
-                Ok(Applied::Done(Some(shard)))
-            }
             FaultKind::LeaderKill
             | FaultKind::LeaderTerm
             | FaultKind::FollowerKill
@@ -275,18 +256,80 @@ impl Injector {
                     .push((Instant::now() + hold, FollowUp::OpenGate { record: index }));
                 Ok(Applied::Done(Some("webhook".into())))
             }
-            FaultKind::LeaseSquat | FaultKind::LeaseDelete | FaultKind::LeaseRelabel => {
-                let candidates = self.fleet.active_shards();
+            kind => anyhow::bail!("{} strikes a ring's shards", kind.name()),
+        }
+    }
+
+    /// Carries out a fault on the shards (or shard Leases) of `ring`.
+    async fn apply_to_ring(
+        &mut self,
+        fault: &PlannedFault,
+        ring: usize,
+        hold: Duration,
+        index: usize,
+    ) -> anyhow::Result<Applied> {
+        let pick = |n: usize| (fault.pick % n.max(1) as u64) as usize;
+        let lease_namespace = self.fleet.rings()[ring].lease_namespace.clone();
+        match fault.kind {
+            FaultKind::ShardKill | FaultKind::ShardTerm | FaultKind::ShardPause => {
+                let candidates = self.fleet.active_shards(ring);
                 if candidates.is_empty() {
                     return Ok(Applied::Skipped("no active shard"));
                 }
                 let shard = candidates[pick(candidates.len())].clone();
-                let own =
-                    Api::<Lease>::namespaced(self.client.clone(), self.fleet.lease_namespace());
+                match fault.kind {
+                    FaultKind::ShardKill => {
+                        self.fleet
+                            .signal_shard(ring, &shard, "KILL", Then::RestartAfter(hold))?
+                    }
+                    FaultKind::ShardTerm => {
+                        self.fleet
+                            .signal_shard(ring, &shard, "TERM", Then::RestartAfter(hold))?
+                    }
+                    _ => {
+                        self.fleet.signal_shard(ring, &shard, "STOP", Then::Keep)?;
+                        self.follow_ups.push((
+                            Instant::now() + hold,
+                            FollowUp::Resume {
+                                ring,
+                                shard: shard.clone(),
+                                record: index,
+                            },
+                        ));
+                    }
+                }
+                Ok(Applied::Done(Some(shard)))
+            }
+            FaultKind::ScaleOut => {
+                if self.fleet.wanted_shards(ring).len() >= self.most_shards {
+                    return Ok(Applied::Skipped("at the most shards"));
+                }
+                Ok(Applied::Done(Some(self.fleet.add_shard(ring)?)))
+            }
+            FaultKind::ScaleIn => {
+                if self.fleet.wanted_shards(ring).len() <= FEWEST_SHARDS {
+                    return Ok(Applied::Skipped("at the fewest shards"));
+                }
+                let candidates = self.fleet.active_shards(ring);
+                if candidates.is_empty() {
+                    return Ok(Applied::Skipped("no active shard"));
+                }
+                let shard = candidates[pick(candidates.len())].clone();
+                self.fleet
+                    .signal_shard(ring, &shard, "TERM", Then::Retire)?;
+                Ok(Applied::Done(Some(shard)))
+            }
+            FaultKind::LeaseSquat | FaultKind::LeaseDelete | FaultKind::LeaseRelabel => {
+                let candidates = self.fleet.active_shards(ring);
+                if candidates.is_empty() {
+                    return Ok(Applied::Skipped("no active shard"));
+                }
+                let shard = candidates[pick(candidates.len())].clone();
+                let own = Api::<Lease>::namespaced(self.client.clone(), &lease_namespace);
                 match fault.kind {
                     FaultKind::LeaseSquat => {
-                        let namespace = self.squat_namespace().await?;
-                        let squatting = self.hostile_lease(&shard, true);
+                        let namespace = self.squat_namespace(&lease_namespace).await?;
+                        let squatting = self.hostile_lease(ring, &shard, true);
                         Api::<Lease>::namespaced(self.client.clone(), &namespace)
                             .create(&PostParams::default(), &squatting)
                             .await?;
@@ -313,17 +356,17 @@ impl Injector {
                 Ok(Applied::Done(Some(shard)))
             }
             FaultKind::LeaseMalformed => {
-                let namespace = self.squat_namespace().await?;
+                let namespace = self.squat_namespace(&lease_namespace).await?;
                 self.malformed += 1;
                 let name = format!("malformed-{}", self.malformed);
-                let lease = self.hostile_lease(&name, false);
+                let lease = self.hostile_lease(ring, &name, false);
                 Api::<Lease>::namespaced(self.client.clone(), &namespace)
                     .create(&PostParams::default(), &lease)
                     .await?;
                 Ok(Applied::Done(Some(format!("{namespace}/{name}"))))
             }
             FaultKind::ClockSkew => {
-                let candidates = self.fleet.active_shards();
+                let candidates = self.fleet.active_shards(ring);
                 if candidates.is_empty() {
                     return Ok(Applied::Skipped("no active shard"));
                 }
@@ -331,17 +374,19 @@ impl Injector {
                 // Behind by two lease durations: the sharder would take it over after every
                 // renewal if it judged it by its renewTime.
                 let behind = -2 * self.fleet.timing().lease_duration.ceil() as i64;
-                self.fleet.skew_shard(&shard, behind)?;
+                self.fleet.skew_shard(ring, &shard, behind)?;
                 self.fleet
-                    .signal_shard(&shard, "TERM", Then::RestartAfter(hold))?;
+                    .signal_shard(ring, &shard, "TERM", Then::RestartAfter(hold))?;
                 Ok(Applied::Done(Some(format!("{shard} ({behind} s)"))))
             }
+            kind => anyhow::bail!("{} strikes the whole system", kind.name()),
         }
     }
 
-    /// The namespace hostile Leases are created in (created on first use).
-    async fn squat_namespace(&self) -> anyhow::Result<String> {
-        let name = format!("{}-squat", self.fleet.lease_namespace());
+    /// The namespace hostile Leases of a ring with its Leases in `lease_namespace` are created in
+    /// (created on first use).
+    async fn squat_namespace(&self, lease_namespace: &str) -> anyhow::Result<String> {
+        let name = format!("{lease_namespace}-squat");
         let namespace: Namespace =
             serde_json::from_value(serde_json::json!({"metadata": {"name": name}}))?;
         match Api::<Namespace>::all(self.client.clone())
@@ -354,9 +399,9 @@ impl Injector {
         }
     }
 
-    /// A Lease of the ring named `name` and held by that name, with the shards' duration, and
+    /// A Lease of `ring` named `name` and held by that name, with the shards' duration, and
     /// renewed now if `timed`, else without `acquireTime` and `renewTime`.
-    fn hostile_lease(&self, name: &str, timed: bool) -> Lease {
+    fn hostile_lease(&self, ring: usize, name: &str, timed: bool) -> Lease {
         let now = timed.then(|| MicroTime(Timestamp::now()));
         Lease {
             metadata: ObjectMeta {
@@ -366,7 +411,7 @@ impl Injector {
                         sharding_crds::RingKind::ClusterRing
                             .lease_label()
                             .to_string(),
-                        self.fleet.ring().to_string(),
+                        self.fleet.rings()[ring].ring.clone(),
                     )]
                     .into(),
                 ),
@@ -398,8 +443,12 @@ impl Injector {
     fn end(&mut self, follow_up: FollowUp) {
         let offset = self.offset();
         match follow_up {
-            FollowUp::Resume { shard, record } => {
-                if let Err(error) = self.fleet.signal_shard(&shard, "CONT", Then::Keep) {
+            FollowUp::Resume {
+                ring,
+                shard,
+                record,
+            } => {
+                if let Err(error) = self.fleet.signal_shard(ring, &shard, "CONT", Then::Keep) {
                     crate::progress(&format!("failed to resume {shard}: {error:#}"));
                 }
                 self.records[record].ended_seconds = Some(offset);

@@ -1,6 +1,6 @@
 //! The processes under test: two sharder replicas behind one webhook address, and the
-//! checksum-controller shards. Every process the tool ever started is kept, with the signals the
-//! tool sent it and how it ended, as evidence for the checks.
+//! checksum-controller shards of each ring under test. Every process the tool ever started is
+//! kept, with the signals the tool sent it and how it ended, as evidence for the checks.
 //!
 //! A supervisor ([`Fleet::supervise`]) keeps the wanted processes running: a member whose
 //! process has exited is started again once its restart time has come (set by the fault that
@@ -51,6 +51,18 @@ impl ShardTiming {
             retry_period: (d * 2.0 / 15.0).min(1.0),
         }
     }
+}
+
+/// A ring whose shards the fleet runs.
+#[derive(Clone, Debug)]
+pub(crate) struct ShardRing {
+    /// The ClusterRing's name.
+    pub(crate) ring: String,
+    /// Where its shards keep their Leases.
+    pub(crate) lease_namespace: String,
+    /// Its shards are named `<prefix>-<n>`: distinct per ring, so that a name (in progress
+    /// lines, the report, the evidence) always says which ring a shard serves.
+    pub(crate) shard_prefix: &'static str,
 }
 
 /// How one process ended.
@@ -132,17 +144,28 @@ impl Member {
 /// Everything the tool runs, behind one lock.
 #[derive(Debug)]
 pub(crate) struct Processes {
-    pub(crate) shards: BTreeMap<String, Member>,
+    /// Per ring (in the order of [`Fleet::new`]'s `rings`), its shards by name.
+    pub(crate) shards: Vec<BTreeMap<String, Member>>,
     pub(crate) sharders: Vec<Member>,
-    next_shard: usize,
+    /// Per ring, the number of its next new shard.
+    next_shard: Vec<usize>,
+}
+
+impl Processes {
+    /// Shard `name` of ring `ring` (an index into [`Processes::shards`]).
+    fn shard_mut(&mut self, ring: usize, name: &str) -> anyhow::Result<&mut Member> {
+        self.shards
+            .get_mut(ring)
+            .and_then(|shards| shards.get_mut(name))
+            .with_context(|| format!("no shard {name} in ring {ring}"))
+    }
 }
 
 /// The fleet: processes, and how to start them.
 #[derive(Debug)]
 pub(crate) struct Fleet {
     state: Mutex<Processes>,
-    ring: String,
-    lease_namespace: String,
+    rings: Vec<ShardRing>,
     timing: ShardTiming,
     sharder_files: Vec<SharderFiles>,
     /// Between the API server and the balancer: closing it is a webhook outage.
@@ -154,11 +177,11 @@ pub(crate) struct Fleet {
 impl Fleet {
     /// Prepares two sharder replicas (one serving certificate, as replicas of one Deployment
     /// share) behind a balancer that, like a Service, sends webhook calls only to ready
-    /// replicas, and a gate in front of it that the API server calls.
+    /// replicas, and a gate in front of it that the API server calls. Both replicas serve every
+    /// ring of `rings`, whose shards the fleet runs.
     pub(crate) async fn new(
         kubeconfig: &Path,
-        ring: &str,
-        lease_namespace: &str,
+        rings: Vec<ShardRing>,
         timing: ShardTiming,
         leader_election: (u32, u32, u32),
     ) -> anyhow::Result<Self> {
@@ -186,12 +209,11 @@ impl Fleet {
         }
         Ok(Self {
             state: Mutex::new(Processes {
-                shards: BTreeMap::new(),
+                shards: rings.iter().map(|_| BTreeMap::new()).collect(),
                 sharders: files.iter().map(|_| Member::default()).collect(),
-                next_shard: 0,
+                next_shard: vec![0; rings.len()],
             }),
-            ring: ring.to_string(),
-            lease_namespace: lease_namespace.to_string(),
+            rings,
             timing,
             sharder_files: files,
             gate,
@@ -233,13 +255,19 @@ impl Fleet {
         Ok(process)
     }
 
-    fn spawn_shard(&self, name: &str, clock_offset: Option<i64>) -> anyhow::Result<Process> {
+    fn spawn_shard(
+        &self,
+        ring: usize,
+        name: &str,
+        clock_offset: Option<i64>,
+    ) -> anyhow::Result<Process> {
         let t = self.timing;
+        let ring = &self.rings[ring];
         let mut args: Vec<String> = [
             "--clusterring",
-            &self.ring,
+            &ring.ring,
             "--lease-namespace",
-            &self.lease_namespace,
+            &ring.lease_namespace,
             "--shard-name",
             name,
             "--lease-duration",
@@ -261,52 +289,44 @@ impl Fleet {
         Ok(process)
     }
 
-    /// Starts a shard under a new name (`shard-<n>`); returns the name.
-    pub(crate) fn add_shard(&self) -> anyhow::Result<String> {
+    /// Starts a shard of `ring` under a new name (`<prefix>-<n>`); returns the name.
+    pub(crate) fn add_shard(&self, ring: usize) -> anyhow::Result<String> {
         let mut state = self.lock();
-        let name = format!("shard-{}", state.next_shard);
-        state.next_shard += 1;
-        let process = self.spawn_shard(&name, None)?;
-        let member = state.shards.entry(name.clone()).or_default();
+        let name = format!(
+            "{}-{}",
+            self.rings[ring].shard_prefix, state.next_shard[ring]
+        );
+        state.next_shard[ring] += 1;
+        let process = self.spawn_shard(ring, &name, None)?;
+        let member = state.shards[ring].entry(name.clone()).or_default();
         member.wanted = true;
         member.incarnations.push(Incarnation::start(process));
         Ok(name)
     }
 
-    /// Sends `signal` to the running process of shard `name`, then does `then`.
+    /// Sends `signal` to the running process of shard `name` of `ring`, then does `then`.
     pub(crate) fn signal_shard(
         &self,
+        ring: usize,
         name: &str,
         signal: &'static str,
         then: Then,
     ) -> anyhow::Result<()> {
         let mut state = self.lock();
-        let member = state
-            .shards
-            .get_mut(name)
-            .with_context(|| format!("no shard {name}"))?;
-        signal_member(member, signal, then)
+        signal_member(state.shard_mut(ring, name)?, signal, then)
     }
 
-    /// Has shard `name` write its Lease's timestamps `offset` seconds off from its next start on.
-    pub(crate) fn skew_shard(&self, name: &str, offset: i64) -> anyhow::Result<()> {
+    /// Has shard `name` of `ring` write its Lease's timestamps `offset` seconds off from its
+    /// next start on.
+    pub(crate) fn skew_shard(&self, ring: usize, name: &str, offset: i64) -> anyhow::Result<()> {
         let mut state = self.lock();
-        let member = state
-            .shards
-            .get_mut(name)
-            .with_context(|| format!("no shard {name}"))?;
-        member.clock_offset = Some(offset);
+        state.shard_mut(ring, name)?.clock_offset = Some(offset);
         Ok(())
     }
 
-    /// The namespace of the shards' Leases.
-    pub(crate) fn lease_namespace(&self) -> &str {
-        &self.lease_namespace
-    }
-
-    /// The ring's name.
-    pub(crate) fn ring(&self) -> &str {
-        &self.ring
+    /// The rings whose shards the fleet runs, in the order given to [`Fleet::new`].
+    pub(crate) fn rings(&self) -> &[ShardRing] {
+        &self.rings
     }
 
     /// The shards' Lease timing.
@@ -314,14 +334,11 @@ impl Fleet {
         self.timing
     }
 
-    /// Makes shard `name` unwanted and stops its process, if one runs (SIGTERM, after SIGCONT
-    /// when paused).
-    pub(crate) fn retire_shard(&self, name: &str) -> anyhow::Result<()> {
+    /// Makes shard `name` of `ring` unwanted and stops its process, if one runs (SIGTERM, after
+    /// SIGCONT when paused).
+    pub(crate) fn retire_shard(&self, ring: usize, name: &str) -> anyhow::Result<()> {
         let mut state = self.lock();
-        let member = state
-            .shards
-            .get_mut(name)
-            .with_context(|| format!("no shard {name}"))?;
+        let member = state.shard_mut(ring, name)?;
         member.wanted = false;
         member.restart_at = None;
         if let Some(incarnation) = member.current_mut() {
@@ -348,20 +365,18 @@ impl Fleet {
         signal_member(member, signal, Then::RestartAfter(restart_after))
     }
 
-    /// Names of the shards with a running process that is not paused.
-    pub(crate) fn active_shards(&self) -> Vec<String> {
-        self.lock()
-            .shards
+    /// Names of the shards of `ring` with a running process that is not paused.
+    pub(crate) fn active_shards(&self, ring: usize) -> Vec<String> {
+        self.lock().shards[ring]
             .iter()
             .filter(|(_, m)| m.current().is_some_and(|i| !i.is_paused()))
             .map(|(name, _)| name.clone())
             .collect()
     }
 
-    /// Names of the shards that should be running.
-    pub(crate) fn wanted_shards(&self) -> Vec<String> {
-        self.lock()
-            .shards
+    /// Names of the shards of `ring` that should be running.
+    pub(crate) fn wanted_shards(&self, ring: usize) -> Vec<String> {
+        self.lock().shards[ring]
             .iter()
             .filter(|(_, m)| m.wanted)
             .map(|(name, _)| name.clone())
@@ -373,7 +388,8 @@ impl Fleet {
         let state = self.lock();
         state
             .shards
-            .values()
+            .iter()
+            .flat_map(BTreeMap::values)
             .chain(state.sharders.iter())
             .filter(|m| m.wanted)
             .all(|m| m.current().is_some_and(|i| !i.is_paused()))
@@ -435,7 +451,12 @@ impl Fleet {
         } = &mut *state;
         let members = shards
             .iter_mut()
-            .map(|(name, m)| (Some(name.clone()), None, m))
+            .enumerate()
+            .flat_map(|(ring, shards)| {
+                shards
+                    .iter_mut()
+                    .map(move |(name, m)| (Some((ring, name.clone())), None, m))
+            })
             .chain(
                 sharders
                     .iter_mut()
@@ -452,7 +473,7 @@ impl Fleet {
                     success: status.success(),
                 });
                 let who = match (&shard, slot) {
-                    (Some(name), _) => name.clone(),
+                    (Some((_, name)), _) => name.clone(),
                     (None, slot) => format!("sharder-{}", slot.unwrap_or_default()),
                 };
                 crate::progress(&format!("{who} exited: {status}"));
@@ -463,7 +484,7 @@ impl Fleet {
             let due = member.restart_at.is_some_and(|at| at <= now);
             if member.wanted && member.current().is_none() && due {
                 let started = match (&shard, slot) {
-                    (Some(name), _) => self.spawn_shard(name, member.clock_offset),
+                    (Some((ring, name)), _) => self.spawn_shard(*ring, name, member.clock_offset),
                     (None, Some(slot)) => self.spawn_sharder(slot),
                     (None, None) => continue,
                 };
@@ -486,7 +507,8 @@ impl Fleet {
         let state = self.lock();
         state
             .shards
-            .values()
+            .iter()
+            .flat_map(BTreeMap::values)
             .chain(state.sharders.iter())
             .any(|m| m.current().is_some())
     }
@@ -499,7 +521,11 @@ impl Fleet {
             let Processes {
                 shards, sharders, ..
             } = &mut *state;
-            for member in shards.values_mut().chain(sharders.iter_mut()) {
+            for member in shards
+                .iter_mut()
+                .flat_map(BTreeMap::values_mut)
+                .chain(sharders.iter_mut())
+            {
                 member.wanted = false;
                 if let Some(incarnation) = member.current_mut() {
                     if incarnation.is_paused() {
@@ -521,7 +547,11 @@ impl Fleet {
         let Processes {
             shards, sharders, ..
         } = &mut *state;
-        for member in shards.values_mut().chain(sharders.iter_mut()) {
+        for member in shards
+            .iter_mut()
+            .flat_map(BTreeMap::values_mut)
+            .chain(sharders.iter_mut())
+        {
             if let Some(incarnation) = member.current_mut() {
                 let _ = send(incarnation, "KILL");
             }

@@ -3,19 +3,22 @@
 //! shard with nothing lost.
 //!
 //! It starts the local control plane of the test harness (or uses `KUBECONFIG`'s cluster), two
-//! `sharder` replicas with leader election behind one webhook address, and `--shards`
-//! `checksum-controller` shards, creates a ring over Secrets (controlling ConfigMaps) in
-//! `--namespaces` namespaces, and then, for `--duration`:
+//! `sharder` replicas with leader election behind one webhook address, and two rings over
+//! Secrets (controlling ConfigMaps) side by side, each in `--namespaces` namespaces of its own
+//! and with `--shards` `checksum-controller` shards of its own: one assigned by the sharder's
+//! webhook, one with `spec.assignment: Watch` (no webhook: the sharder labels new objects from
+//! its watch, docs/protocol.md §20). Then, for `--duration`, it:
 //!
-//! - **churns** Secrets: creates, updates and deletes `--rate` per second, a quarter of the
-//!   creates with a `generateName` ConfigMap the Secret controls;
+//! - **churns** each ring's Secrets: creates, updates and deletes `--rate` per second, a quarter
+//!   of the creates with a `generateName` ConfigMap the Secret controls;
 //! - **injects faults** from a plan drawn from `--seed` (printed at start; pass it to replay the
 //!   plan): SIGKILL and SIGTERM of shards, scale-out and scale-in, SIGKILL and SIGTERM of the
 //!   leading and of the other sharder replica, a SIGSTOP of a shard long enough for the sharder to
-//!   take its Lease over, a kube-apiserver restart, and a webhook outage.
+//!   take its Lease over, a kube-apiserver restart, a webhook outage, hostile and damaged shard
+//!   Leases, a skewed clock. A fault on shards strikes each ring with a victim of its own.
 //!
-//! Then it ends every fault, brings the shards back to `--shards`, waits for convergence and
-//! checks four invariants:
+//! Then it ends every fault, brings each ring's shards back to `--shards`, waits for
+//! convergence and checks four invariants, the first three per ring:
 //!
 //! 1. exclusive ownership, from the shards' reconcile, drain and Lease log records, the Lease
 //!    holder changes its own watch saw and the signals it sent (`ownership`);
@@ -25,10 +28,11 @@
 //! 4. no leaks: sharder RSS and the API server's open watches back to the same order as before,
 //!    no process ended that the tool did not end (`probes`, `exits`).
 //!
-//! The report (text, or `--json`) lists faults by kind, churn, convergence time after the last
-//! fault, per-shard reconcile counts, memory, watches and every violation; the exit status is
-//! non-zero when there is any. Progress goes to stderr, the report to stdout. The binaries it
-//! starts must sit beside it (`cargo build --workspace --bins`).
+//! The report (text, or `--json`) lists faults by kind, memory and watches, and per ring its
+//! churn, convergence time after the last fault, per-shard reconcile counts and violations; the
+//! exit status is non-zero when there is any violation, in the whole system or in any ring.
+//! Progress goes to stderr, the report to stdout. The binaries it starts must sit beside it
+//! (`cargo build --workspace --bins`).
 //!
 //! ```sh
 //! cargo build --workspace --bins
@@ -76,12 +80,12 @@ use clap::Parser;
 use e2e::{Cluster, cluster, unique_name};
 use k8s_openapi::api::core::v1::Namespace;
 use kube::api::{Api, DeleteParams};
-use sharding_crds::ClusterRing;
+use sharding_crds::{Assignment, ClusterRing};
 
 use crate::plan::{FaultKind, PlanTiming, round_ms};
 use crate::report::Report;
 use crate::ring::LabelKeys;
-use crate::soak::{Scene, soak};
+use crate::soak::{RingScene, Scene, soak};
 
 /// Soaks the sharder and its shards under random faults and checks their invariants.
 #[derive(Debug, Parser)]
@@ -93,16 +97,16 @@ struct Args {
     /// Seed of the fault plan and the churn; drawn at random (and printed) when unset.
     #[arg(long)]
     seed: Option<u64>,
-    /// Churn operations (create, update or delete a Secret) per second.
+    /// Churn operations (create, update or delete a Secret) per second, in each ring.
     #[arg(long, default_value_t = 10.0)]
     rate: f64,
-    /// Shards at the start, and again once the faults are over.
+    /// Shards of each ring at the start, and again once the faults are over.
     #[arg(long, default_value_t = 3)]
     shards: usize,
-    /// Namespaces of the ring.
+    /// Namespaces of each ring.
     #[arg(long, default_value_t = 3)]
     namespaces: usize,
-    /// Live Secrets the churn keeps around (between half and one and a half of it).
+    /// Live Secrets the churn keeps around in each ring (between half and one and a half of it).
     #[arg(long, default_value_t = 100)]
     objects: usize,
     /// Mean time between faults.
@@ -212,11 +216,9 @@ fn main() -> anyhow::Result<()> {
     } else {
         print!("{}", report.text());
     }
-    if !report.violations.is_empty() {
-        anyhow::bail!(
-            "{} violation(s); replay with --seed {seed}",
-            report.violations.len()
-        );
+    let violations = report.violation_count();
+    if violations > 0 {
+        anyhow::bail!("{violations} violation(s); replay with --seed {seed}");
     }
     Ok(())
 }
@@ -225,36 +227,49 @@ async fn run(args: &Args, seed: u64, cluster: &Cluster) -> anyhow::Result<Report
     let started = Instant::now();
     let client = cluster.client().await?;
     let server_version = client.apiserver_version().await?.git_version;
-    let mut namespaces = Vec::new();
-    for _ in 0..args.namespaces {
-        namespaces.push(cluster.namespace(&client, "chaos").await?);
+    let mut rings = Vec::new();
+    for (prefix, assignment, shard_prefix, churn_stream) in RINGS {
+        let mut namespaces = Vec::new();
+        for _ in 0..args.namespaces {
+            namespaces.push(cluster.namespace(&client, prefix).await?);
+        }
+        let lease_namespace = cluster
+            .namespace(&client, &format!("{prefix}-leases"))
+            .await?;
+        let name = unique_name(prefix);
+        progress(&format!(
+            "{assignment:?} ring {name} over {namespaces:?}, Leases in {lease_namespace}"
+        ));
+        rings.push(RingScene {
+            keys: LabelKeys::for_ring(&name)?,
+            name,
+            assignment,
+            namespaces,
+            lease_namespace,
+            shard_prefix,
+            churn_stream,
+        });
     }
-    let lease_namespace = cluster.namespace(&client, "chaos-leases").await?;
-    let ring = unique_name("chaos");
-    progress(&format!(
-        "ring {ring} over {namespaces:?}, Leases in {lease_namespace}, process logs in {}",
-        fleet::log_dir().display()
-    ));
+    progress(&format!("process logs in {}", fleet::log_dir().display()));
     let scene = Scene {
         args,
         seed,
         cluster,
         client: client.clone(),
-        keys: LabelKeys::for_ring(&ring)?,
-        namespaces,
-        lease_namespace,
-        ring,
+        rings,
     };
     let result = soak(&scene).await;
     // A local control plane goes away with this process; on an external cluster, clean up.
     if cluster.state_dir().is_none() {
-        let _ = Api::<ClusterRing>::all(client.clone())
-            .delete(&scene.ring, &DeleteParams::default())
-            .await;
-        for ns in scene.namespaces.iter().chain([&scene.lease_namespace]) {
-            let _ = Api::<Namespace>::all(client.clone())
-                .delete(ns, &DeleteParams::default())
+        for ring in &scene.rings {
+            let _ = Api::<ClusterRing>::all(client.clone())
+                .delete(&ring.name, &DeleteParams::default())
                 .await;
+            for ns in ring.namespaces.iter().chain([&ring.lease_namespace]) {
+                let _ = Api::<Namespace>::all(client.clone())
+                    .delete(ns, &DeleteParams::default())
+                    .await;
+            }
         }
     }
     let mut report = result.with_context(|| {
@@ -267,6 +282,20 @@ async fn run(args: &Args, seed: u64, cluster: &Cluster) -> anyhow::Result<Report
     report.seconds_total = round_ms(started.elapsed());
     Ok(report)
 }
+
+/// The rings under test: name prefix (of the ring and its namespaces), assignment, shard name
+/// prefix, churn stream. The webhook ring keeps the names and churn of the single ring the soak
+/// ran before (stream 2; the plan draws from stream 1), so a seed replays as it did then.
+///
+/// Both are ClusterRings. The kinds share the engine (docs/protocol.md §15) and differ only in
+/// names, but the tool's independent derivations of label keys (`ring`), Lease labels (`leases`,
+/// `convergence`, `faults`) and the shards' `--clusterring` flag are written for one kind;
+/// mixing kinds would double those for no extra coverage of what is under test here, assignment
+/// without a webhook under faults.
+const RINGS: [(&str, Assignment, &str, u64); 2] = [
+    ("chaos", Assignment::Webhook, "shard", 2),
+    ("chaos-watch", Assignment::Watch, "watch", 3),
+];
 
 /// What the fault plan's draws depend on besides the seed.
 fn plan_timing(args: &Args) -> PlanTiming {

@@ -133,6 +133,21 @@ impl FaultKind {
         }
     }
 
+    /// Whether the fault strikes one ring's shards or their Leases (then every ring under test
+    /// gets one of its own), rather than the whole system (the sharder replicas, the API server,
+    /// the webhook).
+    pub(crate) fn on_shards(self) -> bool {
+        !matches!(
+            self,
+            Self::LeaderKill
+                | Self::LeaderTerm
+                | Self::FollowerKill
+                | Self::FollowerTerm
+                | Self::ApiserverRestart
+                | Self::WebhookOutage
+        )
+    }
+
     /// How long the fault lasts or until the victim comes back, drawn for one occurrence.
     fn draw_hold(self, rng: &mut Rng, timing: &PlanTiming) -> Duration {
         let s = Duration::from_secs;
@@ -248,6 +263,25 @@ mod tests {
     }
 
     /// Every full deck holds each kind once, so eleven consecutive faults from a deal cover all.
+    /// Ten kinds strike a ring's shards or their Leases; the sharder, API server and webhook
+    /// faults strike the whole system once.
+    #[test]
+    fn faults_on_shards_are_the_shard_and_lease_kinds() {
+        let on_shards: Vec<&str> = FaultKind::ALL
+            .into_iter()
+            .filter(|k| k.on_shards())
+            .map(FaultKind::name)
+            .collect();
+        assert_eq!(on_shards.len(), 10, "{on_shards:?}");
+        assert!(
+            on_shards.iter().all(|k| k.starts_with("shard-")
+                || k.starts_with("scale-")
+                || k.starts_with("lease-")
+                || *k == "clock-skew"),
+            "{on_shards:?}"
+        );
+    }
+
     #[test]
     fn decks_cover_every_kind() {
         let plan = draw(7, &timing(600), &FaultKind::ALL);

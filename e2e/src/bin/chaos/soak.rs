@@ -1,5 +1,6 @@
 //! The phases of one run: start the processes, take the baseline, inject faults under churn,
-//! restore, wait for convergence, measure leaks, and judge the evidence.
+//! restore, wait for convergence, measure leaks, and judge the evidence. Every phase covers each
+//! ring under test; convergence and the evidence are judged per ring.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -9,26 +10,27 @@ use anyhow::Context;
 use e2e::fixtures::{create_ring, secrets_controlling_configmaps, wait_status};
 use e2e::process::poll_until;
 use e2e::{Cluster, IndependentRing, LABEL_NAMESPACE_NAME};
+use futures::future::join_all;
 use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, LabelSelectorRequirement};
 use k8s_openapi::jiff::SignedDuration;
 use kube::api::{Api, PostParams};
 use kube::{Client, ResourceExt};
-use sharding_crds::ClusterRingSpec;
+use sharding_crds::{Assignment, ClusterRingSpec};
 use tokio_util::sync::{CancellationToken, DropGuard};
 
 use crate::churn::{self, ChurnStats};
 use crate::convergence::{self, Outcome, Target};
 use crate::evidence::RunLog;
 use crate::exits::{self, Outages};
-use crate::faults::Injector;
+use crate::faults::{FaultRecord, Injector};
 use crate::findings::{ExitCounts, ShardCounts, Violation};
-use crate::fleet::{self, Fleet, ShardTiming};
+use crate::fleet::{self, Fleet, ShardRing, ShardTiming};
 use crate::leases::LeaseLog;
 use crate::ownership;
 use crate::plan::{self, FaultKind, round_ms};
 use crate::probes::{self, Rss};
-use crate::report::{Leaks, Report, Settings};
+use crate::report::{Leaks, Report, RingReport, Settings};
 use crate::ring::{LabelKeys, secret_key};
 use crate::stalls::StallLog;
 use crate::versions::VersionLog;
@@ -60,25 +62,41 @@ const RSS_FACTOR: u64 = 3;
 /// ...unless it grew by less than this (KiB): small processes double on noise.
 const RSS_SLACK_KIB: u64 = 64 * 1024;
 
-/// What a run works with: its flags, seed, cluster, and the ring the tool made.
+/// What a run works with: its flags, seed, cluster, and the rings the tool made.
 pub(crate) struct Scene<'a> {
     pub(crate) args: &'a Args,
     pub(crate) seed: u64,
     pub(crate) cluster: &'a Cluster,
     pub(crate) client: Client,
+    /// The rings under test, the webhook ring first; the fleet's ring indices follow this order.
+    pub(crate) rings: Vec<RingScene>,
+}
+
+/// One ring under test, with namespaces, Leases and shards of its own, so that nothing one
+/// ring's shards write (`checksums-<name>` ConfigMaps, Leases named after shards) is shared
+/// with the other's.
+pub(crate) struct RingScene {
+    /// The ClusterRing's name.
+    pub(crate) name: String,
+    /// How its new objects get their shard label: the sharder's webhook, or its watch.
+    pub(crate) assignment: Assignment,
     /// The ring's namespaces.
     pub(crate) namespaces: Vec<String>,
-    /// Where the shards keep their Leases (outside the ring).
+    /// Where its shards keep their Leases (outside the ring).
     pub(crate) lease_namespace: String,
-    pub(crate) ring: String,
     pub(crate) keys: LabelKeys,
+    /// Its shards are named `<shard_prefix>-<n>`.
+    pub(crate) shard_prefix: &'static str,
+    /// The stream of the seed its churn draws from.
+    pub(crate) churn_stream: u64,
 }
 
 /// The running system and the tool's own watchers of it.
 struct Started {
     fleet: Arc<Fleet>,
-    lease_log: LeaseLog,
-    versions: VersionLog,
+    /// Per ring: holder changes of its shard Leases, and versions of its Secrets.
+    lease_logs: Vec<LeaseLog>,
+    versions: Vec<VersionLog>,
     stalls: StallLog,
     /// Stops the supervisor and the Lease watch.
     stop: CancellationToken,
@@ -91,13 +109,14 @@ struct Started {
 /// What the chaos phase did.
 struct Chaos {
     injector: Injector,
-    churn: ChurnStats,
-    restore: Vec<String>,
+    /// Per ring: its churn, and what the restore did to its shards.
+    churn: Vec<ChurnStats>,
+    restore: Vec<Vec<String>>,
     /// When the last fault ended, or the restore changed the shards, whichever is later.
     last_change: Instant,
 }
 
-/// What the wait for convergence found.
+/// What the wait for convergence of one ring found.
 struct Converged {
     outcome: Outcome,
     bound: Duration,
@@ -125,7 +144,6 @@ pub(crate) async fn soak(scene: &Scene<'_>) -> anyhow::Result<Report> {
 
     let chaos = inject(scene, fleet).await?;
     let converged = converge(scene, fleet, chaos.last_change).await?;
-    let mut violations = converged.violations();
 
     // Every client re-establishes its watches a while after the faults.
     let with_watches =
@@ -141,29 +159,64 @@ pub(crate) async fn soak(scene: &Scene<'_>) -> anyhow::Result<Report> {
     .await?;
     started.stop.cancel();
     leaks.watches_after = probes::difference(&with_watches, &idle_watches);
-    violations.extend(leak_violations(&leaks));
+    let mut violations = leak_violations(&leaks);
 
     let stalls = started.stalls.stalls();
     let renew_deadline = SignedDuration::try_from_secs_f64(timing.renew_deadline)
         .unwrap_or(SignedDuration::from_secs(10));
-    let judged = judge(
-        fleet,
-        &started.lease_log,
-        &started.versions,
-        &Outages {
-            restarts: &chaos.injector.disruptions,
-            heartbeat: &started.stalls,
-            renew_deadline,
-            deleted_leases: &chaos.injector.deleted_leases,
-        },
-    );
-    violations.extend(judged.violations);
+    let outages = Outages {
+        restarts: &chaos.injector.disruptions,
+        heartbeat: &started.stalls,
+        renew_deadline,
+        deleted_leases: &chaos.injector.deleted_leases,
+    };
+    let (sharder_exits, sharder_violations) = judge_sharders(fleet, &outages);
+    violations.extend(sharder_violations);
 
     let records = &chaos.injector.records;
-    let mut faults_by_kind: BTreeMap<&'static str, usize> = BTreeMap::new();
-    for record in records.iter().filter(|r| r.outcome == "done") {
-        *faults_by_kind.entry(record.kind.name()).or_default() += 1;
+    let mut rings = Vec::new();
+    for (index, ((ring, converged), (churn, restore))) in scene
+        .rings
+        .iter()
+        .zip(converged)
+        .zip(chaos.churn.into_iter().zip(chaos.restore))
+        .enumerate()
+    {
+        let judged = judge_ring(
+            fleet,
+            index,
+            &started.lease_logs[index],
+            &started.versions[index],
+            &outages,
+        );
+        let (faults_by_kind, faults_skipped) = by_kind(
+            records
+                .iter()
+                .filter(|r| r.ring.as_deref() == Some(ring.name.as_str())),
+        );
+        let mut ring_violations = converged.violations();
+        ring_violations.extend(judged.violations);
+        rings.push(RingReport {
+            name: ring.name.clone(),
+            assignment: ring.assignment,
+            namespaces: ring.namespaces.clone(),
+            lease_namespace: ring.lease_namespace.clone(),
+            faults_by_kind,
+            faults_skipped,
+            restore,
+            churn,
+            converged_after_last_fault_seconds: converged.after_last_change,
+            convergence: converged.outcome,
+            shards: judged.shards,
+            drains_logged_after_lease_end: judged.drains_logged_after_end,
+            drains_dated_by_watch: judged.drains_dated_by_watch,
+            drains_never_logged: judged.drains_never_logged,
+            exits: judged.exits,
+            violations: ring_violations,
+        });
     }
+    let (faults_by_kind, faults_skipped) = by_kind(records.iter().filter(|r| r.ring.is_none()));
+
     let args = scene.args;
     Ok(Report {
         settings: Settings {
@@ -184,18 +237,11 @@ pub(crate) async fn soak(scene: &Scene<'_>) -> anyhow::Result<Report> {
             server_version: String::new(),
             logs: fleet::log_dir().display().to_string(),
         },
-        faults_skipped: records.iter().filter(|r| r.outcome != "done").count(),
         faults_by_kind,
+        faults_skipped,
         faults: records.clone(),
-        restore: chaos.restore,
-        churn: chaos.churn,
-        converged_after_last_fault_seconds: converged.after_last_change,
-        convergence_bound_seconds: round_ms(converged.bound),
-        convergence: converged.outcome,
-        shards: judged.shards,
-        drains_logged_after_lease_end: judged.drains_logged_after_end,
-        drains_dated_by_watch: judged.drains_dated_by_watch,
-        drains_never_logged: judged.drains_never_logged,
+        convergence_bound_seconds: round_ms(convergence_bound(args)),
+        rings,
         api_stalls: stalls.len(),
         longest_api_stall_seconds: stalls
             .iter()
@@ -208,23 +254,49 @@ pub(crate) async fn soak(scene: &Scene<'_>) -> anyhow::Result<Report> {
                 (from.to_string(), (seconds * 1000.0).round() / 1000.0)
             })
             .collect(),
-        exits: judged.exits,
+        sharder_exits,
         leaks,
         violations,
         seconds_total: 0.0,
     })
 }
 
-/// Creates the ring, starts the tool's watchers, both sharder replicas and the shards, and
-/// waits until the webhook assigns as the ring of all shards predicts.
+/// The faults of `records` carried out, by kind, and how many were skipped or failed.
+fn by_kind<'a>(
+    records: impl Iterator<Item = &'a FaultRecord>,
+) -> (BTreeMap<&'static str, usize>, usize) {
+    let mut done: BTreeMap<&'static str, usize> = BTreeMap::new();
+    let mut skipped = 0;
+    for record in records {
+        if record.outcome == "done" {
+            *done.entry(record.kind.name()).or_default() += 1;
+        } else {
+            skipped += 1;
+        }
+    }
+    (done, skipped)
+}
+
+/// Creates the rings, starts the tool's watchers, both sharder replicas and the shards of each
+/// ring, and waits until each ring assigns as the ring of all its shards predicts.
 async fn start(scene: &Scene<'_>, timing: ShardTiming) -> anyhow::Result<Started> {
     let client = &scene.client;
-    create_ring(client, &scene.ring, ring_spec(&scene.namespaces)).await?;
+    for ring in &scene.rings {
+        create_ring(client, &ring.name, ring_spec(ring)).await?;
+    }
+    let shard_rings = scene
+        .rings
+        .iter()
+        .map(|ring| ShardRing {
+            ring: ring.name.clone(),
+            lease_namespace: ring.lease_namespace.clone(),
+            shard_prefix: ring.shard_prefix,
+        })
+        .collect();
     let fleet = Arc::new(
         Fleet::new(
             scene.cluster.kubeconfig(),
-            &scene.ring,
-            &scene.lease_namespace,
+            shard_rings,
             timing,
             LEADER_ELECTION,
         )
@@ -232,29 +304,36 @@ async fn start(scene: &Scene<'_>, timing: ShardTiming) -> anyhow::Result<Started
     );
     let stop = CancellationToken::new();
     tokio::spawn(fleet.clone().supervise(stop.clone()));
-    let lease_log = LeaseLog::default();
-    tokio::spawn(lease_log.clone().follow(
-        client.clone(),
-        scene.lease_namespace.clone(),
-        scene.ring.clone(),
-        stop.clone(),
-    ));
-    let versions = VersionLog::new(scene.keys.clone());
-    for namespace in &scene.namespaces {
-        tokio::spawn(
-            versions
-                .clone()
-                .follow(client.clone(), namespace.clone(), stop.clone()),
-        );
+    let (mut lease_logs, mut versions) = (Vec::new(), Vec::new());
+    for ring in &scene.rings {
+        let lease_log = LeaseLog::default();
+        tokio::spawn(lease_log.clone().follow(
+            client.clone(),
+            ring.lease_namespace.clone(),
+            ring.name.clone(),
+            stop.clone(),
+        ));
+        let version_log = VersionLog::new(ring.keys.clone());
+        for namespace in &ring.namespaces {
+            tokio::spawn(version_log.clone().follow(
+                client.clone(),
+                namespace.clone(),
+                stop.clone(),
+            ));
+        }
+        lease_logs.push(lease_log);
+        versions.push(version_log);
     }
     let stalls = StallLog::default();
     tokio::spawn(stalls.clone().follow(
         client.clone(),
-        scene.lease_namespace.clone(),
+        scene.rings[0].lease_namespace.clone(),
         stop.clone(),
     ));
     poll_until("the tool's watches", STARTUP, || {
-        let listed = lease_log.is_listed() && versions.listed() == scene.namespaces.len();
+        let listed = scene.rings.iter().enumerate().all(|(i, ring)| {
+            lease_logs[i].is_listed() && versions[i].listed() == ring.namespaces.len()
+        });
         async move { Ok(listed.then_some(())) }
     })
     .await?;
@@ -264,26 +343,30 @@ async fn start(scene: &Scene<'_>, timing: ShardTiming) -> anyhow::Result<Started
     let idle_watches = probes::watches(client).await?;
 
     fleet.start_sharders(STARTUP).await?;
-    for _ in 0..scene.args.shards {
-        fleet.add_shard()?;
+    for index in 0..scene.rings.len() {
+        for _ in 0..scene.args.shards {
+            fleet.add_shard(index)?;
+        }
     }
     let count = i32::try_from(scene.args.shards)?;
-    wait_status(client, &scene.ring, count, count).await?;
-    wait_webhook(
-        client,
-        &scene.namespaces[0],
-        &scene.keys,
-        &fleet.wanted_shards(),
-    )
-    .await?;
+    for (index, ring) in scene.rings.iter().enumerate() {
+        wait_status(client, &ring.name, count, count).await?;
+        let namespace = &ring.namespaces[0];
+        let shards = fleet.wanted_shards(index);
+        match ring.assignment {
+            Assignment::Webhook => wait_webhook(client, namespace, &ring.keys, &shards).await?,
+            Assignment::Watch => wait_watch(client, namespace, &ring.keys, &shards).await?,
+        }
+    }
     progress(&format!(
-        "{} sharder replicas and {} shards running",
+        "{} sharder replicas and {} shards in each of {} rings running",
         fleet.sharder_slots(),
-        scene.args.shards
+        scene.args.shards,
+        scene.rings.len()
     ));
     Ok(Started {
         fleet,
-        lease_log,
+        lease_logs,
         versions,
         stalls,
         _stop_guard: stop.clone().drop_guard(),
@@ -292,8 +375,8 @@ async fn start(scene: &Scene<'_>, timing: ShardTiming) -> anyhow::Result<Started
     })
 }
 
-/// The ring: Secrets controlling ConfigMaps, in exactly the tool's namespaces.
-fn ring_spec(namespaces: &[String]) -> ClusterRingSpec {
+/// The ring: Secrets controlling ConfigMaps, in exactly its namespaces, assigned its way.
+fn ring_spec(ring: &RingScene) -> ClusterRingSpec {
     ClusterRingSpec {
         resources: vec![secrets_controlling_configmaps()],
         namespace_selector: Some(LabelSelector {
@@ -301,12 +384,13 @@ fn ring_spec(namespaces: &[String]) -> ClusterRingSpec {
             match_expressions: Some(vec![LabelSelectorRequirement {
                 key: LABEL_NAMESPACE_NAME.into(),
                 operator: "In".into(),
-                values: Some(namespaces.to_vec()),
+                values: Some(ring.namespaces.clone()),
             }]),
         }),
         hash_key: None,
         lease_namespaces: Vec::new(),
-        assignment: None,
+        // The webhook ring's spec stays as it was before there was a choice: the default.
+        assignment: (ring.assignment != Assignment::Webhook).then_some(ring.assignment),
     }
 }
 
@@ -340,8 +424,40 @@ async fn wait_webhook(
     .await
 }
 
-/// Churns and carries out the fault plan for `--duration`, waits for every fault to end, and
-/// brings the shards back to `--shards`.
+/// Creates a Secret of a Watch ring and waits until the sharder's watch labels it as the
+/// independent ring of `shards` predicts: the watch of unassigned objects is up and the sharder
+/// sees every shard. A dry run, as for the webhook, would prove nothing: a watch sees only what
+/// is stored. The Secret stays, one more object that must converge.
+async fn wait_watch(
+    client: &Client,
+    namespace: &str,
+    keys: &LabelKeys,
+    shards: &[String],
+) -> anyhow::Result<()> {
+    const NAME: &str = "ready-probe";
+    let api = Api::<Secret>::namespaced(client.clone(), namespace);
+    let ring = IndependentRing::unweighted(shards.iter().map(String::as_str));
+    let expected = ring
+        .try_shard_for(&secret_key(namespace, NAME))
+        .map(str::to_string);
+    let probe: Secret = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": NAME}
+    }))?;
+    api.create(&PostParams::default(), &probe)
+        .await
+        .with_context(|| format!("failed to create Secret {NAME}"))?;
+    poll_until("the watch to assign like the ring", STARTUP, || {
+        let (api, expected) = (api.clone(), expected.clone());
+        async move {
+            let probe = api.get(NAME).await?;
+            Ok((probe.labels().get(&keys.shard).cloned() == expected).then_some(()))
+        }
+    })
+    .await
+}
+
+/// Churns every ring and carries out the fault plan for `--duration`, waits for every fault to
+/// end, and brings each ring's shards back to `--shards`.
 async fn inject(scene: &Scene<'_>, fleet: &Arc<Fleet>) -> anyhow::Result<Chaos> {
     let args = scene.args;
     let local = scene.cluster.state_dir();
@@ -351,7 +467,7 @@ async fn inject(scene: &Scene<'_>, fleet: &Arc<Fleet>) -> anyhow::Result<Chaos> 
         .collect();
     let plan = plan::draw(scene.seed, &plan_timing(args), &kinds);
     progress(&format!(
-        "chaos for {:.0} s: {} faults planned, {} churn ops/s",
+        "chaos for {:.0} s: {} faults planned, {} churn ops/s in each ring",
         args.duration.as_secs_f64(),
         plan.len(),
         args.rate
@@ -379,32 +495,44 @@ async fn inject(scene: &Scene<'_>, fleet: &Arc<Fleet>) -> anyhow::Result<Chaos> 
         Duration::from_secs(u64::from(LEADER_ELECTION.0) * 3),
     );
     let churn_stop = CancellationToken::new();
-    let churn = tokio::spawn(churn::run(
-        scene.client.clone(),
-        churn::ChurnConfig {
-            namespaces: scene.namespaces.clone(),
-            rate: args.rate,
-            objects: args.objects,
-            seed: scene.seed,
-        },
-        churn_stop.clone(),
-    ));
+    let churns: Vec<_> = scene
+        .rings
+        .iter()
+        .map(|ring| {
+            tokio::spawn(churn::run(
+                scene.client.clone(),
+                churn::ChurnConfig {
+                    namespaces: ring.namespaces.clone(),
+                    rate: args.rate,
+                    objects: args.objects,
+                    seed: scene.seed,
+                    stream: ring.churn_stream,
+                },
+                churn_stop.clone(),
+            ))
+        })
+        .collect();
     let chaos_started = Instant::now();
     let ((), churn) = tokio::join!(injector.run(&plan), async {
         tokio::time::sleep(args.duration).await;
         churn_stop.cancel();
         progress("churn stopped");
-        churn.await
+        join_all(churns).await
     });
-    let churn = churn.context("the churn task failed")?;
+    let churn = churn
+        .into_iter()
+        .collect::<Result<Vec<_>, _>>()
+        .context("a churn task failed")?;
     progress("every fault has ended; restoring the starting number of shards");
 
     let mut last_change = chaos_started
         + injector
             .last_ended()
             .map_or(Duration::ZERO, Duration::from_secs_f64);
-    let restore = restore(fleet, args.shards)?;
-    if !restore.is_empty() {
+    let restore = (0..scene.rings.len())
+        .map(|ring| restore(fleet, ring, args.shards))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    if restore.iter().any(|done| !done.is_empty()) {
         last_change = Instant::now();
     }
     Ok(Chaos {
@@ -415,11 +543,11 @@ async fn inject(scene: &Scene<'_>, fleet: &Arc<Fleet>) -> anyhow::Result<Chaos> 
     })
 }
 
-/// Brings the wanted shards back to `count`: retires the newest extras or adds new ones.
-/// Returns what it did.
-fn restore(fleet: &Fleet, count: usize) -> anyhow::Result<Vec<String>> {
+/// Brings the wanted shards of `ring` back to `count`: retires the newest extras or adds new
+/// ones. Returns what it did.
+fn restore(fleet: &Fleet, ring: usize, count: usize) -> anyhow::Result<Vec<String>> {
     let mut done = Vec::new();
-    let mut wanted = fleet.wanted_shards();
+    let mut wanted = fleet.wanted_shards(ring);
     // Newest first: `shard-<n>` by number.
     wanted.sort_by_key(|name| {
         std::cmp::Reverse(
@@ -430,11 +558,11 @@ fn restore(fleet: &Fleet, count: usize) -> anyhow::Result<Vec<String>> {
         )
     });
     for name in wanted.iter().take(wanted.len().saturating_sub(count)) {
-        fleet.retire_shard(name)?;
+        fleet.retire_shard(ring, name)?;
         done.push(format!("retired {name}"));
     }
     for _ in wanted.len()..count {
-        let name = fleet.add_shard()?;
+        let name = fleet.add_shard(ring)?;
         done.push(format!("added {name}"));
     }
     for line in &done {
@@ -443,59 +571,83 @@ fn restore(fleet: &Fleet, count: usize) -> anyhow::Result<Vec<String>> {
     Ok(done)
 }
 
-/// Waits until every wanted process runs, creates a probe Secret for each shard, and waits for
-/// invariants 2 and 3 to hold within the bound after `last_change`.
+/// Worst case after the last change: a shard killed then is declared dead `2 D` after its last
+/// renewal; started again under the same name, it waits out the takeover Lease (`2 D` more)
+/// before taking its Lease back; a killed leader is replaced after its lease duration.
+fn convergence_bound(args: &Args) -> Duration {
+    args.lease_duration * 4 + Duration::from_secs(u64::from(LEADER_ELECTION.0)) + CONVERGENCE_MARGIN
+}
+
+/// Waits until every wanted process runs, creates a probe Secret for each shard of each ring,
+/// and waits for invariants 2 and 3 to hold in every ring (at once, each on its own) within the
+/// bound after `last_change`. Returns what it found per ring.
 async fn converge(
     scene: &Scene<'_>,
     fleet: &Arc<Fleet>,
     last_change: Instant,
-) -> anyhow::Result<Converged> {
+) -> anyhow::Result<Vec<Converged>> {
     let args = scene.args;
     poll_until("every wanted process to run", STARTUP, || {
         let fleet = fleet.clone();
         async move { Ok(fleet.all_wanted_running().then_some(())) }
     })
     .await?;
-    let probes = create_probes(&scene.client, &scene.namespaces[0], &fleet.wanted_shards()).await?;
-    progress(&format!(
-        "created {} probe Secrets, one for each shard, that the shards must reconcile",
-        probes.len()
-    ));
+    for (index, ring) in scene.rings.iter().enumerate() {
+        let probes = create_probes(
+            &scene.client,
+            &ring.namespaces[0],
+            &fleet.wanted_shards(index),
+        )
+        .await?;
+        progress(&format!(
+            "created {} probe Secrets in ring {}, one for each shard, that the shards must reconcile",
+            probes.len(),
+            ring.name
+        ));
+    }
 
-    // Worst case after the last change: a shard killed then is declared dead `2 D` after its
-    // last renewal; started again under the same name, it waits out the takeover Lease (`2 D`
-    // more) before taking its Lease back; a killed leader is replaced after its lease duration.
-    let bound = args.lease_duration * 4
-        + Duration::from_secs(u64::from(LEADER_ELECTION.0))
-        + CONVERGENCE_MARGIN;
+    let bound = convergence_bound(args);
     progress("waiting for convergence");
-    let outcome = convergence::wait(
-        &Target {
-            client: &scene.client,
-            namespaces: &scene.namespaces,
-            lease_namespace: &scene.lease_namespace,
-            ring: &scene.ring,
-            keys: &scene.keys,
-        },
-        || fleet.active_shards().into_iter().collect::<BTreeSet<_>>(),
-        last_change,
-        bound,
-        args.settle,
-    )
-    .await;
-    let after_last_change = match (outcome.placement_seconds, outcome.content_seconds) {
-        (Some(p), Some(c)) => Some(p.max(c)),
-        _ => None,
-    };
-    progress(&format!(
-        "converged {} after the last fault",
-        after_last_change.map_or_else(|| "never".to_string(), |s| format!("{s:.1} s"))
-    ));
-    Ok(Converged {
-        outcome,
-        bound,
-        after_last_change,
-    })
+    let waits = scene
+        .rings
+        .iter()
+        .enumerate()
+        .map(|(index, ring)| async move {
+            let outcome = convergence::wait(
+                &Target {
+                    client: &scene.client,
+                    namespaces: &ring.namespaces,
+                    lease_namespace: &ring.lease_namespace,
+                    ring: &ring.name,
+                    keys: &ring.keys,
+                },
+                || {
+                    fleet
+                        .active_shards(index)
+                        .into_iter()
+                        .collect::<BTreeSet<_>>()
+                },
+                last_change,
+                bound,
+                args.settle,
+            )
+            .await;
+            let after_last_change = match (outcome.placement_seconds, outcome.content_seconds) {
+                (Some(p), Some(c)) => Some(p.max(c)),
+                _ => None,
+            };
+            progress(&format!(
+                "ring {} converged {} after the last fault",
+                ring.name,
+                after_last_change.map_or_else(|| "never".to_string(), |s| format!("{s:.1} s"))
+            ));
+            Converged {
+                outcome,
+                bound,
+                after_last_change,
+            }
+        });
+    Ok(join_all(waits).await)
 }
 
 impl Converged {
@@ -614,7 +766,7 @@ fn grown(before: &BTreeMap<String, u64>, after: &BTreeMap<String, u64>) -> Vec<(
         .collect()
 }
 
-/// What the evidence says.
+/// What the evidence about one ring's shards says.
 struct Judged {
     violations: Vec<Violation>,
     shards: BTreeMap<String, ShardCounts>,
@@ -624,9 +776,12 @@ struct Judged {
     drains_never_logged: usize,
 }
 
-/// Invariant 1 and the crash half of invariant 4, from every process's log and record.
-fn judge(
+/// Invariant 1 and the crash half of invariant 4 for the shards of `ring`, from every process's
+/// log and record. The rings' shards are judged apart: an object belongs to one ring only, and a
+/// shard of one ring letting go says nothing about the other's.
+fn judge_ring(
     fleet: &Fleet,
+    ring: usize,
     lease_log: &LeaseLog,
     versions: &VersionLog,
     outages: &Outages<'_>,
@@ -634,7 +789,7 @@ fn judge(
     let state = fleet.lock();
     let mut runs = Vec::new();
     let mut ended = Vec::new();
-    for (name, member) in &state.shards {
+    for (name, member) in &state.shards[ring] {
         for incarnation in &member.incarnations {
             let terms = RunLog::read_terms(incarnation.log_path());
             ended.push(exits::Ended {
@@ -659,15 +814,6 @@ fn judge(
             }
         }
     }
-    for (slot, member) in state.sharders.iter().enumerate() {
-        for incarnation in &member.incarnations {
-            ended.push(exits::Ended {
-                who: format!("sharder-{slot}"),
-                incarnation,
-                lost_lease: None,
-            });
-        }
-    }
     let found = ownership::check(&runs, &lease_log.changes(), versions);
     let mut violations = found.violations;
     let (exits, exit_violations) = exits::classify(&ended, outages);
@@ -682,9 +828,54 @@ fn judge(
     }
 }
 
+/// The crash half of invariant 4 for the sharder replicas, which serve every ring.
+fn judge_sharders(fleet: &Fleet, outages: &Outages<'_>) -> (ExitCounts, Vec<Violation>) {
+    let state = fleet.lock();
+    let mut ended = Vec::new();
+    for (slot, member) in state.sharders.iter().enumerate() {
+        for incarnation in &member.incarnations {
+            ended.push(exits::Ended {
+                who: format!("sharder-{slot}"),
+                incarnation,
+                lost_lease: None,
+            });
+        }
+    }
+    exits::classify(&ended, outages)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn ring_scene(assignment: Assignment) -> RingScene {
+        RingScene {
+            name: "r".into(),
+            assignment,
+            namespaces: vec!["a".into(), "b".into()],
+            lease_namespace: "leases".into(),
+            keys: LabelKeys::for_ring("r").expect("short name"),
+            shard_prefix: "shard",
+            churn_stream: 2,
+        }
+    }
+
+    /// The webhook ring's spec is the one the single ring had (the default assignment); the
+    /// Watch ring's differs only in its assignment.
+    #[test]
+    fn ring_specs_differ_only_in_assignment() {
+        let webhook = ring_spec(&ring_scene(Assignment::Webhook));
+        let watch = ring_spec(&ring_scene(Assignment::Watch));
+        assert_eq!(webhook.assignment, None);
+        assert_eq!(watch.assignment, Some(Assignment::Watch));
+        assert_eq!(
+            ClusterRingSpec {
+                assignment: None,
+                ..watch
+            },
+            webhook
+        );
+    }
 
     #[test]
     fn only_growth_counts_as_grown() {
