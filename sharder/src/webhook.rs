@@ -35,7 +35,6 @@ use self::decode::{Request, Review};
 use crate::core::key::{
     GENERATE_NAME_NOT_SUPPORTED, KeyError, KeyOutcome, ObjectInfo, ResourceRole,
 };
-use crate::core::pin::PinOutcome;
 use crate::metrics::{Metrics, OutcomeLabels};
 use crate::server::tls::CertReloader;
 use crate::server::{self, Readiness};
@@ -363,11 +362,9 @@ fn decide(
     let Some(shard) = shard else {
         return with_warnings(allow("there is no available shard"), warnings);
     };
-    // A pin decided: the controller lookup of a ring in transition is about the hash ring.
     let lookup = match &resource.role {
         ResourceRole::Controlled { .. }
-            if pin == PinOutcome::Unpinned
-                && view.recently_moved(&key, std::time::Instant::now()) =>
+            if pin.asks_controller(view.recently_moved(&key, std::time::Instant::now())) =>
         {
             view.controller_lookup(&info)
         }

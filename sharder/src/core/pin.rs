@@ -81,6 +81,17 @@ pub(crate) enum PinOutcome {
 }
 
 impl PinOutcome {
+    /// Whether a controlled object's shard must come from where its controller sits now, not
+    /// from the ring: the ring's choice while the ring changes (no pin decided), or its
+    /// controller's pin, which the controller may not have reached yet. A shard must not write a
+    /// child that another shard reconciles while it still holds the controller.
+    pub(crate) const fn asks_controller(&self, recently_moved: bool) -> bool {
+        match self {
+            Self::Honoured { source } => matches!(source, PinSource::Controller),
+            Self::Unpinned | Self::Unavailable { .. } | Self::Invalid { .. } => recently_moved,
+        }
+    }
+
     /// The `state` label of `controller_sharding_pinned_objects` for this outcome; `None` when no
     /// pin applies.
     pub(crate) const fn state(&self) -> Option<&'static str> {
@@ -206,6 +217,21 @@ mod tests {
         let (shard, outcome) = resolve(&empty, &pins);
         assert_eq!(shard, None);
         assert!(matches!(outcome, PinOutcome::Unavailable { .. }));
+    }
+
+    #[test]
+    fn children_ask_their_controller_when_its_pin_or_a_ring_change_decides() {
+        let honoured = |source| PinOutcome::Honoured { source };
+        assert!(honoured(PinSource::Controller).asks_controller(false));
+        assert!(!honoured(PinSource::Namespace).asks_controller(true));
+        assert!(PinOutcome::Unpinned.asks_controller(true));
+        assert!(!PinOutcome::Unpinned.asks_controller(false));
+        let unavailable = PinOutcome::Unavailable {
+            shard: "s".into(),
+            source: PinSource::Controller,
+        };
+        assert!(unavailable.asks_controller(true));
+        assert!(!unavailable.asks_controller(false));
     }
 
     #[test]

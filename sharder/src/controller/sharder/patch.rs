@@ -14,7 +14,6 @@ use super::patch_limit::PatchLimit;
 use crate::context::Context;
 use crate::core::key::{KeyOutcome, ObjectInfo};
 use crate::core::owner_wait::HeldChild;
-use crate::core::pin::PinOutcome;
 use crate::core::rebalance::RebalanceDecision;
 use crate::events::{REASON_WEBHOOK_REACHABLE, REASON_WEBHOOK_UNREACHABLE};
 use crate::metrics::Metrics;
@@ -106,8 +105,8 @@ impl Patcher {
     /// fails with 422 and the caller reads the object again. No resourceVersion is sent, so
     /// writes to other fields do not make it fail. A drain label left from an earlier shard goes
     /// in the same patch, as the webhook removes it. A controlled object whose controller may
-    /// still sit on the shard an earlier hash ring gave it follows the controller, as the webhook
-    /// decides (`controller_shard`).
+    /// still sit on the shard an earlier hash ring gave it, or whose controller's pin decides,
+    /// follows the controller where it sits, as the webhook decides (`controller_shard`).
     async fn assign(
         &self,
         view: &RingView,
@@ -126,8 +125,9 @@ impl Patcher {
         };
         let mut shard = desired.to_string();
         if let (false, Ok(KeyOutcome::Key(key))) = (resource.is_main(), &placement.key)
-            && placement.pin == PinOutcome::Unpinned
-            && view.recently_moved(key, std::time::Instant::now())
+            && placement
+                .pin
+                .asks_controller(view.recently_moved(key, std::time::Instant::now()))
             && let Some(lookup) =
                 view.controller_lookup(&ObjectInfo::from_meta(&gr.group, &resource.info.kind, meta))
             && let Some(current) = controller_shard(
