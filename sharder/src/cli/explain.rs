@@ -386,7 +386,7 @@ pub(crate) async fn run(
             name: name.to_string(),
             namespace: entry.info.namespaced.then(|| namespace.to_string()),
         })?;
-    let rings = cluster::rings(client, &RingKind::ALL, None)
+    let rings: Vec<_> = cluster::rings(client, &RingKind::ALL, None)
         .await?
         .into_iter()
         .filter(|ring| {
@@ -395,16 +395,16 @@ pub(crate) async fn run(
             })
         })
         .collect();
-    let loaded = cluster::load_rings(client, rings, &catalog.infos()).await?;
     let namespaces = match meta.namespace.as_deref() {
-        Some(ns) if !loaded.is_empty() => cluster::namespaces(client, Some(ns)).await?,
-        _ => cluster::NamespaceLabels::new(),
+        Some(ns) if !rings.is_empty() => cluster::namespaces(client, Some(ns)).await?,
+        _ => cluster::Namespaces::from_metadata([]),
     };
+    let loaded = cluster::load_rings(client, rings, &catalog.infos(), &namespaces.pins).await?;
     let now = Timestamp::now();
     let rings = loaded
         .iter()
         .filter_map(|ring| {
-            let selected = covers(&ring.view, meta.namespace.as_deref(), &namespaces);
+            let selected = covers(&ring.view, meta.namespace.as_deref(), &namespaces.labels);
             explain_ring(ring, gr, &meta, selected, now)
         })
         .collect();

@@ -307,8 +307,8 @@ pub(crate) async fn run(
         return Err(ring_not_found(name, kind));
     }
     let catalog = Catalog::discover(client).await?;
-    let loaded = cluster::load_rings(client, rings, &catalog.infos()).await?;
     let namespaces = cluster::namespaces(client, namespace).await?;
+    let loaded = cluster::load_rings(client, rings, &catalog.infos(), &namespaces.pins).await?;
     let Some(ring) = loaded.first() else {
         return Err(ring_not_found(name, kind));
     };
@@ -321,9 +321,15 @@ pub(crate) async fn run(
         .collect();
     let after = shards_after(&ring_ref, &before, add, remove)?;
     let mut simulation = Simulation::new(&after);
-    cluster::walk_objects(client, &loaded, namespace, &namespaces, |_, gr, meta| {
-        simulation.observe(&ring.view, gr, meta);
-    })
+    cluster::walk_objects(
+        client,
+        &loaded,
+        namespace,
+        &namespaces.labels,
+        |_, gr, meta| {
+            simulation.observe(&ring.view, gr, meta);
+        },
+    )
     .await?;
     Ok(simulation.report(&ring_ref, &before, add, remove, namespace))
 }
