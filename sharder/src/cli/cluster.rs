@@ -11,9 +11,10 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use kube::api::{Api, DynamicObject, ListParams, ObjectMeta};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::core::{ApiResource, GroupVersionKind};
+use kube::runtime::watcher;
 use kube::{Client, Config};
 use serde::Serialize;
-use sharding_crds::labels::GROUP;
+use sharding_crds::labels::{GROUP, PIN_ANNOTATION_PREFIX};
 use sharding_crds::selector::selector_matches;
 use sharding_crds::{ClusterRing, ControllerRing, GroupResource, RingKind, RingObject, RingRef};
 
@@ -21,7 +22,7 @@ use super::{ConnectionArgs, Error};
 use crate::core::any_ring::AnyRing;
 use crate::core::list_scope::PAGE_SIZE;
 use crate::core::membership::{available_shards, excluded_held_shards};
-use crate::views::{ResourceInfo, RingView, build_view};
+use crate::views::{Pins, ResourceInfo, RingView, build_view};
 
 /// A client and the namespace of the kubeconfig context.
 pub(crate) struct Connection {
@@ -164,11 +165,54 @@ pub(crate) async fn leases(
 /// Labels of namespaces by name: of every namespace, or of `only`.
 pub(crate) type NamespaceLabels = BTreeMap<String, BTreeMap<String, String>>;
 
-/// The labels of every namespace, or only of namespace `only` (absent when it does not exist).
-pub(crate) async fn namespaces(
-    client: &Client,
-    only: Option<&str>,
-) -> Result<NamespaceLabels, Error> {
+/// The namespaces a command read: their labels, which ring selectors match, and their pins, which
+/// placements read (docs/protocol.md §21).
+pub(crate) struct Namespaces {
+    /// Labels by namespace name.
+    pub(crate) labels: NamespaceLabels,
+    /// Pins for the views: the namespaces' pin annotations, and no controller pins yet.
+    pub(crate) pins: Pins,
+}
+
+impl Namespaces {
+    /// The labels and pin annotations of the namespaces `items`; other annotations are dropped,
+    /// as nothing reads them.
+    pub(crate) fn from_metadata(items: impl IntoIterator<Item = ObjectMeta>) -> Self {
+        let (store, mut writer) = kube::runtime::reflector::store::<Namespace>();
+        let mut labels = NamespaceLabels::new();
+        for meta in items {
+            let Some(name) = meta.name else {
+                continue;
+            };
+            let pins: BTreeMap<String, String> = meta
+                .annotations
+                .unwrap_or_default()
+                .into_iter()
+                .filter(|(key, _)| key.starts_with(PIN_ANNOTATION_PREFIX))
+                .collect();
+            if !pins.is_empty() {
+                let namespace = Namespace {
+                    metadata: ObjectMeta {
+                        name: Some(name.clone()),
+                        annotations: Some(pins),
+                        ..ObjectMeta::default()
+                    },
+                    ..Namespace::default()
+                };
+                writer.apply_watcher_event(&watcher::Event::Apply(namespace));
+            }
+            labels.insert(name, meta.labels.unwrap_or_default());
+        }
+        Self {
+            labels,
+            pins: Pins::new(store),
+        }
+    }
+}
+
+/// The labels and pins of every namespace, or only of namespace `only` (absent when it does not
+/// exist).
+pub(crate) async fn namespaces(client: &Client, only: Option<&str>) -> Result<Namespaces, Error> {
     let api = Api::<Namespace>::all(client.clone());
     let items = match only {
         Some(name) => api
@@ -184,10 +228,9 @@ pub(crate) async fn namespaces(
                 .items
         }
     };
-    Ok(items
-        .into_iter()
-        .filter_map(|ns| Some((ns.metadata.name?, ns.metadata.labels.unwrap_or_default())))
-        .collect())
+    Ok(Namespaces::from_metadata(
+        items.into_iter().map(|ns| ns.metadata),
+    ))
 }
 
 /// Where the namespace selector a ring's objects are filtered by comes from.
@@ -320,12 +363,13 @@ pub(crate) struct LoadedRing {
     pub(crate) invalid: Option<String>,
 }
 
-/// Loads the Leases of every ring and builds its view from them and the served resources
-/// `infos`, exactly as the sharder does.
+/// Loads the Leases of every ring and builds its view from them, the served resources `infos`
+/// and the namespace pins of `pins`, exactly as the sharder does.
 pub(crate) async fn load_rings(
     client: &Client,
     rings: Vec<AnyRing>,
     infos: &HashMap<GroupResource, ResourceInfo>,
+    pins: &Pins,
 ) -> Result<Vec<LoadedRing>, Error> {
     let mut loaded = Vec::with_capacity(rings.len());
     for ring in rings {
@@ -339,6 +383,7 @@ pub(crate) async fn load_rings(
         };
         view.excluded_held =
             excluded_held_shards(kind, &name, &ring.spec().lease_namespaces, &leases);
+        view.pins = pins.clone();
         loaded.push(LoadedRing {
             // The plugin cannot read the sharder's configuration: a ring over a protected
             // resource shows as refused, as the default configuration refuses it.
@@ -370,6 +415,8 @@ pub(crate) fn covers(
 
 /// Lists the objects of every resource of the rings once (only in `namespace`, if given) and hands
 /// each object to `observe` for every ring covering it, with the ring's index and the resource.
+/// Resources come in [`walk_order`], so that placements see controllers' pins before their
+/// controlled objects, as the sharder's sync does.
 pub(crate) async fn walk_objects(
     client: &Client,
     rings: &[LoadedRing],
@@ -377,25 +424,134 @@ pub(crate) async fn walk_objects(
     namespaces: &NamespaceLabels,
     mut observe: impl FnMut(usize, &GroupResource, &ObjectMeta),
 ) -> Result<(), Error> {
-    let mut resources: BTreeMap<(String, String), (GroupResource, ResourceInfo)> = BTreeMap::new();
-    for ring in rings {
-        for (gr, resource) in &ring.view.resources {
-            resources
-                .entry((gr.group.clone(), gr.resource.clone()))
-                .or_insert_with(|| (gr.clone(), resource.info.clone()));
-        }
-    }
-    for (gr, info) in resources.values() {
-        for_each_object(client, gr, info, namespace, |meta| {
+    for (gr, info) in walk_order(rings) {
+        for_each_object(client, &gr, &info, namespace, |meta| {
             for (index, ring) in rings.iter().enumerate() {
-                if ring.view.resources.contains_key(gr)
+                if ring.view.resources.contains_key(&gr)
                     && covers(&ring.view, meta.namespace.as_deref(), namespaces)
                 {
-                    observe(index, gr, meta);
+                    observe(index, &gr, meta);
                 }
             }
         })
         .await?;
     }
     Ok(())
+}
+
+/// Every resource of the rings once: those that are main in some ring and controlled in none
+/// first, then those main in one ring and controlled in another, then the rest, each by group
+/// and name. A placement remembers a main object's pin for its controlled objects
+/// ([`RingView::placement`]), so each ring's main resources must come before its controlled ones;
+/// only a ring whose main and controlled resources are both of the middle kind can see a
+/// controlled object first, and then places it as a sharder replica that has not seen its
+/// controller would.
+pub(crate) fn walk_order(rings: &[LoadedRing]) -> Vec<(GroupResource, ResourceInfo)> {
+    // Per resource: (controlled in some ring, main in none), its info.
+    let mut resources: BTreeMap<&GroupResource, (bool, bool, &ResourceInfo)> = BTreeMap::new();
+    for ring in rings {
+        for (gr, resource) in &ring.view.resources {
+            let entry = resources.entry(gr).or_insert((false, true, &resource.info));
+            entry.0 |= !resource.is_main();
+            entry.1 &= !resource.is_main();
+        }
+    }
+    let mut order: Vec<_> = resources.into_iter().collect();
+    order.sort_by_key(|(gr, (controlled, not_main, _))| {
+        (
+            *controlled,
+            *not_main,
+            gr.group.as_str(),
+            gr.resource.as_str(),
+        )
+    });
+    order
+        .into_iter()
+        .map(|(gr, (_, _, info))| (gr.clone(), info.clone()))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::fixtures::{lease, loaded};
+    use super::*;
+    use sharding_crds::{ClusterRingSpec, RingResource};
+
+    #[test]
+    fn namespaces_keep_labels_and_pins_only() {
+        let meta = ObjectMeta {
+            name: Some("team-a".into()),
+            labels: Some([("team".to_string(), "a".to_string())].into()),
+            annotations: Some(
+                [
+                    (format!("{PIN_ANNOTATION_PREFIX}r"), "shard-a".to_string()),
+                    ("other.example/note".to_string(), "x".to_string()),
+                ]
+                .into(),
+            ),
+            ..ObjectMeta::default()
+        };
+        let plain = ObjectMeta {
+            name: Some("team-b".into()),
+            ..ObjectMeta::default()
+        };
+        let namespaces = Namespaces::from_metadata([meta, plain]);
+        assert_eq!(
+            namespaces.labels,
+            NamespaceLabels::from([
+                (
+                    "team-a".to_string(),
+                    [("team".to_string(), "a".to_string())].into()
+                ),
+                ("team-b".to_string(), BTreeMap::new()),
+            ])
+        );
+        let pin = |ns: &str, key: &str| namespaces.pins.namespace(ns, key);
+        assert_eq!(
+            pin("team-a", &format!("{PIN_ANNOTATION_PREFIX}r")).as_deref(),
+            Some("shard-a")
+        );
+        assert_eq!(pin("team-a", "other.example/note"), None);
+        assert_eq!(pin("team-b", &format!("{PIN_ANNOTATION_PREFIX}r")), None);
+    }
+
+    /// Each ring's main resources come before its controlled ones, so that a placement has seen a
+    /// controller's pin when it places the objects it controls.
+    #[test]
+    fn main_resources_are_walked_before_controlled_ones() {
+        let secrets_ring = loaded(vec![lease("a", "a", 1, None)]);
+        // A second ring where ConfigMaps are main and control Pods.
+        let ring = ClusterRing::new(
+            "other",
+            ClusterRingSpec {
+                resources: vec![RingResource::controlling(
+                    "",
+                    "configmaps",
+                    vec![GroupResource::new("", "pods")],
+                )],
+                ..ClusterRingSpec::default()
+            },
+        );
+        let info = |kind: &str| ResourceInfo {
+            kind: kind.into(),
+            version: "v1".into(),
+            namespaced: true,
+        };
+        let infos = HashMap::from([
+            (GroupResource::new("", "configmaps"), info("ConfigMap")),
+            (GroupResource::new("", "pods"), info("Pod")),
+        ]);
+        let mut configmaps_ring = loaded(Vec::new());
+        configmaps_ring.view =
+            build_view(&ring, &BTreeMap::new(), &infos, &LabelSelector::default());
+        let order = |rings: &[LoadedRing]| -> Vec<String> {
+            walk_order(rings)
+                .into_iter()
+                .map(|(gr, _)| gr.resource)
+                .collect()
+        };
+        assert_eq!(order(&[secrets_ring]), ["secrets", "configmaps"]);
+        let both = [loaded(vec![lease("a", "a", 1, None)]), configmaps_ring];
+        assert_eq!(order(&both), ["secrets", "configmaps", "pods"]);
+    }
 }

@@ -1,9 +1,11 @@
 //! `kubectl sharding explain RESOURCE NAME`: one object in every ring covering its resource: its
-//! hash key, the shard the ring wants now, the labels it carries, and in plain words why it is
-//! (not) where the ring wants it.
+//! hash key, the shard the ring wants now, the pin that applies to it and whether the pin decided
+//! (docs/protocol.md §21), the labels it carries, and in plain words why it is (not) where the ring
+//! wants it.
 
 use std::collections::BTreeMap;
 
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 use kube::api::ObjectMeta;
@@ -16,9 +18,12 @@ use super::cluster::{self, Connection, LoadedRing, covers};
 use super::output::{Table, or_dash};
 use super::resources::Catalog;
 use super::status::{assignment_name, hash_key_name};
-use crate::core::key::{ControllerKind, KeyError, KeyOutcome, ResourceRole, Unassigned};
+use crate::core::key::{
+    ControllerKind, KeyError, KeyOutcome, ResourceRole, Unassigned, parse_group,
+};
 use crate::core::membership::ring_members;
-use crate::views::{Placement, ResolvedResource};
+use crate::core::pin::{PinOutcome, PinSource};
+use crate::views::{Placement, ResolvedResource, ResourceInfo, RingView};
 
 /// What `explain` prints.
 #[derive(Debug, Serialize)]
@@ -54,6 +59,9 @@ pub(crate) struct RingExplanation {
     pub(crate) key: Option<String>,
     /// The shard the ring wants the object on now.
     pub(crate) desired_shard: Option<String>,
+    /// The pin that applies to the object, if one does, and whether it decided `desired_shard`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) pin: Option<PinExplanation>,
     /// The ring's shard label key and the object's value of it.
     pub(crate) shard_label: Label,
     /// The ring's drain label key and the object's value of it.
@@ -65,6 +73,24 @@ pub(crate) struct RingExplanation {
     /// What else helps to understand it.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub(crate) notes: Vec<String>,
+}
+
+/// The pin that applies to an object in one ring.
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub(crate) struct PinExplanation {
+    /// Whose pin applies: `object` (its own), `controller` or `namespace`.
+    pub(crate) source: &'static str,
+    /// The pin annotation's key.
+    pub(crate) annotation: String,
+    /// The annotation's value: the shard it names.
+    pub(crate) value: String,
+    /// What it did: `honoured` (it decided the shard the ring wants), `unavailable` (it names no
+    /// available shard) or `invalid` (it cannot name a shard); in the last two the hash ring
+    /// decided.
+    pub(crate) state: &'static str,
+    /// The same in plain words, naming the object carrying the pin.
+    pub(crate) reason: String,
 }
 
 /// A label key and its value on the object.
@@ -155,6 +181,7 @@ pub(crate) fn explain_ring(
             _ => None,
         },
         desired_shard: placement.desired.filter(|_| acted_on).map(str::to_string),
+        pin: pin_explanation(view, meta, &placement).filter(|_| acted_on),
         shard_label: Label {
             value: labels.get(&view.shard_label).cloned(),
             key: view.shard_label.clone(),
@@ -164,7 +191,7 @@ pub(crate) fn explain_ring(
             key: view.drain_label.clone(),
         },
         notes: if acted_on {
-            notes(view.hash_key, resource, meta, &placement)
+            notes(view, resource, meta, &placement)
         } else {
             Vec::new()
         },
@@ -320,13 +347,135 @@ fn controller_name(controller: &ControllerKind) -> String {
     }
 }
 
-/// Facts that help reading the verdict: how the key came about, generateName, stale labels.
+/// The pin that decided, or failed to decide, the placement of `meta` in the ring of `view`.
+fn pin_explanation(
+    view: &RingView,
+    meta: &ObjectMeta,
+    placement: &Placement<'_>,
+) -> Option<PinExplanation> {
+    let (source, value) = match &placement.pin {
+        PinOutcome::Unpinned => return None,
+        // An honoured pin names the shard it chose.
+        PinOutcome::Honoured { source } => (*source, placement.desired?.to_string()),
+        PinOutcome::Unavailable { shard, source } => (*source, shard.clone()),
+        PinOutcome::Invalid { value, source } => (*source, value.clone()),
+    };
+    let holder = match source {
+        PinSource::Object => "the object's own pin".to_string(),
+        PinSource::Controller => match controller_reference(meta) {
+            Some(owner) => format!("the pin of its controller, {} {}", owner.kind, owner.name),
+            None => "its controller's pin".to_string(),
+        },
+        PinSource::Namespace => format!(
+            "the pin of namespace {}",
+            meta.namespace.as_deref().unwrap_or_default()
+        ),
+    };
+    let reason = match &placement.pin {
+        PinOutcome::Honoured { .. } => format!(
+            "{holder} names {value}, an available shard, so the pin decides the shard, not the hash ring"
+        ),
+        PinOutcome::Unavailable { .. } => format!(
+            "{holder} names {value}, which is not an available shard, so the hash ring decides until {value} becomes available"
+        ),
+        _ => format!(
+            "{holder} is {value:?}, which is not a shard name (a non-empty label value), so the hash ring decides"
+        ),
+    };
+    Some(PinExplanation {
+        source: source.as_str(),
+        annotation: view.pin_annotation.clone(),
+        value,
+        state: placement.pin.state()?,
+        reason,
+    })
+}
+
+/// The owner reference with `controller: true`; the API server allows at most one.
+fn controller_reference(meta: &ObjectMeta) -> Option<&OwnerReference> {
+    meta.owner_references
+        .iter()
+        .flatten()
+        .find(|o| o.controller == Some(true))
+}
+
+/// Where to read a controlled object's controller, and the hash key the two share.
+#[derive(Debug)]
+struct ControllerAt<'v> {
+    /// The controlled object's hash key, which is its controller's.
+    key: String,
+    /// The controller's resource, a main resource of the ring.
+    resource: &'v GroupResource,
+    /// Kind and scope of that resource.
+    info: &'v ResourceInfo,
+    /// The controller's namespace; empty for a cluster-scoped controller.
+    namespace: String,
+    /// The controller's name.
+    name: String,
+}
+
+/// Where to read the controller of the controlled object `meta` of `gr` in the ring of `view`;
+/// `None` for a main object, or one without an eligible controller.
+fn controller_of<'v>(
+    view: &'v RingView,
+    gr: &GroupResource,
+    meta: &ObjectMeta,
+) -> Option<ControllerAt<'v>> {
+    let resource = view.resources.get(gr).filter(|r| !r.is_main())?;
+    let Ok(KeyOutcome::Key(key)) = view.placement(&gr.group, resource, meta).key else {
+        return None;
+    };
+    let owner = controller_reference(meta)?;
+    let group = parse_group(&owner.api_version)?;
+    let (controller_gr, controller) = view
+        .resources
+        .iter()
+        .find(|(cgr, c)| c.is_main() && cgr.group == group && c.info.kind == owner.kind)?;
+    let namespace = meta
+        .namespace
+        .clone()
+        .filter(|_| controller.info.namespaced)
+        .unwrap_or_default();
+    Some(ControllerAt {
+        key,
+        resource: controller_gr,
+        info: &controller.info,
+        namespace,
+        name: owner.name.clone(),
+    })
+}
+
+/// Reads the controller of the controlled object `meta` of `gr` in every ring, and remembers its
+/// pin as the sharder's sync does when it walks the controller before its children.
+async fn remember_controller_pins(
+    client: &kube::Client,
+    rings: &[LoadedRing],
+    gr: &GroupResource,
+    meta: &ObjectMeta,
+) -> Result<(), Error> {
+    for ring in rings {
+        let view = &ring.view;
+        let Some(at) = controller_of(view, gr, meta) else {
+            continue;
+        };
+        let found = cluster::object(client, at.resource, at.info, &at.namespace, &at.name).await?;
+        if let Some(controller) = found {
+            view.pins
+                .main_seen(&view.ring_ref(), &at.key, view.own_pin(&controller));
+        }
+    }
+    Ok(())
+}
+
+/// Facts that help reading the verdict: how the key came about, generateName, stale labels, an
+/// ignored pin.
 fn notes(
-    hash_key: HashKey,
+    view: &RingView,
     resource: &ResolvedResource,
     meta: &ObjectMeta,
     placement: &Placement<'_>,
 ) -> Vec<String> {
+    let hash_key = view.hash_key;
     let mut notes = Vec::new();
     let namespace = meta.namespace.as_deref().filter(|ns| !ns.is_empty());
     let by_namespace = hash_key == HashKey::Namespace && namespace.is_some();
@@ -337,12 +486,7 @@ fn notes(
         ));
     } else if !resource.is_main() && matches!(placement.key, Ok(KeyOutcome::Key(_))) {
         // A key for a controlled object means it has an eligible controller.
-        if let Some(owner) = meta
-            .owner_references
-            .iter()
-            .flatten()
-            .find(|o| o.controller == Some(true))
-        {
+        if let Some(owner) = controller_reference(meta) {
             notes.push(format!(
                 "a controlled object is hashed by its controller, {} {}",
                 owner.kind, owner.name
@@ -365,6 +509,13 @@ fn notes(
             "it carries a drain label without a shard label; the next assignment removes it".into(),
         );
     }
+    if !resource.is_main()
+        && let Some(value) = view.own_pin(meta)
+    {
+        notes.push(format!(
+            "its own pin annotation ({value:?}) is ignored: a controlled object follows its controller's pin"
+        ));
+    }
     notes
 }
 
@@ -386,7 +537,7 @@ pub(crate) async fn run(
             name: name.to_string(),
             namespace: entry.info.namespaced.then(|| namespace.to_string()),
         })?;
-    let rings = cluster::rings(client, &RingKind::ALL, None)
+    let rings: Vec<_> = cluster::rings(client, &RingKind::ALL, None)
         .await?
         .into_iter()
         .filter(|ring| {
@@ -395,16 +546,17 @@ pub(crate) async fn run(
             })
         })
         .collect();
-    let loaded = cluster::load_rings(client, rings, &catalog.infos()).await?;
     let namespaces = match meta.namespace.as_deref() {
-        Some(ns) if !loaded.is_empty() => cluster::namespaces(client, Some(ns)).await?,
-        _ => cluster::NamespaceLabels::new(),
+        Some(ns) if !rings.is_empty() => cluster::namespaces(client, Some(ns)).await?,
+        _ => cluster::Namespaces::from_metadata([]),
     };
+    let loaded = cluster::load_rings(client, rings, &catalog.infos(), &namespaces.pins).await?;
+    remember_controller_pins(client, &loaded, gr, &meta).await?;
     let now = Timestamp::now();
     let rings = loaded
         .iter()
         .filter_map(|ring| {
-            let selected = covers(&ring.view, meta.namespace.as_deref(), &namespaces);
+            let selected = covers(&ring.view, meta.namespace.as_deref(), &namespaces.labels);
             explain_ring(ring, gr, &meta, selected, now)
         })
         .collect();
@@ -451,6 +603,12 @@ pub(crate) fn table(report: &ExplainReport) -> String {
             "ring wants:".into(),
             or_dash(ring.desired_shard.as_ref()),
         ]);
+        if let Some(pin) = &ring.pin {
+            table.row(vec![
+                "pin:".into(),
+                format!("{}: {}", pin.state, pin.reason),
+            ]);
+        }
         table.row(vec!["shard label:".into(), label(&ring.shard_label)]);
         table.row(vec!["drain label:".into(), label(&ring.drain_label)]);
         table.row(vec!["verdict:".into(), format!("{:?}", ring.verdict)]);
@@ -472,7 +630,7 @@ fn label(label: &Label) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::super::fixtures::{lease, loaded, names_on, now, object};
+    use super::super::fixtures::{lease, loaded, names_on, now, object, pin_namespace, pinned};
     use super::*;
 
     fn secrets() -> GroupResource {
@@ -643,6 +801,183 @@ mod tests {
                 now()
             )
             .is_none()
+        );
+    }
+
+    #[test]
+    fn an_objects_own_pin_decides_or_says_why_not() {
+        let ring = loaded(vec![lease("a", "a", 1, None), lease("b", "b", 1, None)]);
+        let view = &ring.view;
+        let on_a = &names_on(view, "a", 1)[0];
+
+        let honoured = explain(
+            &ring,
+            &secrets(),
+            &pinned(object(on_a, &[], None), view, "b"),
+        );
+        assert_eq!(honoured.desired_shard.as_deref(), Some("b"));
+        let pin = honoured.pin.expect("a pin applies");
+        assert_eq!(
+            (pin.source, pin.value.as_str(), pin.state),
+            ("object", "b", "honoured")
+        );
+        assert_eq!(pin.annotation, view.pin_annotation);
+        assert_eq!(
+            pin.reason,
+            "the object's own pin names b, an available shard, so the pin decides the shard, not the hash ring"
+        );
+
+        let unavailable = explain(
+            &ring,
+            &secrets(),
+            &pinned(object(on_a, &[], None), view, "z"),
+        );
+        assert_eq!(unavailable.desired_shard.as_deref(), Some("a"));
+        let pin = unavailable.pin.expect("a pin applies");
+        assert_eq!((pin.value.as_str(), pin.state), ("z", "unavailable"));
+        assert!(
+            pin.reason
+                .contains("so the hash ring decides until z becomes available"),
+            "{}",
+            pin.reason
+        );
+
+        let invalid = explain(
+            &ring,
+            &secrets(),
+            &pinned(object(on_a, &[], None), view, "-z"),
+        );
+        assert_eq!(invalid.desired_shard.as_deref(), Some("a"));
+        let pin = invalid.pin.expect("a pin applies");
+        assert_eq!((pin.value.as_str(), pin.state), ("-z", "invalid"));
+        assert!(pin.reason.contains("not a shard name"), "{}", pin.reason);
+
+        let unpinned = explain(&ring, &secrets(), &object(on_a, &[], None));
+        assert!(unpinned.pin.is_none());
+        // Where the sharder does not act, no pin applies either.
+        let outside = explain_ring(
+            &ring,
+            &secrets(),
+            &pinned(object(on_a, &[], None), view, "b"),
+            false,
+            now(),
+        )
+        .expect("a resource of the ring");
+        assert!(outside.pin.is_none());
+    }
+
+    #[test]
+    fn namespace_pins_yield_to_the_objects_own() {
+        let mut ring = loaded(vec![lease("a", "a", 1, None), lease("b", "b", 1, None)]);
+        pin_namespace(&mut ring.view, "b");
+        let view = &ring.view;
+        let on_a = &names_on(view, "a", 1)[0];
+        let shard = view.shard_label.clone();
+
+        let by_namespace = explain(&ring, &secrets(), &object(on_a, &[(&shard, "b")], None));
+        assert_eq!(by_namespace.verdict, Verdict::InPlace);
+        assert_eq!(by_namespace.desired_shard.as_deref(), Some("b"));
+        let pin = by_namespace.pin.expect("the namespace's pin applies");
+        assert_eq!((pin.source, pin.state), ("namespace", "honoured"));
+        assert!(
+            pin.reason.starts_with("the pin of namespace ns names b"),
+            "{}",
+            pin.reason
+        );
+
+        let own = explain(
+            &ring,
+            &secrets(),
+            &pinned(object(on_a, &[], None), view, "a"),
+        );
+        assert_eq!(own.desired_shard.as_deref(), Some("a"));
+        assert_eq!(own.pin.map(|p| p.source), Some("object"));
+    }
+
+    #[test]
+    fn controlled_objects_follow_their_controllers_pin() {
+        let ring = loaded(vec![lease("a", "a", 1, None), lease("b", "b", 1, None)]);
+        let view = &ring.view;
+        let on_a = &names_on(view, "a", 1)[0];
+        // Its own annotation does not count: only the controller's.
+        let child = pinned(object("child", &[], Some(on_a)), view, "b");
+        let before = explain(&ring, &configmaps(), &child);
+        assert_eq!(before.desired_shard.as_deref(), Some("a"));
+        assert!(before.pin.is_none());
+        assert!(
+            before
+                .notes
+                .iter()
+                .any(|n| n.contains("its own pin annotation (\"b\") is ignored")),
+            "{:?}",
+            before.notes
+        );
+
+        // `run` reads the controller from here and remembers its pin.
+        let at = controller_of(view, &configmaps(), &child).expect("an eligible controller");
+        assert_eq!(at.key, format!("/Secret/ns/{on_a}"));
+        assert_eq!(at.resource, &secrets());
+        assert_eq!(at.info.kind, "Secret");
+        assert_eq!(
+            (at.namespace.as_str(), at.name.as_str()),
+            ("ns", on_a.as_str())
+        );
+        let controller_meta = pinned(object(on_a, &[], None), view, "b");
+        view.pins
+            .main_seen(&view.ring_ref(), &at.key, view.own_pin(&controller_meta));
+
+        let after = explain(&ring, &configmaps(), &child);
+        assert_eq!(after.desired_shard.as_deref(), Some("b"));
+        let pin = after.pin.expect("the controller's pin applies");
+        assert_eq!((pin.source, pin.state), ("controller", "honoured"));
+        assert!(
+            pin.reason
+                .starts_with(&format!("the pin of its controller, Secret {on_a} names b")),
+            "{}",
+            pin.reason
+        );
+        // Main objects and orphans have no controller to read.
+        assert!(controller_of(view, &secrets(), &controller_meta).is_none());
+        assert!(controller_of(view, &configmaps(), &object("orphan", &[], None)).is_none());
+    }
+
+    #[test]
+    fn table_shows_the_pin() {
+        let mut ring = loaded(vec![lease("a", "a", 1, None), lease("b", "b", 1, None)]);
+        pin_namespace(&mut ring.view, "z");
+        let shard = ring.view.shard_label.clone();
+        let meta = pinned(object("s", &[(&shard, "b")], None), &ring.view, "b");
+        let explanation = explain(&ring, &secrets(), &meta);
+        let report = ExplainReport {
+            resource: "secrets".into(),
+            kind: "Secret".into(),
+            name: "s".into(),
+            namespace: Some("ns".into()),
+            rings: vec![explanation],
+        };
+        let expected = "\
+Secret s in namespace ns (secrets)
+
+ClusterRing r (main resource, hashKey Object, assignment Webhook)
+  hash key:      /Secret/ns/s
+  ring wants:    b
+  pin:           honoured: the object's own pin names b, an available shard, so the pin decides the shard, not the hash ring
+  shard label:   shard.alpha.sharding.timebertt.dev/clusterring-454349e4-r=b
+  drain label:   drain.alpha.sharding.timebertt.dev/clusterring-454349e4-r (not set)
+  verdict:       InPlace
+  why:           it is on b, the shard the ring wants
+";
+        assert_eq!(table(&report), expected);
+
+        let unpinned = explain(&ring, &secrets(), &object("s", &[(&shard, "b")], None));
+        let report = ExplainReport {
+            rings: vec![unpinned],
+            ..report
+        };
+        let text = table(&report);
+        assert!(
+            text.contains("  pin:           unavailable: the pin of namespace ns names z, which is not an available shard, so the hash ring decides until z becomes available\n"),
+            "{text}"
         );
     }
 

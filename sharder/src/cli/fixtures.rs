@@ -10,7 +10,7 @@ use kube::api::ObjectMeta;
 use sharding_crds::labels::ANNOTATION_WEIGHT;
 use sharding_crds::{ClusterRing, ClusterRingSpec, GroupResource, RingKind, RingResource};
 
-use super::cluster::{LoadedRing, SelectorSource};
+use super::cluster::{LoadedRing, Namespaces, SelectorSource};
 use crate::core::any_ring::AnyRing;
 use crate::core::membership::available_shards;
 use crate::views::{ResourceInfo, RingView, build_view};
@@ -118,4 +118,22 @@ pub(crate) fn object(name: &str, labels: &[(&str, &str)], owner: Option<&str>) -
         }),
         ..ObjectMeta::default()
     }
+}
+
+/// `meta` carrying `value` as its pin of the ring of `view`.
+pub(crate) fn pinned(mut meta: ObjectMeta, view: &RingView, value: &str) -> ObjectMeta {
+    meta.annotations
+        .get_or_insert_with(Default::default)
+        .insert(view.pin_annotation.clone(), value.into());
+    meta
+}
+
+/// Gives `view` the pins of a namespace `ns` pinned to `value` in its ring, as the commands
+/// read namespaces.
+pub(crate) fn pin_namespace(view: &mut RingView, value: &str) {
+    let ns = ObjectMeta {
+        name: Some("ns".into()),
+        ..ObjectMeta::default()
+    };
+    view.pins = Namespaces::from_metadata([pinned(ns, view, value)]).pins;
 }

@@ -1,6 +1,8 @@
 //! `kubectl sharding simulate RING`: what adding or removing shards (or changing a weight) would
-//! move. Every object of the ring is hashed with the ring's current shards and with the shards
-//! after the change; nothing is written.
+//! move. Every object of the ring is placed with the ring's current shards and with the shards
+//! after the change, pins included (docs/protocol.md §21): a pinned object stays on its shard
+//! while that shard is available, goes to the ring's choice when it is removed, and to it when it
+//! is added. Nothing is written.
 //!
 //! "Before" is where the ring wants each object now, not the label it carries: the difference
 //! between the two is what the sharder is still doing, reported as `unsettled`.
@@ -21,6 +23,7 @@ use super::resources::Catalog;
 use super::{Error, ring_not_found};
 use crate::core::hash_ring::HashRing;
 use crate::core::key::KeyOutcome;
+use crate::core::pin::PinOutcome;
 use crate::views::RingView;
 
 /// A shard that joins a simulated ring, or an available shard that gets another weight:
@@ -113,6 +116,13 @@ pub(crate) struct SimulationReport {
     pub(crate) not_sharded: usize,
     /// Objects not (yet) on the shard the ring wants now.
     pub(crate) unsettled: usize,
+    /// Objects a pin applies to (their own, their controller's or their namespace's).
+    pub(crate) pinned: usize,
+    /// Of those, objects whose pin does not decide their shard now (its shard is not available,
+    /// or its value names no shard): the ring places them.
+    pub(crate) pins_unsatisfied_before: usize,
+    /// Of those, objects whose pin would not decide their shard after the change.
+    pub(crate) pins_unsatisfied_after: usize,
     /// Per shard before and after, every shard of either side.
     pub(crate) shards: Vec<ShardMoves>,
     /// Objects per pair of shards they would move between.
@@ -170,6 +180,9 @@ pub(crate) struct Simulation {
     objects: usize,
     not_sharded: usize,
     unsettled: usize,
+    pinned: usize,
+    pins_unsatisfied_before: usize,
+    pins_unsatisfied_after: usize,
 }
 
 impl Simulation {
@@ -184,11 +197,15 @@ impl Simulation {
             objects: 0,
             not_sharded: 0,
             unsettled: 0,
+            pinned: 0,
+            pins_unsatisfied_before: 0,
+            pins_unsatisfied_after: 0,
         }
     }
 
     /// Counts one object of resource `gr` of the ring of `view`; the caller has checked that the
-    /// ring covers the object's namespace.
+    /// ring covers the object's namespace. Controllers must come before the objects they control:
+    /// placing a main object remembers its pin for them.
     pub(crate) fn observe(&mut self, view: &RingView, gr: &GroupResource, meta: &ObjectMeta) {
         let Some(resource) = view.resources.get(gr) else {
             return;
@@ -200,7 +217,19 @@ impl Simulation {
         };
         self.objects += 1;
         let before = placement.desired;
-        let after = self.after.shard_for(key);
+        // The same pins as `placement` read, against the shards after the change.
+        let (after, pin_after) = view.place_in(
+            &self.after,
+            key,
+            resource.is_main(),
+            view.own_pin(meta),
+            meta.namespace.as_deref(),
+        );
+        if placement.pin != PinOutcome::Unpinned {
+            self.pinned += 1;
+        }
+        self.pins_unsatisfied_before += usize::from(placement.pin.problem().is_some());
+        self.pins_unsatisfied_after += usize::from(pin_after.problem().is_some());
         if placement.object.current != before {
             self.unsettled += 1;
         }
@@ -268,6 +297,9 @@ impl Simulation {
             objects: self.objects,
             not_sharded: self.not_sharded,
             unsettled: self.unsettled,
+            pinned: self.pinned,
+            pins_unsatisfied_before: self.pins_unsatisfied_before,
+            pins_unsatisfied_after: self.pins_unsatisfied_after,
             shards,
             total_moves: self.moves.values().sum(),
             moves: self
@@ -307,8 +339,8 @@ pub(crate) async fn run(
         return Err(ring_not_found(name, kind));
     }
     let catalog = Catalog::discover(client).await?;
-    let loaded = cluster::load_rings(client, rings, &catalog.infos()).await?;
     let namespaces = cluster::namespaces(client, namespace).await?;
+    let loaded = cluster::load_rings(client, rings, &catalog.infos(), &namespaces.pins).await?;
     let Some(ring) = loaded.first() else {
         return Err(ring_not_found(name, kind));
     };
@@ -321,9 +353,15 @@ pub(crate) async fn run(
         .collect();
     let after = shards_after(&ring_ref, &before, add, remove)?;
     let mut simulation = Simulation::new(&after);
-    cluster::walk_objects(client, &loaded, namespace, &namespaces, |_, gr, meta| {
-        simulation.observe(&ring.view, gr, meta);
-    })
+    cluster::walk_objects(
+        client,
+        &loaded,
+        namespace,
+        &namespaces.labels,
+        |_, gr, meta| {
+            simulation.observe(&ring.view, gr, meta);
+        },
+    )
     .await?;
     Ok(simulation.report(&ring_ref, &before, add, remove, namespace))
 }
@@ -403,6 +441,12 @@ pub(crate) fn table(report: &SimulationReport) -> String {
             report.not_sharded
         ));
     }
+    if report.pinned > 0 {
+        text.push_str(&format!(
+            "  {} objects are pinned; pins not deciding the shard (shard not available, or not a shard name): {} before, {} after\n",
+            report.pinned, report.pins_unsatisfied_before, report.pins_unsatisfied_after
+        ));
+    }
     if report.unsettled > 0 {
         text.push_str(&format!(
             "  {} objects are not yet on the shard the ring wants now; \"before\" counts where the ring wants them\n",
@@ -414,7 +458,7 @@ pub(crate) fn table(report: &SimulationReport) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::super::fixtures::{lease, loaded, object};
+    use super::super::fixtures::{lease, loaded, object, pin_namespace, pinned};
     use super::*;
 
     fn ring_ref() -> RingRef {
@@ -532,5 +576,129 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("1 objects belong to no shard"), "{text}");
+    }
+
+    /// Moves of `report` by (from, to), `""` for no shard.
+    fn moves(report: &SimulationReport) -> BTreeMap<(String, String), usize> {
+        report
+            .moves
+            .iter()
+            .map(|m| {
+                let side = |s: &Option<String>| s.clone().unwrap_or_default();
+                ((side(&m.from), side(&m.to)), m.objects)
+            })
+            .collect()
+    }
+
+    /// A pinned object stays on its shard while that shard stays, goes to the ring's choice when
+    /// it leaves, and to it when it joins; a controlled object follows its controller's pin.
+    /// Placements are predicted with plain rings.
+    #[test]
+    fn pins_hold_while_their_shard_stays() {
+        let ring = loaded(vec![lease("a", "a", 1, None), lease("b", "b", 1, None)]);
+        let view = &ring.view;
+        let before = weights(&[("a", 1), ("b", 1)]);
+        let add: [ShardChange; 1] = ["c".parse().expect("valid")];
+        let after = shards_after(&ring_ref(), &before, &add, &["a".into()]).expect("valid");
+        let (old, new) = (HashRing::new(["a", "b"]), HashRing::new(["b", "c"]));
+        let key = |name: &str| format!("/Secret/ns/{name}");
+        // Names the rings would move without pins: from a or b to c.
+        let to_c: Vec<String> = (0..1000)
+            .map(|i| format!("s-{i}"))
+            .filter(|n| new.shard_for(&key(n)) == Some("c") && old.shard_for(&key(n)) == Some("b"))
+            .take(2)
+            .collect();
+        let (stays, child_of) = (&to_c[0], &to_c[1]);
+        let on_b_after = (0..1000)
+            .map(|i| format!("s-{i}"))
+            .find(|n| new.shard_for(&key(n)) == Some("b"))
+            .expect("a name");
+
+        let secrets = GroupResource::new("", "secrets");
+        let configmaps = GroupResource::new("", "configmaps");
+        let mut simulation = Simulation::new(&after);
+        // Main objects first, as `cluster::walk_objects` hands them over.
+        simulation.observe(view, &secrets, &pinned(object(stays, &[], None), view, "b"));
+        simulation.observe(
+            view,
+            &secrets,
+            &pinned(object("gone", &[], None), view, "a"),
+        );
+        simulation.observe(
+            view,
+            &secrets,
+            &pinned(object(&on_b_after, &[], None), view, "c"),
+        );
+        simulation.observe(
+            view,
+            &secrets,
+            &pinned(object(child_of, &[], None), view, "b"),
+        );
+        simulation.observe(view, &configmaps, &object("child", &[], Some(child_of)));
+        let report = simulation.report(&ring_ref(), &before, &add, &["a".into()], None);
+
+        let gone_to = new.shard_for(&key("gone")).unwrap_or_default();
+        let added_from = old.shard_for(&key(&on_b_after)).unwrap_or_default();
+        let mut expected = BTreeMap::new();
+        // Pinned to the removed a: the ring decides after.
+        expected.insert(("a".to_string(), gone_to.to_string()), 1);
+        // Pinned to the added c: the ring decided before.
+        *expected
+            .entry((added_from.to_string(), "c".to_string()))
+            .or_default() += 1;
+        assert_eq!(moves(&report), expected);
+        assert_eq!(report.objects, 5);
+        assert_eq!(report.pinned, 5);
+        assert_eq!(
+            (
+                report.pins_unsatisfied_before,
+                report.pins_unsatisfied_after
+            ),
+            (1, 1)
+        );
+        let text = table(&report);
+        assert!(
+            text.contains("  5 objects are pinned; pins not deciding the shard (shard not available, or not a shard name): 1 before, 1 after\n"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn namespace_pins_keep_objects_until_their_shard_leaves() {
+        let mut ring = loaded(vec![lease("a", "a", 1, None), lease("b", "b", 1, None)]);
+        pin_namespace(&mut ring.view, "b");
+        let view = &ring.view;
+        let before = weights(&[("a", 1), ("b", 1)]);
+        let secrets = GroupResource::new("", "secrets");
+        let simulate = |add: &[ShardChange], remove: &[String]| {
+            let after = shards_after(&ring_ref(), &before, add, remove).expect("valid");
+            let mut simulation = Simulation::new(&after);
+            for i in 0..50 {
+                simulation.observe(view, &secrets, &object(&format!("s-{i}"), &[], None));
+            }
+            simulation.report(&ring_ref(), &before, add, remove, None)
+        };
+        let added = simulate(&["c".parse().expect("valid")], &[]);
+        assert_eq!(added.total_moves, 0);
+        assert_eq!(
+            (
+                added.pinned,
+                added.pins_unsatisfied_before,
+                added.pins_unsatisfied_after
+            ),
+            (50, 0, 0)
+        );
+        let removed = simulate(&[], &["b".into()]);
+        assert_eq!(
+            moves(&removed),
+            BTreeMap::from([(("b".to_string(), "a".to_string()), 50)])
+        );
+        assert_eq!(
+            (
+                removed.pins_unsatisfied_before,
+                removed.pins_unsatisfied_after
+            ),
+            (0, 50)
+        );
     }
 }

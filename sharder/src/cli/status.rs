@@ -341,14 +341,14 @@ pub(crate) async fn run(
         return Ok(report);
     }
     let catalog = Catalog::discover(client).await?;
-    let loaded = cluster::load_rings(client, rings, &catalog.infos()).await?;
     let namespaces = cluster::namespaces(client, namespace).await?;
+    let loaded = cluster::load_rings(client, rings, &catalog.infos(), &namespaces.pins).await?;
     let mut tallies: Vec<Tally> = loaded.iter().map(|_| Tally::default()).collect();
     cluster::walk_objects(
         client,
         &loaded,
         namespace,
-        &namespaces,
+        &namespaces.labels,
         |index, gr, meta| {
             tallies[index].observe(&loaded[index].view, gr, meta);
         },

@@ -161,11 +161,7 @@ impl RingView {
         );
         let (desired, pin) = match &key {
             Ok(KeyOutcome::Key(key)) => {
-                let own = meta
-                    .annotations
-                    .as_ref()
-                    .and_then(|a| a.get(&self.pin_annotation))
-                    .map(String::as_str);
+                let own = self.own_pin(meta);
                 if resource.is_main() {
                     self.pins.main_seen(&self.ring_ref(), key, own);
                 }
@@ -191,6 +187,15 @@ impl RingView {
         }
     }
 
+    /// The value of the ring's pin annotation on the object `meta`, if it carries one (read only
+    /// for main objects: a controlled object follows its controller).
+    pub(crate) fn own_pin<'m>(&self, meta: &'m kube::api::ObjectMeta) -> Option<&'m str> {
+        meta.annotations
+            .as_ref()?
+            .get(&self.pin_annotation)
+            .map(String::as_str)
+    }
+
     /// The shard the ring wants an object with hash key `key` on, and what a pin did: a main
     /// object's own pin `own`, else (for a controlled object) its controller's remembered pin,
     /// else the pin of its namespace `namespace` when its key lies in that namespace; the hash
@@ -202,6 +207,20 @@ impl RingView {
         own: Option<&str>,
         namespace: Option<&str>,
     ) -> (Option<&str>, PinOutcome) {
+        self.place_in(&self.hash_ring, key, main, own, namespace)
+    }
+
+    /// [`RingView::place`] among the shards of `ring` instead of the view's: where the object
+    /// would go, pins included, if the ring's shards were those of `ring` (`kubectl sharding
+    /// simulate`).
+    pub(crate) fn place_in<'r>(
+        &self,
+        ring: &'r HashRing,
+        key: &str,
+        main: bool,
+        own: Option<&str>,
+        namespace: Option<&str>,
+    ) -> (Option<&'r str>, PinOutcome) {
         let controller = if main {
             None
         } else {
@@ -218,9 +237,9 @@ impl RingView {
             controller: controller.as_deref(),
             namespace: namespace.as_deref(),
         };
-        match pin::resolve(&self.hash_ring, &inputs) {
+        match pin::resolve(ring, &inputs) {
             (Some(shard), outcome) => (Some(shard), outcome),
-            (None, outcome) => (self.hash_ring.shard_for(key), outcome),
+            (None, outcome) => (ring.shard_for(key), outcome),
         }
     }
 }
