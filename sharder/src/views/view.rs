@@ -221,7 +221,9 @@ impl RingView {
         own: Option<&str>,
         namespace: Option<&str>,
     ) -> (Option<&'r str>, PinOutcome) {
-        let controller = if main {
+        // With namespace keys every object of a namespace shares one key, which names no
+        // controller: children follow their namespace (docs/protocol.md §21).
+        let controller = if main || self.hash_key == HashKey::Namespace {
             None
         } else {
             self.pins.controller(&self.ring_ref(), key)
@@ -526,5 +528,46 @@ mod tests {
         assert!(key_in_namespace("apps/Deployment/ns/a"));
         assert!(!key_in_namespace("/Namespace//ns"));
         assert!(!key_in_namespace("example.com/Cluster//a"));
+    }
+
+    #[test]
+    fn children_follow_controller_pins_only_with_object_keys() {
+        let discovered = HashMap::from([
+            (GroupResource::new("", "secrets"), info("Secret", true)),
+            (
+                GroupResource::new("", "configmaps"),
+                info("ConfigMap", true),
+            ),
+        ]);
+        let shards = BTreeMap::from([("a".to_string(), 1), ("b".to_string(), 1)]);
+        for (hash_key, key) in [
+            (HashKey::Object, "/Secret/ns/s"),
+            (HashKey::Namespace, "/Namespace//ns"),
+        ] {
+            let ring = ClusterRing::new(
+                "r",
+                ClusterRingSpec {
+                    resources: vec![RingResource::controlling(
+                        "",
+                        "secrets",
+                        vec![GroupResource::new("", "configmaps")],
+                    )],
+                    hash_key: Some(hash_key),
+                    ..Default::default()
+                },
+            );
+            let view = build_view(&ring, &shards, &discovered, &Default::default());
+            let pinned = ["a", "b"]
+                .into_iter()
+                .find(|s| view.hash_ring.shard_for(key) != Some(*s))
+                .expect("another shard");
+            view.pins.main_seen(&view.ring_ref(), key, Some(pinned));
+            let (child, _) = view.place(key, false, None, Some("ns"));
+            let expected = match hash_key {
+                HashKey::Object => Some(pinned),
+                HashKey::Namespace => view.hash_ring.shard_for(key),
+            };
+            assert_eq!(child, expected, "{hash_key:?}");
+        }
     }
 }
