@@ -363,13 +363,12 @@ pub(crate) struct LoadedRing {
     pub(crate) invalid: Option<String>,
 }
 
-/// Loads the Leases of every ring and builds its view from them, the served resources `infos`
-/// and the namespace pins of `pins`, exactly as the sharder does.
+/// Loads the Leases of every ring and builds its view from them and the served resources
+/// `infos`, exactly as the sharder does; [`give_pins`] adds the namespaces' pins.
 pub(crate) async fn load_rings(
     client: &Client,
     rings: Vec<AnyRing>,
     infos: &HashMap<GroupResource, ResourceInfo>,
-    pins: &Pins,
 ) -> Result<Vec<LoadedRing>, Error> {
     let mut loaded = Vec::with_capacity(rings.len());
     for ring in rings {
@@ -383,7 +382,6 @@ pub(crate) async fn load_rings(
         };
         view.excluded_held =
             excluded_held_shards(kind, &name, &ring.spec().lease_namespaces, &leases);
-        view.pins = pins.clone();
         loaded.push(LoadedRing {
             // The plugin cannot read the sharder's configuration: a ring over a protected
             // resource shows as refused, as the default configuration refuses it.
@@ -395,6 +393,14 @@ pub(crate) async fn load_rings(
         });
     }
     Ok(loaded)
+}
+
+/// Lets the views of `loaded` read the namespace pins of `pins`. Namespaces are read after the
+/// rings' Leases, so a user without either permission is told about the Leases first.
+pub(crate) fn give_pins(loaded: &mut [LoadedRing], pins: &Pins) {
+    for ring in loaded {
+        ring.view.pins = pins.clone();
+    }
 }
 
 /// Whether an object in `namespace` (`None` for cluster-scoped objects) belongs to the ring of

@@ -546,11 +546,12 @@ pub(crate) async fn run(
             })
         })
         .collect();
+    let mut loaded = cluster::load_rings(client, rings, &catalog.infos()).await?;
     let namespaces = match meta.namespace.as_deref() {
-        Some(ns) if !rings.is_empty() => cluster::namespaces(client, Some(ns)).await?,
+        Some(ns) if !loaded.is_empty() => cluster::namespaces(client, Some(ns)).await?,
         _ => cluster::Namespaces::from_metadata([]),
     };
-    let loaded = cluster::load_rings(client, rings, &catalog.infos(), &namespaces.pins).await?;
+    cluster::give_pins(&mut loaded, &namespaces.pins);
     remember_controller_pins(client, &loaded, gr, &meta).await?;
     let now = Timestamp::now();
     let rings = loaded

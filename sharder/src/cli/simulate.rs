@@ -339,8 +339,9 @@ pub(crate) async fn run(
         return Err(ring_not_found(name, kind));
     }
     let catalog = Catalog::discover(client).await?;
+    let mut loaded = cluster::load_rings(client, rings, &catalog.infos()).await?;
     let namespaces = cluster::namespaces(client, namespace).await?;
-    let loaded = cluster::load_rings(client, rings, &catalog.infos(), &namespaces.pins).await?;
+    cluster::give_pins(&mut loaded, &namespaces.pins);
     let Some(ring) = loaded.first() else {
         return Err(ring_not_found(name, kind));
     };

@@ -341,8 +341,9 @@ pub(crate) async fn run(
         return Ok(report);
     }
     let catalog = Catalog::discover(client).await?;
+    let mut loaded = cluster::load_rings(client, rings, &catalog.infos()).await?;
     let namespaces = cluster::namespaces(client, namespace).await?;
-    let loaded = cluster::load_rings(client, rings, &catalog.infos(), &namespaces.pins).await?;
+    cluster::give_pins(&mut loaded, &namespaces.pins);
     let mut tallies: Vec<Tally> = loaded.iter().map(|_| Tally::default()).collect();
     cluster::walk_objects(
         client,
