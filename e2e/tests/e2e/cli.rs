@@ -9,7 +9,7 @@ use anyhow::{Context, ensure};
 use e2e::IndependentRing;
 use e2e::fixtures::{
     WAIT, create_lease_of, create_ring_of, create_secrets, ring_of_kind_with_shards, ring_spec,
-    wait_dry_run_label, wait_labelled, wait_status_of,
+    ring_with_shards, secret, wait_dry_run_label, wait_labelled, wait_status_of, wait_webhook,
 };
 use e2e::process::{binary, poll_until};
 use e2e::scenario::SharedScenario;
@@ -740,4 +740,81 @@ async fn missing_permissions_are_named() -> anyhow::Result<()> {
     let _ = roles.delete(&user, &DeleteParams::default()).await;
     let _ = bindings.delete(&user, &DeleteParams::default()).await;
     result
+}
+
+/// `explain` says which pin decided an object's shard, or why it did not; `simulate` keeps a
+/// pinned object on its shard and counts pins (docs/protocol.md §21).
+#[tokio::test]
+async fn explain_and_simulate_know_pins() -> anyhow::Result<()> {
+    let SharedScenario {
+        mut logs,
+        client,
+        cluster,
+        ..
+    } = SharedScenario::open().await?;
+    let shards = ["a", "b", "c"];
+    let (ns, ring) = ring_with_shards(cluster, &client, "cli-pins", &shards).await?;
+    wait_webhook(&client, &ns, &ring, &shards).await?;
+    let three = IndependentRing::unweighted(shards);
+    let pin = sharding_crds::labels::pin_annotation(&ring);
+    let name = (0..)
+        .map(|i| format!("pinned-{i}"))
+        .find(|n| three.shard_for(&format!("/Secret/{ns}/{n}")) != "b")
+        .expect("a name off b");
+    let secrets = Api::<Secret>::namespaced(client.clone(), &ns);
+    for (object, value) in [(name.as_str(), "b"), ("waiting", "z")] {
+        let mut secret = secret(object);
+        secret.metadata.annotations = Some([(pin.clone(), value.to_string())].into());
+        secrets.create(&PostParams::default(), &secret).await?;
+    }
+    let explained = |object: String| {
+        let (ring, ns) = (ring.clone(), ns.clone());
+        async move {
+            let answer = json(&["explain", "secret", &object, "-n", &ns]).await?;
+            answer["rings"]
+                .as_array()
+                .and_then(|rings| rings.iter().find(|r| r["ring"] == ring.as_str()))
+                .cloned()
+                .with_context(|| format!("ring {ring} missing in {answer}"))
+        }
+    };
+    let pinned = explained(name.clone()).await?;
+    ensure!(
+        pinned["desiredShard"] == "b"
+            && pinned["pin"]["source"] == "object"
+            && pinned["pin"]["state"] == "honoured"
+            && pinned["pin"]["annotation"] == pin.as_str(),
+        "{pinned}"
+    );
+    let waiting = explained("waiting".into()).await?;
+    ensure!(
+        waiting["pin"]["state"] == "unavailable"
+            && waiting["desiredShard"] == three.shard_for(&format!("/Secret/{ns}/waiting")),
+        "{waiting}"
+    );
+    let text = table(&["explain", "secret", &name, "-n", &ns]).await?;
+    ensure!(text.contains("honoured"), "{text}");
+
+    // Adding shard z satisfies the waiting pin; removing b leaves the other to the ring.
+    let simulated = json(&[
+        "simulate",
+        &ring,
+        "--kind",
+        "ClusterRing",
+        "--add-shard",
+        "z",
+        "--remove-shard",
+        "b",
+        "-n",
+        &ns,
+    ])
+    .await?;
+    ensure!(
+        simulated["pinned"] == 2
+            && simulated["pinsUnsatisfiedBefore"] == 1
+            && simulated["pinsUnsatisfiedAfter"] == 1,
+        "{simulated}"
+    );
+    logs.passed();
+    Ok(())
 }
