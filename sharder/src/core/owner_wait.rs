@@ -54,6 +54,8 @@ pub(crate) struct HeldChild {
     pub(crate) name: String,
     /// The shard it sits on, which its controller has to leave first.
     pub(crate) shard: String,
+    /// The shard the sync wants it on: where its controller goes once it has left.
+    pub(crate) desired: String,
     /// Hash of its hash key (its controller's, or its namespace's).
     key_hash: u64,
 }
@@ -72,14 +74,14 @@ impl OwnerWait {
     }
 
     /// Remembers a controlled object [`holds_back`](Self::holds_back) just held, with hash key
-    /// `key`, sitting on `shard`.
+    /// `key`, sitting on `shard`, wanted on `desired`.
     pub(crate) fn remember(
         &mut self,
         key: &str,
         resource: &GroupResource,
         namespace: Option<&str>,
         name: &str,
-        shard: &str,
+        (shard, desired): (&str, &str),
     ) {
         if self
             .held
@@ -94,6 +96,7 @@ impl OwnerWait {
                 namespace: namespace.map(str::to_owned),
                 name: name.to_owned(),
                 shard: shard.to_owned(),
+                desired: desired.to_owned(),
                 key_hash: hash(key),
             });
         }
@@ -327,7 +330,7 @@ mod tests {
 
     fn child(wait: &mut OwnerWait, key: &str, name: &str, shard: &str) {
         let configmaps = GroupResource::new("", "configmaps");
-        wait.remember(key, &configmaps, Some("default"), name, shard);
+        wait.remember(key, &configmaps, Some("default"), name, (shard, "elsewhere"));
     }
 
     fn names(children: Vec<HeldChild>) -> Vec<String> {

@@ -4,9 +4,9 @@
 //! After a sync that held children back, one task per ring watches the ring's main objects that
 //! carry its drain label, metadata-only (a handful of objects: those being drained). An object
 //! leaving that set, by its shard's acknowledgement or by its deletion, frees the children that
-//! waited on it, and they are moved at once. When the task ends the ring is synced again: at once
-//! when all moved, 5 s later when a move failed or the watch could not list within
-//! [`LIST_DEADLINE`].
+//! waited on it, and they are moved at once, each straight to the shard the sync wanted it on.
+//! When the task ends the ring is synced again: at once when all moved, 5 s later when a move
+//! failed or the watch could not list within [`LIST_DEADLINE`].
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -29,14 +29,6 @@ use crate::views::{ResolvedResource, RingView};
 /// their controllers, with the fields `ring`, `moved` and `failed`.
 pub const CONTROLLED_OBJECTS_FOLLOWED: &str =
     "controlled objects followed their controllers' acknowledged drains";
-
-/// Most moves in flight per ring on this path (fewer if `concurrentMoves` is lower). Children are
-/// freed one controller at a time, as acknowledgements arrive, so a few moves in flight keep up;
-/// and each move's admission reads the child's controller (the webhook's lookup for rings that
-/// changed within five minutes), which queues at the API server when many run at once: in one
-/// 1,000-Secret scale-out, 100 in flight let 178 of 235 lookups run into their 1 s timeout, 16
-/// let 21 do.
-const MAX_MOVES_IN_FLIGHT: usize = 16;
 
 /// How long the watches of drained controllers may take to list before the following gives up
 /// and leaves the held objects to a sync (a watch that cannot list, for want of rights say,
@@ -148,7 +140,9 @@ async fn follow(patcher: &Patcher, view: Arc<RingView>, mut waiting: Waiting) ->
     let concurrency = usize::try_from(patcher.ctx.config.controller.sharder.concurrent_moves)
         .unwrap_or(1)
         .max(1);
-    let limit = Arc::new(Semaphore::new(concurrency.min(MAX_MOVES_IN_FLIGHT)));
+    // Each move is one write that passes no webhook, so `concurrentMoves` of them may run, as in
+    // a sync.
+    let limit = Arc::new(Semaphore::new(concurrency));
     let mut moves: JoinSet<bool> = JoinSet::new();
     let mut listed: HashSet<usize> = HashSet::new();
     let mut followed = Followed::default();

@@ -157,13 +157,13 @@ fn tally_object(
                     view.may_be_running(shard)
                 })
         {
-            if let Some(shard) = current {
+            if let (Some(shard), Some(desired)) = (current, placement.desired) {
                 tally.owner_wait.remember(
                     key,
                     gr,
                     meta.namespace.as_deref(),
                     meta.name.as_deref().unwrap_or_default(),
-                    shard,
+                    (shard, desired),
                 );
             }
             return RebalanceDecision::Keep;
