@@ -330,7 +330,13 @@ mod tests {
 
     fn child(wait: &mut OwnerWait, key: &str, name: &str, shard: &str) {
         let configmaps = GroupResource::new("", "configmaps");
-        wait.remember(key, &configmaps, Some("default"), name, (shard, "elsewhere"));
+        wait.remember(
+            key,
+            &configmaps,
+            Some("default"),
+            name,
+            (shard, "elsewhere"),
+        );
     }
 
     fn names(children: Vec<HeldChild>) -> Vec<String> {
