@@ -942,20 +942,24 @@ mod tests {
         assert!(controller_of(view, &configmaps(), &object("orphan", &[], None)).is_none());
     }
 
+    /// The report on Secret `s` in namespace `ns` with one ring's `explanation`.
+    fn report_of(explanation: RingExplanation) -> ExplainReport {
+        ExplainReport {
+            resource: "secrets".into(),
+            kind: "Secret".into(),
+            name: "s".into(),
+            namespace: Some("ns".into()),
+            rings: vec![explanation],
+        }
+    }
+
     #[test]
     fn table_shows_the_pin() {
         let mut ring = loaded(vec![lease("a", "a", 1, None), lease("b", "b", 1, None)]);
         pin_namespace(&mut ring.view, "z");
         let shard = ring.view.shard_label.clone();
         let meta = pinned(object("s", &[(&shard, "b")], None), &ring.view, "b");
-        let explanation = explain(&ring, &secrets(), &meta);
-        let report = ExplainReport {
-            resource: "secrets".into(),
-            kind: "Secret".into(),
-            name: "s".into(),
-            namespace: Some("ns".into()),
-            rings: vec![explanation],
-        };
+        let report = report_of(explain(&ring, &secrets(), &meta));
         let expected = "\
 Secret s in namespace ns (secrets)
 
@@ -971,11 +975,7 @@ ClusterRing r (main resource, hashKey Object, assignment Webhook)
         assert_eq!(table(&report), expected);
 
         let unpinned = explain(&ring, &secrets(), &object("s", &[(&shard, "b")], None));
-        let report = ExplainReport {
-            rings: vec![unpinned],
-            ..report
-        };
-        let text = table(&report);
+        let text = table(&report_of(unpinned));
         assert!(
             text.contains("  pin:           unavailable: the pin of namespace ns names z, which is not an available shard, so the hash ring decides until z becomes available\n"),
             "{text}"
@@ -986,14 +986,11 @@ ClusterRing r (main resource, hashKey Object, assignment Webhook)
     fn table_shows_labels_and_reason() {
         let ring = loaded(vec![lease("a", "a", 1, None)]);
         let shard = ring.view.shard_label.clone();
-        let explanation = explain(&ring, &secrets(), &object("s", &[(&shard, "a")], None));
-        let report = ExplainReport {
-            resource: "secrets".into(),
-            kind: "Secret".into(),
-            name: "s".into(),
-            namespace: Some("ns".into()),
-            rings: vec![explanation],
-        };
+        let report = report_of(explain(
+            &ring,
+            &secrets(),
+            &object("s", &[(&shard, "a")], None),
+        ));
         let expected = "\
 Secret s in namespace ns (secrets)
 
