@@ -896,7 +896,7 @@ async fn the_sharder_writes_only_its_own_labels() -> anyhow::Result<()> {
         );
         let body = &event["requestObject"];
         // A controlled object moved after its controller's acknowledgement: a JSON patch that
-        // tests and removes the shard label, nothing else.
+        // tests the shard label and replaces it (docs/protocol.md §19, item 9), nothing else.
         if let Some(ops) = body.as_array() {
             for op in ops {
                 let path = op["path"].as_str().unwrap_or_default();
@@ -904,7 +904,7 @@ async fn the_sharder_writes_only_its_own_labels() -> anyhow::Result<()> {
                     .strip_prefix("/metadata/labels/")
                     .map(|l| l.replace("~1", "/").replace("~0", "~"));
                 ensure!(
-                    matches!(op["op"].as_str(), Some("test" | "remove"))
+                    matches!(op["op"].as_str(), Some("test" | "replace" | "remove"))
                         && label.is_some_and(|l| allowed_labels.contains(&l)),
                     "{what}: a JSON patch writing more than the ring's labels: {body}"
                 );
