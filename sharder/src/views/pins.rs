@@ -140,16 +140,16 @@ mod tests {
         );
         pins.main_seen(&ring, "/Secret/ns/a", None);
         assert_eq!(pins.controller(&ring, "/Secret/ns/a"), None);
-        pins.main_seen(&ring, "/Secret/ns/gone", Some("shard-a"));
-        std::thread::sleep(std::time::Duration::from_millis(2));
-        let sync_started = Instant::now();
+        let before = Instant::now();
         pins.main_seen(&ring, "/Secret/ns/kept", Some("shard-a"));
-        pins.forget_unseen(&ring, sync_started);
-        assert_eq!(pins.controller(&ring, "/Secret/ns/gone"), None);
+        // A sync that started before the pin was seen keeps it; one that started after forgets it.
+        pins.forget_unseen(&ring, before);
         assert_eq!(
             pins.controller(&ring, "/Secret/ns/kept").as_deref(),
             Some("shard-a")
         );
+        pins.forget_unseen(&ring, Instant::now() + std::time::Duration::from_secs(3600));
+        assert_eq!(pins.controller(&ring, "/Secret/ns/kept"), None);
         pins.main_seen(&other, "/Secret/ns/b", Some("shard-a"));
         pins.retain(&std::collections::BTreeSet::from([ring.clone()]));
         assert_eq!(pins.controller(&other, "/Secret/ns/b"), None);
