@@ -6,6 +6,7 @@ use std::future::Future;
 
 use futures::StreamExt;
 use sharding_crds::labels::LABEL_STATE;
+use sharding_crds::lease::ShardState;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info};
 
@@ -16,10 +17,14 @@ use crate::lease::{Error, LeaseGuard, LeaseLock, RunEnd};
 /// ring because the sharder excluded its Lease.
 pub const EVENT_SHARD_EXCLUDED: &str = "shard_excluded";
 
-/// Resolves once a version of the Lease `lock` just created shows that the sharder admitted it:
-/// held by us, with the sharder's state label ([`LABEL_STATE`]) and without the exclusion
-/// annotation, which the sharder writes in the same patch as the state label. Never resolves
-/// otherwise (an exclusion reaches the renewer, which ends the term).
+/// Resolves once a version of the Lease `lock` just created or took over shows that the sharder
+/// admitted this holding: held by us, with the sharder's state label ([`LABEL_STATE`]) `ready`,
+/// which the acquiring write removed, so the sharder wrote it after seeing us, and without the
+/// exclusion annotation, which the sharder writes in the same patch as the state label. Never
+/// resolves otherwise (an exclusion reaches the renewer, which ends the term).
+///
+/// The sharder holds `ready` back while it still moves objects off this shard from when it was
+/// unavailable (docs/protocol.md §22), so the work's first listing no longer sees them.
 fn admitted(lock: &LeaseLock) -> impl Future<Output = ()> + Send + 'static {
     let mut versions = lock.changes();
     let config = lock.config();
@@ -33,10 +38,9 @@ fn admitted(lock: &LeaseLock) -> impl Future<Output = ()> + Send + 'static {
                 .as_ref()
                 .and_then(|s| s.holder_identity.as_deref())
                 == Some(identity.as_str());
-            let labelled = meta
-                .labels
-                .as_ref()
-                .is_some_and(|l| l.contains_key(LABEL_STATE));
+            let labelled = meta.labels.as_ref().is_some_and(|l| {
+                l.get(LABEL_STATE).map(String::as_str) == Some(ShardState::Ready.as_str())
+            });
             let excluded = exclusion.as_ref().is_some_and(|key| {
                 meta.annotations
                     .as_ref()
@@ -97,14 +101,19 @@ impl Shard {
     /// Each term gets a fresh guard; local state that should survive a rejoin lives outside
     /// `work`.
     ///
-    /// **Cost:** when acquiring *created* the Lease (the first start of a shard, or after the
-    /// sharder deleted a Lease released long ago), the work starts only once the sharder has
-    /// judged it: a watch of the Lease sees the state label the sharder writes (together with
-    /// the exclusion annotation when it excludes the Lease) and no exclusion, usually within
-    /// milliseconds, or, with a sharder that never labels, after the first successful renewal
-    /// (one retry period), whose answer carries an exclusion if there is one. Until then the
-    /// objects labelled with this name may be another copy's. A Lease that existed already was
-    /// judged, and an exclusion is seen in the read before taking it.
+    /// **Cost:** when acquiring created the Lease (the first start of a shard, or after the
+    /// sharder deleted a Lease released long ago) or took it over (a restart after a release,
+    /// or after the Lease expired), the work starts only once the sharder has judged this
+    /// holding: the acquiring write removes the sharder's state label, and a watch of the Lease
+    /// sees the sharder write `ready` again (together with the exclusion annotation when it
+    /// excludes the Lease) without an exclusion, usually within milliseconds; or, with a
+    /// sharder that never labels `ready`, after the first successful renewal (one retry
+    /// period), whose answer carries an exclusion if there is one. Until then the objects
+    /// labelled with this name may be another copy's, and objects the sharder was moving off
+    /// this shard while it was unavailable may still be on their way: the sharder writes `ready`
+    /// only when those moves have landed (docs/protocol.md §22). Renewing a Lease this shard
+    /// still held (a restart within the Lease duration) needs no judgement: to the sharder the
+    /// shard never left.
     ///
     /// [`HeldLease::run_while_held`]: crate::HeldLease::run_while_held
     /// [`ANNOTATION_EXCLUDED`]: sharding_crds::labels::ANNOTATION_EXCLUDED
@@ -127,11 +136,11 @@ impl Shard {
             };
             number += 1;
             let guard = held.guard();
-            // A Lease this process just created has not been judged by the sharder yet: if it
-            // is a duplicate, the exclusion arrives with the sharder's state label, or at the
-            // latest with the first renewal. Until then the objects labelled with this name may
-            // be another copy's.
-            let probation = held.created();
+            // A Lease this process just created or took over has not been judged by the
+            // sharder yet: if it is a duplicate, the exclusion arrives with the sharder's state
+            // label, or at the latest with the first renewal. Until then the objects labelled
+            // with this name may be another copy's, or still on their way to other shards.
+            let probation = held.created() || held.unjudged();
             let end = held
                 .run(shutdown, |stop| {
                     let first_renewal = guard.clone();

@@ -160,7 +160,8 @@ impl Shard {
         let config = LeaseLockConfig::new(&self.lease_namespace, &self.name, &self.name)
             .with_label(self.kind.lease_label(), &self.ring)
             .without_label(self.kind.other().lease_label())
-            .with_exclusion_annotation(labels::ANNOTATION_EXCLUDED);
+            .with_exclusion_annotation(labels::ANNOTATION_EXCLUDED)
+            .with_verdict_label(labels::LABEL_STATE);
         match self.weight {
             Some(weight) => config.with_annotation(labels::ANNOTATION_WEIGHT, weight.to_string()),
             None => config,

@@ -6,6 +6,7 @@ use kube::Client;
 use sharding_crds::config::SharderConfig;
 
 use crate::caches::Caches;
+use crate::direct_moves::DirectMoves;
 use crate::events::Events;
 use crate::metrics::Metrics;
 use crate::observed::Observed;
@@ -33,6 +34,9 @@ pub(crate) struct Context {
     pub(crate) observed: Arc<Observed>,
     /// Whether the API server reaches each ring's webhook, as the leader's moves show it.
     pub(crate) reachability: Arc<Reachability>,
+    /// The direct moves in flight off each shard: a returning shard's Lease is labelled `ready`
+    /// only when none is.
+    pub(crate) direct_moves: Arc<DirectMoves>,
 }
 
 impl std::fmt::Debug for Context {

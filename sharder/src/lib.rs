@@ -18,6 +18,7 @@
 //! | [`reachability`] | whether the API server reaches each ring's webhook; moves stop while it does not |
 //! | [`client`] | the API clients (controllers, leader election, caches) |
 //! | `context` | what the leader's controllers share |
+//! | `direct_moves` | the direct moves in flight off each shard, which hold back a returning shard's `ready` label |
 //! | [`cli`] | the kubectl plugin (`kubectl sharding`): status, explain, simulate |
 //!
 //! [`run`] lists the tasks of the process and stops them all on one shutdown signal. The Lease
@@ -30,6 +31,7 @@ pub mod client;
 mod context;
 pub mod controller;
 pub mod core;
+mod direct_moves;
 pub mod events;
 mod leader_election;
 pub mod metrics;
@@ -104,6 +106,7 @@ pub async fn run(
         )),
         observed: Arc::default(),
         reachability: Arc::default(),
+        direct_moves: Arc::default(),
         metrics,
     };
     // Refused leader-election settings stop the process here, before it serves anything.

@@ -1165,3 +1165,277 @@ async fn departures_while_not_watching_are_found_by_the_first_listing() -> anyho
     );
     Ok(())
 }
+
+/// The `resourceVersion` of `object` as a number: one etcd orders every write of the control
+/// plane, so versions of different objects compare (a test's shortcut; clients must not rely on
+/// it).
+fn version<K: kube::Resource>(object: &K) -> anyhow::Result<u64> {
+    Ok(object
+        .resource_version()
+        .context("resourceVersion")?
+        .parse()?)
+}
+
+/// How many moves off the returning shard are seen before it comes back.
+const MOVES_BEFORE_RETURN: usize = 20;
+
+/// docs/protocol.md §22: a shard that comes back while the sharder is still moving its objects
+/// off it (directly, since it had released its Lease) starts its new term only when the moves
+/// in flight have landed, and no move starts after the sharder has seen it back. So nothing the
+/// new term lists is moved away under it; before, the moves sent before the shard came back
+/// landed after its first listing, and two shards started reconciles of those objects.
+///
+/// The shard comes back once a few moves off it are seen, which is mid-flight (the sharder has up
+/// to `maxPatchesInFlight` on their way): the test fails unless some moves were still landing
+/// after the Lease was taken again. It checks the versions the API server gave the writes: the
+/// sharder's `ready` comes after the last move, the new term's listing after `ready`.
+#[tokio::test]
+async fn a_returning_shard_starts_after_the_moves_off_it_landed() -> anyhow::Result<()> {
+    use tokio_util::sync::CancellationToken;
+    let SharedScenario {
+        mut logs,
+        client,
+        ns,
+        ..
+    } = SharedScenario::in_namespace("shard-return").await?;
+    let ring = unique_name("return");
+    create_ring(&client, &ring, ring_spec(&ns)).await?;
+    // The other shard: a Lease nobody renews, valid for the whole test; it never acknowledges a
+    // drain, so what moves to it stays.
+    create_lease(&client, &ns, &ring, "shard-b", 3600).await?;
+    let name = "shard-r";
+    let shard = shard::Shard::new(&ring, name, &ns);
+    let lock = || -> anyhow::Result<LeaseLock> {
+        let config = shard
+            .lease_config()
+            .with_lease_duration(Duration::from_secs(15))
+            .with_renew_deadline(Duration::from_secs(10))
+            .with_retry_period(Duration::from_secs(2));
+        Ok(LeaseLock::new(client.clone(), config)?)
+    };
+    let first_term = CancellationToken::new();
+    let first = {
+        let (shard, lock, stop) = (shard.clone(), lock()?, first_term.clone());
+        tokio::spawn(async move {
+            shard
+                .run(
+                    &lock,
+                    &stop,
+                    |term| async move { term.stop.cancelled().await },
+                )
+                .await
+        })
+    };
+    wait_status(&client, &ring, 2, 2).await?;
+    wait_webhook(&client, &ns, &ring, &["shard-b", name]).await?;
+
+    let names: Vec<String> = (0..1200).map(|i| format!("s-{i}")).collect();
+    let creates = futures::stream::iter(names.iter().map(|n| {
+        let secrets: Api<Secret> = Api::namespaced(client.clone(), &ns);
+        async move { secrets.create(&PostParams::default(), &secret(n)).await }
+    }))
+    .buffer_unordered(16)
+    .try_collect::<Vec<_>>();
+    creates.await?;
+    let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+    let ring_ref = RingRef::new(RingKind::ClusterRing, ring.clone());
+    wait_labelled::<Secret>(&client, &ns, &ring_ref, &refs).await?;
+    let key = labels::shard_label(&ring);
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), &ns);
+    let listed = secrets.list(&Default::default()).await?;
+    let on_r = listed
+        .items
+        .iter()
+        .filter(|s| s.labels().get(&key).map(String::as_str) == Some(name))
+        .count();
+    ensure!(on_r > 300, "{on_r} of 1200 on {name}");
+
+    // Every move off shard-r from here on, with the version it was written at.
+    let from = listed.metadata.resource_version.context("list version")?;
+    let (moved_tx, mut moved_rx) = tokio::sync::mpsc::unbounded_channel::<(String, u64)>();
+    let watcher = {
+        let (secrets, key, from) = (secrets.clone(), key.clone(), from.clone());
+        let mut shards: BTreeMap<String, String> = listed
+            .items
+            .iter()
+            .map(|s| {
+                (
+                    s.name_any(),
+                    s.labels().get(&key).cloned().unwrap_or_default(),
+                )
+            })
+            .collect();
+        tokio::spawn(async move {
+            let mut events = secrets
+                .watch(&WatchParams::default().timeout(120), &from)
+                .await?
+                .boxed();
+            while let Some(event) = events.try_next().await? {
+                let WatchEvent::Modified(secret) = event else {
+                    continue;
+                };
+                let now = secret.labels().get(&key).cloned().unwrap_or_default();
+                let before = shards.insert(secret.name_any(), now.clone());
+                if before.as_deref() == Some(name) && now != name {
+                    let _ = moved_tx.send((secret.name_any(), version(&secret)?));
+                }
+            }
+            anyhow::Ok(())
+        })
+    };
+
+    // Every version of shard-r's Lease from here on: its holder, state label and version.
+    let leases: Api<Lease> = Api::namespaced(client.clone(), &ns);
+    let lease_versions = {
+        let leases = leases.clone();
+        let mut events = leases
+            .watch(
+                &WatchParams::default()
+                    .fields(&format!("metadata.name={name}"))
+                    .timeout(120),
+                &from,
+            )
+            .await?
+            .boxed();
+        let versions = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let recorded = std::sync::Arc::clone(&versions);
+        let task = tokio::spawn(async move {
+            while let Some(event) = events.try_next().await? {
+                if let WatchEvent::Modified(lease) = event {
+                    let state = lease.labels().get(labels::LABEL_STATE).cloned();
+                    recorded
+                        .lock()
+                        .map_err(|_| anyhow::anyhow!("poisoned"))?
+                        .push((version(&lease)?, holder(&lease).to_string(), state));
+                }
+            }
+            anyhow::Ok(())
+        });
+        (versions, task)
+    };
+
+    // Released: the sharder moves shard-r's objects to shard-b directly. Back at the first
+    // move seen.
+    first_term.cancel();
+    let ended = first.await??;
+    ensure!(
+        ended == shard::ShardRunEnd::Stopped { released: true },
+        "{ended:?}"
+    );
+    let mut moves = Vec::new();
+    while moves.len() < MOVES_BEFORE_RETURN {
+        let moved = tokio::time::timeout(WAIT, moved_rx.recv())
+            .await?
+            .context("watch ended")?;
+        moves.push(moved);
+    }
+    let (listing_tx, listing_rx) = tokio::sync::oneshot::channel();
+    let second_term = CancellationToken::new();
+    let second = {
+        let (shard, lock, stop, secrets) =
+            (shard.clone(), lock()?, second_term.clone(), secrets.clone());
+        let selector = format!("{key}={name}");
+        tokio::spawn(async move {
+            let mut listing_tx = Some(listing_tx);
+            shard
+                .run(&lock, &stop, |term| {
+                    let (secrets, selector, tx) =
+                        (secrets.clone(), selector.clone(), listing_tx.take());
+                    async move {
+                        // What the new term's work sees first: a consistent listing.
+                        let listed = secrets
+                            .list(&kube::api::ListParams::default().labels(&selector))
+                            .await;
+                        if let Some(tx) = tx {
+                            let _ = tx.send(listed);
+                        }
+                        term.stop.cancelled().await
+                    }
+                })
+                .await
+        })
+    };
+    let listing = tokio::time::timeout(WAIT, listing_rx).await??;
+    let listing = listing?;
+    let listed_at: u64 = listing
+        .metadata
+        .resource_version
+        .as_deref()
+        .context("list version")?
+        .parse()?;
+    let listed_names: std::collections::BTreeSet<String> =
+        listing.items.iter().map(|s| s.name_any()).collect();
+
+    // The moves settle: nothing more moves off shard-r for 3 s.
+    while let Ok(Some(moved)) = tokio::time::timeout(Duration::from_secs(3), moved_rx.recv()).await
+    {
+        moves.push(moved);
+    }
+    // The Lease's versions after the release: taken again, then `ready` from the sharder.
+    let versions = lease_versions
+        .0
+        .lock()
+        .map_err(|_| anyhow::anyhow!("poisoned"))?
+        .clone();
+    let released = versions
+        .iter()
+        .position(|(_, holder, _)| holder.is_empty())
+        .context("the release was seen")?;
+    let (taken_at, _, verdict) = versions[released..]
+        .iter()
+        .find(|(_, holder, _)| holder == name)
+        .context("taken again")?;
+    ensure!(
+        verdict.is_none(),
+        "the take removed the state label: {verdict:?}"
+    );
+    let (ready_at, _, _) = versions[released..]
+        .iter()
+        .find(|(at, holder, state)| {
+            at > taken_at && holder == name && state.as_deref() == Some("ready")
+        })
+        .context("labelled ready again")?;
+    let last_move = moves.iter().map(|(_, at)| *at).max().unwrap_or_default();
+    println!(
+        "versions: taken {taken_at}, last move {last_move}, ready {ready_at}, new term listed at \
+         {listed_at}"
+    );
+    ensure!(
+        last_move < *ready_at,
+        "the sharder wrote `ready` (version {ready_at}) before the last move off the shard \
+         landed ({last_move})"
+    );
+    ensure!(
+        listed_at >= *ready_at,
+        "the new term listed (version {listed_at}) before the sharder's `ready` ({ready_at})"
+    );
+    let landed_after_return = moves.iter().filter(|(_, at)| at > taken_at).count();
+    let under_the_new_term: Vec<&String> = moves
+        .iter()
+        .filter(|(moved, at)| *at > listed_at && listed_names.contains(moved))
+        .map(|(moved, _)| moved)
+        .collect();
+    println!(
+        "{} moves off {name}, {landed_after_return} landed after it took its Lease again; its new \
+         term listed {} objects",
+        moves.len(),
+        listed_names.len()
+    );
+    ensure!(
+        under_the_new_term.is_empty(),
+        "moved away after the new term listed them: {under_the_new_term:?}"
+    );
+    ensure!(
+        landed_after_return > 0,
+        "no move was in flight when the shard came back: the test did not exercise the race"
+    );
+    second_term.cancel();
+    ensure!(
+        second.await?? == shard::ShardRunEnd::Stopped { released: true },
+        "second term ended cleanly"
+    );
+    watcher.abort();
+    lease_versions.1.abort();
+    logs.passed();
+    Ok(())
+}

@@ -26,6 +26,7 @@ pub struct LeaseLockConfig {
     pub(super) removed_labels: Vec<String>,
     pub(super) annotations: BTreeMap<String, String>,
     pub(super) exclusion_annotation: Option<String>,
+    pub(super) verdict_label: Option<String>,
     pub(super) timing: LeaseTiming,
 }
 
@@ -48,6 +49,7 @@ impl LeaseLockConfig {
             removed_labels: Vec::new(),
             annotations: BTreeMap::new(),
             exclusion_annotation: None,
+            verdict_label: None,
             timing: LeaseTiming::default(),
         }
     }
@@ -145,6 +147,24 @@ impl LeaseLockConfig {
     /// The annotation the lock treats as exclusion, if any.
     pub fn exclusion_annotation(&self) -> Option<&str> {
         self.exclusion_annotation.as_deref()
+    }
+
+    /// Makes the lock treat the label `key` as an observer's verdict on the Lease's holder (the
+    /// sharder's state label on a shard Lease, docs/protocol.md §22): the write that starts a new
+    /// holding (creating the Lease, or taking it over after a release or an expiry) removes it,
+    /// so a value seen after that write was written about this holding
+    /// ([`HeldLease::unjudged`]). Renewals keep it.
+    ///
+    /// [`HeldLease::unjudged`]: super::HeldLease::unjudged
+    #[must_use]
+    pub fn with_verdict_label(mut self, key: impl Into<String>) -> Self {
+        self.verdict_label = Some(key.into());
+        self
+    }
+
+    /// The label the lock treats as an observer's verdict on the holder, if any.
+    pub fn verdict_label(&self) -> Option<&str> {
+        self.verdict_label.as_deref()
     }
 
     /// Annotations the lock keeps on the Lease.

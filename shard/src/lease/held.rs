@@ -181,6 +181,8 @@ pub struct HeldLease {
     pub(super) guard: LeaseGuard,
     /// Whether acquiring created the Lease (nobody else can have judged it yet).
     pub(super) created: bool,
+    /// Whether acquiring started a new holding and removed the verdict label.
+    pub(super) unjudged: bool,
     pub(super) stop: CancellationToken,
     pub(super) renewer: Option<JoinHandle<Lease>>,
 }
@@ -216,6 +218,14 @@ impl HeldLease {
     /// before.
     pub fn created(&self) -> bool {
         self.created
+    }
+
+    /// Whether no observer has judged this holding yet: acquiring created the Lease or took it
+    /// over (after a release or an expiry) and, for a lock with a verdict label
+    /// ([`LeaseLockConfig::with_verdict_label`]), removed that label in the same write. A verdict
+    /// label seen on a later version was written about this holding.
+    pub fn unjudged(&self) -> bool {
+        self.unjudged
     }
 
     /// Whether the Lease has been lost (or its renew deadline has passed, or it was excluded).

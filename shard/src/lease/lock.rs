@@ -129,8 +129,8 @@ impl LeaseLock {
         loop {
             let started = Instant::now();
             match self.inner.try_acquire_once().await {
-                Ok(Attempt::Acquired(lease, created)) => {
-                    return self.start_renewing(*lease, started, created);
+                Ok(Attempt::Acquired(lease, fresh)) => {
+                    return self.start_renewing(*lease, started, fresh);
                 }
                 Ok(Attempt::Excluded(reason)) => {
                     if last_exclusion.as_ref() != Some(&reason) {
@@ -174,16 +174,16 @@ impl LeaseLock {
     pub async fn try_acquire(&self) -> Result<Option<HeldLease>, Error> {
         let started = Instant::now();
         match self.inner.try_acquire_once().await? {
-            Attempt::Acquired(lease, created) => {
-                Ok(Some(self.start_renewing(*lease, started, created)))
+            Attempt::Acquired(lease, fresh) => {
+                Ok(Some(self.start_renewing(*lease, started, fresh)))
             }
             Attempt::HeldBy(_) | Attempt::LostRace | Attempt::Excluded(_) => Ok(None),
         }
     }
 
-    /// Starts the renewer for a Lease acquired by a write sent at `written_at` (which `created`
-    /// it, or took or renewed an existing one).
-    fn start_renewing(&self, lease: Lease, written_at: Instant, created: bool) -> HeldLease {
+    /// Starts the renewer for a Lease acquired by a write sent at `written_at` (which created
+    /// it, or took or renewed an existing one, as `fresh` tells).
+    fn start_renewing(&self, lease: Lease, written_at: Instant, fresh: Fresh) -> HeldLease {
         let config = &self.inner.config;
         info!(
             event = EVENT_ACQUIRED,
@@ -205,17 +205,27 @@ impl LeaseLock {
         HeldLease {
             inner: Arc::clone(&self.inner),
             guard,
-            created,
+            created: fresh.creating,
+            unjudged: fresh.fresh && config.verdict_label.is_some(),
             stop,
             renewer: Some(renewer),
         }
     }
 }
 
+/// How new a holding that an acquire attempt started is.
+#[derive(Clone, Copy, Debug)]
+struct Fresh {
+    /// The attempt created the Lease.
+    creating: bool,
+    /// The attempt created the Lease or took it over: a new holding.
+    fresh: bool,
+}
+
 /// Outcome of one acquire attempt.
 enum Attempt {
-    /// Ours now; `true` when this attempt created it.
-    Acquired(Box<Lease>, bool),
+    /// Ours now.
+    Acquired(Box<Lease>, Fresh),
     HeldBy(String),
     LostRace,
     /// The Lease carries the exclusion annotation with this reason; it is not ours (any more).
@@ -320,7 +330,17 @@ impl Inner {
             return Ok(Attempt::LostRace);
         };
         let creating = existing.is_none();
-        let lease = self.with_spec(existing, desired);
+        // A new holding: whatever verdict an observer wrote was about the one before.
+        let fresh = matches!(decision, AcquireDecision::Create | AcquireDecision::Take);
+        let mut lease = self.with_spec(existing, desired);
+        if fresh
+            && let (Some(key), Some(labels)) = (
+                self.config.verdict_label.as_ref(),
+                lease.metadata.labels.as_mut(),
+            )
+        {
+            labels.remove(key);
+        }
         let written = if creating {
             self.store.create(&lease).await
         } else {
@@ -333,7 +353,10 @@ impl Inner {
                     self.release_excluded(lease).await?;
                     Ok(Attempt::Excluded(reason))
                 }
-                None => Ok(Attempt::Acquired(Box::new(lease), creating)),
+                None => Ok(Attempt::Acquired(
+                    Box::new(lease),
+                    Fresh { creating, fresh },
+                )),
             },
             // Someone created, changed or deleted it since we read it: look again next time.
             // (A 404 on create means the namespace is missing: an error worth a warning.)

@@ -850,3 +850,103 @@ async fn work_on_a_created_lease_waits_for_the_first_renewal() {
         assert!(matches!(ended, ShardRunEnd::Stopped { .. }), "{ended:?}");
     }
 }
+
+/// [`lock`] with the sharder's state label as its verdict label, as [`crate::Shard::lease_config`]
+/// has it.
+fn judged_lock(fake: &FakeStore) -> LeaseLock {
+    let config = LeaseLockConfig::new("ns", "shard-a", "shard-a")
+        .with_exclusion_annotation(EXCLUDED)
+        .with_verdict_label(sharding_crds::labels::LABEL_STATE)
+        .with_lease_duration(DURATION)
+        .with_renew_deadline(DEADLINE)
+        .with_retry_period(RETRY);
+    LeaseLock::with_store(Store::Fake(fake.clone()), config, test_clock()).expect("valid")
+}
+
+/// The sharder's state label on the fake's Lease.
+fn state_label(fake: &FakeStore) -> Option<String> {
+    fake.lease()
+        .and_then(|l| l.metadata.labels)
+        .and_then(|l| l.get(sharding_crds::labels::LABEL_STATE).cloned())
+}
+
+fn set_state_label(fake: &FakeStore, state: &str) {
+    fake.modify(|lease| {
+        lease
+            .metadata
+            .labels
+            .get_or_insert_default()
+            .insert(sharding_crds::labels::LABEL_STATE.into(), state.into());
+    });
+}
+
+#[tokio::test(start_paused = true)]
+async fn work_on_a_taken_over_lease_starts_on_a_ready_written_after_the_take() {
+    let shard = crate::Shard::new("r", "shard-a", "ns");
+    let fake = FakeStore::new();
+    // An earlier term: held, judged ready, released on shutdown. The sharder has not relabelled
+    // it yet, so `ready` is still on it, about the holding that ended.
+    let held = judged_lock(&fake).acquire().await;
+    assert!(held.unjudged(), "a created Lease is unjudged");
+    set_state_label(&fake, "ready");
+    assert!(held.release().await.expect("released"));
+    assert_eq!(state_label(&fake).as_deref(), Some("ready"));
+
+    let shutdown = CancellationToken::new();
+    let begin = Instant::now();
+    let (started, run) = spawn_shard_run(&shard, judged_lock(&fake), &shutdown);
+    settle().await;
+    assert_eq!(
+        spec(&fake).holder_identity.as_deref(),
+        Some("shard-a"),
+        "taken"
+    );
+    assert_eq!(state_label(&fake), None, "the take removed the old verdict");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(*started.lock().expect("lock"), None, "not before a verdict");
+    // A verdict other than `ready` (the sharder still moving objects off the shard would write
+    // nothing; a stale one would be refused by its resourceVersion) does not start it either.
+    set_state_label(&fake, "dead");
+    settle().await;
+    assert_eq!(*started.lock().expect("lock"), None, "not on `dead`");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    set_state_label(&fake, "ready");
+    settle().await;
+    assert_eq!(
+        *started.lock().expect("lock"),
+        Some(begin + Duration::from_millis(500)),
+        "started on `ready`"
+    );
+    shutdown.cancel();
+    let ended = run.await.expect("task ok").expect("no error");
+    assert_eq!(ended, crate::ShardRunEnd::Stopped { released: true });
+}
+
+#[tokio::test(start_paused = true)]
+async fn work_on_a_lease_still_held_starts_at_once() {
+    let shard = crate::Shard::new("r", "shard-a", "ns");
+    let fake = FakeStore::new();
+    let held = judged_lock(&fake).acquire().await;
+    set_state_label(&fake, "ready");
+    // The process ends without releasing (a crash) and comes back within the Lease duration: to
+    // the sharder the shard never left, so there is nothing to wait for.
+    drop(held);
+    tokio::time::sleep(RETRY).await;
+    let shutdown = CancellationToken::new();
+    let begin = Instant::now();
+    let (started, run) = spawn_shard_run(&shard, judged_lock(&fake), &shutdown);
+    settle().await;
+    assert_eq!(
+        state_label(&fake).as_deref(),
+        Some("ready"),
+        "renewal keeps it"
+    );
+    assert_eq!(
+        *started.lock().expect("lock"),
+        Some(begin),
+        "started at once"
+    );
+    shutdown.cancel();
+    let ended = run.await.expect("task ok").expect("no error");
+    assert_eq!(ended, crate::ShardRunEnd::Stopped { released: true });
+}

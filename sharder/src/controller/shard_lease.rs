@@ -30,6 +30,10 @@ use crate::events::{REASON_CLOCK_SKEW, REASON_INVALID_WEIGHT, REASON_SHARD_DEAD}
 /// Longest requeue; far-away boundaries (absurd durations) are re-evaluated at least this often.
 const MAX_REQUEUE: Duration = Duration::from_secs(3600);
 
+/// How often a returning shard's Lease is looked at again while direct moves off the shard are
+/// in flight; each is one write's round trip.
+const READY_RECHECK: Duration = Duration::from_millis(20);
+
 /// Errors of one reconciliation; the Lease is retried after a short delay.
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum Error {
@@ -418,6 +422,16 @@ async fn reconcile(lease: Arc<Lease>, state: Arc<State>) -> Result<Action, Error
                 Err(e) => return Err(write_err("delete")(e)),
             }
             Ok(Action::await_change())
+        }
+        ShardState::Ready
+            if lease.labels().get(LABEL_STATE).map(String::as_str) != Some(state.as_str())
+                && ctx.direct_moves.in_flight(&ring_ref, &name) =>
+        {
+            // The shard holds its Lease again while the sync still moves its objects off it:
+            // `ready` is what lets the shard library start its work, so it waits until those
+            // moves have landed (docs/protocol.md §22). No new one starts: they check the cache
+            // this Lease came from.
+            Ok(Action::requeue(READY_RECHECK))
         }
         _ => {
             if lease.labels().get(LABEL_STATE).map(String::as_str) != Some(state.as_str())

@@ -4,10 +4,11 @@
 
 use std::sync::Arc;
 
-use kube::Resource;
 use kube::api::{Api, DynamicObject, Patch, PatchParams};
 use kube::core::{ApiResource, PartialObjectMeta};
+use kube::{Resource, ResourceExt};
 use serde_json::json;
+use sharding_crds::lease::ShardLease;
 use sharding_crds::{GroupResource, RingRef};
 
 use super::patch_limit::PatchLimit;
@@ -15,6 +16,7 @@ use crate::context::Context;
 use crate::core::key::{KeyOutcome, ObjectInfo};
 use crate::core::owner_wait::HeldChild;
 use crate::core::rebalance::RebalanceDecision;
+use crate::direct_moves::DirectMove;
 use crate::events::{REASON_WEBHOOK_REACHABLE, REASON_WEBHOOK_UNREACHABLE};
 use crate::metrics::Metrics;
 use crate::reachability::MoveGate;
@@ -62,6 +64,12 @@ impl Patcher {
         // Every ring's sync and the missed-assignment path share one bound; held for the probe and
         // the patch alike.
         let _permit = self.limit.acquire().await;
+        // Checked with the permit in hand, right before the write, and held until its answer: the
+        // shard it leaves is labelled `ready` again only after.
+        let _direct = match decision {
+            RebalanceDecision::Move => self.direct_move(view, meta.labels.as_ref())?,
+            _ => None,
+        };
         // Without a resourceVersion (a held-back child whose controller left its shard) the
         // move is unconditional: whatever happened to the object since, the webhook places it.
         let body = match &meta.resource_version {
@@ -147,6 +155,7 @@ impl Patcher {
             &shard,
         );
         let _permit = self.limit.acquire().await;
+        let _direct = self.direct_move(view, meta.labels.as_ref())?;
         match self
             .json_patch(
                 ar,
@@ -220,6 +229,11 @@ impl Patcher {
         child: &HeldChild,
     ) -> Result<bool, PatchError> {
         let _permit = self.limit.acquire().await;
+        let _direct = match self.direct_move_off(view, &child.shard) {
+            Ok(direct) => direct,
+            // Its shard is back and keeps it until a newer sync decides.
+            Err(_) => return Ok(false),
+        };
         let pointer = label_pointer(&view.shard_label);
         let ops = json!([
             {"op": "test", "path": pointer, "value": child.shard},
@@ -234,6 +248,46 @@ impl Patcher {
             Err(kube::Error::Api(status)) if matches!(status.code, 404 | 422) => Ok(false),
             Err(e) => Err(e.into()),
         }
+    }
+
+    /// Starts a direct move of an object with `labels` if it is one: it sits on a shard that
+    /// `view` does not count as possibly running (docs/protocol.md §22). Not one: `Ok(None)`.
+    fn direct_move(
+        &self,
+        view: &RingView,
+        labels: Option<&std::collections::BTreeMap<String, String>>,
+    ) -> Result<Option<DirectMove>, PatchError> {
+        match labels.and_then(|l| l.get(&view.shard_label)) {
+            Some(shard) if !shard.is_empty() => self.direct_move_off(view, shard),
+            _ => Ok(None),
+        }
+    }
+
+    /// Starts a move of an object off `shard` if that is a direct move (`shard` is not possibly
+    /// running in `view`); [`PatchError::ShardBack`] when the shard holds its Lease again by now,
+    /// as the Lease cache shows: the move must not go out.
+    fn direct_move_off(
+        &self,
+        view: &RingView,
+        shard: &str,
+    ) -> Result<Option<DirectMove>, PatchError> {
+        if view.may_be_running(shard) {
+            return Ok(None);
+        }
+        let ring = view.ring_ref();
+        let index = self.ctx.caches.lease_index(ring.kind);
+        // Any Lease of the ring with the shard's name held by the shard makes the views count it
+        // as possibly running (available, or kept out while held).
+        let back = || {
+            index.ring_leases(&ring.name).iter().any(|lease| {
+                lease.name_any() == shard && ShardLease::from_lease(lease).is_held_by_shard()
+            })
+        };
+        self.ctx
+            .direct_moves
+            .begin(&ring, shard, back)
+            .map(Some)
+            .ok_or(PatchError::ShardBack)
     }
 
     /// Whether a move may be sent now: the ring's webhook answers, or a dry run of `body` (a
@@ -421,6 +475,10 @@ pub(super) enum PatchError {
     /// The ring's webhook is unreachable and no probe is due: the move was not sent.
     #[error("the ring's webhook is unreachable; move held back")]
     Held,
+    /// The move would take the object off an unavailable shard, which holds its Lease again: not
+    /// sent; the sync of the newer view decides (docs/protocol.md §22).
+    #[error("the shard the object was to leave holds its Lease again; move not sent")]
+    ShardBack,
 }
 
 /// The API resource of `gr`, at the version discovery found.

@@ -525,6 +525,8 @@ async fn sync_list(
                     RebalanceDecision::Keep => {}
                 },
                 Err(PatchError::Held) => stats.held += 1,
+                // The view changed under the sync; the next sync decides with the shard back.
+                Err(PatchError::ShardBack) => {}
                 Err(_) => stats.failed += 1,
             }
         }

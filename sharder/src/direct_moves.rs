@@ -1,0 +1,109 @@
+//! Direct moves in flight off each shard, so that a shard coming back is let in only after its
+//! objects stopped moving (docs/protocol.md §22).
+//!
+//! The sync moves the objects of an unavailable shard directly, without a drain, because nobody
+//! reconciles them. When that shard takes its Lease again while such moves are still on their way
+//! to the API server, they land after the shard's new term may have listed the objects, and two
+//! shards would reconcile them at once for a moment. So the shard-lease controller labels a Lease
+//! `ready` again only when no direct move off its shard is in flight, and a move that would start
+//! after the shard came back is not sent: the shard library starts a new term's work only on
+//! that label.
+//!
+//! Both sides decide under one lock and from the same Lease cache: once the shard-lease
+//! controller found no move in flight for a Lease it saw held, every later [`DirectMoves::begin`]
+//! sees that Lease held too and refuses.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use sharding_crds::RingRef;
+
+/// The direct moves in flight, by ring and the shard they leave.
+#[derive(Debug, Default)]
+pub(crate) struct DirectMoves {
+    in_flight: Mutex<HashMap<(RingRef, String), usize>>,
+}
+
+/// One direct move in flight; dropping it ends it.
+#[derive(Debug)]
+#[must_use = "the move counts as in flight only while this is held"]
+pub(crate) struct DirectMove {
+    moves: Arc<DirectMoves>,
+    key: (RingRef, String),
+}
+
+impl DirectMoves {
+    /// Starts a direct move of an object of `ring` off `shard`, unless `shard_is_back` (asked
+    /// under the lock, from the Lease cache) says the shard holds its Lease again: then `None`,
+    /// and the move must not be sent.
+    pub(crate) fn begin(
+        self: &Arc<Self>,
+        ring: &RingRef,
+        shard: &str,
+        shard_is_back: impl FnOnce() -> bool,
+    ) -> Option<DirectMove> {
+        let mut in_flight = self.in_flight.lock().unwrap_or_else(|e| e.into_inner());
+        if shard_is_back() {
+            return None;
+        }
+        let key = (ring.clone(), shard.to_string());
+        *in_flight.entry(key.clone()).or_default() += 1;
+        Some(DirectMove {
+            moves: Arc::clone(self),
+            key,
+        })
+    }
+
+    /// Whether a direct move of an object of `ring` off `shard` is in flight.
+    pub(crate) fn in_flight(&self, ring: &RingRef, shard: &str) -> bool {
+        let in_flight = self.in_flight.lock().unwrap_or_else(|e| e.into_inner());
+        in_flight.contains_key(&(ring.clone(), shard.to_string()))
+    }
+}
+
+impl Drop for DirectMove {
+    fn drop(&mut self) {
+        let mut in_flight = self
+            .moves
+            .in_flight
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if let Some(count) = in_flight.get_mut(&self.key) {
+            *count -= 1;
+            if *count == 0 {
+                in_flight.remove(&self.key);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sharding_crds::RingKind;
+
+    fn ring(name: &str) -> RingRef {
+        RingRef::new(RingKind::ClusterRing, name.to_string())
+    }
+
+    #[test]
+    fn a_move_is_in_flight_until_dropped() {
+        let moves = Arc::new(DirectMoves::default());
+        let first = moves.begin(&ring("r"), "shard-a", || false).expect("sent");
+        let second = moves.begin(&ring("r"), "shard-a", || false).expect("sent");
+        assert!(moves.in_flight(&ring("r"), "shard-a"));
+        assert!(!moves.in_flight(&ring("r"), "shard-b"), "another shard");
+        assert!(!moves.in_flight(&ring("other"), "shard-a"), "another ring");
+        drop(first);
+        assert!(moves.in_flight(&ring("r"), "shard-a"), "one left");
+        drop(second);
+        assert!(!moves.in_flight(&ring("r"), "shard-a"));
+    }
+
+    #[test]
+    fn no_move_starts_once_the_shard_is_back() {
+        let moves = Arc::new(DirectMoves::default());
+        assert!(moves.begin(&ring("r"), "shard-a", || true).is_none());
+        assert!(!moves.in_flight(&ring("r"), "shard-a"), "nothing counted");
+    }
+}
