@@ -2,8 +2,9 @@
 //!
 //! - **Convergence**: the shards whose Leases make them available are exactly the shards the tool
 //!   keeps running; every Secret carries the shard label the [`IndependentRing`] gives
-//!   for them, every ConfigMap a Secret controls carries its controller's, a ConfigMap without a
-//!   controller carries none, and no object carries the drain label.
+//!   for them, or its pin's shard while that is available ([`pins::predict`]), every ConfigMap a
+//!   Secret controls carries its controller's, a ConfigMap without a controller carries none, and
+//!   no object carries the drain label.
 //! - **Nothing lost**: every Secret has its `checksums-<name>` ConfigMap, controlled by it, with
 //!   the lowercase hex SHA-256 of each of its values; no ConfigMap controlled by a Secret that is
 //!   gone survives.
@@ -13,11 +14,12 @@ use std::time::{Duration, Instant};
 
 use e2e::IndependentRing;
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{ConfigMap, Secret};
+use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Secret};
 use kube::api::{Api, ListParams};
 use kube::{Client, ResourceExt};
 use sha2::{Digest, Sha256};
 
+use crate::pins::{self, PinCounts};
 use crate::ring::{LabelKeys, available_shards, secret_key};
 
 /// Prefix checksum-controller gives its ConfigMaps' names.
@@ -34,18 +36,25 @@ pub(crate) struct Snapshot {
     /// `(namespace, ConfigMap)`.
     pub(crate) config_maps: Vec<(String, ConfigMap)>,
     pub(crate) leases: Vec<Lease>,
+    /// The ring's pin on each namespace that carries one.
+    pub(crate) namespace_pins: BTreeMap<String, String>,
 }
 
 impl Snapshot {
-    /// Lists the ring's namespaces and the shard Leases.
+    /// Lists the ring's namespaces (their pins `pin_key` too) and the shard Leases.
     pub(crate) async fn take(
         client: &Client,
         namespaces: &[String],
         lease_namespace: &str,
         ring: &str,
+        pin_key: &str,
     ) -> anyhow::Result<Self> {
         let mut snapshot = Self::default();
         for ns in namespaces {
+            let namespace = Api::<Namespace>::all(client.clone()).get(ns).await?;
+            if let Some(pin) = namespace.annotations().get(pin_key) {
+                snapshot.namespace_pins.insert(ns.clone(), pin.clone());
+            }
             let secrets = Api::<Secret>::namespaced(client.clone(), ns)
                 .list(&ListParams::default())
                 .await?;
@@ -75,6 +84,21 @@ impl Snapshot {
             .map(|(ns, s)| ((ns.as_str(), s.name_any()), s))
             .collect()
     }
+
+    /// The pinned Secrets and how many are on their pin.
+    fn pin_counts(&self, keys: &LabelKeys) -> PinCounts {
+        let secrets = self.live_secrets();
+        pins::count(
+            secrets.iter().map(|((ns, _), secret)| {
+                (
+                    *ns,
+                    secret.annotations().get(&keys.pin).map(String::as_str),
+                    secret.labels().get(&keys.shard).map(String::as_str),
+                )
+            }),
+            &self.namespace_pins,
+        )
+    }
 }
 
 /// The Secret controlling `config_map`, by name, with its UID.
@@ -90,7 +114,7 @@ fn controller(config_map: &ConfigMap) -> Option<(&str, &str)> {
 }
 
 /// Invariant 2: where the snapshot's objects differ from the placement the ring of `running`
-/// shards predicts, as readable lines (empty when converged).
+/// shards and the pins predict, as readable lines (empty when converged).
 pub(crate) fn placement_problems(
     snapshot: &Snapshot,
     keys: &LabelKeys,
@@ -104,12 +128,22 @@ pub(crate) fn placement_problems(
         ));
     }
     let ring = IndependentRing::unweighted(available.iter().map(String::as_str));
+    let secrets = snapshot.live_secrets();
     let mut check = |kind: &str,
                      ns: &str,
                      name: String,
                      labels: &BTreeMap<String, String>,
                      owner: Option<&str>| {
-        let expected = owner.and_then(|secret| ring.try_shard_for(&secret_key(ns, secret)));
+        // A controlled object follows its controller, pin included; the controller's own pin is
+        // read from the controller (the controlled object's own annotation does not count).
+        let expected = owner.and_then(|secret| {
+            let own = secrets
+                .get(&(ns, secret.to_string()))
+                .and_then(|s| s.annotations().get(&keys.pin))
+                .map(String::as_str);
+            let namespace = snapshot.namespace_pins.get(ns).map(String::as_str);
+            pins::predict(&ring, &available, own, namespace, &secret_key(ns, secret))
+        });
         let actual = labels.get(&keys.shard).map(String::as_str);
         if actual != expected {
             problems.push(format!(
@@ -205,6 +239,8 @@ pub(crate) struct Outcome {
     /// Secrets and ConfigMaps at the end.
     pub(crate) secrets: usize,
     pub(crate) config_maps: usize,
+    /// The pinned Secrets at the end, and how many were on their pin.
+    pub(crate) pins: PinCounts,
     /// Checks that failed to list (API errors), retried.
     pub(crate) list_errors: usize,
 }
@@ -236,6 +272,7 @@ pub(crate) async fn wait(
             target.namespaces,
             target.lease_namespace,
             target.ring,
+            &target.keys.pin,
         )
         .await;
         let now = Instant::now();
@@ -255,6 +292,7 @@ pub(crate) async fn wait(
                 };
                 outcome.secrets = snapshot.live_secrets().len();
                 outcome.config_maps = snapshot.config_maps.len();
+                outcome.pins = snapshot.pin_counts(target.keys);
                 outcome.placement_problems = placement.into_iter().take(SHOWN).collect();
                 outcome.content_problems = content.into_iter().take(SHOWN).collect();
             }
@@ -362,6 +400,7 @@ mod tests {
                 ("ns".into(), checksums("y", &y, b"2")),
             ],
             leases: vec![held_lease("shard-a"), held_lease("shard-b")],
+            namespace_pins: BTreeMap::new(),
         }
     }
 
@@ -398,6 +437,64 @@ mod tests {
         snapshot.config_maps[1].1.labels_mut().clear();
         let problems = placement_problems(&snapshot, &keys(), &running());
         assert_eq!(problems.len(), 3, "{problems:?}");
+    }
+
+    /// Puts Secret `index` of `snapshot` and its checksums on `shard`.
+    fn place(snapshot: &mut Snapshot, index: usize, shard: &str) {
+        let labels = [
+            snapshot.secrets[index].1.labels_mut(),
+            snapshot.config_maps[index].1.labels_mut(),
+        ];
+        for labels in labels {
+            labels.insert(keys().shard, shard.into());
+        }
+    }
+
+    /// A pinned Secret and its checksums belong on the pin while its shard is available, else
+    /// on the ring's choice; an object's own pin comes before its namespace's.
+    #[test]
+    fn pinned_objects_belong_on_their_pin_while_it_is_available() {
+        let problems = |s: &Snapshot| placement_problems(s, &keys(), &running());
+        let (x, y) = (shard_of("x"), shard_of("y"));
+        let other = |shard: &str| {
+            if shard == "shard-a" {
+                "shard-b"
+            } else {
+                "shard-a"
+            }
+        };
+        let mut snapshot = converged();
+        let pin = |snapshot: &mut Snapshot, shard: &str| {
+            snapshot.secrets[0]
+                .1
+                .annotations_mut()
+                .insert(keys().pin, shard.into());
+        };
+        pin(&mut snapshot, other(&x));
+        assert_eq!(problems(&snapshot).len(), 2, "{:?}", problems(&snapshot));
+        place(&mut snapshot, 0, other(&x));
+        assert_eq!(problems(&snapshot), Vec::<String>::new());
+        pin(&mut snapshot, "shard-c");
+        assert_eq!(problems(&snapshot).len(), 2, "{:?}", problems(&snapshot));
+        place(&mut snapshot, 0, &x);
+        assert_eq!(problems(&snapshot), Vec::<String>::new());
+
+        // The namespace's pin moves y, not x: x's own pin (unavailable) leaves it to the ring.
+        snapshot
+            .namespace_pins
+            .insert("ns".into(), other(&y).to_string());
+        assert_eq!(problems(&snapshot).len(), 2, "{:?}", problems(&snapshot));
+        place(&mut snapshot, 1, other(&y));
+        assert_eq!(problems(&snapshot), Vec::<String>::new());
+        assert_eq!(
+            snapshot.pin_counts(&keys()),
+            PinCounts {
+                object_pinned: 1,
+                on_object_pin: 0,
+                namespace_pinned: 1,
+                on_namespace_pin: 1,
+            }
+        );
     }
 
     #[test]

@@ -289,13 +289,15 @@ impl Fleet {
         Ok(process)
     }
 
+    /// The name of the shard of `ring` that [`Self::add_shard`] adds as the `n`th (from 0).
+    pub(crate) fn shard_name(&self, ring: usize, n: usize) -> String {
+        format!("{}-{n}", self.rings[ring].shard_prefix)
+    }
+
     /// Starts a shard of `ring` under a new name (`<prefix>-<n>`); returns the name.
     pub(crate) fn add_shard(&self, ring: usize) -> anyhow::Result<String> {
         let mut state = self.lock();
-        let name = format!(
-            "{}-{}",
-            self.rings[ring].shard_prefix, state.next_shard[ring]
-        );
+        let name = self.shard_name(ring, state.next_shard[ring]);
         state.next_shard[ring] += 1;
         let process = self.spawn_shard(ring, &name, None)?;
         let member = state.shards[ring].entry(name.clone()).or_default();

@@ -10,7 +10,8 @@
 //! its watch, docs/protocol.md §20). Then, for `--duration`, it:
 //!
 //! - **churns** each ring's Secrets: creates, updates and deletes `--rate` per second, a quarter
-//!   of the creates with a `generateName` ConfigMap the Secret controls;
+//!   of the creates with a `generateName` ConfigMap the Secret controls, beside a few Secrets
+//!   pinned to shards the faults strike and a pinned namespace (docs/protocol.md §21);
 //! - **injects faults** from a plan drawn from `--seed` (printed at start; pass it to replay the
 //!   plan): SIGKILL and SIGTERM of shards, scale-out and scale-in, SIGKILL and SIGTERM of the
 //!   leading and of the other sharder replica, a SIGSTOP of a shard long enough for the sharder to
@@ -22,8 +23,9 @@
 //!
 //! 1. exclusive ownership, from the shards' reconcile, drain and Lease log records, the Lease
 //!    holder changes its own watch saw and the signals it sent (`ownership`);
-//! 2. convergence, against a hash ring computed here from the protocol alone (`ring`), within a
-//!    bound derived from the Lease durations (`convergence`);
+//! 2. convergence, against a hash ring computed here from the protocol alone (`ring`) and the
+//!    pins (`pins`: a pin decides while its shard is available), within a bound derived from the
+//!    Lease durations (`convergence`);
 //! 3. nothing lost: checksums right, no ConfigMap of a deleted Secret left (`convergence`);
 //! 4. no leaks: sharder RSS and the API server's open watches back to the same order as before,
 //!    no process ended that the tool did not end (`probes`, `exits`).
@@ -51,6 +53,7 @@
 //! | `evidence` | reading a shard's JSON log |
 //! | `ownership` | invariant 1 |
 //! | `ring` | the independent hash ring, label keys and shard availability |
+//! | `pins` | the pins the tool sets, and the placement they predict |
 //! | `convergence` | invariants 2 and 3 |
 //! | `probes`, `exits` | invariant 4 |
 //! | `report` | the report |
@@ -64,6 +67,7 @@ mod findings;
 mod fleet;
 mod leases;
 mod ownership;
+mod pins;
 mod plan;
 mod probes;
 mod report;

@@ -44,6 +44,21 @@ pub(crate) struct Leaks {
     pub(crate) watches_after: BTreeMap<String, u64>,
 }
 
+/// The pins the tool set in one ring and what they went through; how the pinned Secrets ended is
+/// in [`Outcome::pins`].
+#[derive(Debug, Serialize)]
+pub(crate) struct PinReport {
+    /// `(namespace, shard)`: the namespace pinned as a whole, if any.
+    pub(crate) namespace: Option<(String, String)>,
+    /// The Secrets pinned on their own, `namespace/name` and the shard pinned.
+    pub(crate) objects: Vec<(String, String)>,
+    /// Faults on this ring that struck a pinned shard.
+    pub(crate) faults_on_pinned_shards: usize,
+    /// Times one of those Secrets came back onto its pin after the ring had placed it elsewhere
+    /// (the tool's watch of their versions).
+    pub(crate) returns_to_pin: usize,
+}
+
 /// What one ring went through and what its checks found.
 #[derive(Debug, Serialize)]
 pub(crate) struct RingReport {
@@ -62,6 +77,7 @@ pub(crate) struct RingReport {
     /// Seconds from the end of the last fault (or the restore, if later) to convergence.
     pub(crate) converged_after_last_fault_seconds: Option<f64>,
     pub(crate) convergence: Outcome,
+    pub(crate) pins: PinReport,
     pub(crate) shards: BTreeMap<String, ShardCounts>,
     /// Drain acknowledgements a shard logged after it said its Lease was lost or released (not
     /// violations: see `ownership`).
@@ -243,6 +259,19 @@ impl RingReport {
             o.secrets,
             o.config_maps
         );
+        let p = &self.pins;
+        let _ = writeln!(
+            out,
+            "  pins: {} Secrets pinned on their own, {} on their pin at the end; {} faults struck a pinned shard; pinned Secrets came back to their pin {} times",
+            o.pins.object_pinned, o.pins.on_object_pin, p.faults_on_pinned_shards, p.returns_to_pin
+        );
+        if let Some((namespace, shard)) = &p.namespace {
+            let _ = writeln!(
+                out,
+                "  namespace {namespace} pinned to {shard}: {} Secrets under its pin at the end ({} on it)",
+                o.pins.namespace_pinned, o.pins.on_namespace_pin
+            );
+        }
         let _ = writeln!(
             out,
             "  per shard (processes, reconciles, drains acknowledged):"

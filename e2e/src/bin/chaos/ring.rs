@@ -11,14 +11,18 @@ use sha2::{Digest, Sha256};
 /// Longest ring name whose label suffix is never cut (63 bytes minus the fixed part).
 const LONGEST_UNCUT_RING_NAME: usize = 42;
 
-/// The shard and drain label keys of a ring (docs/protocol.md §2), for ring names short enough that
-/// the suffix is never cut; the tool names its rings, so longer names are refused rather than cut.
+/// The shard and drain label keys of a ring (docs/protocol.md §2) and its pin annotation key
+/// (§21), for ring names short enough that the suffix is never cut; the tool names its rings, so
+/// longer names are refused rather than cut.
 #[derive(Clone, Debug)]
 pub(crate) struct LabelKeys {
     /// `shard.alpha.sharding.timebertt.dev/<suffix>`.
     pub(crate) shard: String,
     /// `drain.alpha.sharding.timebertt.dev/<suffix>`.
     pub(crate) drain: String,
+    /// `pin.alpha.sharding.timebertt.dev/<suffix>`, the annotation that pins an object or a
+    /// namespace to a shard of the ring.
+    pub(crate) pin: String,
 }
 
 impl LabelKeys {
@@ -32,6 +36,7 @@ impl LabelKeys {
         Ok(Self {
             shard: format!("shard.alpha.sharding.timebertt.dev/{suffix}"),
             drain: format!("drain.alpha.sharding.timebertt.dev/{suffix}"),
+            pin: format!("pin.alpha.sharding.timebertt.dev/{suffix}"),
         })
     }
 }
@@ -62,7 +67,7 @@ mod tests {
     use k8s_openapi::api::coordination::v1::LeaseSpec;
     use kube::api::ObjectMeta;
 
-    /// docs/protocol.md §2's worked examples.
+    /// docs/protocol.md §2's and §21's worked examples.
     #[test]
     fn label_keys_match_the_protocol_examples() {
         let keys = LabelKeys::for_ring("example").expect("short name");
@@ -73,6 +78,10 @@ mod tests {
         assert_eq!(
             keys.drain,
             "drain.alpha.sharding.timebertt.dev/clusterring-50d858e0-example"
+        );
+        assert_eq!(
+            keys.pin,
+            "pin.alpha.sharding.timebertt.dev/clusterring-50d858e0-example"
         );
         let keys = LabelKeys::for_ring("checksum-controller").expect("short name");
         assert!(

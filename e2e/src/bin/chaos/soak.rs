@@ -28,9 +28,10 @@ use crate::findings::{ExitCounts, ShardCounts, Violation};
 use crate::fleet::{self, Fleet, ShardRing, ShardTiming};
 use crate::leases::LeaseLog;
 use crate::ownership;
+use crate::pins::{self, PinPlan};
 use crate::plan::{self, FaultKind, round_ms};
 use crate::probes::{self, Rss};
-use crate::report::{Leaks, Report, RingReport, Settings};
+use crate::report::{Leaks, PinReport, Report, RingReport, Settings};
 use crate::ring::{LabelKeys, secret_key};
 use crate::stalls::StallLog;
 use crate::versions::VersionLog;
@@ -104,6 +105,8 @@ struct Started {
     _stop_guard: DropGuard,
     /// The API server's watches before any sharder or shard ran.
     idle_watches: BTreeMap<String, u64>,
+    /// Per ring: the pins the tool set.
+    pins: Vec<PinPlan>,
 }
 
 /// What the chaos phase did.
@@ -194,6 +197,13 @@ pub(crate) async fn soak(scene: &Scene<'_>) -> anyhow::Result<Report> {
                 .iter()
                 .filter(|r| r.ring.as_deref() == Some(ring.name.as_str())),
         );
+        let pins = pin_report(
+            &started.pins[index],
+            &started.versions[index],
+            records
+                .iter()
+                .filter(|r| r.ring.as_deref() == Some(ring.name.as_str())),
+        );
         let mut ring_violations = converged.violations();
         ring_violations.extend(judged.violations);
         rings.push(RingReport {
@@ -207,6 +217,7 @@ pub(crate) async fn soak(scene: &Scene<'_>) -> anyhow::Result<Report> {
             churn,
             converged_after_last_fault_seconds: converged.after_last_change,
             convergence: converged.outcome,
+            pins,
             shards: judged.shards,
             drains_logged_after_lease_end: judged.drains_logged_after_end,
             drains_dated_by_watch: judged.drains_dated_by_watch,
@@ -278,7 +289,8 @@ fn by_kind<'a>(
 }
 
 /// Creates the rings, starts the tool's watchers, both sharder replicas and the shards of each
-/// ring, and waits until each ring assigns as the ring of all its shards predicts.
+/// ring, and waits until each ring assigns as the ring of all its shards predicts; then creates
+/// each ring's pinned Secrets and waits until they are on their pins.
 async fn start(scene: &Scene<'_>, timing: ShardTiming) -> anyhow::Result<Started> {
     let client = &scene.client;
     for ring in &scene.rings {
@@ -342,6 +354,19 @@ async fn start(scene: &Scene<'_>, timing: ShardTiming) -> anyhow::Result<Started
     // starts watching the ring's CRD up to 30 s after it was installed) does not count.
     let idle_watches = probes::watches(client).await?;
 
+    let pins: Vec<PinPlan> = (0..scene.rings.len())
+        .map(|index| {
+            let shards: Vec<String> = (0..scene.args.shards)
+                .map(|n| fleet.shard_name(index, n))
+                .collect();
+            let next = fleet.shard_name(index, scene.args.shards);
+            PinPlan::draw(&scene.rings[index].namespaces, &shards, &next)
+        })
+        .collect();
+    for (ring, plan) in scene.rings.iter().zip(&pins) {
+        plan.pin_namespace(client, &ring.keys.pin).await?;
+    }
+
     fleet.start_sharders(STARTUP).await?;
     for index in 0..scene.rings.len() {
         for _ in 0..scene.args.shards {
@@ -358,6 +383,12 @@ async fn start(scene: &Scene<'_>, timing: ShardTiming) -> anyhow::Result<Started
             Assignment::Watch => wait_watch(client, namespace, &ring.keys, &shards).await?,
         }
     }
+    for (ring, plan) in scene.rings.iter().zip(&pins) {
+        plan.create_objects(client, &ring.keys.pin).await?;
+    }
+    for (index, (ring, plan)) in scene.rings.iter().zip(&pins).enumerate() {
+        wait_pinned(client, &ring.keys, plan, &fleet.wanted_shards(index)).await?;
+    }
     progress(&format!(
         "{} sharder replicas and {} shards in each of {} rings running",
         fleet.sharder_slots(),
@@ -372,6 +403,7 @@ async fn start(scene: &Scene<'_>, timing: ShardTiming) -> anyhow::Result<Started
         _stop_guard: stop.clone().drop_guard(),
         stop,
         idle_watches,
+        pins,
     })
 }
 
@@ -454,6 +486,71 @@ async fn wait_watch(
         }
     })
     .await
+}
+
+/// Waits until every pinned Secret of `plan` is where its pin puts it among `shards` (the last,
+/// pinned to a shard not yet added, on the ring's choice): pins work before the faults start.
+async fn wait_pinned(
+    client: &Client,
+    keys: &LabelKeys,
+    plan: &PinPlan,
+    shards: &[String],
+) -> anyhow::Result<()> {
+    let ring = IndependentRing::unweighted(shards.iter().map(String::as_str));
+    let available: BTreeSet<String> = shards.iter().cloned().collect();
+    let namespace_pin = plan.namespace.as_ref();
+    poll_until("the pinned Secrets to be placed", STARTUP, || async {
+        for object in &plan.objects {
+            let secret = Api::<Secret>::namespaced(client.clone(), &object.namespace)
+                .get(&object.name)
+                .await?;
+            let namespace = namespace_pin
+                .filter(|(ns, _)| *ns == object.namespace)
+                .map(|(_, shard)| shard.as_str());
+            let expected = pins::predict(
+                &ring,
+                &available,
+                Some(&object.shard),
+                namespace,
+                &secret_key(&object.namespace, &object.name),
+            );
+            if secret.labels().get(&keys.shard).map(String::as_str) != expected {
+                return Ok(None);
+            }
+        }
+        Ok(Some(()))
+    })
+    .await
+}
+
+/// What the pins of `plan` went through: the faults among `records` that struck a pinned shard,
+/// and how often a pinned Secret came back to its pin, as the tool's watch saw it.
+fn pin_report<'a>(
+    plan: &PinPlan,
+    versions: &VersionLog,
+    records: impl Iterator<Item = &'a FaultRecord>,
+) -> PinReport {
+    let shards = plan.shards();
+    PinReport {
+        namespace: plan.namespace.clone(),
+        objects: plan
+            .objects
+            .iter()
+            .map(|o| (format!("{}/{}", o.namespace, o.name), o.shard.clone()))
+            .collect(),
+        faults_on_pinned_shards: records
+            .filter(|r| r.outcome == "done")
+            .filter(|r| r.target.as_deref().is_some_and(|t| shards.contains(t)))
+            .count(),
+        returns_to_pin: plan
+            .objects
+            .iter()
+            .map(|o| {
+                let held = versions.shards_held(&format!("{}/{}", o.namespace, o.name));
+                pins::returns(&held, &o.shard)
+            })
+            .sum(),
+    }
 }
 
 /// Churns every ring and carries out the fault plan for `--duration`, waits for every fault to

@@ -120,6 +120,24 @@ impl VersionLog {
     pub(crate) fn listed(&self) -> usize {
         self.listed.load(Ordering::Relaxed)
     }
+
+    /// The shards `object` (`namespace/name`) was seen on, in order, repeats collapsed and
+    /// versions without a shard skipped.
+    pub(crate) fn shards_held(&self, object: &str) -> Vec<String> {
+        let seen = self.seen.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut held: Vec<String> = Vec::new();
+        for shard in seen
+            .get(object)
+            .into_iter()
+            .flatten()
+            .filter_map(|v| v.shard.as_ref())
+        {
+            if held.last() != Some(shard) {
+                held.push(shard.clone());
+            }
+        }
+        held
+    }
 }
 
 impl History for VersionLog {
@@ -199,5 +217,7 @@ mod tests {
         assert_eq!(log.drained_away("ns/a", "a"), [t(6)]);
         assert_eq!(log.drained_away("ns/a", "b"), [t(4)]);
         assert!(log.drained_away("ns/a", "c").is_empty());
+        assert_eq!(log.shards_held("ns/a"), ["a", "b", "a"]);
+        assert!(log.shards_held("ns/b").is_empty());
     }
 }
