@@ -205,41 +205,57 @@ pub(crate) fn ring_members<'a>(
 /// The available shards of ring `ring` of `kind` among `leases` (docs/protocol.md §4: ready,
 /// expired and uncertain Leases held by the shard itself), without the Leases kept out of the ring,
 /// each with its weight.
+#[cfg(test)]
 pub(crate) fn available_shards<'a>(
     kind: RingKind,
     ring: &str,
     allowed: LeaseNamespaces<'_>,
     leases: impl IntoIterator<Item = &'a Lease>,
 ) -> BTreeMap<String, u32> {
-    ring_members(kind, ring, allowed, leases)
-        .into_iter()
-        .filter(Member::is_available)
+    shards_of(&ring_members(kind, ring, allowed, leases)).0
+}
+
+/// The available shards of ring `ring` with their weights (ready, expired and uncertain Leases
+/// held by the shard itself, without those kept out), and the shards kept out of the ring while
+/// their Leases are held by themselves (they receive no objects but may still be running), from
+/// one pass over the ring's members: a view is rebuilt on every membership change.
+pub(crate) fn ring_shards<'a>(
+    kind: RingKind,
+    ring: &str,
+    allowed: LeaseNamespaces<'_>,
+    leases: impl IntoIterator<Item = &'a Lease>,
+) -> (BTreeMap<String, u32>, BTreeSet<String>) {
+    shards_of(&ring_members(kind, ring, allowed, leases))
+}
+
+/// The available shards with their weights, and the shards kept out while held by themselves.
+fn shards_of(members: &[Member<'_>]) -> (BTreeMap<String, u32>, BTreeSet<String>) {
+    let available: BTreeMap<String, u32> = members
+        .iter()
+        .filter(|m| m.is_available())
         .map(|m| (m.lease.name_any(), m.weight))
-        .collect()
+        .collect();
+    let excluded_held = members
+        .iter()
+        .filter(|m| m.exclusion.is_some() && ShardLease::from_lease(m.lease).is_held_by_shard())
+        .map(|m| m.lease.name_any())
+        // A newer copy of an available shard's name is kept out, but the name keeps its objects.
+        .filter(|name| !available.contains_key(name))
+        .collect();
+    (available, excluded_held)
 }
 
 /// The shards of ring `ring` of `kind` that are kept out of the ring although their Leases are held
 /// by the shards themselves. They receive no objects, but may still be running and reconciling the
 /// ones they have: those leave them only through a drain, never by a direct move.
+#[cfg(test)]
 pub(crate) fn excluded_held_shards<'a>(
     kind: RingKind,
     ring: &str,
     allowed: LeaseNamespaces<'_>,
     leases: impl IntoIterator<Item = &'a Lease>,
 ) -> BTreeSet<String> {
-    let members = ring_members(kind, ring, allowed, leases);
-    let available: BTreeSet<String> = members
-        .iter()
-        .filter(|m| m.is_available())
-        .map(|m| m.lease.name_any())
-        .collect();
-    members
-        .into_iter()
-        .filter(|m| m.exclusion.is_some() && ShardLease::from_lease(m.lease).is_held_by_shard())
-        .map(|m| m.lease.name_any())
-        // A newer copy of an available shard's name is kept out, but the name keeps its objects.
-        .filter(|name| !available.contains(name))
-        .collect()
+    shards_of(&ring_members(kind, ring, allowed, leases)).1
 }
 
 #[cfg(test)]

@@ -18,7 +18,7 @@ use super::registry::Views;
 use super::view::build_view;
 use crate::caches::{Caches, LeaseChange};
 use crate::core::any_ring::AnyRing;
-use crate::core::membership::{available_shards, excluded_held_shards};
+use crate::core::membership::ring_shards;
 use crate::metrics::RingLabel;
 
 /// How often rings with unresolved resources (e.g. a CRD installed later) are resolved again.
@@ -167,13 +167,7 @@ pub(crate) async fn refresh(sources: &ViewSources, scope: Scope) {
         }
         keep.insert(ring_ref.clone());
         let leases = sources.caches.ring_leases(&ring_ref);
-        let shards = available_shards(
-            ring_ref.kind,
-            &ring_ref.name,
-            &ring.spec().lease_namespaces,
-            leases.iter().map(AsRef::as_ref),
-        );
-        let mut excluded_held = excluded_held_shards(
+        let (shards, mut excluded_held) = ring_shards(
             ring_ref.kind,
             &ring_ref.name,
             &ring.spec().lease_namespaces,
