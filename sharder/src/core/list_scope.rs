@@ -59,9 +59,56 @@ pub(crate) fn list_scope(selected: usize, all: usize) -> ListScope {
     }
 }
 
+/// [`list_scope`] for a watch that runs with the scope `current` already: a watch across the
+/// cluster goes back to one per namespace only once the ring selects at most
+/// [`NAMESPACE_WATCHES_AGAIN`] namespaces and at most two fifths of them, not at the first
+/// namespace below the cut-off. A ring whose selected namespaces hover at the cut-off (namespaces
+/// labelled and unlabelled, created and deleted) would otherwise stop and start up to
+/// [`MAX_NAMESPACE_LISTS`] watches, each with its connection and first list, at every crossing;
+/// between the two bounds either scope costs about the same.
+pub(crate) fn watch_scope(current: Option<ListScope>, selected: usize, all: usize) -> ListScope {
+    let plain = list_scope(selected, all);
+    if current == Some(ListScope::Cluster)
+        && plain == ListScope::Namespaces
+        && (selected > NAMESPACE_WATCHES_AGAIN
+            || selected.saturating_mul(5) > all.saturating_mul(2))
+    {
+        return ListScope::Cluster;
+    }
+    plain
+}
+
+/// Most selected namespaces at which a missed-assignment watch across the cluster is replaced by
+/// one per namespace again ([`watch_scope`]): four fifths of [`MAX_NAMESPACE_LISTS`].
+pub(crate) const NAMESPACE_WATCHES_AGAIN: usize = MAX_NAMESPACE_LISTS * 4 / 5;
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_watch_across_the_cluster_goes_back_to_namespaces_only_well_below_the_cut_off() {
+        let cluster = Some(ListScope::Cluster);
+        // Up to the cut-off from below: per namespace, as a list would.
+        assert_eq!(watch_scope(None, 50, 10_000), ListScope::Namespaces);
+        assert_eq!(
+            watch_scope(Some(ListScope::Namespaces), 50, 10_000),
+            ListScope::Namespaces
+        );
+        assert_eq!(watch_scope(None, 51, 10_000), ListScope::Cluster);
+        // Back below the cut-off: across the cluster until 40, and two fifths of all.
+        assert_eq!(watch_scope(cluster, 50, 10_000), ListScope::Cluster);
+        assert_eq!(watch_scope(cluster, 41, 10_000), ListScope::Cluster);
+        assert_eq!(watch_scope(cluster, 40, 10_000), ListScope::Namespaces);
+        assert_eq!(watch_scope(cluster, 3, 7), ListScope::Cluster);
+        assert_eq!(watch_scope(cluster, 2, 7), ListScope::Namespaces);
+        assert_eq!(watch_scope(cluster, 2, 5), ListScope::Namespaces);
+        // Past the cut-off it is the cluster either way.
+        assert_eq!(
+            watch_scope(Some(ListScope::Namespaces), 4, 7),
+            ListScope::Cluster
+        );
+    }
 
     #[test]
     fn few_selected_namespaces_are_listed_one_by_one() {

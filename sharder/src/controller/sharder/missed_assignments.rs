@@ -34,7 +34,7 @@ use tokio::task::{AbortHandle, JoinSet};
 use tokio_util::sync::CancellationToken;
 
 use super::patch::{PatchError, Patcher, api_resource};
-use crate::core::list_scope::{ListScope, list_scope};
+use crate::core::list_scope::{ListScope, watch_scope};
 use crate::core::rebalance::RebalanceDecision;
 use crate::views::RingView;
 
@@ -162,11 +162,16 @@ impl fmt::Display for Reach {
 /// The watches a resource needs: one across the cluster for a cluster-scoped resource, and for
 /// a namespaced one whose ring selects the namespaces `selected` of `all` as [`list_scope`]
 /// says: one per selected namespace (none when it selects none), or one across the cluster.
-fn reaches(namespaced: bool, selected: Vec<String>, all: usize) -> BTreeSet<Reach> {
+fn reaches(
+    namespaced: bool,
+    current: Option<ListScope>,
+    selected: Vec<String>,
+    all: usize,
+) -> BTreeSet<Reach> {
     if !namespaced {
         return BTreeSet::from([Reach::Cluster]);
     }
-    match list_scope(selected.len(), all) {
+    match watch_scope(current, selected.len(), all) {
         ListScope::Cluster => BTreeSet::from([Reach::Cluster]),
         ListScope::Namespaces => selected.into_iter().map(Reach::Namespace).collect(),
     }
@@ -233,6 +238,17 @@ impl Watches {
         }
     }
 
+    /// The scope of the watches running: `None` while none runs.
+    fn scope(&self) -> Option<ListScope> {
+        if self.running.contains_key(&Reach::Cluster) {
+            Some(ListScope::Cluster)
+        } else if self.running.is_empty() {
+            None
+        } else {
+            Some(ListScope::Namespaces)
+        }
+    }
+
     /// How many watches run.
     fn len(&self) -> usize {
         self.running.len()
@@ -285,7 +301,8 @@ async fn watch_unassigned(
             (Vec::new(), 0)
         };
         let before = watches.len();
-        watches.set(&reaches(namespaced, selected, all));
+        let current = watches.scope();
+        watches.set(&reaches(namespaced, current, selected, all));
         tracing::debug!(%ring, resource = %gr, before, after = watches.len(), namespaces = all, "missed-assignment watches follow the selected namespaces");
     };
     rescope(&mut watches, &selector.borrow_and_update());
@@ -534,25 +551,36 @@ mod tests {
     #[test]
     fn a_ring_over_few_namespaces_watches_each_of_them() {
         let selected = vec!["a".to_string(), "b".to_string()];
-        assert_eq!(reaches(true, selected, 7), namespaces(&["a", "b"]));
+        assert_eq!(reaches(true, None, selected, 7), namespaces(&["a", "b"]));
         // Nothing selected: nothing to watch.
-        assert_eq!(reaches(true, Vec::new(), 7), BTreeSet::new());
+        assert_eq!(reaches(true, None, Vec::new(), 7), BTreeSet::new());
     }
 
     #[test]
     fn a_ring_over_many_or_most_namespaces_watches_across_the_cluster() {
         let cluster = BTreeSet::from([Reach::Cluster]);
         let most: Vec<String> = (0..5).map(|i| format!("ns-{i}")).collect();
-        assert_eq!(reaches(true, most, 7), cluster);
+        assert_eq!(reaches(true, None, most, 7), cluster);
         let many: Vec<String> = (0..51).map(|i| format!("ns-{i}")).collect();
-        assert_eq!(reaches(true, many, 10_000), cluster);
+        assert_eq!(reaches(true, None, many, 10_000), cluster);
+    }
+
+    #[test]
+    fn a_watch_across_the_cluster_stays_until_well_below_the_cut_off() {
+        let cluster = BTreeSet::from([Reach::Cluster]);
+        let hovering: Vec<String> = (0..45).map(|i| format!("ns-{i}")).collect();
+        let running = Some(ListScope::Cluster);
+        assert_eq!(reaches(true, running, hovering.clone(), 10_000).len(), 1);
+        assert_eq!(reaches(true, running, hovering, 10_000), cluster);
+        let few: Vec<String> = (0..40).map(|i| format!("ns-{i}")).collect();
+        assert_eq!(reaches(true, running, few, 10_000).len(), 40);
     }
 
     #[test]
     fn a_cluster_scoped_resource_is_watched_across_the_cluster() {
         let cluster = BTreeSet::from([Reach::Cluster]);
-        assert_eq!(reaches(false, Vec::new(), 7), cluster);
-        assert_eq!(reaches(false, vec!["a".into()], 7), cluster);
+        assert_eq!(reaches(false, None, Vec::new(), 7), cluster);
+        assert_eq!(reaches(false, None, vec!["a".into()], 7), cluster);
     }
 
     /// A client whose API server answers every list with one Secret, named after where it was
