@@ -327,12 +327,12 @@ impl LeaseIndex {
             .entry(ring.to_string())
             .or_default()
             .insert(shard_lease.name.to_string(), departure.clone());
-        let Some(index) = self.this.upgrade() else {
-            return;
-        };
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
+        // Weak, so a pending timer does not keep the index (and its cache) alive after the
+        // process began to shut down; the runtime drops the timer with it.
+        let index = self.this.clone();
         let (ring, shard) = (ring.to_string(), shard_lease.name.to_string());
         let wait = until
             .duration_since(now)
@@ -340,7 +340,9 @@ impl LeaseIndex {
             .unwrap_or(std::time::Duration::ZERO);
         runtime.spawn(async move {
             tokio::time::sleep(wait).await;
-            index.end_departure(&ring, &shard, &departure);
+            if let Some(index) = index.upgrade() {
+                index.end_departure(&ring, &shard, &departure);
+            }
         });
     }
 
@@ -599,6 +601,23 @@ mod tests {
         );
         assert_ne!(f.index.ring_version("r1"), version);
         assert!(f.index.departed_shards("r1", Timestamp::now()).is_empty());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_pending_departure_timer_does_not_keep_the_index_alive() {
+        let now = Timestamp::now();
+        let mut f = Fixture::new();
+        f.event(watcher::Event::Apply(lease("a", "r1", "ready", now)), now);
+        f.event(watcher::Event::Delete(lease("a", "r1", "ready", now)), now);
+        assert!(
+            f.index.departed_shards("r1", now).contains("a"),
+            "departing"
+        );
+        let index = Arc::downgrade(&f.index);
+        drop(f);
+        assert!(index.upgrade().is_none(), "dropped with its timer pending");
+        // The timer fires into nothing.
+        tokio::time::sleep(std::time::Duration::from_secs(21)).await;
     }
 
     #[test]
