@@ -21,7 +21,8 @@ use sharding_crds::RingRef;
 /// The direct moves in flight, by ring and the shard they leave.
 #[derive(Debug, Default)]
 pub(crate) struct DirectMoves {
-    in_flight: Mutex<HashMap<(RingRef, String), usize>>,
+    /// Ring → shard → moves in flight off it (never 0: an entry goes with its last move).
+    in_flight: Mutex<HashMap<RingRef, HashMap<String, usize>>>,
 }
 
 /// One direct move in flight; dropping it ends it.
@@ -29,7 +30,8 @@ pub(crate) struct DirectMoves {
 #[must_use = "the move counts as in flight only while this is held"]
 pub(crate) struct DirectMove {
     moves: Arc<DirectMoves>,
-    key: (RingRef, String),
+    ring: RingRef,
+    shard: String,
 }
 
 impl DirectMoves {
@@ -46,18 +48,24 @@ impl DirectMoves {
         if shard_is_back() {
             return None;
         }
-        let key = (ring.clone(), shard.to_string());
-        *in_flight.entry(key.clone()).or_default() += 1;
+        *in_flight
+            .entry(ring.clone())
+            .or_default()
+            .entry(shard.to_string())
+            .or_default() += 1;
         Some(DirectMove {
             moves: Arc::clone(self),
-            key,
+            ring: ring.clone(),
+            shard: shard.to_string(),
         })
     }
 
     /// Whether a direct move of an object of `ring` off `shard` is in flight.
     pub(crate) fn in_flight(&self, ring: &RingRef, shard: &str) -> bool {
         let in_flight = self.in_flight.lock().unwrap_or_else(|e| e.into_inner());
-        in_flight.contains_key(&(ring.clone(), shard.to_string()))
+        in_flight
+            .get(ring)
+            .is_some_and(|shards| shards.contains_key(shard))
     }
 }
 
@@ -68,11 +76,17 @@ impl Drop for DirectMove {
             .in_flight
             .lock()
             .unwrap_or_else(|e| e.into_inner());
-        if let Some(count) = in_flight.get_mut(&self.key) {
+        let Some(shards) = in_flight.get_mut(&self.ring) else {
+            return;
+        };
+        if let Some(count) = shards.get_mut(&self.shard) {
             *count -= 1;
             if *count == 0 {
-                in_flight.remove(&self.key);
+                shards.remove(&self.shard);
             }
+        }
+        if shards.is_empty() {
+            in_flight.remove(&self.ring);
         }
     }
 }
@@ -98,6 +112,8 @@ mod tests {
         assert!(moves.in_flight(&ring("r"), "shard-a"), "one left");
         drop(second);
         assert!(!moves.in_flight(&ring("r"), "shard-a"));
+        let left = moves.in_flight.lock().unwrap();
+        assert!(left.is_empty(), "no entry outlives its moves: {left:?}");
     }
 
     #[test]

@@ -139,6 +139,22 @@ impl LeaseIndex {
             .collect()
     }
 
+    /// The cached Leases of ring `ring` named `name` (at most one per namespace): a lookup by
+    /// name that reads only the matching Leases from the cache.
+    pub(crate) fn ring_leases_named(&self, ring: &str, name: &str) -> Vec<Arc<Lease>> {
+        let Ok(inner) = self.inner.read() else {
+            return Vec::new();
+        };
+        inner
+            .by_ring
+            .get(ring)
+            .into_iter()
+            .flatten()
+            .filter(|r| r.name == name)
+            .filter_map(|r| self.store.get(r))
+            .collect()
+    }
+
     /// A number that changes whenever the membership of ring `ring` may have changed: results
     /// computed from the ring's Leases stay valid while it stays the same.
     pub(crate) fn ring_version(&self, ring: &str) -> (u64, u64) {
@@ -533,6 +549,9 @@ mod tests {
         );
         assert_eq!(names(f.index.ring_leases("r1")), ["b"]);
         assert_eq!(names(f.index.ring_leases("r2")), ["a", "c"]);
+        assert_eq!(names(f.index.ring_leases_named("r2", "a")), ["a"]);
+        assert!(f.index.ring_leases_named("r1", "a").is_empty(), "left r1");
+        assert!(f.index.ring_leases_named("r2", "b").is_empty(), "not in r2");
         assert_ne!(f.index.ring_version("r1"), version);
 
         // Deleting names the ring it left.

@@ -279,9 +279,10 @@ impl Patcher {
         // Any Lease of the ring with the shard's name held by the shard makes the views count it
         // as possibly running (available, or kept out while held).
         let back = || {
-            index.ring_leases(&ring.name).iter().any(|lease| {
-                lease.name_any() == shard && ShardLease::from_lease(lease).is_held_by_shard()
-            })
+            index
+                .ring_leases_named(&ring.name, shard)
+                .iter()
+                .any(|lease| ShardLease::from_lease(lease).is_held_by_shard())
         };
         self.ctx
             .direct_moves
