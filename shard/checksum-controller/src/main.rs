@@ -20,6 +20,7 @@
 //! |---|---|
 //! | `reconcile` (a reconcile starts) | `namespace`, `name`, `shard` |
 //! | `applied` (the ConfigMap write of a reconcile succeeded) | `namespace`, `name`, `shard`, `configmap` |
+//! | `up_to_date` (a reconcile found its ConfigMap in the shard's cache as it would write it, and wrote nothing) | `namespace`, `name`, `shard`, `configmap` |
 //! | `write_refused` (a reconcile stopped before its write: [`shard::Ownership::confirm`] said no) | `namespace`, `name`, `shard`, `error` |
 //! | `drain` (a drain was acknowledged) | `namespace`, `name`, `shard`, `resource_version` (of the Secret, the version the patch was conditioned on), `took_ms` (the acknowledging write's round trip, milliseconds) |
 //! | `released` (a Secret left this shard, [`shard::Departure::Released`]) | `namespace`, `name`, `shard`, `how` (`drained`, `reassigned`, `found_moved`), `had_state`, `checksums` (of the dropped record), `released_total` |
@@ -42,6 +43,8 @@ use futures::StreamExt;
 use k8s_openapi::api::core::v1::{ConfigMap, Secret};
 use kube::api::{Api, ObjectMeta, Patch, PatchParams, PostParams};
 use kube::runtime::controller::{self, Action, Controller};
+use kube::runtime::reflector::{self, ObjectRef, Store};
+use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, Resource, ResourceExt};
 use sha2::{Digest, Sha256};
 use shard::lease::error_chain;
@@ -188,6 +191,9 @@ struct Context {
     slow_down: Option<Duration>,
     /// `--leave-children-to-sharder`.
     leave_children: bool,
+    /// This shard's ConfigMaps as its watch last saw them: a reconcile whose ConfigMap is there
+    /// as it would write it sends nothing.
+    config_maps: Store<ConfigMap>,
 }
 
 /// The local state, also after a panic elsewhere (it holds no invariant a panic could break).
@@ -296,22 +302,36 @@ async fn reconcile(
     }
     // One GET: the Secret may have been drained, or the Lease lost, while this reconcile ran.
     ownership.confirm().await?;
-    let api: Api<ConfigMap> = Api::namespaced(context.client.clone(), &namespace);
-    write_config_map(&api, config_map.clone(), context.leave_children)
-        .await
-        .map_err(|source| Error::Apply {
-            namespace: namespace.clone(),
-            name: config_map_name.clone(),
-            source,
-        })?;
-    info!(
-        event = "applied",
-        %namespace,
-        %name,
-        shard = %context.shard.name(),
-        configmap = %config_map_name,
-        "applied ConfigMap"
-    );
+    let cached = context
+        .config_maps
+        .get(&ObjectRef::new(&config_map_name).within(&namespace));
+    if cached.is_some_and(|cached| up_to_date(&cached, &config_map, context.leave_children)) {
+        info!(
+            event = "up_to_date",
+            %namespace,
+            %name,
+            shard = %context.shard.name(),
+            configmap = %config_map_name,
+            "ConfigMap already as desired"
+        );
+    } else {
+        let api: Api<ConfigMap> = Api::namespaced(context.client.clone(), &namespace);
+        write_config_map(&api, config_map.clone(), context.leave_children)
+            .await
+            .map_err(|source| Error::Apply {
+                namespace: namespace.clone(),
+                name: config_map_name.clone(),
+                source,
+            })?;
+        info!(
+            event = "applied",
+            %namespace,
+            %name,
+            shard = %context.shard.name(),
+            configmap = %config_map_name,
+            "applied ConfigMap"
+        );
+    }
     let served = Served {
         uid: secret.uid(),
         checksums: config_map.data.as_ref().map_or(0, BTreeMap::len),
@@ -320,6 +340,28 @@ async fn reconcile(
         .served
         .insert((namespace, name), served);
     Ok(Action::await_change())
+}
+
+/// Whether the ConfigMap as cached already is what a write of `desired` would make it: the same
+/// data and controller, and (unless the shard leaves the label to the sharder) this shard's label.
+/// Only this shard's ConfigMaps are cached, so with `leave_children` a cached one carries the
+/// label already.
+fn up_to_date(cached: &ConfigMap, desired: &ConfigMap, leave_children: bool) -> bool {
+    let controller = |meta: &ObjectMeta| {
+        meta.owner_references
+            .iter()
+            .flatten()
+            .find(|owner| owner.controller == Some(true))
+            .map(|owner| owner.uid.clone())
+    };
+    let labelled = leave_children
+        || desired
+            .labels()
+            .iter()
+            .all(|(key, value)| cached.labels().get(key) == Some(value));
+    cached.data.clone().unwrap_or_default() == desired.data.clone().unwrap_or_default()
+        && controller(&cached.metadata) == controller(&desired.metadata)
+        && labelled
 }
 
 /// Writes `config_map` (labelled with this shard). With `leave_children`, the label is written
@@ -501,12 +543,20 @@ async fn main() -> anyhow::Result<()> {
     // Outlives the terms: a rejoin after an exclusion reports what left meanwhile.
     let state = Arc::new(Mutex::new(LocalState::default()));
     let term = |term: Term| {
+        // The ConfigMaps trigger their Secret's reconcile, as `owns` would, and fill the cache
+        // that spares writes which would change nothing.
+        let (config_map_cache, writer) = reflector::store();
+        let config_map_events = watcher(config_maps.clone(), shard.watcher_config())
+            .default_backoff()
+            .reflect(writer)
+            .touched_objects();
         let context = Arc::new(Context {
             client: client.clone(),
             shard: shard.clone(),
             state: Arc::clone(&state),
             slow_down: args.testing_reconcile_delay,
             leave_children: args.leave_children_to_sharder,
+            config_maps: config_map_cache,
         });
         let known: Vec<ObjectKey> = locked(&state)
             .served
@@ -528,7 +578,7 @@ async fn main() -> anyhow::Result<()> {
         // The wrapper starts no reconcile and no drain acknowledgement once the term's guard
         // ended, and cancels those in flight.
         let controller = Controller::new(secrets.clone(), shard.watcher_config())
-            .owns(config_maps.clone(), shard.watcher_config())
+            .owns_stream(config_map_events)
             .graceful_shutdown_on(term.stop.cancelled_owned())
             .run(
                 shard.reconciler(client.clone(), term.guard, reconcile),
@@ -620,6 +670,57 @@ mod tests {
         assert_eq!(
             config_map.metadata.labels.expect("labels")[shard.shard_label_key()],
             "shard-0"
+        );
+    }
+
+    #[test]
+    fn a_config_map_as_desired_is_not_written_again() {
+        let secret = Secret {
+            metadata: ObjectMeta {
+                name: Some("creds".into()),
+                namespace: Some("team".into()),
+                uid: Some("1234".into()),
+                ..ObjectMeta::default()
+            },
+            data: Some(BTreeMap::from([(
+                "hello".to_string(),
+                ByteString(b"hello".to_vec()),
+            )])),
+            ..Secret::default()
+        };
+        let shard = Shard::new("checksum-controller", "shard-0", "default");
+        let desired = desired_config_map(&secret, &shard);
+        let mut cached = desired.clone();
+        cached.metadata.resource_version = Some("7".into());
+        cached
+            .labels_mut()
+            .insert("unrelated".into(), "kept".into());
+        assert!(up_to_date(&cached, &desired, false));
+        assert!(up_to_date(&cached, &desired, true));
+
+        let mut changed = cached.clone();
+        changed
+            .data
+            .as_mut()
+            .unwrap()
+            .insert("hello".into(), "edited".into());
+        assert!(!up_to_date(&changed, &desired, true), "data edited");
+
+        let mut orphaned = cached.clone();
+        orphaned.metadata.owner_references = None;
+        assert!(!up_to_date(&orphaned, &desired, true), "controller removed");
+
+        let mut elsewhere = cached.clone();
+        elsewhere
+            .labels_mut()
+            .insert(shard.shard_label_key().to_string(), "shard-1".into());
+        assert!(
+            !up_to_date(&elsewhere, &desired, false),
+            "labelled for another shard: this shard's write moves it"
+        );
+        assert!(
+            up_to_date(&elsewhere, &desired, true),
+            "the label is the sharder's to write"
         );
     }
 
