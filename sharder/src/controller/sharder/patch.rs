@@ -4,9 +4,9 @@
 
 use std::sync::Arc;
 
+use kube::Resource;
 use kube::api::{Api, DynamicObject, Patch, PatchParams};
 use kube::core::{ApiResource, PartialObjectMeta};
-use kube::{Resource, ResourceExt};
 use serde_json::json;
 use sharding_crds::lease::ShardLease;
 use sharding_crds::{GroupResource, RingRef};

@@ -414,11 +414,11 @@ async fn sync_list(
         tally.owner_wait.held_len(),
     );
     let mut pager = Pager::new(api);
+    let mut next = tokio::select! {
+        () = tally.stop.cancelled() => return Err(Error::Superseded),
+        next = pager.next_page() => next,
+    };
     loop {
-        let next = tokio::select! {
-            () = tally.stop.cancelled() => return Err(Error::Superseded),
-            next = pager.next_page() => next,
-        };
         let page = match next {
             Ok(Some(page)) => page,
             Ok(None) => return Ok(()),
@@ -482,7 +482,7 @@ async fn sync_list(
         }
         let ring = &ring;
         let stop = &tally.stop;
-        let results: Vec<PatchOutcome> = futures::stream::iter(actions)
+        let patches = futures::stream::iter(actions)
             .map(|(obj, decision)| async move {
                 let uid = obj.uid().unwrap_or_default();
                 // Checked as each patch is about to start (the stream starts one per free
@@ -511,8 +511,17 @@ async fn sync_list(
                 (uid, decision, Some(result))
             })
             .buffer_unordered(concurrency)
-            .collect()
-            .await;
+            .collect::<Vec<PatchOutcome>>();
+        // The next page is asked for while this page's patches are in flight: on a busy API
+        // server a page takes hundreds of milliseconds to list, which every page of a sync that
+        // drains would otherwise add to the drains' wait.
+        let following = async {
+            tokio::select! {
+                () = stop.cancelled() => None,
+                next = pager.next_page() => Some(next),
+            }
+        };
+        let (results, following) = tokio::join!(patches, following);
         for (uid, decision, result) in results {
             let Some(result) = result else { continue };
             match result {
@@ -530,6 +539,7 @@ async fn sync_list(
                 Err(_) => stats.failed += 1,
             }
         }
+        next = following.ok_or(Error::Superseded)?;
     }
 }
 
