@@ -1,5 +1,6 @@
 //! One sync of one ring: every object of its resources listed metadata-only, page by page, each
-//! page's drains and moves sent before the next page is asked for.
+//! page's drains and moves sent while the next page is asked for, and done before its objects
+//! are looked at.
 
 use std::collections::HashSet;
 
@@ -350,7 +351,7 @@ pub(super) async fn sync_ring(
 }
 
 /// Syncs every object of one resource of a ring, listed page by page; each page's objects are
-/// patched before the next page is asked for.
+/// patched before the next page's objects are looked at.
 async fn sync_resource(
     patcher: &Patcher,
     view: &RingView,
