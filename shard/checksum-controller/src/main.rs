@@ -634,21 +634,27 @@ mod tests {
     use super::*;
     use k8s_openapi::ByteString;
 
-    #[test]
-    fn config_map_holds_checksums_and_controller_reference() {
-        let secret = Secret {
+    /// Secret `team/creds` (UID 1234) with the values `data`.
+    fn secret(data: &[(&str, &[u8])]) -> Secret {
+        Secret {
             metadata: ObjectMeta {
                 name: Some("creds".into()),
                 namespace: Some("team".into()),
                 uid: Some("1234".into()),
                 ..ObjectMeta::default()
             },
-            data: Some(BTreeMap::from([
-                ("empty".to_string(), ByteString(Vec::new())),
-                ("hello".to_string(), ByteString(b"hello".to_vec())),
-            ])),
+            data: Some(
+                data.iter()
+                    .map(|(key, value)| ((*key).to_string(), ByteString(value.to_vec())))
+                    .collect(),
+            ),
             ..Secret::default()
-        };
+        }
+    }
+
+    #[test]
+    fn config_map_holds_checksums_and_controller_reference() {
+        let secret = secret(&[("empty", b""), ("hello", b"hello")]);
         let shard = Shard::new("checksum-controller", "shard-0", "default");
         let config_map = desired_config_map(&secret, &shard);
         assert_eq!(config_map.metadata.name.as_deref(), Some("checksums-creds"));
@@ -675,19 +681,7 @@ mod tests {
 
     #[test]
     fn a_config_map_as_desired_is_not_written_again() {
-        let secret = Secret {
-            metadata: ObjectMeta {
-                name: Some("creds".into()),
-                namespace: Some("team".into()),
-                uid: Some("1234".into()),
-                ..ObjectMeta::default()
-            },
-            data: Some(BTreeMap::from([(
-                "hello".to_string(),
-                ByteString(b"hello".to_vec()),
-            )])),
-            ..Secret::default()
-        };
+        let secret = secret(&[("hello", b"hello")]);
         let shard = Shard::new("checksum-controller", "shard-0", "default");
         let desired = desired_config_map(&secret, &shard);
         let mut cached = desired.clone();

@@ -127,21 +127,21 @@ impl LeaseIndex {
 
     /// Every cached Lease of ring `ring` (by its ring label).
     pub(crate) fn ring_leases(&self, ring: &str) -> Vec<Arc<Lease>> {
-        let Ok(inner) = self.inner.read() else {
-            return Vec::new();
-        };
-        inner
-            .by_ring
-            .get(ring)
-            .into_iter()
-            .flatten()
-            .filter_map(|r| self.store.get(r))
-            .collect()
+        self.cached_ring_leases(ring, |_| true)
     }
 
     /// The cached Leases of ring `ring` named `name` (at most one per namespace): a lookup by
     /// name that reads only the matching Leases from the cache.
     pub(crate) fn ring_leases_named(&self, ring: &str, name: &str) -> Vec<Arc<Lease>> {
+        self.cached_ring_leases(ring, |lease| lease.name == name)
+    }
+
+    /// The cached Leases of ring `ring` whose reference `pick` accepts.
+    fn cached_ring_leases(
+        &self,
+        ring: &str,
+        pick: impl Fn(&ObjectRef<Lease>) -> bool,
+    ) -> Vec<Arc<Lease>> {
         let Ok(inner) = self.inner.read() else {
             return Vec::new();
         };
@@ -150,8 +150,8 @@ impl LeaseIndex {
             .get(ring)
             .into_iter()
             .flatten()
-            .filter(|r| r.name == name)
-            .filter_map(|r| self.store.get(r))
+            .filter(|lease| pick(lease))
+            .filter_map(|lease| self.store.get(lease))
             .collect()
     }
 
