@@ -11,18 +11,35 @@
 //!
 //! Both sides decide under one lock and from the same Lease cache: once the shard-lease
 //! controller found no move in flight for a Lease it saw held, every later [`DirectMoves::begin`]
-//! sees that Lease held too and refuses.
+//! sees that Lease held too and refuses. When the last move off a shard lands, the registry says
+//! so ([`DirectMoves::subscribe`]), and the controller looks at that shard's Lease again at once.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use sharding_crds::RingRef;
+use tokio::sync::broadcast;
+
+/// How many "the last move off a shard landed" notices a slow subscriber may fall behind by
+/// before it is told it lagged (and looks at every Lease).
+const LANDED_CAPACITY: usize = 256;
 
 /// The direct moves in flight, by ring and the shard they leave.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct DirectMoves {
     /// Ring → shard → moves in flight off it (never 0: an entry goes with its last move).
     in_flight: Mutex<HashMap<RingRef, HashMap<String, usize>>>,
+    /// (ring, shard) whenever the last move in flight off that shard landed.
+    landed: broadcast::Sender<(RingRef, String)>,
+}
+
+impl Default for DirectMoves {
+    fn default() -> Self {
+        Self {
+            in_flight: Mutex::default(),
+            landed: broadcast::Sender::new(LANDED_CAPACITY),
+        }
+    }
 }
 
 /// One direct move in flight; dropping it ends it.
@@ -60,6 +77,11 @@ impl DirectMoves {
         })
     }
 
+    /// Notices of (ring, shard) each time the last direct move in flight off that shard landed.
+    pub(crate) fn subscribe(&self) -> broadcast::Receiver<(RingRef, String)> {
+        self.landed.subscribe()
+    }
+
     /// Whether a direct move of an object of `ring` off `shard` is in flight.
     pub(crate) fn in_flight(&self, ring: &RingRef, shard: &str) -> bool {
         let in_flight = self.in_flight.lock().unwrap_or_else(|e| e.into_inner());
@@ -83,6 +105,11 @@ impl Drop for DirectMove {
             *count -= 1;
             if *count == 0 {
                 shards.remove(&self.shard);
+                // Nobody listening (no shard-lease controller of this kind) is no error.
+                let _ = self
+                    .moves
+                    .landed
+                    .send((self.ring.clone(), self.shard.clone()));
             }
         }
         if shards.is_empty() {
@@ -114,6 +141,28 @@ mod tests {
         assert!(!moves.in_flight(&ring("r"), "shard-a"));
         let left = moves.in_flight.lock().unwrap();
         assert!(left.is_empty(), "no entry outlives its moves: {left:?}");
+    }
+
+    #[test]
+    fn the_last_move_off_a_shard_is_announced_when_it_lands() {
+        let moves = Arc::new(DirectMoves::default());
+        let mut landed = moves.subscribe();
+        let first = moves.begin(&ring("r"), "shard-a", || false).expect("sent");
+        let second = moves.begin(&ring("r"), "shard-a", || false).expect("sent");
+        let other = moves.begin(&ring("r"), "shard-b", || false).expect("sent");
+        drop(first);
+        assert!(landed.try_recv().is_err(), "one move off shard-a is left");
+        drop(second);
+        assert_eq!(
+            landed.try_recv().unwrap(),
+            (ring("r"), "shard-a".to_string())
+        );
+        assert!(landed.try_recv().is_err(), "announced once");
+        drop(other);
+        assert_eq!(
+            landed.try_recv().unwrap(),
+            (ring("r"), "shard-b".to_string())
+        );
     }
 
     #[test]

@@ -30,9 +30,10 @@ use crate::events::{REASON_CLOCK_SKEW, REASON_INVALID_WEIGHT, REASON_SHARD_DEAD}
 /// Longest requeue; far-away boundaries (absurd durations) are re-evaluated at least this often.
 const MAX_REQUEUE: Duration = Duration::from_secs(3600);
 
-/// How often a returning shard's Lease is looked at again while direct moves off the shard are
-/// in flight; each is one write's round trip.
-const READY_RECHECK: Duration = Duration::from_millis(20);
+/// How soon a returning shard's Lease is looked at again while direct moves off the shard are in
+/// flight, in case the notice that the last one landed was missed: the notice is what normally
+/// brings it back ([`Triggers::next_batch`]).
+const READY_RECHECK: Duration = Duration::from_secs(1);
 
 /// Errors of one reconciliation; the Lease is retried after a short delay.
 #[derive(Debug, thiserror::Error)]
@@ -101,6 +102,7 @@ fn triggers(
     let state = Triggers {
         kind: index.kind(),
         changes: index.subscribe(),
+        landed: ctx.direct_moves.subscribe(),
         rings: ctx.caches.changes.rings(),
         known_rings: ring_names(&ctx, index.kind()),
         boundaries: Boundaries::default(),
@@ -128,6 +130,9 @@ struct Triggers {
     ctx: Context,
     index: Arc<LeaseIndex>,
     changes: tokio::sync::broadcast::Receiver<LeaseChange>,
+    /// (ring, shard) when the last direct move off the shard landed: a returning shard's Lease
+    /// may be labelled `ready` now (docs/protocol.md §22).
+    landed: tokio::sync::broadcast::Receiver<(RingRef, String)>,
     rings: tokio::sync::watch::Receiver<u64>,
     /// Each ring of the kind with its `spec.leaseNamespaces`.
     known_rings: BTreeMap<String, Vec<String>>,
@@ -163,6 +168,17 @@ impl Triggers {
                     }
                     Ok(LeaseChange::State(lease)) => vec![lease],
                     Ok(LeaseChange::All) | Err(RecvError::Lagged(_)) => self.every(),
+                    Err(RecvError::Closed) => return None,
+                },
+                landed = self.landed.recv() => match landed {
+                    Ok((ring, shard)) if ring.kind == self.kind => self
+                        .index
+                        .ring_lease_refs(&ring.name)
+                        .into_iter()
+                        .filter(|lease| lease.name == shard)
+                        .collect(),
+                    Ok(_) => continue,
+                    Err(RecvError::Lagged(_)) => self.every(),
                     Err(RecvError::Closed) => return None,
                 },
                 changed = self.rings.changed() => {
@@ -430,7 +446,7 @@ async fn reconcile(lease: Arc<Lease>, state: Arc<State>) -> Result<Action, Error
             // The shard holds its Lease again while the sync still moves its objects off it:
             // `ready` is what lets the shard library start its work, so it waits until those
             // moves have landed (docs/protocol.md §22). No new one starts: they check the cache
-            // this Lease came from.
+            // this Lease came from. The last one's landing brings this Lease back.
             Ok(Action::requeue(READY_RECHECK))
         }
         _ => {
