@@ -45,9 +45,21 @@ async fn secure_metrics_admit_only_tokens_allowed_to_get_them() -> anyhow::Resul
     let reader = service_account_token(&client, &ns, "reader").await?;
     bind_metrics_reader(&client, &ns, "reader").await?;
     let stranger = service_account_token(&client, &ns, "stranger").await?;
-    // The reader's token with its signature changed: well-formed, but not the API server's.
-    let suffix = if reader.ends_with("xx") { "yy" } else { "xx" };
-    let forged = format!("{}{suffix}", &reader[..reader.len() - 2]);
+    // The reader's token with its signature changed: well-formed, but not the API server's. The
+    // signature's first character is changed: all six of its bits are signature bits, where the
+    // last character of the base64url text carries padding bits a decoder ignores (changing only
+    // those would leave the signature, and the token, valid).
+    let signature = reader.rfind('.').expect("a JWT") + 1;
+    let replacement = if reader[signature..].starts_with('A') {
+        "B"
+    } else {
+        "A"
+    };
+    let forged = format!(
+        "{}{replacement}{}",
+        &reader[..signature],
+        &reader[signature + 1..]
+    );
 
     // No token, or one the API server does not accept: 401, saying nothing more. The same
     // forged token twice costs one review (negative answers are cached as well).
