@@ -127,21 +127,25 @@ impl LeaseIndex {
 
     /// Every cached Lease of ring `ring` (by its ring label).
     pub(crate) fn ring_leases(&self, ring: &str) -> Vec<Arc<Lease>> {
-        self.cached_ring_leases(ring, |_| true)
+        self.map_ring_leases(ring, |lease| self.store.get(lease))
     }
 
     /// The cached Leases of ring `ring` named `name` (at most one per namespace): a lookup by
     /// name that reads only the matching Leases from the cache.
     pub(crate) fn ring_leases_named(&self, ring: &str, name: &str) -> Vec<Arc<Lease>> {
-        self.cached_ring_leases(ring, |lease| lease.name == name)
+        self.map_ring_leases(ring, |lease| {
+            (lease.name == name)
+                .then(|| self.store.get(lease))
+                .flatten()
+        })
     }
 
-    /// The cached Leases of ring `ring` whose reference `pick` accepts.
-    fn cached_ring_leases(
+    /// What `f` makes of each Lease reference of ring `ring`, where it makes something.
+    fn map_ring_leases<T>(
         &self,
         ring: &str,
-        pick: impl Fn(&ObjectRef<Lease>) -> bool,
-    ) -> Vec<Arc<Lease>> {
+        f: impl FnMut(&ObjectRef<Lease>) -> Option<T>,
+    ) -> Vec<T> {
         let Ok(inner) = self.inner.read() else {
             return Vec::new();
         };
@@ -150,8 +154,7 @@ impl LeaseIndex {
             .get(ring)
             .into_iter()
             .flatten()
-            .filter(|lease| pick(lease))
-            .filter_map(|lease| self.store.get(lease))
+            .filter_map(f)
             .collect()
     }
 
@@ -179,16 +182,12 @@ impl LeaseIndex {
 
     /// References to the Leases of ring `ring`.
     pub(crate) fn ring_lease_refs(&self, ring: &str) -> Vec<ObjectRef<Lease>> {
-        self.inner
-            .read()
-            .map(|inner| {
-                inner
-                    .by_ring
-                    .get(ring)
-                    .map(|set| set.iter().cloned().collect())
-                    .unwrap_or_default()
-            })
-            .unwrap_or_default()
+        self.map_ring_leases(ring, |lease| Some(lease.clone()))
+    }
+
+    /// References to the Leases of ring `ring` named `name` (at most one per namespace).
+    pub(crate) fn ring_lease_refs_named(&self, ring: &str, name: &str) -> Vec<ObjectRef<Lease>> {
+        self.map_ring_leases(ring, |lease| (lease.name == name).then(|| lease.clone()))
     }
 
     /// A receiver of the changes from now on.
@@ -552,6 +551,18 @@ mod tests {
         assert_eq!(names(f.index.ring_leases_named("r2", "a")), ["a"]);
         assert!(f.index.ring_leases_named("r1", "a").is_empty(), "left r1");
         assert!(f.index.ring_leases_named("r2", "b").is_empty(), "not in r2");
+        let ref_names = |refs: Vec<ObjectRef<Lease>>| -> Vec<String> {
+            refs.into_iter().map(|lease| lease.name).collect()
+        };
+        assert_eq!(ref_names(f.index.ring_lease_refs_named("r2", "a")), ["a"]);
+        assert!(
+            f.index.ring_lease_refs_named("r1", "a").is_empty(),
+            "left r1"
+        );
+        assert!(
+            f.index.ring_lease_refs_named("r2", "b").is_empty(),
+            "not in r2"
+        );
         assert_ne!(f.index.ring_version("r1"), version);
 
         // Deleting names the ring it left.

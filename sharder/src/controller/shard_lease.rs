@@ -160,8 +160,8 @@ impl Triggers {
                         // shard with it (docs/protocol.md §18): their exclusion changes too.
                         let mut batch: Vec<_> = rings
                             .iter()
-                            .flat_map(|ring| self.index.ring_lease_refs(ring))
-                            .filter(|other| other.name == lease.name && *other != lease)
+                            .flat_map(|ring| self.index.ring_lease_refs_named(ring, &lease.name))
+                            .filter(|other| *other != lease)
                             .collect();
                         batch.push(lease);
                         batch
@@ -171,12 +171,9 @@ impl Triggers {
                     Err(RecvError::Closed) => return None,
                 },
                 landed = self.landed.recv() => match landed {
-                    Ok((ring, shard)) if ring.kind == self.kind => self
-                        .index
-                        .ring_lease_refs(&ring.name)
-                        .into_iter()
-                        .filter(|lease| lease.name == shard)
-                        .collect(),
+                    Ok((ring, shard)) if ring.kind == self.kind => {
+                        self.index.ring_lease_refs_named(&ring.name, &shard)
+                    }
                     Ok(_) => continue,
                     Err(RecvError::Lagged(_)) => self.every(),
                     Err(RecvError::Closed) => return None,
