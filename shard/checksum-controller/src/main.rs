@@ -347,19 +347,24 @@ async fn reconcile(
 /// Only this shard's ConfigMaps are cached, so with `leave_children` a cached one carries the
 /// label already.
 fn up_to_date(cached: &ConfigMap, desired: &ConfigMap, leave_children: bool) -> bool {
-    let controller = |meta: &ObjectMeta| {
+    // Compared in place: this runs on every reconcile, and a copy of the data would cost more
+    // than the comparison.
+    fn data(config_map: &ConfigMap) -> Option<&BTreeMap<String, String>> {
+        config_map.data.as_ref().filter(|data| !data.is_empty())
+    }
+    fn controller(meta: &ObjectMeta) -> Option<&str> {
         meta.owner_references
             .iter()
             .flatten()
             .find(|owner| owner.controller == Some(true))
-            .map(|owner| owner.uid.clone())
-    };
+            .map(|owner| owner.uid.as_str())
+    }
     let labelled = leave_children
         || desired
             .labels()
             .iter()
             .all(|(key, value)| cached.labels().get(key) == Some(value));
-    cached.data.clone().unwrap_or_default() == desired.data.clone().unwrap_or_default()
+    data(cached) == data(desired)
         && controller(&cached.metadata) == controller(&desired.metadata)
         && labelled
 }
@@ -691,6 +696,12 @@ mod tests {
             .insert("unrelated".into(), "kept".into());
         assert!(up_to_date(&cached, &desired, false));
         assert!(up_to_date(&cached, &desired, true));
+
+        // The API server leaves an empty map out: a Secret without data is up to date too.
+        let empty = desired_config_map(&Secret::default(), &shard);
+        let mut cached_empty = empty.clone();
+        cached_empty.data = None;
+        assert!(up_to_date(&cached_empty, &empty, true), "no data");
 
         let mut changed = cached.clone();
         changed
