@@ -6,7 +6,8 @@
 //! every Secret key to the lowercase hex SHA-256 of its value. By default every write labels the
 //! ConfigMap with this shard, so a ConfigMap follows its Secret with the new shard's first write;
 //! with `--leave-children-to-sharder` only the create does, and ConfigMaps follow their Secret by
-//! the sharder's moves alone.
+//! the sharder's moves alone: a create that finds the ConfigMap already there (a Secret that
+//! moved here) writes nothing more and waits for the sharder to bring it.
 //!
 //! Order of life ([`shard::Shard::run`]): acquire the shard Lease, then run the controller and the
 //! departures watch; exit non-zero the moment the Lease is lost; on SIGTERM/SIGINT stop the
@@ -20,7 +21,8 @@
 //! |---|---|
 //! | `reconcile` (a reconcile starts) | `namespace`, `name`, `shard` |
 //! | `applied` (the ConfigMap write of a reconcile succeeded) | `namespace`, `name`, `shard`, `configmap` |
-//! | `up_to_date` (a reconcile found its ConfigMap in the shard's cache as it would write it, and wrote nothing) | `namespace`, `name`, `shard`, `configmap` |
+//! | `up_to_date` (a reconcile found its ConfigMap in the shard's cache as it would write it, and wrote nothing, not even the ownership read) | `namespace`, `name`, `shard`, `configmap` |
+//! | `awaiting_move` (with `--leave-children-to-sharder`: the create found the ConfigMap on another shard; the Secret is reconciled again when it arrives, or after 10 s) | `namespace`, `name`, `shard`, `configmap` |
 //! | `write_refused` (a reconcile stopped before its write: [`shard::Ownership::confirm`] said no) | `namespace`, `name`, `shard`, `error` |
 //! | `drain` (a drain was acknowledged) | `namespace`, `name`, `shard`, `resource_version` (of the Secret, the version the patch was conditioned on), `took_ms` (the acknowledging write's round trip, milliseconds) |
 //! | `released` (a Secret left this shard, [`shard::Departure::Released`]) | `namespace`, `name`, `shard`, `how` (`drained`, `reassigned`, `found_moved`), `had_state`, `checksums` (of the dropped record), `released_total` |
@@ -34,7 +36,7 @@
 //! or is deleted (`deleted`), and counted by which, and survives a rejoin after an exclusion
 //! (the next term reports Secrets that left meanwhile).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -67,6 +69,12 @@ const CONFIG_MAP_PREFIX: &str = "checksums-";
 
 /// How long to wait before retrying a failed reconcile.
 const RETRY_AFTER: Duration = Duration::from_secs(5);
+
+/// With `--leave-children-to-sharder`, how long a reconcile that found its ConfigMap on another
+/// shard waits for the sharder's move (which reconciles the Secret again the moment it arrives)
+/// before it writes the data anyway: a ConfigMap that never moves (not controlled by the Secret)
+/// still gets its checksums.
+const AWAIT_MOVE: Duration = Duration::from_secs(10);
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 enum LogFormat {
@@ -175,6 +183,10 @@ struct Served {
 #[derive(Debug, Default)]
 struct LocalState {
     served: BTreeMap<(String, String), Served>,
+    /// With `--leave-children-to-sharder`: Secrets whose ConfigMap create found it on another
+    /// shard. The next reconcile that still does not find it in the cache applies its data, since
+    /// the sharder did not move it within [`AWAIT_MOVE`].
+    awaiting_move: BTreeSet<(String, String)>,
     released_total: u64,
     deleted_total: u64,
 }
@@ -209,6 +221,7 @@ fn forget(state: &Mutex<LocalState>, shard: &Shard, departure: &Departure) {
     let namespace = object.namespace.clone().unwrap_or_default();
     let slot = (namespace.clone(), object.name.clone());
     let mut state = locked(state);
+    state.awaiting_move.remove(&slot);
     // A record of another object under the same name (recreated meanwhile) is not this one's.
     let dropped = match state.served.get(&slot) {
         Some(served) if object.uid.is_none() || served.uid == object.uid => {
@@ -300,12 +313,19 @@ async fn reconcile(
     if let Some(delay) = context.slow_down.filter(|_| name.starts_with(SLOW_PREFIX)) {
         tokio::time::sleep(delay).await;
     }
-    // One GET: the Secret may have been drained, or the Lease lost, while this reconcile ran.
-    ownership.confirm().await?;
+    let slot = (namespace.clone(), name.clone());
+    // Taken whatever comes next: a ConfigMap in the cache has arrived, one that is not is written.
+    let awaited = locked(&context.state).awaiting_move.remove(&slot);
     let cached = context
         .config_maps
         .get(&ObjectRef::new(&config_map_name).within(&namespace));
-    if cached.is_some_and(|cached| up_to_date(&cached, &config_map, context.leave_children)) {
+    let mut action = Action::await_change();
+    if cached
+        .as_deref()
+        .is_some_and(|cached| up_to_date(cached, &config_map, context.leave_children))
+    {
+        // Nothing to write, so nothing to confirm ownership for: the read would be the only
+        // request of this reconcile, and a moved object's ConfigMap arriving is such a one.
         info!(
             event = "up_to_date",
             %namespace,
@@ -315,31 +335,45 @@ async fn reconcile(
             "ConfigMap already as desired"
         );
     } else {
+        // One GET: the Secret may have been drained, or the Lease lost, while this reconcile ran.
+        ownership.confirm().await?;
         let api: Api<ConfigMap> = Api::namespaced(context.client.clone(), &namespace);
-        write_config_map(&api, config_map.clone(), context.leave_children)
+        let write = Write::choose(context.leave_children, cached.is_some(), awaited);
+        let written = write_config_map(&api, config_map.clone(), write)
             .await
             .map_err(|source| Error::Apply {
                 namespace: namespace.clone(),
                 name: config_map_name.clone(),
                 source,
             })?;
-        info!(
-            event = "applied",
-            %namespace,
-            %name,
-            shard = %context.shard.name(),
-            configmap = %config_map_name,
-            "applied ConfigMap"
-        );
+        if written {
+            info!(
+                event = "applied",
+                %namespace,
+                %name,
+                shard = %context.shard.name(),
+                configmap = %config_map_name,
+                "applied ConfigMap"
+            );
+        } else {
+            info!(
+                event = "awaiting_move",
+                %namespace,
+                %name,
+                shard = %context.shard.name(),
+                configmap = %config_map_name,
+                "ConfigMap exists on another shard, waiting for the sharder to move it"
+            );
+            locked(&context.state).awaiting_move.insert(slot.clone());
+            action = Action::requeue(AWAIT_MOVE);
+        }
     }
     let served = Served {
         uid: secret.uid(),
         checksums: config_map.data.as_ref().map_or(0, BTreeMap::len),
     };
-    locked(&context.state)
-        .served
-        .insert((namespace, name), served);
-    Ok(Action::await_change())
+    locked(&context.state).served.insert(slot, served);
+    Ok(action)
 }
 
 /// Whether the ConfigMap as cached already is what a write of `desired` would make it: the same
@@ -369,27 +403,56 @@ fn up_to_date(cached: &ConfigMap, desired: &ConfigMap, leave_children: bool) -> 
         && labelled
 }
 
-/// Writes `config_map` (labelled with this shard). With `leave_children`, the label is written
-/// only by the create; an existing ConfigMap gets its data and owner without any label, so its
-/// shard label stays whatever the sharder made it.
+/// What a reconcile sends for its ConfigMap.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Write {
+    /// Apply it labelled with this shard: every write relabels.
+    Apply,
+    /// `--leave-children-to-sharder`, no such ConfigMap known: create it with this shard's label;
+    /// one that exists already is left to the sharder, whose move brings it here.
+    Create,
+    /// `--leave-children-to-sharder`, the ConfigMap exists: apply its data and owner without any
+    /// label, so its shard label stays whatever the sharder made it.
+    ApplyUnlabelled,
+}
+
+impl Write {
+    /// The write for a ConfigMap that is not as desired: `cached` in this shard's cache, or
+    /// `awaited` (a create found it on another shard, and it has not arrived since).
+    fn choose(leave_children: bool, cached: bool, awaited: bool) -> Self {
+        if !leave_children {
+            Self::Apply
+        } else if cached || awaited {
+            Self::ApplyUnlabelled
+        } else {
+            Self::Create
+        }
+    }
+}
+
+/// Writes `config_map` (labelled with this shard) as `write` says. `Ok(false)`: a create found
+/// the ConfigMap existing already and wrote nothing.
 async fn write_config_map(
     api: &Api<ConfigMap>,
     mut config_map: ConfigMap,
-    leave_children: bool,
-) -> Result<(), kube::Error> {
+    write: Write,
+) -> Result<bool, kube::Error> {
     let name = config_map.name_any();
-    if leave_children {
-        // A field manager of its own: the apply below must not own (and so drop) the label.
-        let create = PostParams {
-            field_manager: Some(CREATE_FIELD_MANAGER.into()),
-            ..PostParams::default()
-        };
-        match api.create(&create, &config_map).await {
-            Ok(_) => return Ok(()),
-            Err(kube::Error::Api(status)) if status.code == 409 => {}
-            Err(error) => return Err(error),
+    match write {
+        Write::Apply => {}
+        Write::Create => {
+            // A field manager of its own: a later apply must not own (and so drop) the label.
+            let create = PostParams {
+                field_manager: Some(CREATE_FIELD_MANAGER.into()),
+                ..PostParams::default()
+            };
+            return match api.create(&create, &config_map).await {
+                Ok(_) => Ok(true),
+                Err(kube::Error::Api(status)) if status.code == 409 => Ok(false),
+                Err(error) => Err(error),
+            };
         }
-        config_map.metadata.labels = None;
+        Write::ApplyUnlabelled => config_map.metadata.labels = None,
     }
     api.patch(
         &name,
@@ -397,7 +460,7 @@ async fn write_config_map(
         &Patch::Apply(&config_map),
     )
     .await
-    .map(|_| ())
+    .map(|_| true)
 }
 
 fn error_policy(
@@ -727,6 +790,19 @@ mod tests {
             up_to_date(&elsewhere, &desired, true),
             "the label is the sharder's to write"
         );
+    }
+
+    #[test]
+    fn left_children_are_created_once_and_then_wait_for_the_sharder() {
+        // Relabelling shards apply every time.
+        for (cached, awaited) in [(false, false), (true, false), (false, true)] {
+            assert_eq!(Write::choose(false, cached, awaited), Write::Apply);
+        }
+        // Unknown: create (labelled). A 409 makes it awaited; arriving makes it cached.
+        assert_eq!(Write::choose(true, false, false), Write::Create);
+        assert_eq!(Write::choose(true, true, false), Write::ApplyUnlabelled);
+        // Not moved within the wait: the data is written without touching the label.
+        assert_eq!(Write::choose(true, false, true), Write::ApplyUnlabelled);
     }
 
     #[test]
