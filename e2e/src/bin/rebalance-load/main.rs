@@ -135,6 +135,11 @@ struct Args {
     /// only by the sharder's moves, as with shards that never relabel what they own.
     #[arg(long)]
     leave_children_to_sharder: bool,
+    /// The sharder's `controller.sharder.concurrentMoves` (drain and move patches in flight per
+    /// ring; the floor measurement uses as many): lower trades a slower scale-out for a less
+    /// loaded API server and so a shorter handover gap.
+    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..))]
+    concurrent_moves: u32,
     /// Print the report as JSON instead of text.
     #[arg(long)]
     json: bool,
@@ -251,6 +256,7 @@ async fn measure(
             // Production timing: the machine is busy, short leases would flap.
             leader_election: (15, 10, 2),
             sync_period: "5m".into(),
+            concurrent_moves: args.concurrent_moves,
             ..Default::default()
         },
     )?;
