@@ -22,7 +22,7 @@
 //! | `reconcile` (a reconcile starts) | `namespace`, `name`, `shard` |
 //! | `applied` (the ConfigMap write of a reconcile succeeded) | `namespace`, `name`, `shard`, `configmap` |
 //! | `up_to_date` (a reconcile found its ConfigMap in the shard's cache as it would write it, and wrote nothing, not even the ownership read) | `namespace`, `name`, `shard`, `configmap` |
-//! | `awaiting_move` (with `--leave-children-to-sharder`: the create found the ConfigMap on another shard; the Secret is reconciled again when it arrives, or after 10 s) | `namespace`, `name`, `shard`, `configmap` |
+//! | `awaiting_move` (with `--leave-children-to-sharder`: the create found the ConfigMap on another shard; the Secret is reconciled again when it arrives; after 10 s without, the ConfigMap is read, and waited for again if it is the Secret's, else written) | `namespace`, `name`, `shard`, `configmap` |
 //! | `write_refused` (a reconcile stopped before its write: [`shard::Ownership::confirm`] said no) | `namespace`, `name`, `shard`, `error` |
 //! | `drain` (a drain was acknowledged) | `namespace`, `name`, `shard`, `resource_version` (of the Secret, the version the patch was conditioned on), `took_ms` (the acknowledging write's round trip, milliseconds) |
 //! | `released` (a Secret left this shard, [`shard::Departure::Released`]) | `namespace`, `name`, `shard`, `how` (`drained`, `reassigned`, `found_moved`), `had_state`, `checksums` (of the dropped record), `released_total` |
@@ -72,8 +72,8 @@ const RETRY_AFTER: Duration = Duration::from_secs(5);
 
 /// With `--leave-children-to-sharder`, how long a reconcile that found its ConfigMap on another
 /// shard waits for the sharder's move (which reconciles the Secret again the moment it arrives)
-/// before it writes the data anyway: a ConfigMap that never moves (not controlled by the Secret)
-/// still gets its checksums.
+/// before it reads the ConfigMap: one controlled by the Secret is waited for again, any other one
+/// (which the sharder never moves here) gets its checksums.
 const AWAIT_MOVE: Duration = Duration::from_secs(10);
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -156,7 +156,7 @@ const SLOW_PREFIX: &str = "slow-";
 /// Errors of one reconcile.
 #[derive(Debug, thiserror::Error)]
 enum Error {
-    #[error("failed to apply ConfigMap {namespace}/{name}")]
+    #[error("failed to read or write ConfigMap {namespace}/{name}")]
     Apply {
         namespace: String,
         name: String,
@@ -184,8 +184,8 @@ struct Served {
 struct LocalState {
     served: BTreeMap<(String, String), Served>,
     /// With `--leave-children-to-sharder`: Secrets whose ConfigMap create found it on another
-    /// shard. The next reconcile that still does not find it in the cache applies its data, since
-    /// the sharder did not move it within [`AWAIT_MOVE`].
+    /// shard. The next reconcile that still does not find it in the cache reads it
+    /// ([`Write::after_waiting`]).
     awaiting_move: BTreeSet<(String, String)>,
     released_total: u64,
     deleted_total: u64,
@@ -338,14 +338,21 @@ async fn reconcile(
         // One GET: the Secret may have been drained, or the Lease lost, while this reconcile ran.
         ownership.confirm().await?;
         let api: Api<ConfigMap> = Api::namespaced(context.client.clone(), &namespace);
-        let write = Write::choose(context.leave_children, cached.is_some(), awaited);
+        let failed = |source| Error::Apply {
+            namespace: namespace.clone(),
+            name: config_map_name.clone(),
+            source,
+        };
+        let write = match Write::choose(context.leave_children, cached.is_some(), awaited) {
+            Some(write) => write,
+            None => {
+                let existing = api.get_opt(&config_map_name).await.map_err(&failed)?;
+                Write::after_waiting(existing.as_ref(), secret.uid().as_deref())
+            }
+        };
         let written = write_config_map(&api, config_map.clone(), write)
             .await
-            .map_err(|source| Error::Apply {
-                namespace: namespace.clone(),
-                name: config_map_name.clone(),
-                source,
-            })?;
+            .map_err(&failed)?;
         if written {
             info!(
                 event = "applied",
@@ -386,13 +393,6 @@ fn up_to_date(cached: &ConfigMap, desired: &ConfigMap, leave_children: bool) -> 
     fn data(config_map: &ConfigMap) -> Option<&BTreeMap<String, String>> {
         config_map.data.as_ref().filter(|data| !data.is_empty())
     }
-    fn controller(meta: &ObjectMeta) -> Option<&str> {
-        meta.owner_references
-            .iter()
-            .flatten()
-            .find(|owner| owner.controller == Some(true))
-            .map(|owner| owner.uid.as_str())
-    }
     let labelled = leave_children
         || desired
             .labels()
@@ -401,6 +401,15 @@ fn up_to_date(cached: &ConfigMap, desired: &ConfigMap, leave_children: bool) -> 
     data(cached) == data(desired)
         && controller(&cached.metadata) == controller(&desired.metadata)
         && labelled
+}
+
+/// The UID of the controller `meta` names, if any.
+fn controller(meta: &ObjectMeta) -> Option<&str> {
+    meta.owner_references
+        .iter()
+        .flatten()
+        .find(|owner| owner.controller == Some(true))
+        .map(|owner| owner.uid.as_str())
 }
 
 /// What a reconcile sends for its ConfigMap.
@@ -414,24 +423,42 @@ enum Write {
     /// `--leave-children-to-sharder`, the ConfigMap exists: apply its data and owner without any
     /// label, so its shard label stays whatever the sharder made it.
     ApplyUnlabelled,
+    /// `--leave-children-to-sharder`, the ConfigMap is this Secret's and on another shard: send
+    /// nothing, the sharder moves it here once the Secret's move is complete.
+    Wait,
 }
 
 impl Write {
-    /// The write for a ConfigMap that is not as desired: `cached` in this shard's cache, or
-    /// `awaited` (a create found it on another shard, and it has not arrived since).
-    fn choose(leave_children: bool, cached: bool, awaited: bool) -> Self {
+    /// The write for a ConfigMap that is not as desired, `cached` in this shard's cache or not.
+    /// `None` when it is `awaited` (a create found it on another shard, and it has not arrived
+    /// since): [`Write::after_waiting`] decides from the ConfigMap as it is now.
+    fn choose(leave_children: bool, cached: bool, awaited: bool) -> Option<Self> {
         if !leave_children {
-            Self::Apply
-        } else if cached || awaited {
-            Self::ApplyUnlabelled
+            Some(Self::Apply)
+        } else if cached {
+            Some(Self::ApplyUnlabelled)
+        } else if awaited {
+            None
         } else {
-            Self::Create
+            Some(Self::Create)
+        }
+    }
+
+    /// The write for an awaited ConfigMap, as it exists now (`None`: not at all) for the Secret
+    /// of UID `secret`. The Secret's own ConfigMap is moved by the sharder only when the Secret's
+    /// move is complete, which takes as long as the sync that drains it (many seconds with many
+    /// objects), so it is waited for as long as it exists; any other one is taken over.
+    fn after_waiting(existing: Option<&ConfigMap>, secret: Option<&str>) -> Self {
+        match existing {
+            None => Self::Create,
+            Some(found) if secret.is_some() && controller(&found.metadata) == secret => Self::Wait,
+            Some(_) => Self::ApplyUnlabelled,
         }
     }
 }
 
-/// Writes `config_map` (labelled with this shard) as `write` says. `Ok(false)`: a create found
-/// the ConfigMap existing already and wrote nothing.
+/// Writes `config_map` (labelled with this shard) as `write` says. `Ok(false)`: nothing was
+/// written (waiting, or a create found the ConfigMap existing already).
 async fn write_config_map(
     api: &Api<ConfigMap>,
     mut config_map: ConfigMap,
@@ -453,6 +480,7 @@ async fn write_config_map(
             };
         }
         Write::ApplyUnlabelled => config_map.metadata.labels = None,
+        Write::Wait => return Ok(false),
     }
     api.patch(
         &name,
@@ -796,13 +824,43 @@ mod tests {
     fn left_children_are_created_once_and_then_wait_for_the_sharder() {
         // Relabelling shards apply every time.
         for (cached, awaited) in [(false, false), (true, false), (false, true)] {
-            assert_eq!(Write::choose(false, cached, awaited), Write::Apply);
+            assert_eq!(Write::choose(false, cached, awaited), Some(Write::Apply));
         }
         // Unknown: create (labelled). A 409 makes it awaited; arriving makes it cached.
-        assert_eq!(Write::choose(true, false, false), Write::Create);
-        assert_eq!(Write::choose(true, true, false), Write::ApplyUnlabelled);
-        // Not moved within the wait: the data is written without touching the label.
-        assert_eq!(Write::choose(true, false, true), Write::ApplyUnlabelled);
+        assert_eq!(Write::choose(true, false, false), Some(Write::Create));
+        assert_eq!(
+            Write::choose(true, true, false),
+            Some(Write::ApplyUnlabelled)
+        );
+        // Not arrived within the wait: decided from the ConfigMap as it is.
+        assert_eq!(Write::choose(true, false, true), None);
+
+        let secret = secret(&[("key", b"v1")]);
+        let uid = secret.uid();
+        let own = ConfigMap {
+            metadata: ObjectMeta {
+                owner_references: secret.controller_owner_ref(&()).map(|owner| vec![owner]),
+                ..ObjectMeta::default()
+            },
+            ..ConfigMap::default()
+        };
+        // The Secret's own ConfigMap is waited for, however long the sharder takes.
+        assert_eq!(
+            Write::after_waiting(Some(&own), uid.as_deref()),
+            Write::Wait
+        );
+        // Gone meanwhile: created again; someone else's: taken over without the label.
+        assert_eq!(Write::after_waiting(None, uid.as_deref()), Write::Create);
+        let foreign = ConfigMap::default();
+        assert_eq!(
+            Write::after_waiting(Some(&foreign), uid.as_deref()),
+            Write::ApplyUnlabelled
+        );
+        // A Secret without a UID (never from the API server) claims no ConfigMap.
+        assert_eq!(
+            Write::after_waiting(Some(&own), None),
+            Write::ApplyUnlabelled
+        );
     }
 
     #[test]
