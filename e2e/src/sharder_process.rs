@@ -44,7 +44,7 @@ pub struct SharderSettings {
     pub webhook_url: Option<String>,
     /// How long drains may wait before the sharder warns (short, so a test can see it).
     pub drain_timeout: String,
-    /// Most patches in flight per ring.
+    /// Most patches in flight per ring (default: the sharder's).
     pub concurrent_moves: u32,
     /// `metrics.secure`: HTTPS with the serving certificate, and a token allowed to get
     /// `/metrics` for every scrape ([`SharderFiles::scrape_metrics`]). Off by default, unlike the
@@ -60,7 +60,7 @@ impl Default for SharderSettings {
             sync_period: "5m".into(),
             webhook_url: None,
             drain_timeout: "15s".into(),
-            concurrent_moves: 100,
+            concurrent_moves: sharding_crds::config::SharderController::default().concurrent_moves,
             metrics_secure: false,
         }
     }

@@ -72,6 +72,7 @@ use k8s_openapi::api::core::v1::Namespace;
 use kube::Client;
 use kube::api::{Api, DeleteParams};
 use sharding_crds::ClusterRing;
+use sharding_crds::config::SharderController;
 
 use crate::handover::{ShardLog, handover};
 use crate::objects::{create_secrets, floor_run};
@@ -136,9 +137,9 @@ struct Args {
     #[arg(long)]
     leave_children_to_sharder: bool,
     /// The sharder's `controller.sharder.concurrentMoves` (drain and move patches in flight per
-    /// ring; the floor measurement uses as many): lower trades a slower scale-out for a less
-    /// loaded API server and so a shorter handover gap.
-    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..))]
+    /// ring; the floor measurement uses as many); default: the sharder's default.
+    #[arg(long, default_value_t = SharderController::default().concurrent_moves,
+          value_parser = clap::value_parser!(u32).range(1..))]
     concurrent_moves: u32,
     /// Print the report as JSON instead of text.
     #[arg(long)]
