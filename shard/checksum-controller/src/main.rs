@@ -320,20 +320,14 @@ async fn reconcile(
         .config_maps
         .get(&ObjectRef::new(&config_map_name).within(&namespace));
     let mut action = Action::await_change();
-    if cached
+    // What the reconcile did, as its log record's `event` and message.
+    let (event, message) = if cached
         .as_deref()
         .is_some_and(|cached| up_to_date(cached, &config_map, context.leave_children))
     {
         // Nothing to write, so nothing to confirm ownership for: the read would be the only
         // request of this reconcile, and a moved object's ConfigMap arriving is such a one.
-        info!(
-            event = "up_to_date",
-            %namespace,
-            %name,
-            shard = %context.shard.name(),
-            configmap = %config_map_name,
-            "ConfigMap already as desired"
-        );
+        ("up_to_date", "ConfigMap already as desired")
     } else {
         // One GET: the Secret may have been drained, or the Lease lost, while this reconcile ran.
         ownership.confirm().await?;
@@ -354,27 +348,24 @@ async fn reconcile(
             .await
             .map_err(&failed)?;
         if written {
-            info!(
-                event = "applied",
-                %namespace,
-                %name,
-                shard = %context.shard.name(),
-                configmap = %config_map_name,
-                "applied ConfigMap"
-            );
+            ("applied", "applied ConfigMap")
         } else {
-            info!(
-                event = "awaiting_move",
-                %namespace,
-                %name,
-                shard = %context.shard.name(),
-                configmap = %config_map_name,
-                "ConfigMap exists on another shard, waiting for the sharder to move it"
-            );
             locked(&context.state).awaiting_move.insert(slot.clone());
             action = Action::requeue(AWAIT_MOVE);
+            (
+                "awaiting_move",
+                "ConfigMap exists on another shard, waiting for the sharder to move it",
+            )
         }
-    }
+    };
+    info!(
+        event,
+        %namespace,
+        %name,
+        shard = %context.shard.name(),
+        configmap = %config_map_name,
+        "{message}"
+    );
     let served = Served {
         uid: secret.uid(),
         checksums: config_map.data.as_ref().map_or(0, BTreeMap::len),
