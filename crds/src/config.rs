@@ -268,9 +268,9 @@ pub struct SharderController {
     ///
     /// The default of 10 is where the API server of a small control plane (2 cores) answers about
     /// as many patches a second as with 100 in flight, without the queue: at 100 every other
-    /// write waited behind the sharder's patches (the shards' drain acknowledgements 3 times
-    /// longer, the handover of a moved object 10 times longer at the median; docs/performance.md
-    /// §4). At 5 the handover is shorter still, but rebalances took up to 80 % longer. Raise it
+    /// write waited behind the sharder's patches (the shards' drain acknowledgements 3 to 5 times
+    /// longer, the handover of a moved object 7 to 29 times longer at the median;
+    /// docs/performance.md §4). At 5 the handover is shorter still, but rebalances took up to 80 % longer. Raise it
     /// where a patch waits on something other than the API server's CPU, such as other tools'
     /// slow admission webhooks.
     pub concurrent_moves: u32,
