@@ -310,6 +310,10 @@ async fn reconcile(
     );
     let config_map = desired_config_map(&secret, &context.shard);
     let config_map_name = config_map.name_any();
+    let served = Served {
+        uid: secret.uid(),
+        checksums: config_map.data.as_ref().map_or(0, BTreeMap::len),
+    };
     if let Some(delay) = context.slow_down.filter(|_| name.starts_with(SLOW_PREFIX)) {
         tokio::time::sleep(delay).await;
     }
@@ -344,7 +348,7 @@ async fn reconcile(
                 Write::after_waiting(existing.as_ref(), secret.uid().as_deref())
             }
         };
-        let written = write_config_map(&api, config_map.clone(), write)
+        let written = write_config_map(&api, config_map, write)
             .await
             .map_err(&failed)?;
         if written {
@@ -366,10 +370,6 @@ async fn reconcile(
         configmap = %config_map_name,
         "{message}"
     );
-    let served = Served {
-        uid: secret.uid(),
-        checksums: config_map.data.as_ref().map_or(0, BTreeMap::len),
-    };
     locked(&context.state).served.insert(slot, served);
     Ok(action)
 }
