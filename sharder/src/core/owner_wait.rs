@@ -34,9 +34,12 @@ pub(crate) struct OwnerWait {
     namespace_shards: HashSet<(u64, u64)>,
     /// Controlled objects held back so far.
     pub(crate) waiting: usize,
-    /// The held-back objects themselves, in the order they were held, while there are at most
-    /// [`MAX_REMEMBERED`]; `None` once there were more (they then wait for the next sync).
+    /// The held-back objects not yet [taken](Self::take_held), in the order they were held, while
+    /// the sync remembered at most [`MAX_REMEMBERED`]; `None` once it held more (they then wait
+    /// for the next sync).
     pub(crate) held: Option<Vec<HeldChild>>,
+    /// Held-back objects remembered so far, taken or not.
+    remembered: usize,
 }
 
 /// Most held-back controlled objects one sync remembers (about 100 bytes each): beyond that they
@@ -83,11 +86,8 @@ impl OwnerWait {
         name: &str,
         (shard, desired): (&str, &str),
     ) {
-        if self
-            .held
-            .as_ref()
-            .is_some_and(|h| h.len() >= MAX_REMEMBERED)
-        {
+        self.remembered += 1;
+        if self.remembered > MAX_REMEMBERED {
             self.held = None;
         }
         if let Some(held) = &mut self.held {
@@ -108,6 +108,12 @@ impl OwnerWait {
         if let Some(held) = &mut self.held {
             held.truncate(len);
         }
+    }
+
+    /// Takes the held objects remembered since the last call, to be moved as their controllers
+    /// leave; `None` once the sync held more than [`MAX_REMEMBERED`] (none is remembered then).
+    pub(crate) fn take_held(&mut self) -> Option<Vec<HeldChild>> {
+        self.held.as_mut().map(std::mem::take)
     }
 
     /// How many held objects are remembered, for [`truncate_held`](Self::truncate_held).
@@ -157,8 +163,8 @@ impl OwnerWait {
     }
 }
 
-/// The controlled objects a finished sync held back, waiting for the main objects in their way
-/// to leave their shards.
+/// The controlled objects a sync held back, waiting for the main objects in their way to leave
+/// their shards.
 ///
 /// A child waits while a main object with its hash key carrying the drain label sits on the
 /// child's shard (with namespace keys: any main object of its namespace). The sync holds a child
@@ -178,17 +184,19 @@ pub(crate) struct Waiting {
 }
 
 impl Waiting {
-    /// The children `held` in one sync.
-    pub(crate) fn new(held: Vec<HeldChild>) -> Self {
-        let mut waiting = Self::default();
-        for child in held {
-            waiting
-                .held
-                .entry((child.key_hash, hash(&child.shard)))
-                .or_default()
-                .push(child);
+    /// Takes in more held children, as a sync holds them; once every watch has listed
+    /// (`listed`), returns those of them that wait on nothing, which may move at once.
+    pub(crate) fn add(&mut self, children: Vec<HeldChild>, listed: bool) -> Vec<HeldChild> {
+        let mut free = Vec::new();
+        for child in children {
+            let blocker = (child.key_hash, hash(&child.shard));
+            if listed && !self.blockers.contains_key(&blocker) {
+                free.push(child);
+            } else {
+                self.held.entry(blocker).or_default().push(child);
+            }
         }
-        waiting
+        free
     }
 
     /// Children still waiting.
@@ -351,7 +359,8 @@ mod tests {
         child(&mut wait, KEY, "c1", "a");
         child(&mut wait, KEY, "c2", "a");
         child(&mut wait, "/Secret/default/t", "c3", "a");
-        let mut waiting = Waiting::new(wait.held.take().expect("remembered"));
+        let mut waiting = Waiting::default();
+        waiting.add(wait.take_held().expect("remembered"), false);
         assert_eq!(waiting.len(), 3);
         // The watch lists the controller of c1/c2 draining on `a`; t already left.
         waiting.draining(0, "uid-s", KEY, "a");
@@ -367,10 +376,40 @@ mod tests {
     }
 
     #[test]
+    fn children_held_after_the_watch_listed_move_at_once_unless_blocked() {
+        let mut wait = OwnerWait::new(HashKey::Object);
+        child(&mut wait, KEY, "c1", "a");
+        let mut waiting = Waiting::default();
+        // Handed over before the watch listed: nothing may move yet.
+        assert!(
+            waiting
+                .add(wait.take_held().expect("remembered"), false)
+                .is_empty()
+        );
+        waiting.draining(0, "uid-s", KEY, "a");
+        assert!(waiting.released().is_empty());
+        // The sync holds more after the watch listed: a child whose controller is still
+        // draining on its shard waits, one whose controller left moves at once.
+        child(&mut wait, KEY, "c2", "a");
+        child(&mut wait, "/Secret/default/t", "c3", "a");
+        let free = waiting.add(wait.take_held().expect("remembered"), true);
+        assert_eq!(names(free), ["c3"]);
+        assert_eq!(waiting.len(), 2);
+        assert_eq!(names(waiting.gone("uid-s")), ["c1", "c2"]);
+        assert!(waiting.is_empty());
+        assert_eq!(
+            wait.take_held(),
+            Some(Vec::new()),
+            "each child is taken once"
+        );
+    }
+
+    #[test]
     fn with_namespace_keys_children_wait_for_every_drained_main_object_of_the_namespace() {
         let mut wait = OwnerWait::new(HashKey::Namespace);
         child(&mut wait, "team", "c1", "a");
-        let mut waiting = Waiting::new(wait.held.take().expect("remembered"));
+        let mut waiting = Waiting::default();
+        waiting.add(wait.take_held().expect("remembered"), false);
         waiting.draining(0, "uid-1", "team", "a");
         waiting.draining(1, "uid-2", "team", "a");
         assert!(waiting.released().is_empty());
@@ -384,7 +423,8 @@ mod tests {
     fn a_main_object_seen_twice_counts_once() {
         let mut wait = OwnerWait::new(HashKey::Object);
         child(&mut wait, KEY, "c1", "a");
-        let mut waiting = Waiting::new(wait.held.take().expect("remembered"));
+        let mut waiting = Waiting::default();
+        waiting.add(wait.take_held().expect("remembered"), false);
         waiting.draining(0, "uid-s", KEY, "a");
         waiting.draining(0, "uid-s", KEY, "a");
         assert_eq!(names(waiting.gone("uid-s")), ["c1"]);

@@ -1,12 +1,17 @@
 //! Controlled objects that a sync held back move the moment their controller's drain is
 //! acknowledged (docs/protocol.md §9), not at the next sync.
 //!
-//! After a sync that held children back, one task per ring watches the ring's main objects that
-//! carry its drain label, metadata-only (a handful of objects: those being drained). An object
+//! When a sync holds its first child back it starts one task for the ring ([`Following`]) that
+//! watches the ring's main objects that carry its drain label, metadata-only (a handful of
+//! objects: those being drained), and hands it each page's held children as it goes. An object
 //! leaving that set, by its shard's acknowledgement or by its deletion, frees the children that
 //! waited on it, and they are moved at once, each straight to the shard the sync wanted it on.
-//! When the task ends the ring is synced again: at once when all moved, 5 s later when a move
-//! failed or the watch could not list within [`LIST_DEADLINE`].
+//! The sync looks at controlled objects only after every patch of its main resources was
+//! answered, so the watch lists after every drain of the sync: a drained object that has not
+//! acknowledged yet is in its list or arrives as an event. When the sync ends, the task is handed
+//! to the controller's loop ([`OwnerMoves`]), and when it ends the ring is synced again: at once
+//! when all moved, 5 s later when a move failed or the watch could not list within
+//! [`LIST_DEADLINE`].
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -16,8 +21,9 @@ use kube::api::{Api, DynamicObject};
 use kube::core::PartialObjectMeta;
 use kube::runtime::{WatchStreamExt, watcher};
 use sharding_crds::GroupResource;
-use tokio::sync::Semaphore;
-use tokio::task::{AbortHandle, JoinSet};
+use tokio::sync::{Semaphore, mpsc};
+use tokio::task::{AbortHandle, JoinHandle, JoinSet};
+use tokio_util::sync::CancellationToken;
 
 use super::patch::{Patcher, api_resource};
 use crate::core::key::KeyOutcome;
@@ -44,6 +50,60 @@ pub(super) struct Followed {
     pub(super) failed: usize,
 }
 
+/// The following of one sync's held-back children, started by the sync when it holds the first
+/// of them; dropping it stops the task.
+#[derive(Debug)]
+pub(super) struct Following {
+    children: mpsc::UnboundedSender<Vec<HeldChild>>,
+    task: FollowTask,
+}
+
+impl Following {
+    /// Starts following for the sync of `view` that `stop` stops: the task stops with it.
+    pub(super) fn start(patcher: &Patcher, view: Arc<RingView>, stop: CancellationToken) -> Self {
+        let (children, handed) = mpsc::unbounded_channel();
+        let patcher = patcher.clone();
+        let task = tokio::spawn(async move { follow(&patcher, view, handed, stop).await });
+        Self {
+            children,
+            task: FollowTask(task),
+        }
+    }
+
+    /// Hands over children the sync just held back.
+    pub(super) fn hand_over(&self, children: Vec<HeldChild>) {
+        if !children.is_empty() {
+            // The task only ends before the sync does when it gave up, and then counts nothing
+            // more: these wait for the next sync.
+            let _ = self.children.send(children);
+        }
+    }
+
+    /// Tells the task that the sync held nothing more; it ends once every child moved.
+    pub(super) fn finish(self) -> FollowTask {
+        self.task
+    }
+}
+
+/// A running following; dropping it stops the task.
+#[derive(Debug)]
+pub(super) struct FollowTask(JoinHandle<Followed>);
+
+impl FollowTask {
+    async fn join(mut self) -> Followed {
+        (&mut self.0).await.unwrap_or(Followed {
+            moved: 0,
+            failed: 1,
+        })
+    }
+}
+
+impl Drop for FollowTask {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 /// The running tasks, at most one per ring, keyed like the sync schedule (`Kind/name`). Dropping
 /// it stops them all.
 #[derive(Debug, Default)]
@@ -54,23 +114,16 @@ pub(super) struct OwnerMoves {
 }
 
 impl OwnerMoves {
-    /// Follows the children `waiting` of ring `key` (as synced with `view`), replacing what
+    /// Takes over the following `task` of a sync of ring `key` that ended, replacing what
     /// followed that ring before.
-    pub(super) fn start(
-        &mut self,
-        key: String,
-        patcher: Patcher,
-        view: Arc<RingView>,
-        waiting: Waiting,
-    ) {
+    pub(super) fn adopt(&mut self, key: String, task: FollowTask) {
         self.stop(&key);
         self.started += 1;
         let id = self.started;
         let task_key = key.clone();
-        let handle = self.tasks.spawn(async move {
-            let followed = follow(&patcher, view, waiting).await;
-            (task_key, id, followed)
-        });
+        let handle = self
+            .tasks
+            .spawn(async move { (task_key, id, task.join().await) });
         self.running.insert(key, (id, handle));
     }
 
@@ -115,9 +168,15 @@ impl OwnerMoves {
     }
 }
 
-/// Watches the drain-labelled main objects of `view`'s ring and moves each child of `waiting` as
-/// soon as nothing it waits on is left; returns once every child moved or failed to.
-async fn follow(patcher: &Patcher, view: Arc<RingView>, mut waiting: Waiting) -> Followed {
+/// Watches the drain-labelled main objects of `view`'s ring and moves each child `handed` over
+/// as soon as nothing it waits on is left; returns once the sync handed over its last children
+/// and every child moved or failed to, or when `stop` fires (the sync was superseded).
+async fn follow(
+    patcher: &Patcher,
+    view: Arc<RingView>,
+    mut handed: mpsc::UnboundedReceiver<Vec<HeldChild>>,
+    stop: CancellationToken,
+) -> Followed {
     let ring = view.ring_ref();
     let mains: Vec<(&GroupResource, _)> = view
         .resources
@@ -145,20 +204,39 @@ async fn follow(patcher: &Patcher, view: Arc<RingView>, mut waiting: Waiting) ->
     let limit = Arc::new(Semaphore::new(concurrency));
     let mut moves: JoinSet<bool> = JoinSet::new();
     let mut listed: HashSet<usize> = HashSet::new();
+    let mut waiting = Waiting::default();
     let mut followed = Followed::default();
-    let total = waiting.len();
+    let mut total = 0;
+    // Whether the sync may still hand over children.
+    let mut open = true;
+    // Whether the watch failed to list in time: what is handed over then waits for a sync.
+    let mut gave_up = false;
     let list_deadline = tokio::time::sleep(LIST_DEADLINE);
     tokio::pin!(list_deadline);
     loop {
-        if waiting.is_empty() && moves.is_empty() {
+        if !open && (gave_up || waiting.is_empty()) && moves.is_empty() {
             break;
         }
         let mut freed = Vec::new();
         tokio::select! {
-            () = &mut list_deadline, if listed.len() < mains.len() => {
+            () = stop.cancelled() => return followed,
+            children = handed.recv(), if open => {
+                let Some(children) = children else {
+                    open = false;
+                    continue;
+                };
+                total += children.len();
+                if gave_up {
+                    followed.failed += children.len();
+                } else {
+                    freed = waiting.add(children, listed.len() == mains.len());
+                }
+            }
+            () = &mut list_deadline, if listed.len() < mains.len() && !gave_up => {
                 tracing::warn!(%ring, "the watch of drained controllers did not list in time; a sync moves the held objects");
-                followed.failed += waiting.len();
-                break;
+                followed.failed += waiting.len().max(1);
+                waiting = Waiting::default();
+                gave_up = true;
             }
             Some(done) = moves.join_next(), if !moves.is_empty() => {
                 match done {
@@ -167,7 +245,7 @@ async fn follow(patcher: &Patcher, view: Arc<RingView>, mut waiting: Waiting) ->
                 }
                 continue;
             }
-            event = events.next() => {
+            event = events.next(), if !gave_up => {
                 let Some((source, event)) = event else { break };
                 match event {
                     Ok(watcher::Event::Init) => {

@@ -35,7 +35,7 @@ pub(crate) async fn run(ctx: Context, shutdown: CancellationToken) {
     // it finished must not be taken for its successor.
     let mut started_syncs = 0u64;
     // Running syncs by ring, with the token that stops one when a newer view supersedes it.
-    let mut handles: HashMap<String, (u64, CancellationToken, Arc<RingView>)> = HashMap::new();
+    let mut handles: HashMap<String, (u64, CancellationToken)> = HashMap::new();
     let patcher = Patcher::new(ctx.clone());
     let mut missed = MissedAssignments::default();
     let mut owner_moves = OwnerMoves::default();
@@ -55,7 +55,7 @@ pub(crate) async fn run(ctx: Context, shutdown: CancellationToken) {
             // Stopped, not aborted: a sync stops before its next page, so the patches in flight
             // complete and are counted. The next sync of the ring may start meanwhile; both
             // write only labels towards the ring's current wishes, and the newer one decides.
-            if let Some((_, stop, _)) = handles.remove(&key) {
+            if let Some((_, stop)) = handles.remove(&key) {
                 stop.cancel();
             }
             schedule.abandoned(&key, now);
@@ -88,10 +88,9 @@ pub(crate) async fn run(ctx: Context, shutdown: CancellationToken) {
             let id = started_syncs;
             let stop = shutdown.child_token();
             let task_stop = stop.clone();
-            let synced = Arc::clone(&view);
             running
                 .spawn(async move { (task_key, id, sync_ring(&patcher, &view, task_stop).await) });
-            handles.insert(key, (id, stop, synced));
+            handles.insert(key, (id, stop));
         }
         owner_moves.retain(|key| keyed.contains_key(key));
         missed.reconcile(&patcher, &views);
@@ -108,18 +107,18 @@ pub(crate) async fn run(ctx: Context, shutdown: CancellationToken) {
             Some(joined) = running.join_next(), if !running.is_empty() => {
                 // A superseded sync was accounted for when it was stopped.
                 let Ok((name, id, result)) = joined else { continue };
-                if handles.get(&name).is_none_or(|(current, _, _)| *current != id) {
+                if handles.get(&name).is_none_or(|(current, _)| *current != id) {
                     continue;
                 }
-                let Some((_, _, view)) = handles.remove(&name) else { continue };
+                handles.remove(&name);
                 let error = result.as_ref().err().map(ToString::to_string);
                 let now = Instant::now();
                 let (waiting, retry) = match result {
-                    Err(Error::WaitingForOwners { held: Some(held), .. }) => {
-                        owner_moves.start(name.clone(), patcher.clone(), view, held);
+                    Err(Error::WaitingForOwners { following: Some(following), .. }) => {
+                        owner_moves.adopt(name.clone(), following);
                         (true, schedule.following(&name, now))
                     }
-                    Err(Error::WaitingForOwners { held: None, .. }) => {
+                    Err(Error::WaitingForOwners { following: None, .. }) => {
                         (true, schedule.waiting(&name, now))
                     }
                     result => (false, schedule.finished(&name, result.is_ok(), now)),

@@ -3,6 +3,7 @@
 //! are looked at.
 
 use std::collections::HashSet;
+use std::sync::Arc;
 
 use crate::context::Context;
 
@@ -14,11 +15,12 @@ use sharding_crds::GroupResource;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use super::owner_moves::{FollowTask, Following};
 use super::pager::{Pager, PagerError};
 use super::patch::{PatchError, Patcher, api_resource};
 use crate::core::key::KeyOutcome;
 use crate::core::list_scope::{ListScope, list_scope};
-use crate::core::owner_wait::{OwnerWait, Waiting};
+use crate::core::owner_wait::OwnerWait;
 use crate::core::rebalance::RebalanceDecision;
 use crate::events::{
     REASON_PIN_UNSATISFIED, REASON_REBALANCE_FINISHED, REASON_REBALANCE_STARTED, REASON_SYNC_FAILED,
@@ -63,8 +65,9 @@ pub(super) enum Error {
     WaitingForOwners {
         /// Controlled objects held back.
         waiting: usize,
-        /// Those objects, when the sync could remember them all.
-        held: Option<Waiting>,
+        /// The task moving them as their controllers leave, when the sync could remember them
+        /// all.
+        following: Option<FollowTask>,
     },
     /// Moves were held back because the ring's webhook is unreachable.
     #[error("held back {held} moves: the API server does not reach the ring's webhook")]
@@ -224,6 +227,12 @@ struct Tally {
     announced: bool,
     /// Controlled objects held back because their controller has not left their shard yet.
     owner_wait: OwnerWait,
+    /// The task moving them as their controllers leave, from the first one held on.
+    following: Option<Following>,
+    /// Whether the held objects are left to the next sync instead: some of the sync's patches
+    /// failed (a controller whose drain failed must not be taken for one that left), or it held
+    /// more than it remembers.
+    no_following: bool,
     /// Objects whose pin did not decide their shard, with why, for Warning Events.
     pin_problems: Vec<(k8s_openapi::api::core::v1::ObjectReference, String)>,
     /// Fires when a newer view supersedes this sync.
@@ -235,7 +244,7 @@ struct Tally {
 #[tracing::instrument(skip_all, fields(ring = %view.ring_ref()))]
 pub(super) async fn sync_ring(
     patcher: &Patcher,
-    view: &RingView,
+    view: &Arc<RingView>,
     stop: CancellationToken,
 ) -> Result<SyncStats, Error> {
     let ctx = &patcher.ctx;
@@ -269,6 +278,7 @@ pub(super) async fn sync_ring(
     if tally.stop.is_cancelled() {
         return Err(Error::Superseded);
     }
+    hand_over_held(patcher, view, &stats, &mut tally);
     let duration = started.elapsed();
     tracing::info!(
         %ring,
@@ -326,7 +336,7 @@ pub(super) async fn sync_ring(
         None if stats.held > 0 => Err(Error::WebhookUnreachable { held: stats.held }),
         None if tally.owner_wait.waiting > 0 => Err(Error::WaitingForOwners {
             waiting: tally.owner_wait.waiting,
-            held: tally.owner_wait.held.take().map(Waiting::new),
+            following: tally.following.take().map(Following::finish),
         }),
         None => Ok(stats),
     };
@@ -350,11 +360,41 @@ pub(super) async fn sync_ring(
     result
 }
 
+/// Hands the controlled objects held back since the last call to the task that moves them as
+/// their controllers leave, starting it with the first of them.
+///
+/// Called only once every patch of the ring's main resources was answered (controlled objects
+/// are looked at after them), so the task's watch lists after all of the sync's drains.
+fn hand_over_held(patcher: &Patcher, view: &Arc<RingView>, stats: &SyncStats, tally: &mut Tally) {
+    if tally.no_following {
+        return;
+    }
+    if stats.failed > 0 || stats.held > 0 {
+        // The result is a failure, which leaves the held objects to the next sync.
+        tally.no_following = true;
+        tally.following = None;
+        return;
+    }
+    let Some(children) = tally.owner_wait.take_held() else {
+        // Held more than it remembers: the next sync moves them.
+        tally.no_following = true;
+        tally.following = None;
+        return;
+    };
+    if children.is_empty() {
+        return;
+    }
+    tally
+        .following
+        .get_or_insert_with(|| Following::start(patcher, Arc::clone(view), tally.stop.clone()))
+        .hand_over(children);
+}
+
 /// Syncs every object of one resource of a ring, listed page by page; each page's objects are
 /// patched before the next page's objects are looked at.
 async fn sync_resource(
     patcher: &Patcher,
-    view: &RingView,
+    view: &Arc<RingView>,
     gr: &GroupResource,
     resource: &ResolvedResource,
     stats: &mut SyncStats,
@@ -392,7 +432,7 @@ fn list_apis(
 /// next page.
 async fn sync_list(
     patcher: &Patcher,
-    view: &RingView,
+    view: &Arc<RingView>,
     gr: &GroupResource,
     resource: &ResolvedResource,
     api: Api<DynamicObject>,
@@ -469,6 +509,10 @@ async fn sync_list(
             })
             .filter(|(_, d)| *d != RebalanceDecision::Keep)
             .collect();
+        if !resource.is_main() {
+            // Each held child may move as soon as its controller left, while the sync goes on.
+            hand_over_held(patcher, view, stats, tally);
+        }
         if !actions.is_empty() && !tally.announced {
             tally.announced = true;
             if let Some(ring) = ctx.caches.ring(&ring) {
