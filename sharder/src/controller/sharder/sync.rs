@@ -11,7 +11,7 @@ use futures::StreamExt;
 use kube::api::{Api, DynamicObject};
 use kube::core::PartialObjectMeta;
 use kube::{Resource, ResourceExt};
-use sharding_crds::{GroupResource, HashKey};
+use sharding_crds::GroupResource;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
@@ -150,23 +150,16 @@ fn tally_object(
     // A controlled object's key is its controller's key (with namespace keys, its namespace's):
     // main resources are synced first, so the controller was seen already if it is listed.
     if let Ok(KeyOutcome::Key(key)) = &placement.key {
-        let available = |shard: &str| view.may_be_running(shard);
         if resource.is_main() {
-            let leaving =
-                placement.object.draining || placement.decision == RebalanceDecision::Drain;
             tally
                 .owner_wait
-                .main_listed(key, current, placement.desired, leaving);
+                .main_listed(key, current, placement.desired);
         } else if placement.decision == RebalanceDecision::Move
-            && if tally.children_first {
-                tally
-                    .owner_wait
-                    .holds_back_unseen(current, placement.desired, available)
-            } else {
-                tally
-                    .owner_wait
-                    .holds_back(key, current, placement.desired, available)
-            }
+            && tally
+                .owner_wait
+                .holds_back(key, current, placement.desired, |shard| {
+                    view.may_be_running(shard)
+                })
         {
             if let (Some(shard), Some(desired)) = (current, placement.desired) {
                 tally.owner_wait.remember(
@@ -209,32 +202,16 @@ fn object_reference(
 }
 
 /// The ring's resources in the order a sync walks them: main resources first, then controlled
-/// ones, each by group and name; controlled ones first when `children_first`.
+/// ones, each by group and name.
 ///
 /// Main objects must start draining before their controlled objects move: a controlled object
-/// moved while its owner still sits on the old shard is written back by that shard. Walked first,
-/// controlled objects on available shards are all held back, to move as the watch of drained
-/// controllers sees theirs leave (see [`children_first`]).
-fn sync_order(view: &RingView, children_first: bool) -> Vec<(&GroupResource, &ResolvedResource)> {
+/// moved while its owner still sits on the old shard is written back by that shard.
+fn sync_order(view: &RingView) -> Vec<(&GroupResource, &ResolvedResource)> {
     let mut resources: Vec<_> = view.resources.iter().collect();
     resources.sort_by_key(|(gr, resource)| {
-        (
-            resource.is_main() == children_first,
-            gr.group.as_str(),
-            gr.resource.as_str(),
-        )
+        (!resource.is_main(), gr.group.as_str(), gr.resource.as_str())
     });
     resources
-}
-
-/// Whether a sync of `view` walks the controlled resources first and hands each held child to
-/// the watch of drained controllers as it goes, so that children move as their controllers'
-/// drains are acknowledged, while the sync still drains others: in rings hashed by object, where
-/// a key names one controller, so that seeing it leave the child's shard frees the child. In
-/// rings hashed by namespace several main objects share a key, and children are handed over only
-/// after every drain was answered.
-fn children_first(view: &RingView) -> bool {
-    view.hash_key == HashKey::Object && view.resources.values().any(|r| !r.is_main())
 }
 
 /// What one sync learned besides its counts: objects per shard, unassigned and draining
@@ -252,8 +229,6 @@ struct Tally {
     owner_wait: OwnerWait,
     /// The task moving them as their controllers leave, from the first one held on.
     following: Option<Following>,
-    /// Whether controlled objects are walked before the main ones ([`children_first`]).
-    children_first: bool,
     /// Whether the held objects are left to the next sync instead: some of the sync's patches
     /// failed (a controller whose drain failed must not be taken for one that left), or it held
     /// more than it remembers.
@@ -277,24 +252,16 @@ pub(super) async fn sync_ring(
     let started = Instant::now();
     tracing::info!(%ring, shards = view.hash_ring.len(), "{SYNC_STARTED}");
     let mut stats = SyncStats::default();
-    let children_first = children_first(view);
     let mut tally = Tally {
-        following: children_first
-            .then(|| Following::start(patcher, Arc::clone(view), stop.clone(), true)),
         stop,
         owner_wait: OwnerWait::new(view.hash_key),
-        children_first,
         ..Tally::default()
     };
     let mut first_error = None;
     let mut main_failed = false;
-    let mut draining = false;
-    for (gr, resource) in sync_order(view, children_first) {
+    for (gr, resource) in sync_order(view) {
         if tally.stop.is_cancelled() {
             return Err(Error::Superseded);
-        }
-        if resource.is_main() && !std::mem::replace(&mut draining, true) {
-            drains_may_go(&mut tally).await?;
         }
         if main_failed && !resource.is_main() {
             // Controllers not listed may still sit on their old shards: moving their controlled
@@ -312,12 +279,6 @@ pub(super) async fn sync_ring(
         return Err(Error::Superseded);
     }
     hand_over_held(patcher, view, &stats, &mut tally);
-    let waiting = tally.owner_wait.waiting;
-    if tally.children_first
-        && let Some(following) = &tally.following
-    {
-        following.main_listed(std::mem::take(&mut tally.owner_wait));
-    }
     let duration = started.elapsed();
     tracing::info!(
         %ring,
@@ -373,8 +334,8 @@ pub(super) async fn sync_ring(
             attempted: stats.drained + stats.moved + stats.failed,
         }),
         None if stats.held > 0 => Err(Error::WebhookUnreachable { held: stats.held }),
-        None if waiting > 0 => Err(Error::WaitingForOwners {
-            waiting,
+        None if tally.owner_wait.waiting > 0 => Err(Error::WaitingForOwners {
+            waiting: tally.owner_wait.waiting,
             following: tally.following.take().map(Following::finish),
         }),
         None => Ok(stats),
@@ -399,30 +360,11 @@ pub(super) async fn sync_ring(
     result
 }
 
-/// Before the sync's first drain: waits until the watch of drained controllers has listed, when
-/// it walked the controlled objects first, so that every drain reaches the watch as an event. A
-/// watch that ended leaves the held objects to the next sync.
-async fn drains_may_go(tally: &mut Tally) -> Result<(), Error> {
-    let Some(following) = &mut tally.following else {
-        return Ok(());
-    };
-    let listed = tokio::select! {
-        () = tally.stop.cancelled() => return Err(Error::Superseded),
-        listed = following.listed() => listed,
-    };
-    if !listed {
-        tally.no_following = true;
-        tally.following = None;
-    }
-    Ok(())
-}
-
 /// Hands the controlled objects held back since the last call to the task that moves them as
 /// their controllers leave, starting it with the first of them.
 ///
-/// With the controlled objects walked first the task runs from the start of the sync; otherwise
-/// it starts here, once every patch of the ring's main resources was answered (controlled
-/// objects are looked at after them), so its watch lists after all of the sync's drains.
+/// Called only once every patch of the ring's main resources was answered (controlled objects
+/// are looked at after them), so the task's watch lists after all of the sync's drains.
 fn hand_over_held(patcher: &Patcher, view: &Arc<RingView>, stats: &SyncStats, tally: &mut Tally) {
     if tally.no_following {
         return;
@@ -442,17 +384,10 @@ fn hand_over_held(patcher: &Patcher, view: &Arc<RingView>, stats: &SyncStats, ta
     if children.is_empty() {
         return;
     }
-    if tally.following.is_none() && !tally.children_first {
-        tally.following = Some(Following::start(
-            patcher,
-            Arc::clone(view),
-            tally.stop.clone(),
-            false,
-        ));
-    }
-    if let Some(following) = &tally.following {
-        following.hand_over(children);
-    }
+    tally
+        .following
+        .get_or_insert_with(|| Following::start(patcher, Arc::clone(view), tally.stop.clone()))
+        .hand_over(children);
 }
 
 /// Syncs every object of one resource of a ring, listed page by page; each page's objects are
@@ -703,7 +638,7 @@ mod tests {
             ),
         ]);
         let view = build_view(&ring, &BTreeMap::new(), &discovered, &Default::default());
-        let order: Vec<String> = sync_order(&view, false)
+        let order: Vec<String> = sync_order(&view)
             .into_iter()
             .map(|(gr, _)| gr.to_string())
             .collect();
