@@ -46,6 +46,8 @@ pub struct SharderSettings {
     pub drain_timeout: String,
     /// Most patches in flight per ring (default: the sharder's).
     pub concurrent_moves: u32,
+    /// `controller.sharder.shardsLeaveControlledObjects`.
+    pub shards_leave_controlled_objects: bool,
     /// `metrics.secure`: HTTPS with the serving certificate, and a token allowed to get
     /// `/metrics` for every scrape ([`SharderFiles::scrape_metrics`]). Off by default, unlike the
     /// shipped configuration: the tests and tools read counters with a plain
@@ -61,6 +63,7 @@ impl Default for SharderSettings {
             webhook_url: None,
             drain_timeout: "15s".into(),
             concurrent_moves: sharding_crds::config::SharderController::default().concurrent_moves,
+            shards_leave_controlled_objects: false,
             metrics_secure: false,
         }
     }
@@ -107,6 +110,7 @@ controller:
     syncPeriod: {sync}
     drainTimeout: {drain_timeout}
     concurrentMoves: {concurrent_moves}
+    shardsLeaveControlledObjects: {leave}
 webhook:
   server:
     bindAddress: 127.0.0.1:{webhook_port}
@@ -123,6 +127,7 @@ shutdownDelay: 1s
             sync = settings.sync_period,
             drain_timeout = settings.drain_timeout,
             concurrent_moves = settings.concurrent_moves,
+            leave = settings.shards_leave_controlled_objects,
             metrics_secure = settings.metrics_secure,
             webhook_url = settings
                 .webhook_url

@@ -1085,13 +1085,23 @@ async fn controlled_objects_follow_their_controller_only_after_it_left() -> anyh
         client,
         ..
     } = SharedScenario::open().await?;
-    let (ns, ring) = ring_with_shards(
-        cluster,
-        &client,
-        "follow",
-        &["shard-a", "shard-b", "shard-c"],
-    )
-    .await?;
+    follow_only_after_left(cluster, &client, "follow").await?;
+    logs.passed();
+    Ok(())
+}
+
+/// Drains some Secrets of a new ring on `cluster` towards a fourth shard without acknowledging
+/// them, checks that their ConfigMaps stay put meanwhile (and that a child created meanwhile
+/// lands with its Secret), then acknowledges and checks that the ConfigMaps follow at once. The
+/// test plays the shards; a sharder must be running.
+async fn follow_only_after_left(
+    cluster: &Cluster,
+    client: &kube::Client,
+    prefix: &str,
+) -> anyhow::Result<()> {
+    let client = client.clone();
+    let (ns, ring) =
+        ring_with_shards(cluster, &client, prefix, &["shard-a", "shard-b", "shard-c"]).await?;
     wait_status(&client, &ring, 3, 3).await?;
     wait_webhook(&client, &ns, &ring, &["shard-a", "shard-b", "shard-c"]).await?;
     let secrets = Api::<Secret>::namespaced(client.clone(), &ns);
@@ -1222,7 +1232,31 @@ async fn controlled_objects_follow_their_controller_only_after_it_left() -> anyh
         },
     )
     .await?;
-    logs.passed();
+    Ok(())
+}
+
+/// The same with `shardsLeaveControlledObjects` on, where a sync walks the ConfigMaps before the
+/// Secrets and holds back every misplaced one before it has seen any Secret: still none moves
+/// while its Secret waits on its old shard, and all follow at once when the drains are
+/// acknowledged.
+#[tokio::test]
+async fn controlled_objects_held_before_their_controllers_were_listed_wait_for_them_just_the_same()
+-> anyhow::Result<()> {
+    let DedicatedScenario {
+        dedicated, client, ..
+    } = DedicatedScenario::open().await?;
+    let cluster = dedicated.cluster();
+    let settings = SharderSettings {
+        shards_leave_controlled_objects: true,
+        ..Default::default()
+    };
+    let files = SharderFiles::create(cluster.kubeconfig(), &settings)?;
+    let mut sharder = files.start_process()?;
+    files.wait_ready(STARTUP).await?;
+    follow_only_after_left(cluster, &client, "first").await?;
+    sharder.terminate()?;
+    sharder.wait(Duration::from_secs(15)).await?;
+    sharder.passed();
     Ok(())
 }
 

@@ -26,10 +26,11 @@ use crate::core::rebalance::waits_for_owner;
 pub(crate) struct OwnerWait {
     /// Whether keys name namespaces (several main objects per key) rather than objects.
     by_namespace: bool,
-    /// Hash of each listed main object's key → hash of its shard label (0 without one): only main
-    /// objects not on the shard the ring wants (the others cannot hold anything back), as hashes,
-    /// 16 bytes each; a sync that moves nothing keeps it empty, however large the ring.
-    owner_shards: HashMap<u64, u64>,
+    /// Hash of each listed main object's key → hash of its shard label (0 without one) and
+    /// whether it is leaving that shard (draining, or drained by this sync): only main objects
+    /// not on the shard the ring wants (the others cannot hold anything back), as hashes, 17
+    /// bytes each; a sync that moves nothing keeps it empty, however large the ring.
+    owner_shards: HashMap<u64, (u64, bool)>,
     /// With namespace keys: (key hash, shard hash) of every misplaced main object.
     namespace_shards: HashSet<(u64, u64)>,
     /// Controlled objects held back so far.
@@ -122,8 +123,14 @@ impl OwnerWait {
     }
 
     /// Takes in a listed main object with hash key `key`, labelled for shard `current`, which the
-    /// ring wants on `desired`.
-    pub(crate) fn main_listed(&mut self, key: &str, current: Option<&str>, desired: Option<&str>) {
+    /// ring wants on `desired`; `leaving`: it carries the drain label or the sync drains it.
+    pub(crate) fn main_listed(
+        &mut self,
+        key: &str,
+        current: Option<&str>,
+        desired: Option<&str>,
+        leaving: bool,
+    ) {
         let key_hash = hash(key);
         if self.by_namespace {
             // Another main object of the namespace in place says nothing about this one.
@@ -134,7 +141,8 @@ impl OwnerWait {
         } else if desired == current {
             self.owner_shards.remove(&key_hash);
         } else {
-            self.owner_shards.insert(key_hash, current.map_or(0, hash));
+            self.owner_shards
+                .insert(key_hash, (current.map_or(0, hash), leaving));
         }
     }
 
@@ -152,7 +160,9 @@ impl OwnerWait {
             if self.by_namespace {
                 self.namespace_shards.contains(&(hash(key), hash(shard)))
             } else {
-                self.owner_shards.get(&hash(key)) == Some(&hash(shard))
+                self.owner_shards
+                    .get(&hash(key))
+                    .is_some_and(|(on, _)| *on == hash(shard))
             }
         });
         let wait = waits_for_owner(current, owner_on_current, desired, is_available);
@@ -161,6 +171,51 @@ impl OwnerWait {
         }
         wait
     }
+
+    /// Whether a controlled object must wait as in [`holds_back`](Self::holds_back) when the sync
+    /// has not listed the main resources yet: as if its controller sat on its shard. The
+    /// following's [`Waiting::settle`] sorts these out once the main resources were listed.
+    pub(crate) fn holds_back_unseen(
+        &mut self,
+        current: Option<&str>,
+        desired: Option<&str>,
+        is_available: impl Fn(&str) -> bool,
+    ) -> bool {
+        let wait = waits_for_owner(current, true, desired, is_available);
+        if wait {
+            self.waiting += 1;
+        }
+        wait
+    }
+
+    /// What a held child waits for, now that every main object was listed.
+    pub(crate) fn verdict(&self, child: &HeldChild) -> Verdict {
+        let shard = hash(&child.shard);
+        if self.by_namespace {
+            return if self.namespace_shards.contains(&(child.key_hash, shard)) {
+                Verdict::Await
+            } else {
+                Verdict::Free
+            };
+        }
+        match self.owner_shards.get(&child.key_hash) {
+            Some((on, true)) if *on == shard => Verdict::Await,
+            Some((on, false)) if *on == shard => Verdict::GiveUp,
+            _ => Verdict::Free,
+        }
+    }
+}
+
+/// What a child held before the main objects were listed waits for, once they were.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Verdict {
+    /// Its controller does not sit on its shard: it may move.
+    Free,
+    /// Its controller sits on its shard and is leaving it: the child moves when it has left.
+    Await,
+    /// Its controller sits on its shard and was not drained (a newer view will decide): the
+    /// next sync looks at the child again.
+    GiveUp,
 }
 
 /// The controlled objects a sync held back, waiting for the main objects in their way to leave
@@ -173,6 +228,13 @@ impl OwnerWait {
 /// each child may go: [`draining`](Self::draining) for each of them as the watch lists or sees
 /// it, [`gone`](Self::gone) when it is deleted or loses the drain label (acknowledged), and
 /// [`released`](Self::released) for what may move.
+///
+/// A watch that lists after every drain of the sync was answered sees each drained object that has
+/// not acknowledged yet, so a (key, shard) with none of them frees its children. A watch that
+/// started before the drains ([`Waiting::evidence_only`]) may not have seen a drain yet; then a
+/// child moves only once the watch has seen a main object at its (key, shard) leave the set and
+/// none is left there, or once the sync, having listed every main object, finds its controller
+/// elsewhere ([`settle`](Self::settle)).
 #[derive(Debug, Default)]
 pub(crate) struct Waiting {
     /// Held children by the (key, shard) they wait on.
@@ -181,16 +243,43 @@ pub(crate) struct Waiting {
     draining: HashMap<u64, (usize, Blocker)>,
     /// How many drain-labelled main objects sit at each (key, shard).
     blockers: HashMap<Blocker, usize>,
+    /// Whether only what the watch saw leave frees a child (see the type's documentation).
+    evidence_only: bool,
+    /// Every (key, shard) the watch saw a drain-labelled main object leave, none left there then.
+    left: HashSet<Blocker>,
+    /// Whether the sync has listed every main object and said what each child waits for.
+    settled: bool,
+    /// Whether the watch listed again before that, so it may have missed a drain and its
+    /// acknowledgement in between.
+    history_lost: bool,
 }
 
 impl Waiting {
+    /// For a watch that started before the sync's drains.
+    pub(crate) fn evidence_only() -> Self {
+        Self {
+            evidence_only: true,
+            ..Self::default()
+        }
+    }
+
+    /// Whether the children waiting on `blocker` may move, given whether every watch has listed.
+    fn free(&self, blocker: &Blocker, listed: bool) -> bool {
+        !self.blockers.contains_key(blocker)
+            && if self.evidence_only {
+                self.left.contains(blocker)
+            } else {
+                listed
+            }
+    }
+
     /// Takes in more held children, as a sync holds them; once every watch has listed
     /// (`listed`), returns those of them that wait on nothing, which may move at once.
     pub(crate) fn add(&mut self, children: Vec<HeldChild>, listed: bool) -> Vec<HeldChild> {
         let mut free = Vec::new();
         for child in children {
             let blocker = (child.key_hash, hash(&child.shard));
-            if listed && !self.blockers.contains_key(&blocker) {
+            if self.free(&blocker, listed) {
                 free.push(child);
             } else {
                 self.held.entry(blocker).or_default().push(child);
@@ -229,11 +318,54 @@ impl Waiting {
         if self.blockers.contains_key(&blocker) {
             return Vec::new();
         }
+        self.left.insert(blocker);
         self.held.remove(&blocker).unwrap_or_default()
     }
 
+    /// Takes in that the watch `source` starts a list: again, if it `listed_before`.
+    pub(crate) fn listing_again(&mut self, source: usize, listed_before: bool) {
+        if !listed_before {
+            // A first list that starts over: no drain went out before the first list ended.
+        } else if self.settled {
+            // Every drain of the sync was answered before this list: it shows each one that
+            // has not acknowledged yet.
+            self.evidence_only = false;
+        } else if self.evidence_only {
+            self.history_lost = true;
+        }
+        self.relisting(source);
+    }
+
+    /// Takes in what the sync found once it had listed every main object: `verdict` for each
+    /// child. Returns the children that may move now and how many are left to the next sync.
+    pub(crate) fn settle(
+        &mut self,
+        verdict: impl Fn(&HeldChild) -> Verdict,
+    ) -> (Vec<HeldChild>, usize) {
+        self.settled = true;
+        let mut free = Vec::new();
+        let mut given_up = 0;
+        for (blocker, children) in std::mem::take(&mut self.held) {
+            let blocked = self.blockers.contains_key(&blocker);
+            let mut waiting = Vec::new();
+            for child in children {
+                match verdict(&child) {
+                    Verdict::Free if !blocked => free.push(child),
+                    // The watch may have missed its controller's drain and acknowledgement.
+                    Verdict::Await if self.history_lost && !blocked => given_up += 1,
+                    Verdict::GiveUp => given_up += 1,
+                    _ => waiting.push(child),
+                }
+            }
+            if !waiting.is_empty() {
+                self.held.insert(blocker, waiting);
+            }
+        }
+        (free, given_up)
+    }
+
     /// Forgets what the watch `source` listed before, as it lists again.
-    pub(crate) fn relisting(&mut self, source: usize) {
+    fn relisting(&mut self, source: usize) {
         let stale: Vec<u64> = self
             .draining
             .iter()
@@ -262,7 +394,7 @@ impl Waiting {
         let free: Vec<Blocker> = self
             .held
             .keys()
-            .filter(|blocker| !self.blockers.contains_key(blocker))
+            .filter(|blocker| self.free(blocker, true))
             .copied()
             .collect();
         free.into_iter()
@@ -285,7 +417,7 @@ mod tests {
     fn a_child_waits_while_its_controller_sits_on_the_childs_shard() {
         let mut wait = OwnerWait::default();
         // The controller is on `a`, the ring wants it on `b`: it is being drained from `a`.
-        wait.main_listed(KEY, Some("a"), Some("b"));
+        wait.main_listed(KEY, Some("a"), Some("b"), true);
         assert!(wait.holds_back(KEY, Some("a"), Some("b"), available));
         assert_eq!(wait.waiting, 1);
         // Another controller key is not held back by it.
@@ -296,12 +428,12 @@ mod tests {
     #[test]
     fn a_child_moves_once_its_controller_is_in_place_or_elsewhere() {
         let mut wait = OwnerWait::default();
-        wait.main_listed(KEY, Some("a"), Some("b"));
+        wait.main_listed(KEY, Some("a"), Some("b"), true);
         // Listed again (a list that started over) now on the shard the ring wants.
-        wait.main_listed(KEY, Some("b"), Some("b"));
+        wait.main_listed(KEY, Some("b"), Some("b"), true);
         assert!(!wait.holds_back(KEY, Some("a"), Some("b"), available));
         // A controller on another shard than the child's holds nothing back.
-        wait.main_listed(KEY, None, Some("b"));
+        wait.main_listed(KEY, None, Some("b"), true);
         assert!(!wait.holds_back(KEY, Some("a"), Some("b"), available));
         assert_eq!(wait.waiting, 0);
     }
@@ -312,8 +444,8 @@ mod tests {
         const NS: &str = "team";
         let mut wait = OwnerWait::new(HashKey::Namespace);
         // The namespace moves from `a` to `b`: one main object is still on `a`, one arrived.
-        wait.main_listed(NS, Some("a"), Some("b"));
-        wait.main_listed(NS, Some("b"), Some("b"));
+        wait.main_listed(NS, Some("a"), Some("b"), true);
+        wait.main_listed(NS, Some("b"), Some("b"), true);
         assert!(wait.holds_back(NS, Some("a"), Some("b"), available));
         // Nothing misplaced on the child's shard in another namespace.
         assert!(!wait.holds_back("other", Some("a"), Some("b"), available));
@@ -324,7 +456,7 @@ mod tests {
     fn nothing_waits_for_an_unlisted_controller_or_an_unavailable_shard() {
         let mut wait = OwnerWait::default();
         assert!(!wait.holds_back(KEY, Some("a"), Some("b"), available));
-        wait.main_listed(KEY, Some("gone"), Some("b"));
+        wait.main_listed(KEY, Some("gone"), Some("b"), true);
         assert!(
             !wait.holds_back(KEY, Some("gone"), Some("b"), available),
             "a shard that is not available reconciles nothing"
@@ -405,6 +537,68 @@ mod tests {
     }
 
     #[test]
+    fn before_the_drains_only_a_controller_seen_leaving_frees_its_child() {
+        let mut wait = OwnerWait::new(HashKey::Object);
+        // Held before the main objects were listed: c1's controller is drained later, c2's sits
+        // in place elsewhere, c3's was not drained.
+        child(&mut wait, KEY, "c1", "a");
+        child(&mut wait, "/Secret/default/t", "c2", "a");
+        child(&mut wait, "/Secret/default/u", "c3", "a");
+        let mut waiting = Waiting::evidence_only();
+        // The watch listed nothing draining: that says nothing about drains not sent yet.
+        assert!(
+            waiting
+                .add(wait.take_held().expect("remembered"), true)
+                .is_empty()
+        );
+        assert!(waiting.released().is_empty());
+        // The drain of c1's controller reaches the watch, then its acknowledgement.
+        waiting.draining(0, "uid-s", KEY, "a");
+        assert_eq!(names(waiting.gone("uid-s")), ["c1"]);
+        // The sync has listed the main objects.
+        wait.main_listed(KEY, Some("a"), Some("b"), true);
+        wait.main_listed("/Secret/default/u", Some("a"), Some("b"), false);
+        let (free, given_up) = waiting.settle(|c| wait.verdict(c));
+        assert_eq!(names(free), ["c2"], "its controller is not on its shard");
+        assert_eq!(
+            given_up, 1,
+            "c3's controller stays on its shard: the next sync decides"
+        );
+        assert!(waiting.is_empty());
+        // A child held later whose controller was seen leaving moves at once.
+        child(&mut wait, KEY, "c4", "a");
+        assert_eq!(
+            names(waiting.add(wait.take_held().expect("remembered"), true)),
+            ["c4"]
+        );
+    }
+
+    #[test]
+    fn a_watch_that_lists_again_before_the_main_objects_were_listed_may_have_missed_a_drain() {
+        let mut wait = OwnerWait::new(HashKey::Object);
+        child(&mut wait, KEY, "c1", "a");
+        child(&mut wait, "/Secret/default/t", "c2", "a");
+        let mut waiting = Waiting::evidence_only();
+        waiting.add(wait.take_held().expect("remembered"), true);
+        waiting.draining(0, "uid-t", "/Secret/default/t", "a");
+        // The watch lists again: c1's controller may have been drained and acknowledged between.
+        waiting.listing_again(0, true);
+        waiting.draining(0, "uid-t", "/Secret/default/t", "a");
+        wait.main_listed(KEY, Some("a"), Some("b"), true);
+        wait.main_listed("/Secret/default/t", Some("a"), Some("b"), true);
+        let (free, given_up) = waiting.settle(|c| wait.verdict(c));
+        assert!(free.is_empty());
+        assert_eq!(given_up, 1, "c1 is left to the next sync");
+        // c2's controller is still seen draining: it frees c2 when it leaves.
+        assert_eq!(names(waiting.gone("uid-t")), ["c2"]);
+        // A list after the sync listed the main objects shows every drain.
+        child(&mut wait, "/Secret/default/v", "c3", "a");
+        waiting.add(wait.take_held().expect("remembered"), true);
+        waiting.listing_again(0, true);
+        assert_eq!(names(waiting.released()), ["c3"]);
+    }
+
+    #[test]
     fn with_namespace_keys_children_wait_for_every_drained_main_object_of_the_namespace() {
         let mut wait = OwnerWait::new(HashKey::Namespace);
         child(&mut wait, "team", "c1", "a");
@@ -415,7 +609,7 @@ mod tests {
         assert!(waiting.released().is_empty());
         assert!(waiting.gone("uid-1").is_empty());
         // The second watch lists again and no longer sees its object: only then it may move.
-        waiting.relisting(1);
+        waiting.listing_again(1, true);
         assert_eq!(names(waiting.released()), ["c1"]);
     }
 

@@ -6,9 +6,14 @@
 //! objects: those being drained), and hands it each page's held children as it goes. An object
 //! leaving that set, by its shard's acknowledgement or by its deletion, frees the children that
 //! waited on it, and they are moved at once, each straight to the shard the sync wanted it on.
-//! The sync looks at controlled objects only after every patch of its main resources was
-//! answered, so the watch lists after every drain of the sync: a drained object that has not
-//! acknowledged yet is in its list or arrives as an event. When the sync ends, the task is handed
+//! In a ring hashed by namespace the sync looks at controlled objects only after every patch of
+//! its main resources was answered, so the watch lists after every drain of the sync: a drained
+//! object that has not acknowledged yet is in its list or arrives as an event. Where the shards
+//! leave their controlled objects to the sharder (`shardsLeaveControlledObjects`), in a ring
+//! hashed by object the sync starts the task first, walks the controlled objects before the main ones
+//! and drains only once the watch has listed, so that children move while it still drains
+//! others; the task then trusts only what it saw leave ([`Waiting::evidence_only`]) and what the
+//! sync found once it listed the main objects. When the sync ends, the task is handed
 //! to the controller's loop ([`OwnerMoves`]), and when it ends the ring is synced again: at once
 //! when all moved, 5 s later when a move failed or the watch could not list within
 //! [`LIST_DEADLINE`].
@@ -21,13 +26,13 @@ use kube::api::{Api, DynamicObject};
 use kube::core::PartialObjectMeta;
 use kube::runtime::{WatchStreamExt, watcher};
 use sharding_crds::GroupResource;
-use tokio::sync::{Semaphore, mpsc};
+use tokio::sync::{Semaphore, mpsc, watch};
 use tokio::task::{AbortHandle, JoinHandle, JoinSet};
 use tokio_util::sync::CancellationToken;
 
 use super::patch::{Patcher, api_resource};
 use crate::core::key::KeyOutcome;
-use crate::core::owner_wait::{HeldChild, Waiting};
+use crate::core::owner_wait::{HeldChild, OwnerWait, Waiting};
 use crate::core::rebalance::RebalanceDecision;
 use crate::views::{ResolvedResource, RingView};
 
@@ -50,22 +55,49 @@ pub(super) struct Followed {
     pub(super) failed: usize,
 }
 
-/// The following of one sync's held-back children, started by the sync when it holds the first
-/// of them; dropping it stops the task.
+/// What a sync tells its following.
+#[derive(Debug)]
+enum Handed {
+    /// Children it just held back.
+    Children(Vec<HeldChild>),
+    /// It has listed every main object (as recorded here), after holding children back before
+    /// it did.
+    MainListed(OwnerWait),
+}
+
+/// The following of one sync's held-back children, started by the sync; dropping it stops the
+/// task.
 #[derive(Debug)]
 pub(super) struct Following {
-    children: mpsc::UnboundedSender<Vec<HeldChild>>,
+    handed: mpsc::UnboundedSender<Handed>,
+    listed: watch::Receiver<bool>,
     task: FollowTask,
 }
 
 impl Following {
     /// Starts following for the sync of `view` that `stop` stops: the task stops with it.
-    pub(super) fn start(patcher: &Patcher, view: Arc<RingView>, stop: CancellationToken) -> Self {
-        let (children, handed) = mpsc::unbounded_channel();
+    /// `before_drains`: the sync starts it before its first drain and holds children back before
+    /// it has listed the main objects (see [`Waiting::evidence_only`]).
+    pub(super) fn start(
+        patcher: &Patcher,
+        view: Arc<RingView>,
+        stop: CancellationToken,
+        before_drains: bool,
+    ) -> Self {
+        let (handed, received) = mpsc::unbounded_channel();
+        let (listed_tx, listed) = watch::channel(false);
         let patcher = patcher.clone();
-        let task = tokio::spawn(async move { follow(&patcher, view, handed, stop).await });
+        let waiting = if before_drains {
+            Waiting::evidence_only()
+        } else {
+            Waiting::default()
+        };
+        let task = tokio::spawn(async move {
+            follow(&patcher, view, (received, listed_tx), waiting, stop).await
+        });
         Self {
-            children,
+            handed,
+            listed,
             task: FollowTask(task),
         }
     }
@@ -75,8 +107,19 @@ impl Following {
         if !children.is_empty() {
             // The task only ends before the sync does when it gave up, and then counts nothing
             // more: these wait for the next sync.
-            let _ = self.children.send(children);
+            let _ = self.handed.send(Handed::Children(children));
         }
+    }
+
+    /// Tells the task where the sync found the main objects, once it listed all of them.
+    pub(super) fn main_listed(&self, owners: OwnerWait) {
+        let _ = self.handed.send(Handed::MainListed(owners));
+    }
+
+    /// Waits until every watch of drained main objects has listed, or the task gave up and moves
+    /// nothing more: from then on the sync may drain. `false` when the task ended before.
+    pub(super) async fn listed(&mut self) -> bool {
+        self.listed.wait_for(|listed| *listed).await.is_ok()
     }
 
     /// Tells the task that the sync held nothing more; it ends once every child moved.
@@ -174,7 +217,8 @@ impl OwnerMoves {
 async fn follow(
     patcher: &Patcher,
     view: Arc<RingView>,
-    mut handed: mpsc::UnboundedReceiver<Vec<HeldChild>>,
+    (mut handed, listed_tx): (mpsc::UnboundedReceiver<Handed>, watch::Sender<bool>),
+    mut waiting: Waiting,
     stop: CancellationToken,
 ) -> Followed {
     let ring = view.ring_ref();
@@ -204,7 +248,7 @@ async fn follow(
     let limit = Arc::new(Semaphore::new(concurrency));
     let mut moves: JoinSet<bool> = JoinSet::new();
     let mut listed: HashSet<usize> = HashSet::new();
-    let mut waiting = Waiting::default();
+    let mut listed_once: HashSet<usize> = HashSet::new();
     let mut followed = Followed::default();
     let mut total = 0;
     // Whether the sync may still hand over children.
@@ -220,23 +264,29 @@ async fn follow(
         let mut freed = Vec::new();
         tokio::select! {
             () = stop.cancelled() => return followed,
-            children = handed.recv(), if open => {
-                let Some(children) = children else {
-                    open = false;
-                    continue;
-                };
-                total += children.len();
-                if gave_up {
-                    followed.failed += children.len();
-                } else {
-                    freed = waiting.add(children, listed.len() == mains.len());
+            message = handed.recv(), if open => match message {
+                None => open = false,
+                Some(Handed::Children(children)) => {
+                    total += children.len();
+                    if gave_up {
+                        followed.failed += children.len();
+                    } else {
+                        freed = waiting.add(children, listed.len() == mains.len());
+                    }
                 }
-            }
-            () = &mut list_deadline, if listed.len() < mains.len() && !gave_up => {
+                Some(Handed::MainListed(owners)) => {
+                    let (free, given_up) = waiting.settle(|child| owners.verdict(child));
+                    followed.failed += given_up;
+                    freed = free;
+                }
+            },
+            () = &mut list_deadline, if listed_once.len() < mains.len() && !gave_up => {
                 tracing::warn!(%ring, "the watch of drained controllers did not list in time; a sync moves the held objects");
                 followed.failed += waiting.len().max(1);
                 waiting = Waiting::default();
                 gave_up = true;
+                // It moves nothing any more, so the sync's drains need not wait for it.
+                listed_tx.send_replace(true);
             }
             Some(done) = moves.join_next(), if !moves.is_empty() => {
                 match done {
@@ -250,7 +300,7 @@ async fn follow(
                 match event {
                     Ok(watcher::Event::Init) => {
                         listed.remove(&source);
-                        waiting.relisting(source);
+                        waiting.listing_again(source, listed_once.contains(&source));
                     }
                     Ok(watcher::Event::InitApply(object) | watcher::Event::Apply(object)) => {
                         let (gr, resource) = mains[source];
@@ -261,7 +311,9 @@ async fn follow(
                     }
                     Ok(watcher::Event::InitDone) => {
                         listed.insert(source);
+                        listed_once.insert(source);
                         if listed.len() == mains.len() {
+                            listed_tx.send_replace(true);
                             freed = waiting.released();
                         }
                     }

@@ -11,7 +11,7 @@ use futures::StreamExt;
 use kube::api::{Api, DynamicObject};
 use kube::core::PartialObjectMeta;
 use kube::{Resource, ResourceExt};
-use sharding_crds::GroupResource;
+use sharding_crds::{GroupResource, HashKey};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
@@ -150,16 +150,23 @@ fn tally_object(
     // A controlled object's key is its controller's key (with namespace keys, its namespace's):
     // main resources are synced first, so the controller was seen already if it is listed.
     if let Ok(KeyOutcome::Key(key)) = &placement.key {
+        let available = |shard: &str| view.may_be_running(shard);
         if resource.is_main() {
+            let leaving =
+                placement.object.draining || placement.decision == RebalanceDecision::Drain;
             tally
                 .owner_wait
-                .main_listed(key, current, placement.desired);
+                .main_listed(key, current, placement.desired, leaving);
         } else if placement.decision == RebalanceDecision::Move
-            && tally
-                .owner_wait
-                .holds_back(key, current, placement.desired, |shard| {
-                    view.may_be_running(shard)
-                })
+            && if tally.children_first {
+                tally
+                    .owner_wait
+                    .holds_back_unseen(current, placement.desired, available)
+            } else {
+                tally
+                    .owner_wait
+                    .holds_back(key, current, placement.desired, available)
+            }
         {
             if let (Some(shard), Some(desired)) = (current, placement.desired) {
                 tally.owner_wait.remember(
@@ -202,16 +209,39 @@ fn object_reference(
 }
 
 /// The ring's resources in the order a sync walks them: main resources first, then controlled
-/// ones, each by group and name.
+/// ones, each by group and name; controlled ones first when `children_first`.
 ///
 /// Main objects must start draining before their controlled objects move: a controlled object
-/// moved while its owner still sits on the old shard is written back by that shard.
-fn sync_order(view: &RingView) -> Vec<(&GroupResource, &ResolvedResource)> {
+/// moved while its owner still sits on the old shard is written back by that shard. Walked first,
+/// controlled objects on available shards are all held back, to move as the watch of drained
+/// controllers sees theirs leave (see [`children_first`]).
+fn sync_order(view: &RingView, children_first: bool) -> Vec<(&GroupResource, &ResolvedResource)> {
     let mut resources: Vec<_> = view.resources.iter().collect();
     resources.sort_by_key(|(gr, resource)| {
-        (!resource.is_main(), gr.group.as_str(), gr.resource.as_str())
+        (
+            resource.is_main() == children_first,
+            gr.group.as_str(),
+            gr.resource.as_str(),
+        )
     });
     resources
+}
+
+/// Whether a sync of `view` walks the controlled resources first and hands each held child to
+/// the watch of drained controllers as it goes, so that children move as their controllers'
+/// drains are acknowledged, while the sync still drains others: only where the shards leave
+/// their controlled objects to the sharder (`controller.sharder.shardsLeaveControlledObjects`;
+/// shards that relabel them would race these moves), and in rings hashed by object, where a key
+/// names one controller, so that seeing it leave the child's shard frees the child. In rings
+/// hashed by namespace several main objects share a key, and children are handed over only after
+/// every drain was answered.
+fn children_first(ctx: &Context, view: &RingView) -> bool {
+    ctx.config
+        .controller
+        .sharder
+        .shards_leave_controlled_objects
+        && view.hash_key == HashKey::Object
+        && view.resources.values().any(|r| !r.is_main())
 }
 
 /// What one sync learned besides its counts: objects per shard, unassigned and draining
@@ -229,6 +259,8 @@ struct Tally {
     owner_wait: OwnerWait,
     /// The task moving them as their controllers leave, from the first one held on.
     following: Option<Following>,
+    /// Whether controlled objects are walked before the main ones ([`children_first`]).
+    children_first: bool,
     /// Whether the held objects are left to the next sync instead: some of the sync's patches
     /// failed (a controller whose drain failed must not be taken for one that left), or it held
     /// more than it remembers.
@@ -252,16 +284,24 @@ pub(super) async fn sync_ring(
     let started = Instant::now();
     tracing::info!(%ring, shards = view.hash_ring.len(), "{SYNC_STARTED}");
     let mut stats = SyncStats::default();
+    let children_first = children_first(ctx, view);
     let mut tally = Tally {
+        following: children_first
+            .then(|| Following::start(patcher, Arc::clone(view), stop.clone(), true)),
         stop,
         owner_wait: OwnerWait::new(view.hash_key),
+        children_first,
         ..Tally::default()
     };
     let mut first_error = None;
     let mut main_failed = false;
-    for (gr, resource) in sync_order(view) {
+    let mut draining = false;
+    for (gr, resource) in sync_order(view, children_first) {
         if tally.stop.is_cancelled() {
             return Err(Error::Superseded);
+        }
+        if resource.is_main() && !std::mem::replace(&mut draining, true) {
+            drains_may_go(&mut tally, &ring).await?;
         }
         if main_failed && !resource.is_main() {
             // Controllers not listed may still sit on their old shards: moving their controlled
@@ -279,6 +319,12 @@ pub(super) async fn sync_ring(
         return Err(Error::Superseded);
     }
     hand_over_held(patcher, view, &stats, &mut tally);
+    let waiting = tally.owner_wait.waiting;
+    if tally.children_first
+        && let Some(following) = &tally.following
+    {
+        following.main_listed(std::mem::take(&mut tally.owner_wait));
+    }
     let duration = started.elapsed();
     tracing::info!(
         %ring,
@@ -334,8 +380,8 @@ pub(super) async fn sync_ring(
             attempted: stats.drained + stats.moved + stats.failed,
         }),
         None if stats.held > 0 => Err(Error::WebhookUnreachable { held: stats.held }),
-        None if tally.owner_wait.waiting > 0 => Err(Error::WaitingForOwners {
-            waiting: tally.owner_wait.waiting,
+        None if waiting > 0 => Err(Error::WaitingForOwners {
+            waiting,
             following: tally.following.take().map(Following::finish),
         }),
         None => Ok(stats),
@@ -360,11 +406,37 @@ pub(super) async fn sync_ring(
     result
 }
 
+/// Longest a sync's first drain waits for the watch of drained controllers to list; after that
+/// the sync drains without it and leaves the held objects to the next sync, so that a watch that
+/// cannot list does not hold up the drains.
+const DRAINS_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Before the sync's first drain: waits until the watch of drained controllers has listed, when
+/// it walked the controlled objects first, so that every drain reaches the watch as an event. A
+/// watch that ended or did not list within [`DRAINS_WAIT`] leaves the held objects to the next
+/// sync.
+async fn drains_may_go(tally: &mut Tally, ring: &sharding_crds::RingRef) -> Result<(), Error> {
+    let Some(following) = &mut tally.following else {
+        return Ok(());
+    };
+    let listed = tokio::select! {
+        () = tally.stop.cancelled() => return Err(Error::Superseded),
+        listed = tokio::time::timeout(DRAINS_WAIT, following.listed()) => listed.unwrap_or(false),
+    };
+    if !listed {
+        tracing::warn!(%ring, "the watch of drained controllers did not list in time; the held objects wait for the next sync");
+        tally.no_following = true;
+        tally.following = None;
+    }
+    Ok(())
+}
+
 /// Hands the controlled objects held back since the last call to the task that moves them as
 /// their controllers leave, starting it with the first of them.
 ///
-/// Called only once every patch of the ring's main resources was answered (controlled objects
-/// are looked at after them), so the task's watch lists after all of the sync's drains.
+/// With the controlled objects walked first the task runs from the start of the sync; otherwise
+/// it starts here, once every patch of the ring's main resources was answered (controlled
+/// objects are looked at after them), so its watch lists after all of the sync's drains.
 fn hand_over_held(patcher: &Patcher, view: &Arc<RingView>, stats: &SyncStats, tally: &mut Tally) {
     if tally.no_following {
         return;
@@ -384,10 +456,17 @@ fn hand_over_held(patcher: &Patcher, view: &Arc<RingView>, stats: &SyncStats, ta
     if children.is_empty() {
         return;
     }
-    tally
-        .following
-        .get_or_insert_with(|| Following::start(patcher, Arc::clone(view), tally.stop.clone()))
-        .hand_over(children);
+    if tally.following.is_none() && !tally.children_first {
+        tally.following = Some(Following::start(
+            patcher,
+            Arc::clone(view),
+            tally.stop.clone(),
+            false,
+        ));
+    }
+    if let Some(following) = &tally.following {
+        following.hand_over(children);
+    }
 }
 
 /// Syncs every object of one resource of a ring, listed page by page; each page's objects are
@@ -638,7 +717,7 @@ mod tests {
             ),
         ]);
         let view = build_view(&ring, &BTreeMap::new(), &discovered, &Default::default());
-        let order: Vec<String> = sync_order(&view)
+        let order: Vec<String> = sync_order(&view, false)
             .into_iter()
             .map(|(gr, _)| gr.to_string())
             .collect();
