@@ -320,7 +320,10 @@ pub(super) async fn sync_ring(
     }
     hand_over_held(patcher, view, &stats, &mut tally);
     let waiting = tally.owner_wait.waiting;
+    // Only a complete listing of the main objects may free a child whose controller it did not
+    // show on the child's shard.
     if tally.children_first
+        && first_error.is_none()
         && let Some(following) = &tally.following
     {
         following.main_listed(std::mem::take(&mut tally.owner_wait));
