@@ -20,6 +20,39 @@ pub const LABEL_CONTROLLER_RING: &str = "alpha.sharding.timebertt.dev/controller
 /// [`MAX_SHARD_WEIGHT`]; absent means 1.
 pub const ANNOTATION_WEIGHT: &str = "alpha.sharding.timebertt.dev/weight";
 
+/// Annotation on a shard Lease saying whether the shard leaves the objects its controllers
+/// control to the sharder (`"true"`) or relabels them itself (`"false"`, or absent)
+/// (docs/protocol.md §19): a ring all of whose available shards say `"true"` has its controlled
+/// objects moved as their controllers' drains are acknowledged, while the sync still drains.
+pub const ANNOTATION_LEAVES_CONTROLLED_OBJECTS: &str =
+    "alpha.sharding.timebertt.dev/leaves-controlled-objects";
+
+/// Whether a shard Lease's [`ANNOTATION_LEAVES_CONTROLLED_OBJECTS`] says the shard leaves its
+/// controlled objects to the sharder: `Ok(true)` for `"true"`, `Ok(false)` for `"false"` or no
+/// annotation, `Err` for anything else (such a shard counts as relabelling them itself).
+pub fn leaves_controlled_objects(
+    annotation: Option<&str>,
+) -> Result<bool, InvalidLeavesControlledObjects> {
+    match annotation {
+        None | Some("false") => Ok(false),
+        Some("true") => Ok(true),
+        Some(value) => Err(InvalidLeavesControlledObjects {
+            value: value.to_string(),
+        }),
+    }
+}
+
+/// A value of [`ANNOTATION_LEAVES_CONTROLLED_OBJECTS`] that [`leaves_controlled_objects`] refuses.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "annotation {ANNOTATION_LEAVES_CONTROLLED_OBJECTS}={value:?} is neither \"true\" nor \"false\"; the shard counts as relabelling its controlled objects itself",
+    ANNOTATION_LEAVES_CONTROLLED_OBJECTS = ANNOTATION_LEAVES_CONTROLLED_OBJECTS
+)]
+pub struct InvalidLeavesControlledObjects {
+    /// The annotation's value as found.
+    pub value: String,
+}
+
 /// Largest shard weight; larger values are invalid and count as 1.
 pub const MAX_SHARD_WEIGHT: u32 = 10;
 
@@ -197,6 +230,17 @@ pub fn is_dns_subdomain(value: &str) -> bool {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn only_true_says_a_shard_leaves_its_controlled_objects() {
+        assert_eq!(leaves_controlled_objects(None), Ok(false));
+        assert_eq!(leaves_controlled_objects(Some("false")), Ok(false));
+        assert_eq!(leaves_controlled_objects(Some("true")), Ok(true));
+        for value in ["True", "yes", "1", "", " true"] {
+            let error = leaves_controlled_objects(Some(value)).expect_err(value);
+            assert_eq!(error.value, value);
+        }
+    }
 
     #[test]
     fn spec_worked_examples() {

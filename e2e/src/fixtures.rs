@@ -147,6 +147,18 @@ pub async fn create_lease_of(
     shard: &str,
     duration_seconds: i32,
 ) -> anyhow::Result<Lease> {
+    create_annotated_lease(client, namespace, ring, shard, duration_seconds, []).await
+}
+
+/// [`create_lease_of`] with `annotations` on the Lease, in the same write.
+pub async fn create_annotated_lease<const N: usize>(
+    client: &Client,
+    namespace: &str,
+    ring: &RingRef,
+    shard: &str,
+    duration_seconds: i32,
+    annotations: [(&str, &str); N],
+) -> anyhow::Result<Lease> {
     let now = MicroTime(Timestamp::now());
     let lease = Lease {
         metadata: ObjectMeta {
@@ -155,6 +167,12 @@ pub async fn create_lease_of(
                 ring.kind.lease_label().to_string(),
                 ring.name.clone(),
             )])),
+            annotations: (N > 0).then(|| {
+                annotations
+                    .iter()
+                    .map(|(key, value)| (key.to_string(), value.to_string()))
+                    .collect()
+            }),
             ..Default::default()
         },
         spec: Some(LeaseSpec {

@@ -45,6 +45,12 @@ impl SharedSharder {
         counter_of(&self.files.metrics()?, metric, ring, resource)
     }
 
+    /// Its log so far (plain text, one line per record; every test of the process writes to it).
+    pub fn log(&self) -> anyhow::Result<String> {
+        std::fs::read_to_string(&self.log)
+            .with_context(|| format!("failed to read {}", self.log.display()))
+    }
+
     /// A guard that prints the sharder's log unless the test calls
     /// [`DumpOnFailure::passed`]: take it at the start of a test that uses the shared sharder.
     pub fn dump_on_failure(&self) -> DumpOnFailure {

@@ -33,6 +33,7 @@ pub struct Shard {
     shard_label_key: String,
     drain_label_key: String,
     weight: Option<u32>,
+    leaves_controlled_objects: bool,
     rejoin_pause: Duration,
 }
 
@@ -78,6 +79,7 @@ impl Shard {
             name: name.into(),
             lease_namespace: lease_namespace.into(),
             weight: None,
+            leaves_controlled_objects: false,
             rejoin_pause: DEFAULT_REJOIN_PAUSE,
         }
     }
@@ -89,6 +91,23 @@ impl Shard {
     pub fn with_weight(mut self, weight: u32) -> Self {
         self.weight = Some(weight);
         self
+    }
+
+    /// The shard saying on its Lease that it leaves the objects its controllers control to the
+    /// sharder: it never relabels them itself (docs/protocol.md §19). When every available shard
+    /// of a ring says so, the sharder moves each controlled object as soon as its controller's
+    /// drain is acknowledged, while it still drains others; a shard that relabels its controlled
+    /// objects itself must not say so, or the sharder's moves race its writes.
+    #[must_use]
+    pub fn leaving_controlled_objects_to_sharder(mut self) -> Self {
+        self.leaves_controlled_objects = true;
+        self
+    }
+
+    /// Whether the shard says it leaves its controlled objects to the sharder (see
+    /// [`Shard::leaving_controlled_objects_to_sharder`]).
+    pub fn leaves_controlled_objects(&self) -> bool {
+        self.leaves_controlled_objects
     }
 
     /// The shard waiting `pause` (instead of [`DEFAULT_REJOIN_PAUSE`]) before [`Shard::run`]
@@ -151,7 +170,9 @@ impl Shard {
 
     /// Configuration of the shard's membership Lease: name and holder identity are the shard
     /// name, labelled with the ring (the label key depends on the ring kind), annotated with the
-    /// weight if one was set, and watching the sharder's exclusion annotation
+    /// weight if one was set and with `"true"` if the shard leaves its controlled objects to the
+    /// sharder (removed otherwise, so that a restart without it takes back what the shard said
+    /// before), and watching the sharder's exclusion annotation
     /// ([`labels::ANNOTATION_EXCLUDED`], see [`LeaseLockConfig::with_exclusion_annotation`]).
     /// Default timing; adjust it with the `with_*` methods.
     pub fn lease_config(&self) -> LeaseLockConfig {
@@ -162,6 +183,11 @@ impl Shard {
             .without_label(self.kind.other().lease_label())
             .with_exclusion_annotation(labels::ANNOTATION_EXCLUDED)
             .with_verdict_label(labels::LABEL_STATE);
+        let config = if self.leaves_controlled_objects {
+            config.with_annotation(labels::ANNOTATION_LEAVES_CONTROLLED_OBJECTS, "true")
+        } else {
+            config.without_annotation(labels::ANNOTATION_LEAVES_CONTROLLED_OBJECTS)
+        };
         match self.weight {
             Some(weight) => config.with_annotation(labels::ANNOTATION_WEIGHT, weight.to_string()),
             None => config,
@@ -237,6 +263,20 @@ mod tests {
             Some(&"checksum-controller".to_string())
         );
         assert!(lease.annotations().is_empty());
+    }
+
+    #[test]
+    fn a_shard_leaving_controlled_objects_to_the_sharder_says_so_on_its_lease() {
+        const KEY: &str = "alpha.sharding.timebertt.dev/leaves-controlled-objects";
+        let shard = Shard::new("ring", "shard-x", "leases");
+        assert!(!shard.leaves_controlled_objects());
+        assert!(!shard.lease_config().annotations().contains_key(KEY));
+        let leaving = shard.leaving_controlled_objects_to_sharder();
+        assert!(leaving.leaves_controlled_objects());
+        assert_eq!(
+            leaving.lease_config().annotations().get(KEY),
+            Some(&"true".to_string())
+        );
     }
 
     #[test]

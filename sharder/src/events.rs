@@ -44,6 +44,9 @@ pub const REASON_WEBHOOK_REACHABLE: &str = "WebhookReachable";
 pub const REASON_SHARD_DEAD: &str = "ShardDead";
 /// Reason of the Warning Event about a weight annotation that is not a valid weight.
 pub const REASON_INVALID_WEIGHT: &str = "InvalidShardWeight";
+/// Reason of the Warning Event about an annotation saying whether a shard leaves its controlled
+/// objects to the sharder that is neither `"true"` nor `"false"`.
+pub const REASON_INVALID_LEAVES_CONTROLLED_OBJECTS: &str = "InvalidLeavesControlledObjects";
 /// Reason of the Warning Event on a shard Lease whose holder's clock is off the sharder's by more
 /// than a few seconds (docs/protocol.md §4).
 pub const REASON_CLOCK_SKEW: &str = "ShardClockSkew";

@@ -7,8 +7,8 @@ use std::time::Duration;
 use anyhow::{Context, ensure};
 use e2e::apiserver::ApiServer;
 use e2e::fixtures::{
-    WAIT, create_lease, create_ring, expected_shard, lease_warnings, ring_spec, ring_with_shards,
-    secret, secret_review, wait_status, wait_webhook,
+    WAIT, create_annotated_lease, create_lease, create_ring, expected_shard, lease_warnings,
+    ring_spec, ring_with_shards, secret, secret_review, wait_status, wait_webhook,
 };
 use e2e::gate::{Balancer, TcpGate};
 use e2e::process::poll_until;
@@ -23,7 +23,7 @@ use kube::ResourceExt;
 use kube::api::{Api, ListParams, ObjectMeta, Patch, PatchParams, PostParams};
 use serde_json::json;
 use sharder::controller::sharder::{SYNC_FINISHED, SYNC_STARTED};
-use sharding_crds::{RingKind, labels};
+use sharding_crds::{RingKind, RingRef, labels};
 
 /// Generous bound for processes starting up and caches syncing on a busy machine.
 const STARTUP: Duration = Duration::from_secs(60);
@@ -1085,7 +1085,78 @@ async fn controlled_objects_follow_their_controller_only_after_it_left() -> anyh
         client,
         ..
     } = SharedScenario::open().await?;
-    follow_only_after_left(cluster, &client, "follow").await?;
+    follow_only_after_left(cluster, &client, "follow", false).await?;
+    logs.passed();
+    Ok(())
+}
+
+/// Shards that leave their controlled objects to the sharder say so on their Leases, and the
+/// sharder (here without `shardsLeaveControlledObjects`) then syncs their ring children first:
+/// still no ConfigMap moves while its Secret waits on its old shard, and all follow as the drains
+/// are acknowledged. When one shard takes it back, the next sync walks the Secrets first again;
+/// a value that is neither "true" nor "false" gets a Warning Event on the Lease.
+#[tokio::test]
+async fn shards_saying_they_leave_controlled_objects_have_them_moved_children_first()
+-> anyhow::Result<()> {
+    let SharedScenario {
+        mut logs,
+        sharder,
+        cluster,
+        client,
+        ..
+    } = SharedScenario::open().await?;
+    let (ns, ring) = follow_only_after_left(cluster, &client, "leave", true).await?;
+    // The shared sharder's log: its syncs of this ring, whether each walked children first.
+    let syncs = || -> anyhow::Result<Vec<bool>> {
+        let fields = format!("ring=ClusterRing/{ring} shards=");
+        Ok(sharder
+            .log()?
+            .lines()
+            .filter(|line| line.contains(SYNC_STARTED) && line.contains(&fields))
+            .map(|line| line.contains("children_first=true"))
+            .collect())
+    };
+    let seen = syncs()?;
+    ensure!(
+        seen.last() == Some(&true),
+        "the sync after shard-d joined walked children first ({seen:?})"
+    );
+    let leases = Api::<Lease>::namespaced(client.clone(), &ns);
+    let relabelling = json!({"metadata": {"annotations": {
+        labels::ANNOTATION_LEAVES_CONTROLLED_OBJECTS: "false",
+    }}});
+    leases
+        .patch(
+            "shard-b",
+            &PatchParams::default(),
+            &Patch::Merge(&relabelling),
+        )
+        .await?;
+    poll_until("a sync walking the Secrets first", WAIT, || async {
+        let now = syncs()?;
+        Ok((now.len() > seen.len() && now.last() == Some(&false)).then_some(()))
+    })
+    .await?;
+    // A value that is neither "true" nor "false" is reported on the Lease.
+    let unclear = json!({"metadata": {"annotations": {
+        labels::ANNOTATION_LEAVES_CONTROLLED_OBJECTS: "yes",
+    }}});
+    leases
+        .patch("shard-c", &PatchParams::default(), &Patch::Merge(&unclear))
+        .await?;
+    poll_until("a Warning Event about the annotation", WAIT, || async {
+        let warnings = lease_warnings(&client, &ns, "shard-c").await?;
+        Ok(warnings
+            .iter()
+            .any(|e| {
+                e.reason.as_deref() == Some("InvalidLeavesControlledObjects")
+                    && e.message
+                        .as_deref()
+                        .is_some_and(|m| m.contains(r#"="yes""#))
+            })
+            .then_some(()))
+    })
+    .await?;
     logs.passed();
     Ok(())
 }
@@ -1094,14 +1165,31 @@ async fn controlled_objects_follow_their_controller_only_after_it_left() -> anyh
 /// them, checks that their ConfigMaps stay put meanwhile (and that a child created meanwhile
 /// lands with its Secret), then acknowledges and checks that the ConfigMaps follow at once. The
 /// test plays the shards; a sharder must be running.
+///
+/// With `leases_leave`, every shard's Lease says it leaves its controlled objects to the sharder.
+/// Returns the namespace and the ring.
 async fn follow_only_after_left(
     cluster: &Cluster,
     client: &kube::Client,
     prefix: &str,
-) -> anyhow::Result<()> {
+    leases_leave: bool,
+) -> anyhow::Result<(String, String)> {
     let client = client.clone();
     let (ns, ring) =
         ring_with_shards(cluster, &client, prefix, &["shard-a", "shard-b", "shard-c"]).await?;
+    let leaving = [(
+        labels::ANNOTATION_LEAVES_CONTROLLED_OBJECTS,
+        if leases_leave { "true" } else { "false" },
+    )];
+    if leases_leave {
+        let leases = Api::<Lease>::namespaced(client.clone(), &ns);
+        let annotate = json!({"metadata": {"annotations": BTreeMap::from(leaving)}});
+        for shard in ["shard-a", "shard-b", "shard-c"] {
+            leases
+                .patch(shard, &PatchParams::default(), &Patch::Merge(&annotate))
+                .await?;
+        }
+    }
     wait_status(&client, &ring, 3, 3).await?;
     wait_webhook(&client, &ns, &ring, &["shard-a", "shard-b", "shard-c"]).await?;
     let secrets = Api::<Secret>::namespaced(client.clone(), &ns);
@@ -1118,7 +1206,8 @@ async fn follow_only_after_left(
     let before = secrets.list(&ListParams::default()).await?;
 
     // shard-d joins: the Secrets that go to it are drained, and nobody acknowledges yet.
-    create_lease(&client, &ns, &ring, "shard-d", 3600).await?;
+    let ring_ref = RingRef::new(RingKind::ClusterRing, &ring);
+    create_annotated_lease(&client, &ns, &ring_ref, "shard-d", 3600, leaving).await?;
     let four = IndependentRing::unweighted(["shard-a", "shard-b", "shard-c", "shard-d"]);
     let moving: Vec<usize> = (0..40)
         .filter(|i| expected_shard(&four, &ns, &format!("s-{i}")) == Some("shard-d"))
@@ -1232,7 +1321,7 @@ async fn follow_only_after_left(
         },
     )
     .await?;
-    Ok(())
+    Ok((ns, ring))
 }
 
 /// The same with `shardsLeaveControlledObjects` on, where a sync walks the ConfigMaps before the
@@ -1253,7 +1342,7 @@ async fn controlled_objects_held_before_their_controllers_were_listed_wait_for_t
     let files = SharderFiles::create(cluster.kubeconfig(), &settings)?;
     let mut sharder = files.start_process()?;
     files.wait_ready(STARTUP).await?;
-    follow_only_after_left(cluster, &client, "first").await?;
+    follow_only_after_left(cluster, &client, "first", false).await?;
     sharder.terminate()?;
     sharder.wait(Duration::from_secs(15)).await?;
     sharder.passed();

@@ -126,8 +126,9 @@ struct Args {
     rejoin_pause: Duration,
     /// Leave the ConfigMaps' shard label to the sharder: create each ConfigMap once with the
     /// Secret's shard label and never relabel it afterwards, so that ConfigMaps follow their
-    /// Secret only by the sharder's moves (as shards written for the protocol alone do).
-    /// Without it every write labels the ConfigMap with this shard.
+    /// Secret only by the sharder's moves (as shards written for the protocol alone do). The
+    /// shard's Lease says so, and the sharder then moves each ConfigMap as its Secret's drain is
+    /// acknowledged. Without it every write labels the ConfigMap with this shard.
     #[arg(long)]
     leave_children_to_sharder: bool,
     /// For tests only: write the Lease's timestamps this many seconds off the system clock
@@ -598,6 +599,11 @@ async fn main() -> anyhow::Result<()> {
     );
     if let Some(weight) = args.weight {
         shard = shard.with_weight(weight);
+    }
+    if args.leave_children_to_sharder {
+        // Its Lease says so, and the sharder moves the ConfigMaps as their Secrets' drains are
+        // acknowledged.
+        shard = shard.leaving_controlled_objects_to_sharder();
     }
     let shard = shard.with_rejoin_pause(args.rejoin_pause);
     let config = shard

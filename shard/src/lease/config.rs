@@ -25,6 +25,7 @@ pub struct LeaseLockConfig {
     pub(super) labels: BTreeMap<String, String>,
     pub(super) removed_labels: Vec<String>,
     pub(super) annotations: BTreeMap<String, String>,
+    pub(super) removed_annotations: Vec<String>,
     pub(super) exclusion_annotation: Option<String>,
     pub(super) verdict_label: Option<String>,
     pub(super) timing: LeaseTiming,
@@ -48,6 +49,7 @@ impl LeaseLockConfig {
             labels: BTreeMap::new(),
             removed_labels: Vec::new(),
             annotations: BTreeMap::new(),
+            removed_annotations: Vec::new(),
             exclusion_annotation: None,
             verdict_label: None,
             timing: LeaseTiming::default(),
@@ -124,6 +126,14 @@ impl LeaseLockConfig {
     /// shard's weight, say). Annotations written by others are kept.
     pub fn with_annotation(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
         self.annotations.insert(key.into(), value.into());
+        self
+    }
+
+    /// Makes the lock remove the annotation `key` from the Lease whenever it writes it (a shard
+    /// that no longer says something it said before a restart).
+    #[must_use]
+    pub fn without_annotation(mut self, key: impl Into<String>) -> Self {
+        self.removed_annotations.push(key.into());
         self
     }
 

@@ -276,6 +276,11 @@ impl Inner {
         }
         lease.metadata.annotations =
             merge_labels(lease.metadata.annotations.take(), &self.config.annotations);
+        if let Some(annotations) = lease.metadata.annotations.as_mut() {
+            for key in &self.config.removed_annotations {
+                annotations.remove(key);
+            }
+        }
         // Server-populated fields must not be echoed back in an update.
         lease.metadata.managed_fields = None;
         lease.spec = Some(spec);

@@ -237,6 +237,35 @@ async fn foreign_label_change_is_not_a_loss_and_labels_survive() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn an_annotation_the_lock_no_longer_writes_is_removed_at_the_next_write() {
+    let fake = FakeStore::new();
+    let config = LeaseLockConfig::new("ns", "shard-a", "shard-a")
+        .without_annotation("said")
+        .with_lease_duration(DURATION)
+        .with_renew_deadline(DEADLINE)
+        .with_retry_period(RETRY);
+    let held = LeaseLock::with_store(Store::Fake(fake.clone()), config, test_clock())
+        .expect("valid")
+        .acquire()
+        .await;
+    // What an earlier run of the shard wrote, and what someone else wrote.
+    fake.modify(|lease| {
+        let annotations = lease.metadata.annotations.get_or_insert_default();
+        annotations.insert("said".into(), "true".into());
+        annotations.insert("note".into(), "kept".into());
+    });
+    tokio::time::sleep(RETRY + Duration::from_millis(1)).await;
+    settle().await;
+    assert!(!held.is_lost());
+    let annotations = fake
+        .lease()
+        .and_then(|l| l.metadata.annotations)
+        .expect("annotations");
+    assert!(!annotations.contains_key("said"), "{annotations:?}");
+    assert_eq!(annotations.get("note").map(String::as_str), Some("kept"));
+}
+
+#[tokio::test(start_paused = true)]
 async fn waits_for_a_takeover_to_expire_then_takes_the_lease() {
     let fake = FakeStore::new();
     let lock = lock(&fake, "shard-a");

@@ -12,7 +12,9 @@ use k8s_openapi::api::coordination::v1::Lease;
 use kube::ResourceExt;
 use kube::runtime::watcher;
 use sharding_crds::RingKind;
-use sharding_crds::labels::{ANNOTATION_EXCLUDED, ANNOTATION_WEIGHT, LABEL_STATE};
+use sharding_crds::labels::{
+    ANNOTATION_EXCLUDED, ANNOTATION_LEAVES_CONTROLLED_OBJECTS, ANNOTATION_WEIGHT, LABEL_STATE,
+};
 
 /// Applies `slim` to the object of `event`, if it carries one.
 pub(super) fn for_each_object<K>(event: &mut watcher::Event<K>, slim: impl FnOnce(&mut K)) {
@@ -55,7 +57,11 @@ pub(super) fn slim_lease(lease: &mut Lease) {
     meta.annotations = meta.annotations.take().map(|annotations| {
         annotations
             .into_iter()
-            .filter(|(key, _)| key == ANNOTATION_WEIGHT || key == ANNOTATION_EXCLUDED)
+            .filter(|(key, _)| {
+                key == ANNOTATION_WEIGHT
+                    || key == ANNOTATION_EXCLUDED
+                    || key == ANNOTATION_LEAVES_CONTROLLED_OBJECTS
+            })
             .map(|(key, mut value)| {
                 if key == ANNOTATION_EXCLUDED && value.len() > MAX_EXCLUSION_REASON_LEN {
                     value = TOO_LONG.to_string();
@@ -124,5 +130,24 @@ mod tests {
         assert_eq!(lease.metadata.namespace.as_deref(), Some("team"));
         assert_eq!(lease.metadata.uid.as_deref(), Some("u1"));
         assert_eq!(lease.metadata.resource_version.as_deref(), Some("7"));
+    }
+
+    #[test]
+    fn a_cached_lease_keeps_what_its_shard_says_about_controlled_objects() {
+        let mut lease = Lease {
+            metadata: ObjectMeta {
+                name: Some("shard-a".into()),
+                annotations: Some(BTreeMap::from([
+                    (ANNOTATION_LEAVES_CONTROLLED_OBJECTS.into(), "true".into()),
+                    ("team.example/note".into(), "x".into()),
+                ])),
+                ..Default::default()
+            },
+            spec: None,
+        };
+        slim_lease(&mut lease);
+        let annotations = lease.annotations();
+        assert_eq!(annotations.len(), 1, "{:?}", annotations.keys());
+        assert_eq!(annotations[ANNOTATION_LEAVES_CONTROLLED_OBJECTS], "true");
     }
 }

@@ -21,7 +21,7 @@ use sharding_crds::{ClusterRing, ControllerRing, GroupResource, RingKind, RingOb
 use super::{ConnectionArgs, Error};
 use crate::core::any_ring::AnyRing;
 use crate::core::list_scope::PAGE_SIZE;
-use crate::core::membership::ring_shards;
+use crate::core::membership::{RingShards, ring_shards};
 use crate::views::{Pins, ResourceInfo, RingView, build_view};
 
 /// A client and the namespace of the kubeconfig context.
@@ -374,14 +374,18 @@ pub(crate) async fn load_rings(
     for ring in rings {
         let RingRef { kind, name } = ring.ring_ref();
         let leases = leases(client, kind, Some(&name)).await?;
-        let (shards, excluded_held) =
-            ring_shards(kind, &name, &ring.spec().lease_namespaces, &leases);
+        let RingShards {
+            available: shards,
+            excluded_held,
+            leave_controlled_objects,
+        } = ring_shards(kind, &name, &ring.spec().lease_namespaces, &leases);
         let (selector, selector_source) = namespace_selector(client, &ring).await;
         let mut view = match &ring {
             AnyRing::Cluster(r) => build_view(r.as_ref(), &shards, infos, &selector),
             AnyRing::Controller(r) => build_view(r.as_ref(), &shards, infos, &selector),
         };
         view.excluded_held = excluded_held;
+        view.shards_leave_controlled_objects = leave_controlled_objects;
         loaded.push(LoadedRing {
             // The plugin cannot read the sharder's configuration: a ring over a protected
             // resource shows as refused, as the default configuration refuses it.

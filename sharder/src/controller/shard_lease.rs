@@ -25,7 +25,10 @@ use crate::caches::{LeaseChange, LeaseIndex, SKEW_WARNING, state_label_is_stale}
 use crate::context::Context;
 use crate::core::any_ring::AnyRing;
 use crate::core::membership::{Exclusion, ring_members};
-use crate::events::{REASON_CLOCK_SKEW, REASON_INVALID_WEIGHT, REASON_SHARD_DEAD};
+use crate::events::{
+    REASON_CLOCK_SKEW, REASON_INVALID_LEAVES_CONTROLLED_OBJECTS, REASON_INVALID_WEIGHT,
+    REASON_SHARD_DEAD,
+};
 
 /// Longest requeue; far-away boundaries (absurd durations) are re-evaluated at least this often.
 const MAX_REQUEUE: Duration = Duration::from_secs(3600);
@@ -327,6 +330,9 @@ type CachedProblems = (RingVersion, Vec<String>, Arc<ProblemsByUid>);
 struct Problems {
     exclusion: Option<Exclusion>,
     weight: Option<String>,
+    /// What is wrong with its annotation saying whether it leaves controlled objects to the
+    /// sharder.
+    leaves: Option<String>,
     /// The holder's clock was off the sharder's by more than `SKEW_WARNING` at its last renewal.
     clock_skewed: bool,
 }
@@ -492,6 +498,7 @@ fn ring_problems(state: &State, ring_object: &AnyRing) -> Arc<ProblemsByUid> {
         let problems = Problems {
             exclusion: m.exclusion,
             weight: m.weight_error,
+            leaves: m.leaves_error,
             clock_skewed: false,
         };
         (m.lease.uid().unwrap_or_default(), problems)
@@ -507,7 +514,8 @@ fn ring_problems(state: &State, ring_object: &AnyRing) -> Arc<ProblemsByUid> {
 
 /// Publishes Warning Events about what is wrong with a shard Lease, once per Lease and problem:
 /// on the Lease and its ring when it is kept out of the ring (docs/protocol.md §15, §18), on the
-/// Lease when its weight annotation is invalid (docs/protocol.md §17). Returns the Lease's current
+/// Lease when its weight annotation or the one saying whether it leaves its controlled objects to
+/// the sharder is invalid (docs/protocol.md §17). Returns the Lease's current
 /// problems.
 async fn report_problems(state: &State, lease: &Lease, ring: &AnyRing) -> Problems {
     let ctx = &state.ctx;
@@ -564,6 +572,22 @@ async fn report_problems(state: &State, lease: &Lease, ring: &AnyRing) -> Proble
         tracing::warn!(ring = %ring_ref, %shard, %namespace, reason = REASON_INVALID_WEIGHT, "{message}");
         ctx.events
             .warning(&lease.object_ref(&()), REASON_INVALID_WEIGHT, "", message)
+            .await;
+    }
+    if let Some(error) = problems
+        .leaves
+        .as_ref()
+        .filter(|e| previous.leaves.as_ref() != Some(*e))
+    {
+        let message = format!("Shard {shard:?} of {ring_ref}: {error}");
+        tracing::warn!(ring = %ring_ref, %shard, %namespace, reason = REASON_INVALID_LEAVES_CONTROLLED_OBJECTS, "{message}");
+        ctx.events
+            .warning(
+                &lease.object_ref(&()),
+                REASON_INVALID_LEAVES_CONTROLLED_OBJECTS,
+                "",
+                message,
+            )
             .await;
     }
     if let Some(skew) = skew.filter(|_| problems.clock_skewed && !previous.clock_skewed) {

@@ -17,7 +17,10 @@ use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 use sharding_crds::RingKind;
-use sharding_crds::labels::{ANNOTATION_WEIGHT, parse_weight};
+use sharding_crds::labels::{
+    ANNOTATION_LEAVES_CONTROLLED_OBJECTS, ANNOTATION_WEIGHT, leaves_controlled_objects,
+    parse_weight,
+};
 use sharding_crds::lease::{ShardLease, is_valid_shard_name};
 
 /// Why a Lease of a ring is kept out of the ring, whatever its holder.
@@ -98,6 +101,10 @@ pub(crate) struct Member<'a> {
     pub(crate) weight: u32,
     /// What is wrong with the Lease's weight annotation, if anything.
     pub(crate) weight_error: Option<String>,
+    /// Whether the Lease says the shard leaves its controlled objects to the sharder.
+    pub(crate) leaves_controlled_objects: bool,
+    /// What is wrong with the Lease's annotation saying so, if anything.
+    pub(crate) leaves_error: Option<String>,
 }
 
 impl Member<'_> {
@@ -192,11 +199,22 @@ pub(crate) fn ring_members<'a>(
                 Ok(weight) => (weight, None),
                 Err(error) => (1, Some(error.to_string())),
             };
+            let (leaves_controlled_objects, leaves_error) = match leaves_controlled_objects(
+                lease
+                    .annotations()
+                    .get(ANNOTATION_LEAVES_CONTROLLED_OBJECTS)
+                    .map(String::as_str),
+            ) {
+                Ok(leaves) => (leaves, None),
+                Err(error) => (false, Some(error.to_string())),
+            };
             Member {
                 lease,
                 exclusion,
                 weight,
                 weight_error,
+                leaves_controlled_objects,
+                leaves_error,
             }
         })
         .collect()
@@ -212,29 +230,42 @@ pub(crate) fn available_shards<'a>(
     allowed: LeaseNamespaces<'_>,
     leases: impl IntoIterator<Item = &'a Lease>,
 ) -> BTreeMap<String, u32> {
-    shards_of(&ring_members(kind, ring, allowed, leases)).0
+    shards_of(&ring_members(kind, ring, allowed, leases)).available
 }
 
-/// The available shards of ring `ring` with their weights (ready, expired and uncertain Leases
-/// held by the shard itself, without those kept out), and the shards kept out of the ring while
-/// their Leases are held by themselves (they receive no objects but may still be running), from
-/// one pass over the ring's members: a view is rebuilt on every membership change.
+/// What a ring's Leases say about its shards, from one pass over its members: a view is rebuilt
+/// on every membership change.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub(crate) struct RingShards {
+    /// The available shards with their weights: ready, expired and uncertain Leases held by the
+    /// shard itself, without those kept out.
+    pub(crate) available: BTreeMap<String, u32>,
+    /// The shards kept out of the ring while their Leases are held by themselves (they receive no
+    /// objects but may still be running).
+    pub(crate) excluded_held: BTreeSet<String>,
+    /// Whether there are available shards and every one of them leaves its controlled objects to
+    /// the sharder (docs/protocol.md §19): one that relabels them would race the sharder's moves.
+    pub(crate) leave_controlled_objects: bool,
+}
+
+/// What the Leases of ring `ring` of `kind` among `leases` say about its shards (see
+/// [`RingShards`]).
 pub(crate) fn ring_shards<'a>(
     kind: RingKind,
     ring: &str,
     allowed: LeaseNamespaces<'_>,
     leases: impl IntoIterator<Item = &'a Lease>,
-) -> (BTreeMap<String, u32>, BTreeSet<String>) {
+) -> RingShards {
     shards_of(&ring_members(kind, ring, allowed, leases))
 }
 
-/// The available shards with their weights, and the shards kept out while held by themselves.
-fn shards_of(members: &[Member<'_>]) -> (BTreeMap<String, u32>, BTreeSet<String>) {
-    let available: BTreeMap<String, u32> = members
-        .iter()
-        .filter(|m| m.is_available())
+fn shards_of(members: &[Member<'_>]) -> RingShards {
+    let available_members = || members.iter().filter(|m| m.is_available());
+    let available: BTreeMap<String, u32> = available_members()
         .map(|m| (m.lease.name_any(), m.weight))
         .collect();
+    let leave_controlled_objects =
+        !available.is_empty() && available_members().all(|m| m.leaves_controlled_objects);
     let excluded_held = members
         .iter()
         .filter(|m| m.exclusion.is_some() && ShardLease::from_lease(m.lease).is_held_by_shard())
@@ -242,7 +273,11 @@ fn shards_of(members: &[Member<'_>]) -> (BTreeMap<String, u32>, BTreeSet<String>
         // A newer copy of an available shard's name is kept out, but the name keeps its objects.
         .filter(|name| !available.contains_key(name))
         .collect();
-    (available, excluded_held)
+    RingShards {
+        available,
+        excluded_held,
+        leave_controlled_objects,
+    }
 }
 
 /// The shards of ring `ring` of `kind` that are kept out of the ring although their Leases are held
@@ -255,7 +290,7 @@ pub(crate) fn excluded_held_shards<'a>(
     allowed: LeaseNamespaces<'_>,
     leases: impl IntoIterator<Item = &'a Lease>,
 ) -> BTreeSet<String> {
-    shards_of(&ring_members(kind, ring, allowed, leases)).1
+    shards_of(&ring_members(kind, ring, allowed, leases)).excluded_held
 }
 
 #[cfg(test)]
@@ -283,6 +318,53 @@ mod tests {
                 ..Default::default()
             }),
         }
+    }
+
+    /// `lease` carrying the annotation that says whether its shard leaves controlled objects.
+    fn leaving(mut lease: Lease, value: &str) -> Lease {
+        lease.metadata.annotations = Some(
+            [(
+                ANNOTATION_LEAVES_CONTROLLED_OBJECTS.to_string(),
+                value.to_string(),
+            )]
+            .into(),
+        );
+        lease
+    }
+
+    #[test]
+    fn a_ring_leaves_controlled_objects_to_the_sharder_only_when_every_available_shard_says_so() {
+        let leave = |leases: &[Lease]| ring_shards(KIND, "r", &[], leases).leave_controlled_objects;
+        let a = || leaving(lease("ns", "a", "r", Some("a")), "true");
+        let b = || leaving(lease("ns", "b", "r", Some("b")), "true");
+        assert!(leave(&[a(), b()]));
+        // One available shard that relabels them (or says nothing, as other libraries' shards).
+        assert!(!leave(&[
+            a(),
+            leaving(lease("ns", "b", "r", Some("b")), "false")
+        ]));
+        assert!(!leave(&[a(), lease("ns", "b", "r", Some("b"))]));
+        // Only the exact values count; another one is reported.
+        assert!(!leave(&[
+            a(),
+            leaving(lease("ns", "b", "r", Some("b")), "True")
+        ]));
+        let unclear = [leaving(lease("ns", "b", "r", Some("b")), "True")];
+        let members = ring_members(KIND, "r", &[], &unclear);
+        let error = members[0].leaves_error.as_deref().unwrap_or_default();
+        assert!(
+            error.contains(r#"="True" is neither "true" nor "false""#),
+            "{error}"
+        );
+        // Shards that receive no objects do not count: not held by themselves, other rings.
+        assert!(leave(&[
+            a(),
+            lease("ns", "c", "r", Some("shardlease-controller")),
+            lease("ns", "d", "other", Some("d")),
+        ]));
+        // No available shard: nothing to say.
+        assert!(!leave(&[lease("ns", "c", "r", None)]));
+        assert!(!leave(&[]));
     }
 
     #[test]

@@ -18,7 +18,7 @@ use super::registry::Views;
 use super::view::build_view;
 use crate::caches::{Caches, LeaseChange};
 use crate::core::any_ring::AnyRing;
-use crate::core::membership::ring_shards;
+use crate::core::membership::{RingShards, ring_shards};
 use crate::metrics::RingLabel;
 
 /// How often rings with unresolved resources (e.g. a CRD installed later) are resolved again.
@@ -167,7 +167,11 @@ pub(crate) async fn refresh(sources: &ViewSources, scope: Scope) {
         }
         keep.insert(ring_ref.clone());
         let leases = sources.caches.ring_leases(&ring_ref);
-        let (shards, mut excluded_held) = ring_shards(
+        let RingShards {
+            available: shards,
+            mut excluded_held,
+            leave_controlled_objects,
+        } = ring_shards(
             ring_ref.kind,
             &ring_ref.name,
             &ring.spec().lease_namespaces,
@@ -190,6 +194,10 @@ pub(crate) async fn refresh(sources: &ViewSources, scope: Scope) {
                 .eq(shards.iter().map(|(n, w)| (n.as_str(), *w)))
                 || v.excluded_held != excluded_held
         });
+        // Which order a sync walks the resources in; the hash ring stays as it is.
+        let order_changed = current
+            .as_ref()
+            .is_none_or(|v| v.shards_leave_controlled_objects != leave_controlled_objects);
         let spec_changed = current
             .as_ref()
             .is_none_or(|v| v.generation != ring.meta().generation);
@@ -198,7 +206,7 @@ pub(crate) async fn refresh(sources: &ViewSources, scope: Scope) {
             && current.as_ref().is_some_and(|v| {
                 !v.unresolved.is_empty() || v.discovery_generation != discovery_generation
             });
-        if !(shards_changed || spec_changed || retry) {
+        if !(shards_changed || spec_changed || order_changed || retry) {
             continue;
         }
         let resources: Vec<_> = ring
@@ -219,6 +227,7 @@ pub(crate) async fn refresh(sources: &ViewSources, scope: Scope) {
         };
         view.discovery_generation = discovery_generation;
         view.excluded_held = excluded_held;
+        view.shards_leave_controlled_objects = leave_controlled_objects;
         view.pins = sources.pins.clone();
         if let Some(current) = &current {
             let now = std::time::Instant::now();
@@ -231,7 +240,7 @@ pub(crate) async fn refresh(sources: &ViewSources, scope: Scope) {
             });
             view.earlier.truncate(super::view::MAX_EARLIER_RINGS);
         }
-        if !(shards_changed || spec_changed)
+        if !(shards_changed || spec_changed || order_changed)
             && current
                 .as_ref()
                 .is_some_and(|v| v.unresolved == view.unresolved && v.resources == view.resources)

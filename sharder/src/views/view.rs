@@ -71,6 +71,9 @@ pub struct RingView {
     /// Shards kept out of the ring whose Leases their shards still hold (see
     /// [`crate::core::membership::excluded_held_shards`]).
     pub(crate) excluded_held: BTreeSet<String>,
+    /// Whether every available shard's Lease says it leaves its controlled objects to the sharder
+    /// (see [`crate::core::membership::RingShards::leave_controlled_objects`]).
+    pub(crate) shards_leave_controlled_objects: bool,
     /// What objects are hashed by.
     pub(crate) hash_key: HashKey,
     /// Who writes the shard label of new objects: the webhook, or the sharder controller itself.
@@ -329,6 +332,7 @@ pub fn build_view<R: RingObject>(
         name,
         hash_ring: HashRing::weighted(shards.iter().map(|(name, weight)| (name, *weight))),
         excluded_held: BTreeSet::new(),
+        shards_leave_controlled_objects: false,
         hash_key: spec.hash_key(),
         assignment: spec.assignment(),
         namespace_selector: spec

@@ -133,8 +133,9 @@ struct Args {
     #[arg(long, default_value_t = 500)]
     sample_every: u64,
     /// Run the shards with `--leave-children-to-sharder`: ConfigMaps then follow their Secret
-    /// only by the sharder's moves, as with shards that never relabel what they own; the sharder
-    /// then runs with `shardsLeaveControlledObjects`, as their operator would set it.
+    /// only by the sharder's moves, as with shards that never relabel what they own. Their
+    /// Leases say so, and the sharder (with its default configuration) moves each ConfigMap as its
+    /// Secret's drain is acknowledged.
     #[arg(long)]
     leave_children_to_sharder: bool,
     /// The sharder's `controller.sharder.concurrentMoves` (drain and move patches in flight per
@@ -259,8 +260,7 @@ async fn measure(
             leader_election: (15, 10, 2),
             sync_period: "5m".into(),
             concurrent_moves: args.concurrent_moves,
-            // What an operator of such shards sets.
-            shards_leave_controlled_objects: args.leave_children_to_sharder,
+            // With `--leave-children-to-sharder` the shards' Leases say so; nothing to set here.
             ..Default::default()
         },
     )?;

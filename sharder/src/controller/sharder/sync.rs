@@ -230,16 +230,19 @@ fn sync_order(view: &RingView, children_first: bool) -> Vec<(&GroupResource, &Re
 /// Whether a sync of `view` walks the controlled resources first and hands each held child to
 /// the watch of drained controllers as it goes, so that children move as their controllers'
 /// drains are acknowledged, while the sync still drains others: only where the shards leave
-/// their controlled objects to the sharder (`controller.sharder.shardsLeaveControlledObjects`;
-/// shards that relabel them would race these moves), and in rings hashed by object, where a key
+/// their controlled objects to the sharder (every available shard's Lease says so, or
+/// `controller.sharder.shardsLeaveControlledObjects` is set; shards that relabel them would race
+/// these moves), and in rings hashed by object, where a key
 /// names one controller, so that seeing it leave the child's shard frees the child. In rings
 /// hashed by namespace several main objects share a key, and children are handed over only after
 /// every drain was answered.
 fn children_first(ctx: &Context, view: &RingView) -> bool {
-    ctx.config
-        .controller
-        .sharder
-        .shards_leave_controlled_objects
+    (view.shards_leave_controlled_objects
+        || ctx
+            .config
+            .controller
+            .sharder
+            .shards_leave_controlled_objects)
         && view.hash_key == HashKey::Object
         && view.resources.values().any(|r| !r.is_main())
 }
@@ -282,9 +285,9 @@ pub(super) async fn sync_ring(
     let ctx = &patcher.ctx;
     let ring = view.ring_ref();
     let started = Instant::now();
-    tracing::info!(%ring, shards = view.hash_ring.len(), "{SYNC_STARTED}");
-    let mut stats = SyncStats::default();
     let children_first = children_first(ctx, view);
+    tracing::info!(%ring, shards = view.hash_ring.len(), children_first, "{SYNC_STARTED}");
+    let mut stats = SyncStats::default();
     let mut tally = Tally {
         following: children_first
             .then(|| Following::start(patcher, Arc::clone(view), stop.clone(), true)),
