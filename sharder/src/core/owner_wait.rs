@@ -165,11 +165,7 @@ impl OwnerWait {
                     .is_some_and(|(on, _)| *on == hash(shard))
             }
         });
-        let wait = waits_for_owner(current, owner_on_current, desired, is_available);
-        if wait {
-            self.waiting += 1;
-        }
-        wait
+        self.hold(current, owner_on_current, desired, is_available)
     }
 
     /// Whether a controlled object must wait as in [`holds_back`](Self::holds_back) when the sync
@@ -181,10 +177,19 @@ impl OwnerWait {
         desired: Option<&str>,
         is_available: impl Fn(&str) -> bool,
     ) -> bool {
-        let wait = waits_for_owner(current, true, desired, is_available);
-        if wait {
-            self.waiting += 1;
-        }
+        self.hold(current, true, desired, is_available)
+    }
+
+    /// [`waits_for_owner`], counting a held object in [`OwnerWait::waiting`].
+    fn hold(
+        &mut self,
+        current: Option<&str>,
+        owner_on_current: bool,
+        desired: Option<&str>,
+        is_available: impl Fn(&str) -> bool,
+    ) -> bool {
+        let wait = waits_for_owner(current, owner_on_current, desired, is_available);
+        self.waiting += usize::from(wait);
         wait
     }
 
