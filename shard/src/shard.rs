@@ -94,7 +94,7 @@ impl Shard {
     }
 
     /// The shard saying on its Lease that it leaves the objects its controllers control to the
-    /// sharder: it never relabels them itself (docs/protocol.md §19). When every available shard
+    /// sharder: it never relabels them itself (docs/protocol.md §17). When every available shard
     /// of a ring says so, the sharder moves each controlled object as soon as its controller's
     /// drain is acknowledged, while it still drains others; a shard that relabels its controlled
     /// objects itself must not say so, or the sharder's moves race its writes.
