@@ -22,8 +22,9 @@ pub const ANNOTATION_WEIGHT: &str = "alpha.sharding.timebertt.dev/weight";
 
 /// Annotation on a shard Lease saying whether the shard leaves the objects its controllers
 /// control to the sharder (`"true"`) or relabels them itself (`"false"`, or absent)
-/// (docs/protocol.md §19): a ring all of whose available shards say `"true"` has its controlled
-/// objects moved as their controllers' drains are acknowledged, while the sync still drains.
+/// (docs/protocol.md §17; §19 item 9 for what the sharder does with it): a ring all of whose
+/// available shards say `"true"` has its controlled objects moved as their controllers' drains
+/// are acknowledged, while the sync still drains.
 pub const ANNOTATION_LEAVES_CONTROLLED_OBJECTS: &str =
     "alpha.sharding.timebertt.dev/leaves-controlled-objects";
 
