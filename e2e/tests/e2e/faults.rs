@@ -1177,10 +1177,7 @@ async fn follow_only_after_left(
     let client = client.clone();
     let (ns, ring) =
         ring_with_shards(cluster, &client, prefix, &["shard-a", "shard-b", "shard-c"]).await?;
-    let leaving = [(
-        labels::ANNOTATION_LEAVES_CONTROLLED_OBJECTS,
-        if leases_leave { "true" } else { "false" },
-    )];
+    let leaving = [(labels::ANNOTATION_LEAVES_CONTROLLED_OBJECTS, "true")];
     if leases_leave {
         let leases = Api::<Lease>::namespaced(client.clone(), &ns);
         let annotate = json!({"metadata": {"annotations": BTreeMap::from(leaving)}});
@@ -1206,8 +1203,12 @@ async fn follow_only_after_left(
     let before = secrets.list(&ListParams::default()).await?;
 
     // shard-d joins: the Secrets that go to it are drained, and nobody acknowledges yet.
-    let ring_ref = RingRef::new(RingKind::ClusterRing, &ring);
-    create_annotated_lease(&client, &ns, &ring_ref, "shard-d", 3600, leaving).await?;
+    if leases_leave {
+        let ring_ref = RingRef::new(RingKind::ClusterRing, &ring);
+        create_annotated_lease(&client, &ns, &ring_ref, "shard-d", 3600, leaving).await?;
+    } else {
+        create_lease(&client, &ns, &ring, "shard-d", 3600).await?;
+    }
     let four = IndependentRing::unweighted(["shard-a", "shard-b", "shard-c", "shard-d"]);
     let moving: Vec<usize> = (0..40)
         .filter(|i| expected_shard(&four, &ns, &format!("s-{i}")) == Some("shard-d"))
