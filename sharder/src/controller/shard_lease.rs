@@ -563,31 +563,22 @@ async fn report_problems(state: &State, lease: &Lease, ring: &AnyRing) -> Proble
                 .await;
         }
     }
-    if let Some(error) = problems
-        .weight
-        .as_ref()
-        .filter(|e| previous.weight.as_ref() != Some(*e))
-    {
+    // Annotations of the Lease the sharder cannot read (docs/protocol.md §17).
+    for (reason, error, before) in [
+        (REASON_INVALID_WEIGHT, &problems.weight, &previous.weight),
+        (
+            REASON_INVALID_LEAVES_CONTROLLED_OBJECTS,
+            &problems.leaves,
+            &previous.leaves,
+        ),
+    ] {
+        let Some(error) = error.as_ref().filter(|e| before.as_ref() != Some(*e)) else {
+            continue;
+        };
         let message = format!("Shard {shard:?} of {ring_ref}: {error}");
-        tracing::warn!(ring = %ring_ref, %shard, %namespace, reason = REASON_INVALID_WEIGHT, "{message}");
+        tracing::warn!(ring = %ring_ref, %shard, %namespace, reason, "{message}");
         ctx.events
-            .warning(&lease.object_ref(&()), REASON_INVALID_WEIGHT, "", message)
-            .await;
-    }
-    if let Some(error) = problems
-        .leaves
-        .as_ref()
-        .filter(|e| previous.leaves.as_ref() != Some(*e))
-    {
-        let message = format!("Shard {shard:?} of {ring_ref}: {error}");
-        tracing::warn!(ring = %ring_ref, %shard, %namespace, reason = REASON_INVALID_LEAVES_CONTROLLED_OBJECTS, "{message}");
-        ctx.events
-            .warning(
-                &lease.object_ref(&()),
-                REASON_INVALID_LEAVES_CONTROLLED_OBJECTS,
-                "",
-                message,
-            )
+            .warning(&lease.object_ref(&()), reason, "", message)
             .await;
     }
     if let Some(skew) = skew.filter(|_| problems.clock_skewed && !previous.clock_skewed) {
