@@ -155,12 +155,7 @@ impl Process {
         K: AsRef<std::ffi::OsStr>,
         V: AsRef<std::ffi::OsStr>,
     {
-        let log_dir = std::env::temp_dir().join(format!(
-            "controller-sharding-e2e-logs-{}",
-            std::process::id()
-        ));
-        std::fs::create_dir_all(&log_dir)
-            .with_context(|| format!("failed to create {}", log_dir.display()))?;
+        let log_dir = log_dir()?;
         let log_path = log_dir.join(format!("{}.log", unique_name(name)));
         let log = std::fs::File::create(&log_path)
             .with_context(|| format!("failed to create {}", log_path.display()))?;
@@ -262,6 +257,17 @@ impl Process {
     pub fn passed(&mut self) {
         self.log.passed();
     }
+}
+
+/// The directory of this test process's logs, created on first use. It outlives the run, so a
+/// failed test's whole log can be read afterwards.
+pub fn log_dir() -> anyhow::Result<PathBuf> {
+    let dir = std::env::temp_dir().join(format!(
+        "controller-sharding-e2e-logs-{}",
+        std::process::id()
+    ));
+    std::fs::create_dir_all(&dir).with_context(|| format!("failed to create {}", dir.display()))?;
+    Ok(dir)
 }
 
 impl Drop for Process {

@@ -33,6 +33,15 @@ pub struct SharderFiles {
     pub metrics_secure: bool,
 }
 
+/// The directory holds a CA's and a serving certificate's private keys: it goes with the files, so
+/// test runs leave no keys behind. Processes started from it are dropped first (declared later),
+/// and their logs live elsewhere ([`Process`]), so a failed test still prints its sharder's log.
+impl Drop for SharderFiles {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
 /// Settings that differ between test sharders.
 #[derive(Clone, Debug)]
 pub struct SharderSettings {
@@ -83,9 +92,19 @@ impl SharderFiles {
         settings: &SharderSettings,
         webhook_port: u16,
     ) -> anyhow::Result<Self> {
+        Self::create_in(&std::env::temp_dir(), kubeconfig, settings, webhook_port)
+    }
+
+    /// Like [`SharderFiles::create_with_webhook_port`], in a new directory under `parent`.
+    pub fn create_in(
+        parent: &Path,
+        kubeconfig: &Path,
+        settings: &SharderSettings,
+        webhook_port: u16,
+    ) -> anyhow::Result<Self> {
         // The sharder's ServiceAccount with the shipped RBAC, never the tests' administrator.
         let kubeconfig = crate::sharder_identity::sharder_kubeconfig(kubeconfig)?;
-        let dir = std::env::temp_dir().join(crate::unique_name("sharder"));
+        let dir = parent.join(crate::unique_name("sharder"));
         std::fs::create_dir_all(&dir)?;
         generate_certificates(&dir)?;
         let (metrics_port, health_port) = (free_port()?, free_port()?);

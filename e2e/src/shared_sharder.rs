@@ -4,7 +4,7 @@
 //! tests), against the shared cluster. Its logs go to a file a test prints when it fails through
 //! [`SharedSharder::dump_on_failure`].
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use std::time::Duration;
 
@@ -13,6 +13,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::cluster;
 use crate::logs::DumpOnFailure;
+use crate::net::free_port;
 use crate::sharder_process::{SharderFiles, SharderSettings, counter, counter_of};
 
 /// The sharder shared by all tests of this process.
@@ -77,9 +78,15 @@ fn start_shared() -> anyhow::Result<SharedSharder> {
         metrics_secure: false,
         ..SharderSettings::default()
     };
-    let files = SharderFiles::create(cluster.kubeconfig(), &settings)?;
+    // It lives as long as the test process and is never dropped: its keys go with the control
+    // plane's directory, which is removed when the process ends, and its log beside the other
+    // processes' logs.
+    let parent = cluster
+        .state_dir()
+        .map_or_else(std::env::temp_dir, Path::to_path_buf);
+    let files = SharderFiles::create_in(&parent, cluster.kubeconfig(), &settings, free_port()?)?;
     let config = files.load()?;
-    let log = files.dir.join("sharder.log");
+    let log = crate::process::log_dir()?.join(crate::unique_name("shared-sharder") + ".log");
     let log_file = std::fs::File::create(&log)?;
     let _ = rustls::crypto::ring::default_provider().install_default();
     let _ = tracing_subscriber::fmt()

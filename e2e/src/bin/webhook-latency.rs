@@ -251,6 +251,8 @@ async fn measure(
 
     // (b): the trivial webhook, with a certificate made like the sharder's.
     let cert_dir = std::env::temp_dir().join(unique_name("webhook-latency-certs"));
+    // The CA's and the serving certificate's keys go when the run ends, however it ends.
+    let _cert_dir = RemoveDirOnDrop(cert_dir.clone());
     let tls = trivial_webhook::loopback_tls(&cert_dir)?;
     let ca_path = cert_dir.join("ca.crt");
     let listener = std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
@@ -470,5 +472,14 @@ async fn clean_up(client: &Client, created: &Created) {
         if let Err(error) = namespaces.delete(name, &params).await {
             eprintln!("failed to delete namespace {name}: {error}");
         }
+    }
+}
+
+/// Removes a directory when dropped.
+struct RemoveDirOnDrop(std::path::PathBuf);
+
+impl Drop for RemoveDirOnDrop {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
     }
 }
