@@ -21,6 +21,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::{Value, json};
+use sharding_crds::labels::{ANNOTATION_LEAVES_CONTROLLED_OBJECTS, ANNOTATION_WEIGHT};
 use sharding_crds::{HashKey, RingKind, RingRef};
 
 /// What one run of `kubectl-sharding` printed.
@@ -133,14 +134,14 @@ fn configmap(name: &str, owner: Option<(&str, &str, String)>) -> ConfigMap {
     }
 }
 
-async fn annotate_weight(
+async fn annotate_lease(
     client: &Client,
     ns: &str,
     lease: &str,
-    weight: &str,
+    annotation: &str,
+    value: &str,
 ) -> anyhow::Result<()> {
-    let patch =
-        json!({"metadata": {"annotations": {"alpha.sharding.timebertt.dev/weight": weight}}});
+    let patch = json!({"metadata": {"annotations": {annotation: value}}});
     Api::<Lease>::namespaced(client.clone(), ns)
         .patch(lease, &PatchParams::default(), &Patch::Merge(&patch))
         .await?;
@@ -190,7 +191,7 @@ async fn status_reports_rings_of_both_kinds() -> anyhow::Result<()> {
     for shard in ["a", "b", "gone"] {
         create_lease_of(&client, &ns, &cluster_ring, shard, 3600).await?;
     }
-    annotate_weight(&client, &ns, "b", "2").await?;
+    annotate_lease(&client, &ns, "b", ANNOTATION_WEIGHT, "2").await?;
     // A released Lease: its shard is dead and takes no objects.
     let release = json!({"spec": {"holderIdentity": ""}});
     Api::<Lease>::namespaced(client.clone(), &ns)
@@ -198,6 +199,18 @@ async fn status_reports_rings_of_both_kinds() -> anyhow::Result<()> {
         .await?;
     for shard in ["c", "d"] {
         create_lease_of(&client, &ns, &controller_ring, shard, 3600).await?;
+    }
+    // Every available shard of the ControllerRing leaves its controlled objects to the sharder;
+    // one of the ClusterRing's two does.
+    for shard in ["a", "c", "d"] {
+        annotate_lease(
+            &client,
+            &ns,
+            shard,
+            ANNOTATION_LEAVES_CONTROLLED_OBJECTS,
+            "true",
+        )
+        .await?;
     }
     wait_status_of(&client, &cluster_ring, 2, 3).await?;
     wait_status_of(&client, &controller_ring, 2, 2).await?;
@@ -300,6 +313,17 @@ async fn status_reports_rings_of_both_kinds() -> anyhow::Result<()> {
         "{gone}"
     );
     ensure!(cluster_status["shards"] == 3, "{cluster_status}");
+    ensure!(
+        cluster_status["shardsLeaveControlledObjects"] == false
+            && member(cluster_status, "a")?["leavesControlledObjects"] == true
+            && member(cluster_status, "b")?["leavesControlledObjects"] == false,
+        "{cluster_status}"
+    );
+    let controller_status = ring_of(&status, "ControllerRing")?;
+    ensure!(
+        controller_status["shardsLeaveControlledObjects"] == true,
+        "{controller_status}"
+    );
 
     // One kind, one namespace, YAML: the same counts.
     let run = kubectl_sharding(&[
@@ -329,6 +353,12 @@ async fn status_reports_rings_of_both_kinds() -> anyhow::Result<()> {
     );
     ensure!(
         text.contains("SECRETS") && text.contains("(unassigned)"),
+        "{text}"
+    );
+    ensure!(
+        text.contains("controlled objects: 1 of 2 available shards leave them to the sharder")
+            && text
+                .contains("controlled objects: every available shard leaves them to the sharder"),
         "{text}"
     );
 

@@ -17,7 +17,7 @@ use super::output::{Table, age, imbalance, or_dash, ratio};
 use super::resources::Catalog;
 use super::{Error, ring_not_found};
 use crate::core::key::KeyOutcome;
-use crate::core::membership::ring_members;
+use crate::core::membership::{ring_members, shards_of};
 use crate::views::RingView;
 
 /// What `status` prints.
@@ -64,6 +64,12 @@ pub(crate) struct RingStatus {
     /// Why the sharder does not act on the ring, if it does not.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(crate) invalid: Option<String>,
+    /// For a ring with controlled resources: whether it has available shards and every one of
+    /// them says on its Lease that it leaves its controlled objects to the sharder
+    /// (docs/protocol.md §17), so that the sharder moves them itself, right after their
+    /// controllers.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) shards_leave_controlled_objects: Option<bool>,
     /// Every shard: each Lease of the ring, then shard names objects carry without a Lease.
     pub(crate) members: Vec<ShardStatus>,
     /// The ring's objects without a shard label.
@@ -93,6 +99,11 @@ pub(crate) struct ShardStatus {
     /// What is wrong with its weight annotation, if anything.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(crate) weight_error: Option<String>,
+    /// Whether its Lease says it leaves its controlled objects to the sharder.
+    pub(crate) leaves_controlled_objects: bool,
+    /// What is wrong with that annotation, if anything.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) leaves_error: Option<String>,
     /// Whether it receives objects.
     pub(crate) available: bool,
     /// Why its Lease is kept out of the ring whatever its holder, if it is.
@@ -205,34 +216,42 @@ impl Tally {
 pub(crate) fn ring_status(ring: &LoadedRing, tally: Tally, now: Timestamp) -> RingStatus {
     let RingRef { kind, name } = ring.ring.ring_ref();
     let view = &ring.view;
-    let mut members: Vec<ShardStatus> = ring_members(
+    let ring_members = ring_members(
         kind,
         &name,
         &ring.ring.spec().lease_namespaces,
         &ring.leases,
-    )
-    .into_iter()
-    .map(|member| {
-        let lease = ShardLease::from_lease(member.lease);
-        let shard = member.lease.name_any();
-        let (objects, total, draining, wanted) = tally.shard(&shard);
-        ShardStatus {
-            namespace: member.lease.namespace(),
-            state: Some(lease.state(now).as_str()),
-            holder: lease.holder_identity.map(str::to_string),
-            renew_time: lease.renew_time,
-            weight: member.weight,
-            weight_error: member.weight_error.clone(),
-            available: member.is_available(),
-            excluded: member.exclusion.as_ref().map(|e| e.reason()),
-            objects,
-            total,
-            draining,
-            wanted,
-            name: shard,
-        }
-    })
-    .collect();
+    );
+    let shards_leave_controlled_objects = view
+        .resources
+        .values()
+        .any(|r| !r.is_main())
+        .then(|| shards_of(&ring_members).leave_controlled_objects);
+    let mut members: Vec<ShardStatus> = ring_members
+        .into_iter()
+        .map(|member| {
+            let lease = ShardLease::from_lease(member.lease);
+            let shard = member.lease.name_any();
+            let (objects, total, draining, wanted) = tally.shard(&shard);
+            ShardStatus {
+                namespace: member.lease.namespace(),
+                state: Some(lease.state(now).as_str()),
+                holder: lease.holder_identity.map(str::to_string),
+                renew_time: lease.renew_time,
+                weight: member.weight,
+                weight_error: member.weight_error.clone(),
+                leaves_controlled_objects: member.leaves_controlled_objects,
+                leaves_error: member.leaves_error.clone(),
+                available: member.is_available(),
+                excluded: member.exclusion.as_ref().map(|e| e.reason()),
+                objects,
+                total,
+                draining,
+                wanted,
+                name: shard,
+            }
+        })
+        .collect();
     // Objects may name shards whose Lease is gone; they are moved on the next sync.
     for shard in tally.assigned.keys() {
         if members.iter().any(|m| &m.name == shard) {
@@ -247,6 +266,8 @@ pub(crate) fn ring_status(ring: &LoadedRing, tally: Tally, now: Timestamp) -> Ri
             renew_time: None,
             weight: 0,
             weight_error: None,
+            leaves_controlled_objects: false,
+            leaves_error: None,
             available: false,
             excluded: None,
             objects,
@@ -291,6 +312,7 @@ pub(crate) fn ring_status(ring: &LoadedRing, tally: Tally, now: Timestamp) -> Ri
         resources: resources.into_iter().map(|(_, gr)| gr).collect(),
         unresolved_resources: view.unresolved.iter().map(ToString::to_string).collect(),
         invalid: ring.invalid.clone(),
+        shards_leave_controlled_objects,
         members,
         imbalance: imbalance(available),
         totals: Totals {
@@ -411,6 +433,9 @@ fn ring_table(ring: &RingStatus, now: Timestamp) -> String {
             ring.unresolved_resources.join(", ")
         ));
     }
+    if let Some(line) = controlled_objects_line(ring) {
+        text.push_str(&line);
+    }
     let mut header: Vec<String> = ["SHARD", "NAMESPACE", "STATE", "HOLDER", "RENEWED", "WEIGHT"]
         .map(String::from)
         .into();
@@ -482,7 +507,31 @@ fn ring_table(ring: &RingStatus, now: Timestamp) -> String {
     text
 }
 
-/// Why a shard row needs a second look: exclusion, a bad weight, unavailability.
+/// Who moves a ring's controlled objects, when any of its available shards leaves them to the
+/// sharder; nothing when none does (their shards relabel them, the common case).
+fn controlled_objects_line(ring: &RingStatus) -> Option<String> {
+    let leave = ring.shards_leave_controlled_objects?;
+    let available = ring.members.iter().filter(|m| m.available);
+    let saying = available
+        .clone()
+        .filter(|m| m.leaves_controlled_objects)
+        .count();
+    if leave {
+        Some(
+            "  controlled objects: every available shard leaves them to the sharder, which moves each right after its controller\n"
+                .to_string(),
+        )
+    } else if saying > 0 {
+        Some(format!(
+            "  controlled objects: {saying} of {} available shards leave them to the sharder; the ring is synced as leaving them only when all do\n",
+            available.count()
+        ))
+    } else {
+        None
+    }
+}
+
+/// Why a shard row needs a second look: exclusion, a bad annotation, unavailability.
 fn shard_note(shard: &ShardStatus) -> String {
     let mut notes = Vec::new();
     if let Some(reason) = shard.excluded {
@@ -490,6 +539,9 @@ fn shard_note(shard: &ShardStatus) -> String {
     }
     if shard.weight_error.is_some() {
         notes.push("invalid weight, counts as 1".to_string());
+    }
+    if shard.leaves_error.is_some() {
+        notes.push("invalid leaves-controlled-objects, counts as false".to_string());
     }
     if shard.namespace.is_none() {
         notes.push("objects name a shard without a Lease".to_string());
@@ -598,6 +650,73 @@ mod tests {
         let status = ring_status(&ring, tally, now());
         assert_eq!(status.unassigned.no_available_shard, 1);
         assert_eq!(status.imbalance, None);
+    }
+
+    /// `lease` with the annotation saying whether its shard leaves its controlled objects.
+    fn leaving(
+        mut lease: k8s_openapi::api::coordination::v1::Lease,
+        value: &str,
+    ) -> k8s_openapi::api::coordination::v1::Lease {
+        lease.metadata.annotations.get_or_insert_default().insert(
+            sharding_crds::labels::ANNOTATION_LEAVES_CONTROLLED_OBJECTS.to_string(),
+            value.to_string(),
+        );
+        lease
+    }
+
+    #[test]
+    fn says_who_moves_controlled_objects_when_shards_leave_them_to_the_sharder() {
+        let status = |leases| {
+            let report = StatusReport {
+                namespace: None,
+                rings: vec![ring_status(&loaded(leases), Tally::default(), now())],
+            };
+            (
+                report.rings[0].shards_leave_controlled_objects,
+                table_at(&report, now()),
+            )
+        };
+        let line = "  controlled objects: ";
+
+        let (leave, text) = status(vec![
+            leaving(lease("a", "a", 3, None), "true"),
+            leaving(lease("b", "b", 3, None), "true"),
+        ]);
+        assert_eq!(leave, Some(true));
+        assert!(
+            text.contains(&format!("{line}every available shard leaves them to the sharder, which moves each right after its controller\n")),
+            "{text}"
+        );
+
+        // One of two; the other says something the protocol does not know.
+        let (leave, text) = status(vec![
+            leaving(lease("a", "a", 3, None), "true"),
+            leaving(lease("b", "b", 3, None), "yes"),
+        ]);
+        assert_eq!(leave, Some(false));
+        assert!(
+            text.contains(&format!("{line}1 of 2 available shards leave them to the sharder; the ring is synced as leaving them only when all do\n")),
+            "{text}"
+        );
+        let b = text
+            .lines()
+            .find(|l| l.trim_start().starts_with("b "))
+            .unwrap_or_default();
+        assert!(
+            b.ends_with("invalid leaves-controlled-objects, counts as false"),
+            "{b}"
+        );
+
+        // None says so: nothing to say, as for shards written before the annotation.
+        let (leave, text) = status(vec![lease("a", "a", 3, None)]);
+        assert_eq!(leave, Some(false));
+        assert!(!text.contains(line), "{text}");
+        // A shard that is not available (its Lease released) does not count.
+        let (leave, _) = status(vec![
+            leaving(lease("a", "a", 3, None), "true"),
+            leaving(lease("b", "", 3, None), "false"),
+        ]);
+        assert_eq!(leave, Some(true));
     }
 
     #[test]

@@ -259,7 +259,8 @@ pub(crate) fn ring_shards<'a>(
     shards_of(&ring_members(kind, ring, allowed, leases))
 }
 
-fn shards_of(members: &[Member<'_>]) -> RingShards {
+/// What `members`, the Leases of one ring, say about its shards (see [`RingShards`]).
+pub(crate) fn shards_of(members: &[Member<'_>]) -> RingShards {
     let available_members = || members.iter().filter(|m| m.is_available());
     let available: BTreeMap<String, u32> = available_members()
         .map(|m| (m.lease.name_any(), m.weight))
