@@ -85,11 +85,14 @@ impl Pager {
 
     /// The next page, or `None` after the last one.
     ///
-    /// Pages are read from etcd, not from the watch cache (`resourceVersion=0`), deliberately
-    /// unlike docs/protocol.md §9: the API server ignores `limit` for `resourceVersion=0` and
-    /// returns every object in one page with no continue token (still so on 1.37), which would make
-    /// the sharder's memory grow with the ring. kube drops `resourceVersion=0` from limited lists
-    /// for the same reason. Later pages pass only the continue token, as the API requires.
+    /// Pages are consistent reads without a `resourceVersion`, deliberately unlike
+    /// docs/protocol.md §9 (`resourceVersion=0`): the API server ignores `limit` for
+    /// `resourceVersion=0` and returns every object in one page with no continue token (still so
+    /// on 1.37), which would make the sharder's memory grow with the ring. kube drops
+    /// `resourceVersion=0` from limited lists for the same reason. API servers whose watch cache
+    /// serves paginated lists (1.37's `ListFromCacheSnapshot`) answer these pages from the cache
+    /// as well; others read them from etcd. Later pages pass only the continue token, as the API
+    /// requires.
     pub(crate) async fn next_page(&mut self) -> Result<Option<Page>, PagerError> {
         let mut restarted = false;
         let mut inconsistent_continuations = 0;
