@@ -135,7 +135,18 @@ pub async fn run(
         shutdown.clone(),
     ));
 
-    // Webhook server on every replica, with its certificate reloaded from disk.
+    // Webhook server on every replica, with its certificate reloaded from disk; the secure
+    // metrics server serves the same one.
+    let server = &config.webhook.server;
+    let certificate = Arc::new(server::tls::CertReloader::new(
+        server.cert_dir.join(&server.cert_name),
+        server.cert_dir.join(&server.key_name),
+    ));
+    tasks.spawn(server::tls::watch_certificate(
+        certificate.clone(),
+        readiness.clone(),
+        shutdown.clone(),
+    ));
     webhook::serve(
         &config,
         webhook::WebhookState {
@@ -143,7 +154,7 @@ pub async fn run(
             metrics: ctx.metrics.clone(),
             client: Some(client.clone()),
         },
-        readiness.clone(),
+        &certificate,
         &mut tasks,
         &shutdown,
     )
@@ -162,6 +173,7 @@ pub async fn run(
         &config,
         registry,
         readiness.clone(),
+        &certificate,
         ctx.client.clone(),
         &mut tasks,
         &shutdown,

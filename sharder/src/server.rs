@@ -157,12 +157,13 @@ pub(crate) fn secure_metrics_router(registry: Arc<Registry>, client: kube::Clien
 
 /// Starts the admin servers the configuration enables: metrics from `registry`, and the health
 /// probes answering from `readiness`. A bind address of `0` disables a server. With
-/// `metrics.secure`, metrics are served over TLS with the webhook's serving certificate (its own
-/// reloader of the same files) and every scrape is reviewed through `client`.
+/// `metrics.secure`, metrics are served over TLS with the webhook's serving certificate (from
+/// `certificate`, the webhook's reloader) and every scrape is reviewed through `client`.
 pub(crate) async fn serve_admin(
     config: &SharderConfig,
     registry: Registry,
     readiness: Arc<Readiness>,
+    certificate: &Arc<tls::CertReloader>,
     client: kube::Client,
     tasks: &mut JoinSet<()>,
     shutdown: &CancellationToken,
@@ -171,19 +172,8 @@ pub(crate) async fn serve_admin(
         let listener = bind(addr).await?;
         let registry = Arc::new(registry);
         if config.metrics.secure {
-            let server = &config.webhook.server;
-            let reloader = Arc::new(tls::CertReloader::new(
-                server.cert_dir.join(&server.cert_name),
-                server.cert_dir.join(&server.key_name),
-            ));
-            tasks.spawn(tls::keep_certificate_loaded(
-                reloader.clone(),
-                "metrics",
-                None,
-                shutdown.clone(),
-            ));
             let acceptor = TlsAcceptor::from(Arc::new(
-                reloader
+                certificate
                     .server_config()
                     .context("failed to build the metrics TLS config")?,
             ));

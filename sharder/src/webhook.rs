@@ -36,30 +36,21 @@ use crate::core::key::{
     GENERATE_NAME_NOT_SUPPORTED, KeyError, KeyOutcome, ObjectInfo, ResourceRole,
 };
 use crate::metrics::{Metrics, OutcomeLabels};
+use crate::server;
 use crate::server::tls::CertReloader;
-use crate::server::{self, Readiness};
 use crate::views::{ControllerLookup, RingView, Views, controller_shard};
 
-/// Starts the webhook's TLS server on the configured address, with its certificate watched and
-/// reloaded from disk (readiness waits for the first load); it stops on `shutdown` and lets open
-/// requests finish within `gracefulShutdown`.
+/// Starts the webhook's TLS server on the configured address, with the serving certificate of
+/// `reloader` (kept loaded by [`server::tls::watch_certificate`]); it stops on `shutdown` and lets
+/// open requests finish within `gracefulShutdown`.
 pub(crate) async fn serve(
     config: &SharderConfig,
     state: WebhookState,
-    readiness: Arc<Readiness>,
+    reloader: &Arc<CertReloader>,
     tasks: &mut JoinSet<()>,
     shutdown: &CancellationToken,
 ) -> anyhow::Result<()> {
     let server_config = &config.webhook.server;
-    let reloader = Arc::new(CertReloader::new(
-        server_config.cert_dir.join(&server_config.cert_name),
-        server_config.cert_dir.join(&server_config.key_name),
-    ));
-    tasks.spawn(server::tls::watch_certificate(
-        reloader.clone(),
-        readiness,
-        shutdown.clone(),
-    ));
     let tls = tokio_rustls::TlsAcceptor::from(Arc::new(
         reloader
             .server_config()

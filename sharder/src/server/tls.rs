@@ -136,39 +136,26 @@ fn load_certified_key(cert_path: &Path, key_path: &Path) -> Result<CertifiedKey,
     })
 }
 
-/// Loads the certificate now and reloads it every [`RELOAD_INTERVAL`] when its files change,
-/// until `shutdown` fires. The process is ready only once a certificate has been loaded.
+/// Loads the serving certificate now and reloads it every [`RELOAD_INTERVAL`] when its files
+/// change, until `shutdown` fires. The process is ready only once a certificate has been loaded.
+/// One reloader serves the webhook and the secure metrics alike, which use the same files.
 pub(crate) async fn watch_certificate(
     reloader: Arc<CertReloader>,
     readiness: Arc<Readiness>,
     shutdown: CancellationToken,
 ) {
-    keep_certificate_loaded(reloader, "webhook", Some(readiness), shutdown).await;
-}
-
-/// Loads the certificate of the `server` named in the logs now and reloads it every
-/// [`RELOAD_INTERVAL`] when its files change, until `shutdown` fires; marks `readiness` once one
-/// is loaded, if given.
-pub(crate) async fn keep_certificate_loaded(
-    reloader: Arc<CertReloader>,
-    server: &'static str,
-    readiness: Option<Arc<Readiness>>,
-    shutdown: CancellationToken,
-) {
     loop {
         match reloader.reload_if_changed() {
             Ok(true) => {
-                if let Some(readiness) = &readiness {
-                    readiness.set_certificate_loaded();
-                }
-                tracing::info!(server, "loaded serving certificate");
+                readiness.set_certificate_loaded();
+                tracing::info!("loaded serving certificate");
             }
             Ok(false) => {}
             Err(error) => {
                 if reloader.is_loaded() {
-                    tracing::warn!(%error, server, "failed to reload serving certificate, keeping the previous one");
+                    tracing::warn!(%error, "failed to reload serving certificate, keeping the previous one");
                 } else {
-                    tracing::warn!(%error, server, "serving certificate not available yet");
+                    tracing::warn!(%error, "serving certificate not available yet");
                 }
             }
         }
