@@ -8,7 +8,8 @@
 #
 # Without arguments and without KUBECONFIG it then runs the chaos soak (docs/chaos.md) twice,
 # about a minute and a half each: once with a fixed seed whose plan holds every kind of fault at these
-# settings, once with a random seed, printed first so a failure can be replayed with --seed.
+# settings, once with a random seed, printed first so a failure can be replayed with --seed, and with
+# the webhook ring's shards leaving their ConfigMaps to the sharder (synced children first).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ -z "${KUBECONFIG:-}" ]; then
@@ -39,5 +40,5 @@ if [ $# -eq 0 ] && [ -z "${KUBECONFIG:-}" ]; then
   chaos=(cargo run -q -p sharding-e2e --bin chaos --
     --duration 50s --fault-interval 3s --lease-duration 8s --settle 5s)
   "${chaos[@]}" --seed 20
-  "${chaos[@]}"
+  "${chaos[@]}" --leave-children-to-sharder
 fi

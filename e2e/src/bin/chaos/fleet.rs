@@ -63,6 +63,8 @@ pub(crate) struct ShardRing {
     /// Its shards are named `<prefix>-<n>`: distinct per ring, so that a name (in progress
     /// lines, the report, the evidence) always says which ring a shard serves.
     pub(crate) shard_prefix: &'static str,
+    /// Its shards leave their ConfigMaps to the sharder (`--leave-children-to-sharder`).
+    pub(crate) leaves_children: bool,
 }
 
 /// How one process ended.
@@ -283,6 +285,9 @@ impl Fleet {
         .into();
         if let Some(offset) = clock_offset {
             args.push(format!("--testing-clock-offset={offset}"));
+        }
+        if ring.leaves_children {
+            args.push("--leave-children-to-sharder".into());
         }
         let mut process = Process::start("checksum-controller", args)?;
         process.passed();

@@ -129,6 +129,12 @@ struct Args {
     /// Only print the fault plan the seed draws (as JSON) and exit, without starting anything.
     #[arg(long)]
     plan_only: bool,
+    /// The first ring's shards (the one assigned by the webhook) leave their ConfigMaps to the
+    /// sharder (`checksum-controller --leave-children-to-sharder`, which says so on their Leases),
+    /// so that the sharder syncs that ring children first and moves the ConfigMaps itself; the
+    /// other ring's shards relabel theirs, as without the flag.
+    #[arg(long)]
+    leave_children_to_sharder: bool,
 }
 
 /// `90`, `90s`, `30m`, `1h`, `1.5m`.
@@ -232,7 +238,8 @@ async fn run(args: &Args, seed: u64, cluster: &Cluster) -> anyhow::Result<Report
     let client = cluster.client().await?;
     let server_version = client.apiserver_version().await?.git_version;
     let mut rings = Vec::new();
-    for (prefix, assignment, shard_prefix, churn_stream) in RINGS {
+    for (index, (prefix, assignment, shard_prefix, churn_stream)) in RINGS.into_iter().enumerate() {
+        let leaves_children = args.leave_children_to_sharder && index == 0;
         let mut namespaces = Vec::new();
         for _ in 0..args.namespaces {
             namespaces.push(cluster.namespace(&client, prefix).await?);
@@ -242,9 +249,15 @@ async fn run(args: &Args, seed: u64, cluster: &Cluster) -> anyhow::Result<Report
             .await?;
         let name = unique_name(prefix);
         progress(&format!(
-            "{assignment:?} ring {name} over {namespaces:?}, Leases in {lease_namespace}"
+            "{assignment:?} ring {name} over {namespaces:?}, Leases in {lease_namespace}{}",
+            if leaves_children {
+                ", shards leave their ConfigMaps to the sharder"
+            } else {
+                ""
+            }
         ));
         rings.push(RingScene {
+            leaves_children,
             keys: LabelKeys::for_ring(&name)?,
             name,
             assignment,

@@ -64,6 +64,8 @@ pub(crate) struct PinReport {
 pub(crate) struct RingReport {
     pub(crate) name: String,
     pub(crate) assignment: Assignment,
+    /// Whether its shards left their ConfigMaps to the sharder (`--leave-children-to-sharder`).
+    pub(crate) shards_leave_children: bool,
     pub(crate) namespaces: Vec<String>,
     pub(crate) lease_namespace: String,
     /// Faults on this ring's shards or their Leases, by kind (those on the whole system are in
@@ -225,8 +227,16 @@ impl RingReport {
     fn write(&self, out: &mut String) {
         let _ = writeln!(
             out,
-            "{:?} ring {} over {:?}, Leases in {}:",
-            self.assignment, self.name, self.namespaces, self.lease_namespace
+            "{:?} ring {} over {:?}, Leases in {}{}:",
+            self.assignment,
+            self.name,
+            self.namespaces,
+            self.lease_namespace,
+            if self.shards_leave_children {
+                ", shards leaving their ConfigMaps to the sharder"
+            } else {
+                ""
+            }
         );
         write_faults(
             out,

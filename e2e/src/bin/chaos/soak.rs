@@ -88,6 +88,8 @@ pub(crate) struct RingScene {
     pub(crate) keys: LabelKeys,
     /// Its shards are named `<shard_prefix>-<n>`.
     pub(crate) shard_prefix: &'static str,
+    /// Whether its shards leave their ConfigMaps to the sharder.
+    pub(crate) leaves_children: bool,
     /// The stream of the seed its churn draws from.
     pub(crate) churn_stream: u64,
 }
@@ -209,6 +211,7 @@ pub(crate) async fn soak(scene: &Scene<'_>) -> anyhow::Result<Report> {
         rings.push(RingReport {
             name: ring.name.clone(),
             assignment: ring.assignment,
+            shards_leave_children: ring.leaves_children,
             namespaces: ring.namespaces.clone(),
             lease_namespace: ring.lease_namespace.clone(),
             faults_by_kind,
@@ -303,6 +306,7 @@ async fn start(scene: &Scene<'_>, timing: ShardTiming) -> anyhow::Result<Started
             ring: ring.name.clone(),
             lease_namespace: ring.lease_namespace.clone(),
             shard_prefix: ring.shard_prefix,
+            leaves_children: ring.leaves_children,
         })
         .collect();
     let fleet = Arc::new(
@@ -953,6 +957,7 @@ mod tests {
             lease_namespace: "leases".into(),
             keys: LabelKeys::for_ring("r").expect("short name"),
             shard_prefix: "shard",
+            leaves_children: false,
             churn_stream: 2,
         }
     }
