@@ -34,7 +34,8 @@ pub fn curl(args: &[&str]) -> anyhow::Result<String> {
         .context("failed to run curl")?;
     if !out.status.success() {
         bail!(
-            "curl {args:?} failed: {}",
+            "curl {args:?} failed ({}): {}",
+            out.status,
             String::from_utf8_lossy(&out.stderr)
         );
     }

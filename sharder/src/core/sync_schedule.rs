@@ -40,6 +40,9 @@ struct RingSchedule<I> {
     failures: u32,
     /// Syncs in a row that held controlled objects back for their controllers.
     waits: u32,
+    /// Whether the ring is to be synced again as soon as the running sync ends (see
+    /// [`SyncSchedule::again`]).
+    again: bool,
 }
 
 /// The sync schedule of every ring. Generic over the instant type so that tests drive it with
@@ -83,6 +86,7 @@ impl<I: Copy + Ord + Add<Duration, Output = I>> SyncSchedule<I> {
                 due: now,
                 failures: 0,
                 waits: 0,
+                again: false,
             });
             if schedule.revision != Some(revision) && schedule.due > now {
                 // The view changed since the last sync started: sync again now.
@@ -129,6 +133,29 @@ impl<I: Copy + Ord + Add<Duration, Output = I>> SyncSchedule<I> {
         self.running.remove(ring);
         if let Some(schedule) = self.rings.get_mut(ring) {
             schedule.due = now;
+            schedule.again = false;
+        }
+    }
+
+    /// Records that `ring` needs another sync because a sync stopped for a newer view had
+    /// patches land after its successor may have listed them, where the newer view does not want
+    /// them: due at once, or as soon as the running sync ends, whatever that one's outcome.
+    pub(crate) fn again(&mut self, ring: &str, now: I) {
+        let running = self.running.contains(ring);
+        if let Some(schedule) = self.rings.get_mut(ring) {
+            if running {
+                schedule.again = true;
+            } else {
+                schedule.due = now;
+            }
+        }
+    }
+
+    /// The end of a running sync of `ring` at `now`: brings the next one forward to `now` if
+    /// [`again`](Self::again) asked for it meanwhile.
+    fn ended(schedule: &mut RingSchedule<I>, now: I) {
+        if std::mem::take(&mut schedule.again) {
+            schedule.due = now;
         }
     }
 
@@ -138,7 +165,7 @@ impl<I: Copy + Ord + Add<Duration, Output = I>> SyncSchedule<I> {
         self.running.remove(ring);
         let schedule = self.rings.get_mut(ring)?;
         schedule.waits = 0;
-        if succeeded {
+        let backoff = if succeeded {
             schedule.failures = 0;
             schedule.due = now + self.sync_period;
             None
@@ -147,7 +174,9 @@ impl<I: Copy + Ord + Add<Duration, Output = I>> SyncSchedule<I> {
             let backoff = backoff(schedule.failures, self.sync_period);
             schedule.due = now + backoff;
             Some(backoff)
-        }
+        };
+        Self::ended(schedule, now);
+        backoff
     }
 
     /// Records the end of a ring's sync at `now` that held controlled objects back for their
@@ -162,6 +191,7 @@ impl<I: Copy + Ord + Add<Duration, Output = I>> SyncSchedule<I> {
         schedule.waits += 1;
         let backoff = backoff(schedule.waits, OWNER_WAIT_MAX.min(self.sync_period));
         schedule.due = now + backoff;
+        Self::ended(schedule, now);
         Some(backoff)
     }
 
@@ -176,6 +206,7 @@ impl<I: Copy + Ord + Add<Duration, Output = I>> SyncSchedule<I> {
         schedule.failures = 0;
         schedule.waits += 1;
         schedule.due = now + self.sync_period;
+        Self::ended(schedule, now);
         Some(self.sync_period)
     }
 
@@ -321,6 +352,34 @@ mod tests {
         assert!(schedule.start_due(at(1), [("a", 2)], ready).is_empty());
         schedule.finished("a", true, at(2));
         assert_eq!(schedule.start_due(at(2), [("a", 2)], ready), ["a"]);
+    }
+
+    #[test]
+    fn a_superseded_sync_whose_moves_landed_elsewhere_syncs_the_ring_again() {
+        let mut schedule = SyncSchedule::new(PERIOD);
+        assert_eq!(schedule.start_due(at(0), [("a", 1)], ready), ["a"]);
+        assert_eq!(schedule.superseded([("a", 2)]), ["a"]);
+        schedule.abandoned("a", at(1));
+        assert_eq!(schedule.start_due(at(1), [("a", 2)], ready), ["a"]);
+        // The stopped sync's last moves land while its successor runs: once that one ends, the
+        // ring is due at once, not a sync period later.
+        schedule.again("a", at(2));
+        assert!(schedule.start_due(at(2), [("a", 2)], ready).is_empty());
+        assert_eq!(schedule.finished("a", true, at(3)), None);
+        assert_eq!(schedule.start_due(at(3), [("a", 2)], ready), ["a"]);
+        // Only once: the sync after it is due a period later again.
+        assert_eq!(schedule.finished("a", true, at(4)), None);
+        assert_eq!(schedule.next_wake(at(4)), at(4) + PERIOD);
+        // Asked for when no sync runs: due at once.
+        schedule.again("a", at(5));
+        assert_eq!(schedule.start_due(at(5), [("a", 2)], ready), ["a"]);
+        // A sync that ends waiting for controllers, or following them, is also followed at once.
+        schedule.again("a", at(6));
+        schedule.waiting("a", at(7));
+        assert_eq!(schedule.start_due(at(7), [("a", 2)], ready), ["a"]);
+        schedule.again("a", at(8));
+        schedule.following("a", at(9));
+        assert_eq!(schedule.start_due(at(9), [("a", 2)], ready), ["a"]);
     }
 
     #[test]

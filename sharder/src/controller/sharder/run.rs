@@ -25,6 +25,11 @@ use crate::views::RingView;
 pub const SYNC_SUPERSEDED: &str =
     "view changed during the sync; starting over with the current view";
 
+/// Message of the info record when moves of a sync stopped for a newer view landed where that
+/// view does not want them, and the ring is synced again after the running sync; with the fields
+/// `ring` and `unsettled`.
+pub const SUPERSEDED_MOVES_UNSETTLED: &str = "moves of a superseded sync landed where the current view does not want them; syncing the ring again";
+
 /// Runs the sharder controller until `shutdown` fires. Dropping it (on lost leadership) stops the
 /// syncs and the missed-assignment watches it started, which it owns.
 pub(crate) async fn run(ctx: Context, shutdown: CancellationToken) {
@@ -107,6 +112,12 @@ pub(crate) async fn run(ctx: Context, shutdown: CancellationToken) {
             Some(joined) = running.join_next(), if !running.is_empty() => {
                 // A superseded sync was accounted for when it was stopped.
                 let Ok((name, id, result)) = joined else { continue };
+                if let Err(Error::Superseded { unsettled }) = &result
+                    && *unsettled > 0
+                {
+                    tracing::info!(ring = %name, unsettled, "{SUPERSEDED_MOVES_UNSETTLED}");
+                    schedule.again(&name, Instant::now());
+                }
                 if handles.get(&name).is_none_or(|(current, _)| *current != id) {
                     continue;
                 }

@@ -78,7 +78,12 @@ pub(super) enum Error {
     /// A newer view of the ring superseded this sync, which stopped before its next page; the
     /// patches it had sent completed and were counted.
     #[error("superseded by a newer view of the ring")]
-    Superseded,
+    Superseded {
+        /// Moves it had in flight that landed where the newer view does not want them. The
+        /// newer view's sync may have listed those objects before they landed, and then leaves
+        /// them there: the ring is synced once more after it.
+        unsettled: usize,
+    },
     /// Some patches failed (conflicts included); the others went through.
     #[error("failed to patch {failed} of {attempted} objects")]
     Patches {
@@ -301,7 +306,7 @@ pub(super) async fn sync_ring(
     let mut draining = false;
     for (gr, resource) in sync_order(view, children_first) {
         if tally.stop.is_cancelled() {
-            return Err(Error::Superseded);
+            return Err(Error::Superseded { unsettled: 0 });
         }
         if resource.is_main() && !std::mem::replace(&mut draining, true) {
             drains_may_go(&mut tally, &ring).await?;
@@ -319,7 +324,7 @@ pub(super) async fn sync_ring(
         }
     }
     if tally.stop.is_cancelled() {
-        return Err(Error::Superseded);
+        return Err(Error::Superseded { unsettled: 0 });
     }
     hand_over_held(patcher, view, &stats, &mut tally);
     let waiting = tally.owner_wait.waiting;
@@ -426,7 +431,7 @@ async fn drains_may_go(tally: &mut Tally, ring: &sharding_crds::RingRef) -> Resu
         return Ok(());
     };
     let listed = tokio::select! {
-        () = tally.stop.cancelled() => return Err(Error::Superseded),
+        () = tally.stop.cancelled() => return Err(Error::Superseded { unsettled: 0 }),
         listed = tokio::time::timeout(DRAINS_WAIT, following.listed()) => listed.unwrap_or(false),
     };
     if !listed {
@@ -541,7 +546,7 @@ async fn sync_list(
     );
     let mut pager = Pager::new(api);
     let mut next = tokio::select! {
-        () = tally.stop.cancelled() => return Err(Error::Superseded),
+        () = tally.stop.cancelled() => return Err(Error::Superseded { unsettled: 0 }),
         next = pager.next_page() => next,
     };
     loop {
@@ -652,6 +657,7 @@ async fn sync_list(
             }
         };
         let (results, following) = tokio::join!(patches, following);
+        let mut unsettled = 0;
         for (uid, decision, result) in results {
             let Some(result) = result else { continue };
             match result {
@@ -664,12 +670,16 @@ async fn sync_list(
                     RebalanceDecision::Keep => {}
                 },
                 Err(PatchError::Held) => stats.held += 1,
+                Err(PatchError::NotAssigned) => {
+                    stats.failed += 1;
+                    unsettled += usize::from(decision == RebalanceDecision::Move);
+                }
                 // The view changed under the sync; the next sync decides with the shard back.
                 Err(PatchError::ShardBack) => {}
                 Err(_) => stats.failed += 1,
             }
         }
-        next = following.ok_or(Error::Superseded)?;
+        next = following.ok_or(Error::Superseded { unsettled })?;
     }
 }
 
