@@ -1,10 +1,13 @@
 //! What stands between the API server and a webhook in a real cluster, on loopback: a
 //! [`TcpGate`] a test can close and reopen (a network outage: connections refused, open
-//! connections cut), and a [`Balancer`] that, like a Service's endpoints, sends connections only
-//! to ready replicas.
+//! connections cut) or slow down (a slow network: answers held back), and a [`Balancer`] that,
+//! like a Service's endpoints, sends connections only to ready replicas.
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use anyhow::Context as _;
 use tokio::net::{TcpListener, TcpStream};
@@ -17,6 +20,8 @@ pub struct TcpGate {
     target: SocketAddr,
     /// Cancelled to close the gate; replaced with a fresh token on reopening.
     open: Arc<Mutex<CancellationToken>>,
+    /// How long bytes from `target` are held before they go on ([`TcpGate::delay_answers`]).
+    delay: Arc<Mutex<Duration>>,
     stopped: CancellationToken,
 }
 
@@ -31,12 +36,13 @@ impl TcpGate {
             addr,
             target,
             open: Arc::new(Mutex::new(CancellationToken::new())),
+            delay: Arc::new(Mutex::new(Duration::ZERO)),
             stopped: CancellationToken::new(),
         };
         tokio::spawn(accept(
             listener,
             target,
-            gate.open.clone(),
+            (gate.open.clone(), gate.delay.clone()),
             gate.stopped.clone(),
         ));
         Ok(gate)
@@ -63,6 +69,14 @@ impl TcpGate {
         }
     }
 
+    /// Holds every byte `target` sends back, on open connections too, for `delay` before passing
+    /// it on (zero: at once): a webhook whose answers arrive late, decided when its request came.
+    pub fn delay_answers(&self, delay: Duration) {
+        if let Ok(mut current) = self.delay.lock() {
+            *current = delay;
+        }
+    }
+
     /// Where connections are forwarded to.
     pub fn target(&self) -> SocketAddr {
         self.target
@@ -79,7 +93,7 @@ impl Drop for TcpGate {
 async fn accept(
     listener: TcpListener,
     target: SocketAddr,
-    open: Arc<Mutex<CancellationToken>>,
+    (open, delay): (Arc<Mutex<CancellationToken>>, Arc<Mutex<Duration>>),
     stopped: CancellationToken,
 ) {
     loop {
@@ -99,19 +113,56 @@ async fn accept(
             drop(inbound);
             continue;
         }
-        tokio::spawn(forward(inbound, target, token));
+        tokio::spawn(forward(inbound, target, token, delay.clone()));
     }
 }
 
 /// Copies bytes both ways between `inbound` and a new connection to `target` until either side
-/// closes or `cut` fires (a refused `target` ends `inbound` at once).
-async fn forward(mut inbound: TcpStream, target: SocketAddr, cut: CancellationToken) {
-    let Ok(mut outbound) = TcpStream::connect(target).await else {
+/// closes or `cut` fires (a refused `target` ends `inbound` at once); bytes from `target` wait
+/// for `delay` each, without adding up.
+async fn forward(
+    inbound: TcpStream,
+    target: SocketAddr,
+    cut: CancellationToken,
+    delay: Arc<Mutex<Duration>>,
+) {
+    let Ok(outbound) = TcpStream::connect(target).await else {
         return;
+    };
+    let (mut in_read, mut in_write) = inbound.into_split();
+    let (mut out_read, mut out_write) = outbound.into_split();
+    let (held, mut due) = tokio::sync::mpsc::unbounded_channel::<(tokio::time::Instant, Vec<u8>)>();
+    let requests = async {
+        let _ = tokio::io::copy(&mut in_read, &mut out_write).await;
+        let _ = out_write.shutdown().await;
+    };
+    let answers_in = async move {
+        let mut buffer = vec![0u8; 16 * 1024];
+        loop {
+            match out_read.read(&mut buffer).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    let hold = delay.lock().map(|d| *d).unwrap_or_default();
+                    let at = tokio::time::Instant::now() + hold;
+                    if held.send((at, buffer[..n].to_vec())).is_err() {
+                        break;
+                    }
+                }
+            }
+        }
+    };
+    let answers_out = async {
+        while let Some((at, bytes)) = due.recv().await {
+            tokio::time::sleep_until(at).await;
+            if in_write.write_all(&bytes).await.is_err() {
+                break;
+            }
+        }
+        let _ = in_write.shutdown().await;
     };
     tokio::select! {
         () = cut.cancelled() => {}
-        _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
+        _ = async { tokio::join!(requests, answers_in, answers_out) } => {}
     }
 }
 
@@ -202,7 +253,12 @@ async fn balance(
         }
         let target = ready[next % ready.len()];
         next = next.wrapping_add(1);
-        tokio::spawn(forward(inbound, target, stopped.clone()));
+        tokio::spawn(forward(
+            inbound,
+            target,
+            stopped.clone(),
+            Arc::new(Mutex::new(Duration::ZERO)),
+        ));
     }
 }
 

@@ -22,7 +22,7 @@ use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 use kube::api::{Api, ListParams, ObjectMeta, Patch, PatchParams, PostParams};
 use serde_json::json;
-use sharder::controller::sharder::{SYNC_FINISHED, SYNC_STARTED};
+use sharder::controller::sharder::{SUPERSEDED_MOVES_UNSETTLED, SYNC_FINISHED, SYNC_STARTED};
 use sharding_crds::{RingKind, RingRef, labels};
 
 /// Generous bound for processes starting up and caches syncing on a busy machine.
@@ -936,6 +936,96 @@ async fn a_sync_stops_when_a_shard_joins_mid_sync() -> anyhow::Result<()> {
         ))),
         "no superseded sync counted"
     );
+    sharder.terminate()?;
+    sharder.wait(Duration::from_secs(15)).await?;
+    sharder.passed();
+    Ok(())
+}
+
+/// A move a stopped sync still had in flight lands after the newer view's sync listed its object,
+/// placed by the old view, so that sync leaves it where it is: the stopped sync says so, and the
+/// ring is synced once more right after, which drains the object to where the ring wants it.
+/// The gate holds the webhook's answers back, so the move's placement is decided with the old
+/// view and lands well after the new sync's listing, every time.
+#[tokio::test]
+async fn a_move_landing_after_a_newer_sync_listed_it_is_corrected() -> anyhow::Result<()> {
+    let cluster = cluster();
+    let client = cluster.client().await?;
+    let ns = cluster.namespace(&client, "late-move").await?;
+    let ring = unique_name("late-move");
+    let shards = ["shard-a", "shard-b", "shard-c", "shard-d"];
+    for shard in shards {
+        create_lease(&client, &ns, &ring, shard, 3600).await?;
+    }
+    // One patch at a time, and no periodic sync within the test: only the sync the late move
+    // asks for can put its object right.
+    let settings = SharderSettings {
+        concurrent_moves: 1,
+        sync_period: "1h".into(),
+        ..Default::default()
+    };
+    let (gate, files, mut sharder) = gated_sharder(cluster, settings).await?;
+    create_ring(&client, &ring, ring_spec(&ns)).await?;
+    files.wait_ready(STARTUP).await?;
+    wait_status(&client, &ring, 4, 4).await?;
+    wait_webhook(&client, &ns, &ring, &shards).await?;
+    let secrets = Api::<Secret>::namespaced(client.clone(), &ns);
+    let names: Vec<String> = (0..60).map(|i| format!("s-{i}")).collect();
+    for name in &names {
+        secrets
+            .create(&PostParams::default(), &secret(name))
+            .await?;
+    }
+    let key = labels::shard_label(&ring);
+    let on_d = |list: &kube::core::ObjectList<Secret>| {
+        list.items
+            .iter()
+            .filter(|s| s.labels().get(&key).map(String::as_str) == Some("shard-d"))
+            .count()
+    };
+    let initially = on_d(&secrets.list(&ListParams::default()).await?);
+    ensure!(initially >= 3, "only {initially} Secrets on shard-d");
+
+    // Every answer of the webhook now arrives 2 s after the sharder gave it.
+    gate.delay_answers(Duration::from_secs(2));
+    let leases = Api::<Lease>::namespaced(client.clone(), &ns);
+    let release = json!({"spec": {"holderIdentity": null}});
+    leases
+        .patch("shard-d", &PatchParams::default(), &Patch::Merge(&release))
+        .await?;
+    poll_until("the first Secret moved off shard-d", WAIT, || async {
+        let left = on_d(&secrets.list(&ListParams::default()).await?);
+        Ok((left < initially).then_some(()))
+    })
+    .await?;
+    // The second move's answer is on its way, decided without shard-d: shard-d is back.
+    let now = MicroTime(Timestamp::now());
+    let acquire =
+        json!({"spec": {"holderIdentity": "shard-d", "acquireTime": now, "renewTime": now}});
+    leases
+        .patch("shard-d", &PatchParams::default(), &Patch::Merge(&acquire))
+        .await?;
+    sharder
+        .wait_for_record("the stopped sync's late move reported", WAIT, |r| {
+            r["fields"]["message"] == SUPERSEDED_MOVES_UNSETTLED
+        })
+        .await?;
+    gate.delay_answers(Duration::ZERO);
+
+    // Every Secret ends where the four shards want it, or draining towards it (the test plays the
+    // shards and never acknowledges).
+    let predicted = IndependentRing::unweighted(shards);
+    let drain = labels::drain_label(&ring);
+    poll_until("Secrets settled on the four-shard ring", WAIT, || async {
+        let list = secrets.list(&ListParams::default()).await?;
+        let settled = list.items.iter().all(|s| {
+            let want = expected_shard(&predicted, &ns, &s.name_any());
+            let have = s.labels().get(&key).map(String::as_str);
+            have == want || (have.is_some() && s.labels().contains_key(&drain))
+        });
+        Ok(settled.then_some(()))
+    })
+    .await?;
     sharder.terminate()?;
     sharder.wait(Duration::from_secs(15)).await?;
     sharder.passed();

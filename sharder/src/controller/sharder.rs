@@ -22,6 +22,6 @@ mod run;
 mod sync;
 
 pub use self::owner_moves::CONTROLLED_OBJECTS_FOLLOWED;
-pub use self::run::SYNC_SUPERSEDED;
 pub(crate) use self::run::run;
+pub use self::run::{SUPERSEDED_MOVES_UNSETTLED, SYNC_SUPERSEDED};
 pub use self::sync::{LIST_CONTINUED_INCONSISTENTLY, LIST_RESTARTED, SYNC_FINISHED, SYNC_STARTED};

@@ -273,6 +273,10 @@ struct Tally {
     /// failed (a controller whose drain failed must not be taken for one that left), or it held
     /// more than it remembers.
     no_following: bool,
+    /// Moves that did not land where the ring's current view wants them (counted as failed):
+    /// when the view changed meanwhile, what a stopped sync reports (see
+    /// [`Error::Superseded`]).
+    unsettled: usize,
     /// Objects whose pin did not decide their shard, with why, for Warning Events.
     pin_problems: Vec<(k8s_openapi::api::core::v1::ObjectReference, String)>,
     /// Fires when a newer view supersedes this sync.
@@ -306,7 +310,9 @@ pub(super) async fn sync_ring(
     let mut draining = false;
     for (gr, resource) in sync_order(view, children_first) {
         if tally.stop.is_cancelled() {
-            return Err(Error::Superseded { unsettled: 0 });
+            return Err(Error::Superseded {
+                unsettled: tally.unsettled,
+            });
         }
         if resource.is_main() && !std::mem::replace(&mut draining, true) {
             drains_may_go(&mut tally, &ring).await?;
@@ -324,7 +330,9 @@ pub(super) async fn sync_ring(
         }
     }
     if tally.stop.is_cancelled() {
-        return Err(Error::Superseded { unsettled: 0 });
+        return Err(Error::Superseded {
+            unsettled: tally.unsettled,
+        });
     }
     hand_over_held(patcher, view, &stats, &mut tally);
     let waiting = tally.owner_wait.waiting;
@@ -431,7 +439,7 @@ async fn drains_may_go(tally: &mut Tally, ring: &sharding_crds::RingRef) -> Resu
         return Ok(());
     };
     let listed = tokio::select! {
-        () = tally.stop.cancelled() => return Err(Error::Superseded { unsettled: 0 }),
+        () = tally.stop.cancelled() => return Err(Error::Superseded { unsettled: tally.unsettled }),
         listed = tokio::time::timeout(DRAINS_WAIT, following.listed()) => listed.unwrap_or(false),
     };
     if !listed {
@@ -546,7 +554,7 @@ async fn sync_list(
     );
     let mut pager = Pager::new(api);
     let mut next = tokio::select! {
-        () = tally.stop.cancelled() => return Err(Error::Superseded { unsettled: 0 }),
+        () = tally.stop.cancelled() => return Err(Error::Superseded { unsettled: tally.unsettled }),
         next = pager.next_page() => next,
     };
     loop {
@@ -657,7 +665,6 @@ async fn sync_list(
             }
         };
         let (results, following) = tokio::join!(patches, following);
-        let mut unsettled = 0;
         for (uid, decision, result) in results {
             let Some(result) = result else { continue };
             match result {
@@ -672,14 +679,16 @@ async fn sync_list(
                 Err(PatchError::Held) => stats.held += 1,
                 Err(PatchError::NotAssigned) => {
                     stats.failed += 1;
-                    unsettled += usize::from(decision == RebalanceDecision::Move);
+                    tally.unsettled += usize::from(decision == RebalanceDecision::Move);
                 }
                 // The view changed under the sync; the next sync decides with the shard back.
                 Err(PatchError::ShardBack) => {}
                 Err(_) => stats.failed += 1,
             }
         }
-        next = following.ok_or(Error::Superseded { unsettled })?;
+        next = following.ok_or(Error::Superseded {
+            unsettled: tally.unsettled,
+        })?;
     }
 }
 
