@@ -949,9 +949,13 @@ async fn a_sync_stops_when_a_shard_joins_mid_sync() -> anyhow::Result<()> {
 /// view and lands well after the new sync's listing, every time.
 #[tokio::test]
 async fn a_move_landing_after_a_newer_sync_listed_it_is_corrected() -> anyhow::Result<()> {
-    let cluster = cluster();
-    let client = cluster.client().await?;
-    let ns = cluster.namespace(&client, "late-move").await?;
+    // A control plane of its own: on the shared one the shared sharder leads and syncs.
+    let DedicatedScenario {
+        dedicated,
+        client,
+        ns,
+    } = DedicatedScenario::in_namespace("late-move").await?;
+    let cluster = dedicated.cluster();
     let ring = unique_name("late-move");
     let shards = ["shard-a", "shard-b", "shard-c", "shard-d"];
     for shard in shards {
