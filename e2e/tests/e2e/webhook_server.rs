@@ -74,8 +74,27 @@ async fn closed_within(stream: &mut TlsStream<tokio::net::TcpStream>, within: Du
     )
 }
 
-fn dir(name: &str) -> std::path::PathBuf {
-    std::env::temp_dir().join(e2e::unique_name(name))
+/// A new directory under the temporary one for a test server's CA and serving keys, removed with
+/// them when the test ends.
+fn dir(name: &str) -> ScratchDir {
+    ScratchDir(std::env::temp_dir().join(e2e::unique_name(name)))
+}
+
+/// A directory removed when dropped.
+struct ScratchDir(std::path::PathBuf);
+
+impl std::ops::Deref for ScratchDir {
+    type Target = Path;
+
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for ScratchDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }
 
 #[tokio::test]
