@@ -54,9 +54,10 @@ fn readme_block(heading: &str) -> anyhow::Result<String> {
 }
 
 /// A scratch directory with `config/` and `deploy/` of the checkout, where README commands run
-/// as in a clone without leaving files in it.
-fn scratch_dir(name: &str) -> anyhow::Result<std::path::PathBuf> {
-    let dir = std::env::temp_dir().join(format!("in-cluster-{name}-{}", std::process::id()));
+/// as in a clone without leaving files in it. It lives in the cluster's directory, which goes
+/// with the cluster when the test process ends, and the CA keys the install writes with it.
+fn scratch_dir(c: &InCluster, name: &str) -> anyhow::Result<std::path::PathBuf> {
+    let dir = c.state_dir().join(format!("scratch-{name}"));
     std::fs::create_dir_all(&dir)?;
     for sub in ["config", "deploy"] {
         let link = dir.join(sub);
@@ -73,7 +74,7 @@ fn ensure_installed(c: &InCluster) -> anyhow::Result<()> {
         return Ok(());
     }
     let script = readme_block("### Without cert-manager")?;
-    c.shell(&script, &scratch_dir("install")?)?;
+    c.shell(&script, &scratch_dir(c, "install")?)?;
     c.kubectl(&[
         "-n",
         SYSTEM,
@@ -312,7 +313,7 @@ struct Scraper {
 
 /// Sets up the [`Scraper`] (again, if an earlier test uninstalled everything).
 async fn metrics_scraper(c: &InCluster) -> anyhow::Result<Scraper> {
-    let dir = std::env::temp_dir().join(format!("in-cluster-metrics-{}", std::process::id()));
+    let dir = c.state_dir().join("scratch-metrics");
     std::fs::create_dir_all(&dir)?;
     c.shell(
         &format!(
@@ -507,7 +508,7 @@ async fn example_ring(kind: RingKind, readme: bool, count: usize) -> anyhow::Res
                 "--timeout=120s",
             ])?;
         }
-        let dir = scratch_dir("example")?;
+        let dir = scratch_dir(c, "example")?;
         let out = c.shell(&readme_block("### The example ring")?, &dir)?;
         let shard_label = kind.shard_label(RING);
         let demo = c.kubectl_json(&["-n", "default", "get", "secret", "demo"])?;
@@ -1108,7 +1109,10 @@ async fn uninstall_with_kustomize() -> anyhow::Result<()> {
         "mutatingwebhookconfiguration",
         &RingKind::ClusterRing.webhook_configuration_name(RING),
     ])?;
-    c.shell(&readme_block("### Uninstall")?, &scratch_dir("uninstall")?)?;
+    c.shell(
+        &readme_block("### Uninstall")?,
+        &scratch_dir(c, "uninstall")?,
+    )?;
     INSTALLED.store(false, Ordering::SeqCst);
     eventually(
         "the ring's webhook configuration to go",
