@@ -875,36 +875,12 @@ async fn a_sync_stops_when_a_shard_joins_mid_sync() -> anyhow::Result<()> {
     // shard-d leaves (releases its Lease, so it is known to have stopped): its objects are moved
     // one by one. As soon as the first has moved, it is back.
     let leases = Api::<Lease>::namespaced(client.clone(), &ns);
-    let release = json!({"spec": {"holderIdentity": null}});
-    leases
-        .patch("shard-d", &PatchParams::default(), &Patch::Merge(&release))
-        .await?;
-    poll_until("the first Secret moved off shard-d", WAIT, || async {
-        let left = on_d(&secrets.list_metadata(&ListParams::default()).await?);
-        Ok((left < initially).then_some(()))
-    })
-    .await?;
-    let now = MicroTime(Timestamp::now());
-    let acquire =
-        json!({"spec": {"holderIdentity": "shard-d", "acquireTime": now, "renewTime": now}});
-    leases
-        .patch("shard-d", &PatchParams::default(), &Patch::Merge(&acquire))
-        .await?;
+    leave_and_return_after_a_move(&leases, &secrets, &on_d, initially).await?;
 
     // Converged: every Secret is where the four shards want it, or draining towards it from a
     // live shard (the test plays the shards and never acknowledges).
-    let predicted = IndependentRing::unweighted(shards);
     let drain = labels::drain_label(&ring);
-    let list = poll_until("Secrets settled on the four-shard ring", WAIT, || async {
-        let list = secrets.list_metadata(&ListParams::default()).await?;
-        let settled = list.items.iter().all(|s| {
-            let want = expected_shard(&predicted, &ns, &s.name_any());
-            let have = s.labels().get(&key).map(String::as_str);
-            have == want || (have.is_some() && s.labels().contains_key(&drain))
-        });
-        Ok(settled.then_some(list))
-    })
-    .await?;
+    let list = wait_settled(&secrets, &ns, &ring, &shards).await?;
     let kept = on_d(&list);
     let drained = list
         .items
@@ -981,34 +957,20 @@ async fn a_move_landing_after_a_newer_sync_listed_it_is_corrected() -> anyhow::R
             .await?;
     }
     let key = labels::shard_label(&ring);
-    let on_d = |list: &kube::core::ObjectList<Secret>| {
+    let on_d = |list: &kube::core::ObjectList<kube::core::PartialObjectMeta<Secret>>| {
         list.items
             .iter()
             .filter(|s| s.labels().get(&key).map(String::as_str) == Some("shard-d"))
             .count()
     };
-    let initially = on_d(&secrets.list(&ListParams::default()).await?);
+    let initially = on_d(&secrets.list_metadata(&ListParams::default()).await?);
     ensure!(initially >= 3, "only {initially} Secrets on shard-d");
 
     // Every answer of the webhook now arrives 2 s after the sharder gave it.
     gate.delay_answers(Duration::from_secs(2));
+    // When shard-d is back, the second move's answer is on its way, decided without shard-d.
     let leases = Api::<Lease>::namespaced(client.clone(), &ns);
-    let release = json!({"spec": {"holderIdentity": null}});
-    leases
-        .patch("shard-d", &PatchParams::default(), &Patch::Merge(&release))
-        .await?;
-    poll_until("the first Secret moved off shard-d", WAIT, || async {
-        let left = on_d(&secrets.list(&ListParams::default()).await?);
-        Ok((left < initially).then_some(()))
-    })
-    .await?;
-    // The second move's answer is on its way, decided without shard-d: shard-d is back.
-    let now = MicroTime(Timestamp::now());
-    let acquire =
-        json!({"spec": {"holderIdentity": "shard-d", "acquireTime": now, "renewTime": now}});
-    leases
-        .patch("shard-d", &PatchParams::default(), &Patch::Merge(&acquire))
-        .await?;
+    leave_and_return_after_a_move(&leases, &secrets, &on_d, initially).await?;
     sharder
         .wait_for_record("the stopped sync's late move reported", WAIT, |r| {
             r["fields"]["message"] == SUPERSEDED_MOVES_UNSETTLED
@@ -1018,22 +980,60 @@ async fn a_move_landing_after_a_newer_sync_listed_it_is_corrected() -> anyhow::R
 
     // Every Secret ends where the four shards want it, or draining towards it (the test plays the
     // shards and never acknowledges).
-    let predicted = IndependentRing::unweighted(shards);
-    let drain = labels::drain_label(&ring);
-    poll_until("Secrets settled on the four-shard ring", WAIT, || async {
-        let list = secrets.list(&ListParams::default()).await?;
-        let settled = list.items.iter().all(|s| {
-            let want = expected_shard(&predicted, &ns, &s.name_any());
-            let have = s.labels().get(&key).map(String::as_str);
-            have == want || (have.is_some() && s.labels().contains_key(&drain))
-        });
-        Ok(settled.then_some(()))
-    })
-    .await?;
+    wait_settled(&secrets, &ns, &ring, &shards).await?;
     sharder.terminate()?;
     sharder.wait(Duration::from_secs(15)).await?;
     sharder.passed();
     Ok(())
+}
+
+/// shard-d leaves (releases its Lease, so it is known to have stopped) and its objects are moved
+/// one by one; as soon as the first of the `initially` on it (counted by `on_d`) has moved, it is
+/// back.
+async fn leave_and_return_after_a_move(
+    leases: &Api<Lease>,
+    secrets: &Api<Secret>,
+    on_d: &impl Fn(&kube::core::ObjectList<kube::core::PartialObjectMeta<Secret>>) -> usize,
+    initially: usize,
+) -> anyhow::Result<()> {
+    let release = json!({"spec": {"holderIdentity": null}});
+    leases
+        .patch("shard-d", &PatchParams::default(), &Patch::Merge(&release))
+        .await?;
+    poll_until("the first Secret moved off shard-d", WAIT, || async {
+        let left = on_d(&secrets.list_metadata(&ListParams::default()).await?);
+        Ok((left < initially).then_some(()))
+    })
+    .await?;
+    let now = MicroTime(Timestamp::now());
+    let acquire =
+        json!({"spec": {"holderIdentity": "shard-d", "acquireTime": now, "renewTime": now}});
+    leases
+        .patch("shard-d", &PatchParams::default(), &Patch::Merge(&acquire))
+        .await?;
+    Ok(())
+}
+
+/// Waits until every Secret of `ns` sits where ring `ring` of `shards` wants it, or carries the
+/// drain label towards it (the tests play the shards and never acknowledge); returns them.
+async fn wait_settled(
+    secrets: &Api<Secret>,
+    ns: &str,
+    ring: &str,
+    shards: &[&str],
+) -> anyhow::Result<kube::core::ObjectList<kube::core::PartialObjectMeta<Secret>>> {
+    let predicted = IndependentRing::unweighted(shards.iter().copied());
+    let (key, drain) = (labels::shard_label(ring), labels::drain_label(ring));
+    poll_until("Secrets settled on the four-shard ring", WAIT, || async {
+        let list = secrets.list_metadata(&ListParams::default()).await?;
+        let settled = list.items.iter().all(|s| {
+            let want = expected_shard(&predicted, ns, &s.name_any());
+            let have = s.labels().get(&key).map(String::as_str);
+            have == want || (have.is_some() && s.labels().contains_key(&drain))
+        });
+        Ok(settled.then_some(list))
+    })
+    .await
 }
 
 /// Ready condition of ClusterRing `ring` as (status, reason).
