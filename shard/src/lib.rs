@@ -167,7 +167,7 @@ mod shard;
 pub use crate::departures::{Departure, Departures, ObjectKey, Release};
 pub use crate::drain::{Disposition, DrainPassthrough, ReconcileError};
 pub use crate::lease::{GuardEnd, HeldLease, HeldRunEnd, LeaseGuard, LeaseLock, LeaseLockConfig};
-pub use crate::membership::{EVENT_SHARD_EXCLUDED, ShardRunEnd, Term};
+pub use crate::membership::{EVENT_SHARD_EXCLUDED, EVENT_TERM_STARTED, ShardRunEnd, Term};
 pub use crate::ownership::{Ownership, OwnershipError};
 pub use crate::shard::{DEFAULT_REJOIN_PAUSE, Shard};
 /// The kind of ring a [`Shard`] joins.

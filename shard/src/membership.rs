@@ -17,6 +17,10 @@ use crate::lease::{Error, LeaseGuard, LeaseLock, RunEnd};
 /// ring because the sharder excluded its Lease.
 pub const EVENT_SHARD_EXCLUDED: &str = "shard_excluded";
 
+/// `event` of the record [`Shard::run`] logs when a term's work starts, with `waited_ms`: how
+/// long it waited for the sharder to judge a Lease just created or taken over (0 otherwise).
+pub const EVENT_TERM_STARTED: &str = "term_started";
+
 /// Resolves once a version of the Lease `lock` just created or took over shows that the sharder
 /// admitted this holding: held by us, with the sharder's state label ([`LABEL_STATE`]) `ready`,
 /// which the acquiring write removed, so the sharder wrote it after seeing us, and without the
@@ -150,7 +154,9 @@ impl Shard {
                         stop,
                         number,
                     });
+                    let shard = self.name().to_string();
                     async move {
+                        let acquired = std::time::Instant::now();
                         if let Some(judged) = judged {
                             // Whichever comes first; an exclusion ends the term through the
                             // renewer either way.
@@ -162,6 +168,13 @@ impl Shard {
                                 () = judged => {}
                             }
                         }
+                        info!(
+                            event = EVENT_TERM_STARTED,
+                            %shard,
+                            term = number,
+                            waited_ms = acquired.elapsed().as_secs_f64() * 1e3,
+                            "starting work"
+                        );
                         work.await;
                     }
                 })

@@ -1017,6 +1017,11 @@ async fn a_new_shard_starts_when_the_sharder_has_labelled_its_lease() -> anyhow:
             r["event"] == "lease_acquired"
         })
         .await?;
+    let started = process
+        .wait_for_record("the term's work started", WAIT, |r| {
+            r["event"] == shard::EVENT_TERM_STARTED
+        })
+        .await?;
     let reconciled = process
         .wait_for_record("the shard's first reconcile", WAIT, |r| {
             is_record(r, "reconcile", &ns, "first")
@@ -1026,6 +1031,16 @@ async fn a_new_shard_starts_when_the_sharder_has_labelled_its_lease() -> anyhow:
     ensure!(
         waited < SignedDuration::try_from(retry / 2)?,
         "the work started {waited:?} after the Lease was created, retry period {retry:?}"
+    );
+    // The record says how long the work waited for the sharder's judgement, and comes first.
+    let judged = started["waited_ms"].as_f64().context("waited_ms")?;
+    ensure!(
+        judged > 0.0 && judged < waited.as_secs_f64() * 1e3 + 1.0,
+        "the term's start says it waited {judged} ms; the first reconcile came {waited:?} after the Lease was acquired"
+    );
+    ensure!(
+        started["term"] == 1 && timestamp(&started)? <= timestamp(&reconciled)?,
+        "the first term started before its first reconcile: {started}"
     );
     let lease = Api::<Lease>::namespaced(client.clone(), &ns)
         .get(name)

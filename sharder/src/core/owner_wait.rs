@@ -193,16 +193,14 @@ impl OwnerWait {
         wait
     }
 
-    /// What a held child waits for, now that every main object was listed.
+    /// What a held child waits for, now that every main object was listed. Only children-first
+    /// syncs ask, and they run only in rings hashed by object, where a key names one controller.
     pub(crate) fn verdict(&self, child: &HeldChild) -> Verdict {
+        debug_assert!(
+            !self.by_namespace,
+            "children go first only in rings hashed by object"
+        );
         let shard = hash(&child.shard);
-        if self.by_namespace {
-            return if self.namespace_shards.contains(&(child.key_hash, shard)) {
-                Verdict::Await
-            } else {
-                Verdict::Free
-            };
-        }
         match self.owner_shards.get(&child.key_hash) {
             Some((on, true)) if *on == shard => Verdict::Await,
             Some((on, false)) if *on == shard => Verdict::GiveUp,

@@ -24,6 +24,9 @@ pub(crate) struct ShardLog {
     drains: Vec<(Timestamp, String, SignedDuration)>,
     /// Reconcile starts, of which object.
     reconciles: Vec<(Timestamp, String)>,
+    /// Terms started (`term_started`): when, and how long the work waited for the sharder's
+    /// judgement of the Lease (`waited_ms`).
+    terms: Vec<(Timestamp, f64)>,
 }
 
 impl ShardLog {
@@ -50,6 +53,10 @@ impl ShardLog {
                     log.drains.push((at, object, took));
                 }
                 Some("reconcile") => log.reconciles.push((at, object)),
+                Some("term_started") => {
+                    log.terms
+                        .push((at, record["waited_ms"].as_f64().unwrap_or_default()));
+                }
                 _ => {}
             }
         }
@@ -101,6 +108,24 @@ pub(crate) struct Handover {
     pub(crate) acknowledgement_ms: Option<Percentiles>,
     /// From the tool's watch seeing the new shard label to the new shard's first reconcile.
     pub(crate) seen_to_reconcile_ms: Option<Percentiles>,
+    /// Handovers acknowledged before their new shard's first reconcile of the scale-out: a
+    /// shard that joined was still starting (waiting for the sharder's `ready`, listing), so
+    /// these wait for its start, not for the watch event.
+    pub(crate) before_start: usize,
+    /// The gap of the other handovers, acknowledged once their new shard was reconciling.
+    pub(crate) gap_after_start_ms: Option<Percentiles>,
+    /// Shards whose term started during the scale-out.
+    pub(crate) joined: Vec<Joined>,
+}
+
+/// A shard that started a term during the scale-out: how its start went.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub(crate) struct Joined {
+    pub(crate) shard: String,
+    /// From acquiring the Lease to the sharder's judgement (the work's start).
+    pub(crate) judged_ms: f64,
+    /// From the work's start to its first reconcile.
+    pub(crate) to_first_reconcile_ms: Option<f64>,
 }
 
 /// Matches every drain acknowledgement answered after `since` with the first reconcile of the
@@ -127,11 +152,37 @@ pub(crate) fn handover(
     for starts in reconciles.values_mut() {
         starts.sort();
     }
+    // Each shard's first reconcile of the scale-out: a joining shard's start.
+    let mut first_reconcile: HashMap<&str, Timestamp> = HashMap::new();
+    for (shard, log) in logs {
+        if let Some(first) = log
+            .reconciles
+            .iter()
+            .map(|(at, _)| *at)
+            .filter(|at| *at >= since)
+            .min()
+        {
+            first_reconcile.insert(shard.as_str(), first);
+        }
+    }
     let ms = |d: SignedDuration| d.as_secs_f64() * 1e3;
     let prefix = format!("{namespace}/");
     let (mut gaps, mut from_sent, mut trips, mut after_seen) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    let mut unmatched = 0;
+    let joined = logs
+        .iter()
+        .filter_map(|(shard, log)| {
+            let (started, waited) = *log.terms.iter().find(|(at, _)| *at >= since)?;
+            Some(Joined {
+                shard: shard.clone(),
+                judged_ms: waited,
+                to_first_reconcile_ms: first_reconcile
+                    .get(shard.as_str())
+                    .map(|first| ms(first.duration_since(started))),
+            })
+        })
+        .collect();
+    let (mut unmatched, mut before_start, mut after_start) = (0, 0, Vec::new());
     for (shard, log) in logs {
         for (answered, object, took) in log.drains.iter().filter(|(at, ..)| *at >= since) {
             let sent = *answered - *took;
@@ -140,11 +191,20 @@ pub(crate) fn handover(
                     .iter()
                     .find(|(at, by)| *at >= sent && *by != shard.as_str())
             });
-            let Some((started, _)) = next else {
+            let Some((started, by)) = next else {
                 unmatched += 1;
                 continue;
             };
-            gaps.push(ms(started.duration_since(*answered)));
+            let gap = ms(started.duration_since(*answered));
+            gaps.push(gap);
+            if first_reconcile
+                .get(by)
+                .is_some_and(|first| answered < first)
+            {
+                before_start += 1;
+            } else {
+                after_start.push(gap);
+            }
             from_sent.push(ms(started.duration_since(sent)));
             trips.push(ms(*took));
             let seen = object
@@ -164,6 +224,9 @@ pub(crate) fn handover(
         from_sent_ms: Percentiles::of(from_sent),
         acknowledgement_ms: Percentiles::of(trips),
         seen_to_reconcile_ms: Percentiles::of(after_seen),
+        before_start,
+        gap_after_start_ms: Percentiles::of(after_start),
+        joined,
     }
 }
 
@@ -241,6 +304,41 @@ mod tests {
         assert_eq!(h.gap_ms.map(|p| p.p50), Some(100.0));
         assert_eq!(h.from_sent_ms.map(|p| p.p50), Some(101.0));
         assert_eq!(h.seen_to_reconcile_ms, None);
+    }
+
+    #[test]
+    fn handovers_acknowledged_while_the_new_shard_was_starting_are_told_apart() {
+        let old = records(
+            r#"{"timestamp":"2026-01-01T00:00:10.000000Z","event":"drain","namespace":"ns","name":"s-1","shard":"a","took_ms":1.0}
+{"timestamp":"2026-01-01T00:00:10.300000Z","event":"drain","namespace":"ns","name":"s-2","shard":"a","took_ms":1.0}"#,
+        );
+        // b's first reconcile of the scale-out is s-1's, 200 ms after s-1 was acknowledged.
+        let new = records(
+            r#"{"timestamp":"2026-01-01T00:00:10.150000Z","event":"term_started","shard":"b","waited_ms":40.5}
+{"timestamp":"2026-01-01T00:00:10.200000Z","event":"reconcile","namespace":"ns","name":"s-1","shard":"b"}
+{"timestamp":"2026-01-01T00:00:10.310000Z","event":"reconcile","namespace":"ns","name":"s-2","shard":"b"}"#,
+        );
+        let logs = vec![
+            ("a".to_string(), ShardLog::parse(&old)),
+            ("b".to_string(), ShardLog::parse(&new)),
+        ];
+        let since: SystemTime = "2026-01-01T00:00:05Z"
+            .parse::<Timestamp>()
+            .expect("timestamp")
+            .into();
+        let h = handover(&logs, &HashMap::new(), "ns", since);
+        assert_eq!(h.handovers, 2);
+        assert_eq!(h.gap_ms.map(|p| p.max), Some(200.0));
+        assert_eq!(h.before_start, 1, "s-1 waited for b's start");
+        assert_eq!(h.gap_after_start_ms.map(|p| p.max), Some(10.0));
+        assert_eq!(
+            h.joined,
+            [Joined {
+                shard: "b".into(),
+                judged_ms: 40.5,
+                to_first_reconcile_ms: Some(50.0),
+            }]
+        );
     }
 
     #[test]

@@ -338,6 +338,23 @@ impl Report {
         );
         let _ = writeln!(
             out,
+            "    acknowledged before the new shard's first reconcile of the scale-out (it was still starting): {}; the gap of the others: {} ms",
+            h.before_start,
+            ms(h.gap_after_start_ms)
+        );
+        for joined in &h.joined {
+            let _ = writeln!(
+                out,
+                "    {} joined: Lease acquired -> the sharder's judgement (work starts) {:.1} ms -> first reconcile {} ms",
+                joined.shard,
+                joined.judged_ms,
+                joined
+                    .to_first_reconcile_ms
+                    .map_or("-".to_string(), |t| format!("{t:.1}"))
+            );
+        }
+        let _ = writeln!(
+            out,
             "    mutating webhook calls on UPDATE in the window: {}, mean {:.2} ms (the API server's account); \
              inside the sharder, every operation: {}, mean {:.3} ms",
             s.webhook_updates,
