@@ -841,10 +841,7 @@ async fn a_sync_stops_when_a_shard_joins_mid_sync() -> anyhow::Result<()> {
     } = DedicatedScenario::in_namespace("midsync").await?;
     let cluster = dedicated.cluster();
     let ring = unique_name("midsync");
-    let shards = ["shard-a", "shard-b", "shard-c", "shard-d"];
-    for shard in shards {
-        create_lease(&client, &ns, &ring, shard, 3600).await?;
-    }
+    create_four_leases(&client, &ns, &ring).await?;
     create_ring(&client, &ring, ring_spec(&ns)).await?;
     // One patch at a time, so moving a shard's objects takes seconds.
     let settings = SharderSettings {
@@ -853,23 +850,9 @@ async fn a_sync_stops_when_a_shard_joins_mid_sync() -> anyhow::Result<()> {
     };
     let files = SharderFiles::create(cluster.kubeconfig(), &settings)?;
     let mut sharder = files.start_process()?;
-    wait_status(&client, &ring, 4, 4).await?;
-    wait_webhook(&client, &ns, &ring, &shards).await?;
     let secrets = Api::<Secret>::namespaced(client.clone(), &ns);
-    let names: Vec<String> = (0..400).map(|i| format!("s-{i}")).collect();
-    for name in &names {
-        secrets
-            .create(&PostParams::default(), &secret(name))
-            .await?;
-    }
-    let key = labels::shard_label(&ring);
-    let on_d = |list: &kube::core::ObjectList<kube::core::PartialObjectMeta<Secret>>| {
-        list.items
-            .iter()
-            .filter(|s| s.labels().get(&key).map(String::as_str) == Some("shard-d"))
-            .count()
-    };
-    let initially = on_d(&secrets.list_metadata(&ListParams::default()).await?);
+    let on_d = on_shard_d(&ring);
+    let initially = create_secrets_on_four_shards(&client, &ns, &ring, 400).await?;
     ensure!(initially > 20, "only {initially} Secrets on shard-d");
 
     // shard-d leaves (releases its Lease, so it is known to have stopped): its objects are moved
@@ -880,7 +863,7 @@ async fn a_sync_stops_when_a_shard_joins_mid_sync() -> anyhow::Result<()> {
     // Converged: every Secret is where the four shards want it, or draining towards it from a
     // live shard (the test plays the shards and never acknowledges).
     let drain = labels::drain_label(&ring);
-    let list = wait_settled(&secrets, &ns, &ring, &shards).await?;
+    let list = wait_settled(&secrets, &ns, &ring, &FOUR_SHARDS).await?;
     let kept = on_d(&list);
     let drained = list
         .items
@@ -933,10 +916,7 @@ async fn a_move_landing_after_a_newer_sync_listed_it_is_corrected() -> anyhow::R
     } = DedicatedScenario::in_namespace("late-move").await?;
     let cluster = dedicated.cluster();
     let ring = unique_name("late-move");
-    let shards = ["shard-a", "shard-b", "shard-c", "shard-d"];
-    for shard in shards {
-        create_lease(&client, &ns, &ring, shard, 3600).await?;
-    }
+    create_four_leases(&client, &ns, &ring).await?;
     // One patch at a time, and no periodic sync within the test: only the sync the late move
     // asks for can put its object right.
     let settings = SharderSettings {
@@ -947,23 +927,9 @@ async fn a_move_landing_after_a_newer_sync_listed_it_is_corrected() -> anyhow::R
     let (gate, files, mut sharder) = gated_sharder(cluster, settings).await?;
     create_ring(&client, &ring, ring_spec(&ns)).await?;
     files.wait_ready(STARTUP).await?;
-    wait_status(&client, &ring, 4, 4).await?;
-    wait_webhook(&client, &ns, &ring, &shards).await?;
     let secrets = Api::<Secret>::namespaced(client.clone(), &ns);
-    let names: Vec<String> = (0..60).map(|i| format!("s-{i}")).collect();
-    for name in &names {
-        secrets
-            .create(&PostParams::default(), &secret(name))
-            .await?;
-    }
-    let key = labels::shard_label(&ring);
-    let on_d = |list: &kube::core::ObjectList<kube::core::PartialObjectMeta<Secret>>| {
-        list.items
-            .iter()
-            .filter(|s| s.labels().get(&key).map(String::as_str) == Some("shard-d"))
-            .count()
-    };
-    let initially = on_d(&secrets.list_metadata(&ListParams::default()).await?);
+    let on_d = on_shard_d(&ring);
+    let initially = create_secrets_on_four_shards(&client, &ns, &ring, 60).await?;
     ensure!(initially >= 3, "only {initially} Secrets on shard-d");
 
     // Every answer of the webhook now arrives 2 s after the sharder gave it.
@@ -980,11 +946,56 @@ async fn a_move_landing_after_a_newer_sync_listed_it_is_corrected() -> anyhow::R
 
     // Every Secret ends where the four shards want it, or draining towards it (the test plays the
     // shards and never acknowledges).
-    wait_settled(&secrets, &ns, &ring, &shards).await?;
+    wait_settled(&secrets, &ns, &ring, &FOUR_SHARDS).await?;
     sharder.terminate()?;
     sharder.wait(Duration::from_secs(15)).await?;
     sharder.passed();
     Ok(())
+}
+
+/// The shards of the tests of a shard that leaves and returns mid-sync: shard-d does.
+const FOUR_SHARDS: [&str; 4] = ["shard-a", "shard-b", "shard-c", "shard-d"];
+
+/// Creates the Leases of [`FOUR_SHARDS`] in `ns` for ring `ring`, held for an hour.
+async fn create_four_leases(client: &kube::Client, ns: &str, ring: &str) -> anyhow::Result<()> {
+    for shard in FOUR_SHARDS {
+        create_lease(client, ns, ring, shard, 3600).await?;
+    }
+    Ok(())
+}
+
+/// Counts the Secrets of a list that ring `ring` has on shard-d.
+fn on_shard_d(
+    ring: &str,
+) -> impl Fn(&kube::core::ObjectList<kube::core::PartialObjectMeta<Secret>>) -> usize {
+    let key = labels::shard_label(ring);
+    move |list| {
+        list.items
+            .iter()
+            .filter(|s| s.labels().get(&key).map(String::as_str) == Some("shard-d"))
+            .count()
+    }
+}
+
+/// Once ring `ring` counts all of [`FOUR_SHARDS`] and its webhook assigns, creates Secrets
+/// `s-0` .. `s-<count - 1>` in `ns`; returns how many the ring put on shard-d.
+async fn create_secrets_on_four_shards(
+    client: &kube::Client,
+    ns: &str,
+    ring: &str,
+    count: usize,
+) -> anyhow::Result<usize> {
+    wait_status(client, ring, 4, 4).await?;
+    wait_webhook(client, ns, ring, &FOUR_SHARDS).await?;
+    let secrets = Api::<Secret>::namespaced(client.clone(), ns);
+    for i in 0..count {
+        secrets
+            .create(&PostParams::default(), &secret(&format!("s-{i}")))
+            .await?;
+    }
+    Ok(on_shard_d(ring)(
+        &secrets.list_metadata(&ListParams::default()).await?,
+    ))
 }
 
 /// shard-d leaves (releases its Lease, so it is known to have stopped) and its objects are moved
