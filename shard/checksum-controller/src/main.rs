@@ -131,6 +131,9 @@ struct Args {
     /// acknowledged. Without it every write labels the ConfigMap with this shard.
     #[arg(long)]
     leave_children_to_sharder: bool,
+    /// Reconciles (and drain acknowledgements) run at once at most; 0: no bound.
+    #[arg(long, default_value_t = 0)]
+    max_concurrent_reconciles: u16,
     /// For tests only: write the Lease's timestamps this many seconds off the system clock
     /// (negative: behind), as a shard on a machine with a wrong clock would.
     #[arg(long, hide = true, allow_hyphen_values = true)]
@@ -671,6 +674,7 @@ async fn main() -> anyhow::Result<()> {
         // The wrapper starts no reconcile and no drain acknowledgement once the term's guard
         // ended, and cancels those in flight.
         let controller = Controller::new(secrets.clone(), shard.watcher_config())
+            .with_config(controller::Config::default().concurrency(args.max_concurrent_reconciles))
             .owns_stream(config_map_events)
             .graceful_shutdown_on(term.stop.cancelled_owned())
             .run(

@@ -74,7 +74,7 @@ pub(crate) struct Percentiles {
 }
 
 impl Percentiles {
-    fn of(mut values: Vec<f64>) -> Option<Self> {
+    pub(crate) fn of(mut values: Vec<f64>) -> Option<Self> {
         if values.is_empty() {
             return None;
         }
@@ -230,6 +230,38 @@ pub(crate) fn handover(
     }
 }
 
+/// For each write of a Secret (`namespace`/name, sent, answered), from the answer to the first
+/// reconcile of that Secret by any shard that started after the write was sent: what the
+/// handover gap is for an acknowledgement, for any other write the shards watch.
+pub(crate) fn reconcile_after_writes(
+    logs: &[(String, ShardLog)],
+    namespace: &str,
+    writes: &[(String, SystemTime, SystemTime)],
+) -> Option<Percentiles> {
+    let mut reconciles: HashMap<&str, Vec<Timestamp>> = HashMap::new();
+    for (_, log) in logs {
+        for (at, object) in &log.reconciles {
+            reconciles.entry(object.as_str()).or_default().push(*at);
+        }
+    }
+    for starts in reconciles.values_mut() {
+        starts.sort();
+    }
+    let at = |t: SystemTime| Timestamp::try_from(t).unwrap_or(Timestamp::UNIX_EPOCH);
+    let gaps = writes
+        .iter()
+        .filter_map(|(name, sent, answered)| {
+            let (sent, answered) = (at(*sent), at(*answered));
+            let started = reconciles
+                .get(format!("{namespace}/{name}").as_str())?
+                .iter()
+                .find(|t| **t >= sent)?;
+            Some(started.duration_since(answered).as_secs_f64() * 1e3)
+        })
+        .collect();
+    Percentiles::of(gaps)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -339,6 +371,32 @@ mod tests {
                 to_first_reconcile_ms: Some(50.0),
             }]
         );
+    }
+
+    #[test]
+    fn a_write_is_timed_to_the_first_reconcile_started_after_it_was_sent() {
+        let shard = records(
+            r#"{"timestamp":"2026-01-01T00:00:09.000000Z","event":"reconcile","namespace":"ns","name":"s-1","shard":"a"}
+{"timestamp":"2026-01-01T00:00:10.008000Z","event":"reconcile","namespace":"ns","name":"s-1","shard":"a"}
+{"timestamp":"2026-01-01T00:00:10.050000Z","event":"reconcile","namespace":"ns","name":"s-1","shard":"a"}"#,
+        );
+        let logs = vec![("a".to_string(), ShardLog::parse(&shard))];
+        let t = |s: &str| -> SystemTime { s.parse::<Timestamp>().expect("timestamp").into() };
+        let writes = [
+            (
+                "s-1".to_string(),
+                t("2026-01-01T00:00:10.000Z"),
+                t("2026-01-01T00:00:10.005Z"),
+            ),
+            // Never reconciled: not counted.
+            (
+                "s-2".to_string(),
+                t("2026-01-01T00:00:10.000Z"),
+                t("2026-01-01T00:00:10.005Z"),
+            ),
+        ];
+        let p = reconcile_after_writes(&logs, "ns", &writes).expect("one write matched");
+        assert_eq!((p.p50, p.max), (3.0, 3.0));
     }
 
     #[test]

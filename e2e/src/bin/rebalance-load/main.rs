@@ -74,7 +74,7 @@ use kube::api::{Api, DeleteParams};
 use sharding_crds::ClusterRing;
 use sharding_crds::config::SharderController;
 
-use crate::handover::{ShardLog, handover};
+use crate::handover::{Percentiles, ShardLog, handover, reconcile_after_writes};
 use crate::objects::{create_secrets, floor_run};
 use crate::placement::{Kind, Tracker};
 use crate::probes::{
@@ -138,6 +138,10 @@ struct Args {
     /// Secret's drain is acknowledged.
     #[arg(long)]
     leave_children_to_sharder: bool,
+    /// Extra argument of every checksum-controller shard (repeatable), e.g.
+    /// `--shard-arg=--max-concurrent-reconciles=8`.
+    #[arg(long, allow_hyphen_values = true)]
+    shard_arg: Vec<String>,
     /// The sharder's `controller.sharder.concurrentMoves` (drain and move patches in flight per
     /// ring; the floor measurement uses as many); default: the sharder's default.
     #[arg(long, default_value_t = SharderController::default().concurrent_moves,
@@ -276,6 +280,7 @@ async fn measure(
             namespace,
             shard,
             args.leave_children_to_sharder,
+            &args.shard_arg,
         )?);
     }
     wait_status(client, ring, 3, 3).await?;
@@ -362,6 +367,7 @@ async fn measure(
         namespace,
         SHARDS[3],
         args.leave_children_to_sharder,
+        &args.shard_arg,
     )?);
     wait_status(client, ring, 4, 4).await?;
     let available = t0.elapsed();
@@ -520,11 +526,15 @@ async fn measure(
     // The floor: the same number of plain label patches on the same objects.
     let mut runs = Vec::new();
     let mut failed = 0;
+    let mut delivery = Vec::new();
+    let mut secret_writes = Vec::new();
     for run in 0..args.floor_runs.max(1) {
         // Let the shards finish reacting to the previous run's updates.
         tokio::time::sleep(Duration::from_secs(5)).await;
-        let (took, run_failed) =
-            floor_run(client, namespace, &moved, concurrency, &run.to_string()).await;
+        let floor = floor_run(client, namespace, &moved, concurrency, &run.to_string()).await;
+        let (took, run_failed) = (floor.took, floor.failed);
+        delivery.extend(floor.delivery_ms);
+        secret_writes.extend(floor.secret_writes);
         progress(
             started,
             &format!(
@@ -546,6 +556,17 @@ async fn measure(
         runs_seconds: runs.into_iter().map(secs).collect(),
         median_seconds: secs(median),
         failed,
+        delivery_ms: Percentiles::of(delivery),
+        reconcile_ms: {
+            // The last run's reconciles have started by now: the next run waited 5 s for them.
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            let logs: Vec<(String, ShardLog)> = SHARDS
+                .iter()
+                .zip(&shards)
+                .map(|(name, process)| ((*name).to_string(), ShardLog::parse(&process.records())))
+                .collect();
+            reconcile_after_writes(&logs, namespace, &secret_writes)
+        },
     };
 
     for shard in &shards {

@@ -1,14 +1,17 @@
 //! The load: creating the Secrets of the ring, and the floor measurement of plain patches.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
 
 use e2e::fixtures::secret;
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::{ConfigMap, Secret};
 use kube::api::{Api, Patch, PostParams};
+use kube::core::PartialObjectMeta;
+use kube::runtime::watcher::{self, watcher};
 use kube::{Client, ResourceExt};
 use serde_json::json;
 
@@ -64,44 +67,144 @@ pub(crate) async fn create_secrets(
     Ok(())
 }
 
-/// Patches `value` into [`FLOOR_LABEL`] on every object of `objects`, `concurrency` in flight;
-/// returns the time taken and the number of failed patches.
+/// One floor run's results.
+pub(crate) struct FloorRun {
+    /// From the first patch sent to the last answered.
+    pub(crate) took: Duration,
+    /// Patches that failed.
+    pub(crate) failed: usize,
+    /// For each patched Secret, from its patch's answer to this tool's own watch delivering the
+    /// change, in milliseconds.
+    pub(crate) delivery_ms: Vec<f64>,
+    /// Each Secret patched: its name, and when its patch was sent and answered, on the clock of
+    /// the shards' log records.
+    pub(crate) secret_writes: Vec<(String, SystemTime, SystemTime)>,
+}
+
+/// Patches `value` into [`FLOOR_LABEL`] on every object of `objects`, `concurrency` in flight.
+///
+/// A metadata watch of the namespace's Secrets, opened (and listed) before the first patch, times
+/// each Secret's patch from its answer to the watch delivering it: the API server's watch
+/// delivery under this write load, with nothing of the sharder's protocol in the way (the handover
+/// gap is the same span for an acknowledgement).
 pub(crate) async fn floor_run(
     client: &Client,
     namespace: &str,
     objects: &[(Kind, String)],
     concurrency: usize,
     value: &str,
-) -> (Duration, usize) {
+) -> FloorRun {
     let secrets = Api::<Secret>::namespaced(client.clone(), namespace);
     let configmaps = Api::<ConfigMap>::namespaced(client.clone(), namespace);
+    let seen: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
+    let (listed_tx, listed) = tokio::sync::oneshot::channel();
+    let watch = tokio::spawn({
+        let (seen, value) = (Arc::clone(&seen), value.to_string());
+        let events = watcher(
+            Api::<PartialObjectMeta<Secret>>::namespaced(client.clone(), namespace),
+            watcher::Config::default(),
+        );
+        async move {
+            let mut listed_tx = Some(listed_tx);
+            let mut events = std::pin::pin!(events);
+            while let Some(event) = events.next().await {
+                match event {
+                    Ok(watcher::Event::InitDone) => {
+                        if let Some(tx) = listed_tx.take() {
+                            let _ = tx.send(());
+                        }
+                    }
+                    Ok(watcher::Event::Apply(meta))
+                        if meta.labels().get(FLOOR_LABEL) == Some(&value) =>
+                    {
+                        let at = Instant::now();
+                        if let Ok(mut seen) = seen.lock() {
+                            seen.entry(meta.name_any()).or_insert(at);
+                        }
+                    }
+                    _ => {}
+                }
+            }
+        }
+    });
+    // Without the watch listed first, the patches' events could come with its list.
+    let watching = tokio::time::timeout(Duration::from_secs(30), listed)
+        .await
+        .is_ok_and(|r| r.is_ok());
+    if !watching {
+        eprintln!("the floor's watch of Secrets did not list within 30 s: no delivery times");
+    }
     let body = json!({"metadata": {"labels": {FLOOR_LABEL: value}}});
     let started = Instant::now();
-    let failed = futures::stream::iter(objects)
+    type Answered = (String, SystemTime, (Instant, SystemTime));
+    let results: Vec<(Option<Answered>, bool)> = futures::stream::iter(objects)
         .map(|(kind, secret)| {
             let (secrets, configmaps, body) = (&secrets, &configmaps, &body);
             async move {
                 let params = e2e::patch_params();
-                let result = match kind {
-                    Kind::Secret => secrets
-                        .patch_metadata(secret, &params, &Patch::Merge(body))
-                        .await
-                        .map(drop),
-                    Kind::ConfigMap => configmaps
-                        .patch_metadata(
-                            &format!("{CONFIG_MAP_PREFIX}{secret}"),
-                            &params,
-                            &Patch::Merge(body),
-                        )
-                        .await
-                        .map(drop),
-                };
-                result.is_err()
+                match kind {
+                    Kind::Secret => {
+                        let sent = SystemTime::now();
+                        let result = secrets
+                            .patch_metadata(secret, &params, &Patch::Merge(body))
+                            .await;
+                        let answered = (Instant::now(), SystemTime::now());
+                        (Some((secret.clone(), sent, answered)), result.is_err())
+                    }
+                    Kind::ConfigMap => {
+                        let result = configmaps
+                            .patch_metadata(
+                                &format!("{CONFIG_MAP_PREFIX}{secret}"),
+                                &params,
+                                &Patch::Merge(body),
+                            )
+                            .await;
+                        (None, result.is_err())
+                    }
+                }
             }
         })
         .buffer_unordered(concurrency.max(1))
-        .filter(|failed| std::future::ready(*failed))
-        .count()
+        .collect()
         .await;
-    (started.elapsed(), failed)
+    let took = started.elapsed();
+    let failed = results.iter().filter(|(_, failed)| *failed).count();
+    let answered: Vec<Answered> = results
+        .into_iter()
+        .filter_map(|(secret, failed)| secret.filter(|_| !failed))
+        .collect();
+    // Every delivery, or 10 s at most.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while watching && Instant::now() < deadline {
+        let all = seen
+            .lock()
+            .is_ok_and(|seen| answered.iter().all(|(name, ..)| seen.contains_key(name)));
+        if all {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    watch.abort();
+    let delivery_ms = seen
+        .lock()
+        .map(|seen| {
+            answered
+                .iter()
+                .filter_map(|(name, _, (at, _))| {
+                    // Seen before the answer was read: 0 (the watch was quicker than the answer).
+                    let seen = seen.get(name)?;
+                    Some(seen.saturating_duration_since(*at).as_secs_f64() * 1e3)
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    FloorRun {
+        took,
+        failed,
+        delivery_ms,
+        secret_writes: answered
+            .into_iter()
+            .map(|(name, sent, (_, answered))| (name, sent, answered))
+            .collect(),
+    }
 }

@@ -17,8 +17,8 @@ use sharding_crds::{RingKind, RingRef};
 
 use crate::report::{Counters, MemorySample, PageProbe, SyncRecord};
 
-/// Starts a checksum-controller shard restricted to `namespace`, with default Lease timing, that
-/// leaves its ConfigMaps' labels to the sharder if `leave_children`.
+/// Starts a checksum-controller shard restricted to `namespace`, with default Lease timing and
+/// `shard_args`, that leaves its ConfigMaps' labels to the sharder if `leave_children`.
 ///
 /// Its log stays on disk (see the report); it is never printed, as it holds a line per object.
 pub(crate) fn start_shard(
@@ -26,15 +26,15 @@ pub(crate) fn start_shard(
     namespace: &str,
     shard: &str,
     leave_children: bool,
+    shard_args: &[String],
 ) -> anyhow::Result<Process> {
     let ring = RingRef::new(RingKind::ClusterRing, ring);
-    let extra: &[&str] = if leave_children {
-        &["--leave-children-to-sharder"]
-    } else {
-        &[]
-    };
+    let mut extra: Vec<&str> = shard_args.iter().map(String::as_str).collect();
+    if leave_children {
+        extra.push("--leave-children-to-sharder");
+    }
     let mut process =
-        start_checksum_shard_with(&ring, namespace, shard, ShardTiming::DEFAULT, extra)?;
+        start_checksum_shard_with(&ring, namespace, shard, ShardTiming::DEFAULT, &extra)?;
     process.passed();
     Ok(process)
 }
