@@ -272,6 +272,18 @@ mod tests {
             .collect()
     }
 
+    /// The parsed logs of shards "a" (`old`) and "b" (`new`).
+    fn shard_logs(old: &[serde_json::Value], new: &[serde_json::Value]) -> Vec<(String, ShardLog)> {
+        vec![
+            ("a".to_string(), ShardLog::parse(old)),
+            ("b".to_string(), ShardLog::parse(new)),
+        ]
+    }
+
+    fn at(timestamp: &str) -> SystemTime {
+        timestamp.parse::<Timestamp>().expect("timestamp").into()
+    }
+
     #[test]
     fn a_gap_runs_from_sending_the_acknowledgement_to_the_other_shards_reconcile() {
         let old = records(
@@ -283,14 +295,8 @@ mod tests {
             r#"{"timestamp":"2026-01-01T00:00:10.030000Z","event":"reconcile","namespace":"ns","name":"s-1","shard":"b"}
 {"timestamp":"2026-01-01T00:00:10.040000Z","event":"reconcile","namespace":"ns","name":"s-1","shard":"b"}"#,
         );
-        let logs = vec![
-            ("a".to_string(), ShardLog::parse(&old)),
-            ("b".to_string(), ShardLog::parse(&new)),
-        ];
-        let seen: SystemTime = "2026-01-01T00:00:10.025Z"
-            .parse::<Timestamp>()
-            .expect("timestamp")
-            .into();
+        let logs = shard_logs(&old, &new);
+        let seen = at("2026-01-01T00:00:10.025Z");
         let changes = HashMap::from([(
             (Kind::Secret, "s-1".to_string()),
             Changes {
@@ -298,10 +304,7 @@ mod tests {
                 ..Changes::default()
             },
         )]);
-        let since: SystemTime = "2026-01-01T00:00:05Z"
-            .parse::<Timestamp>()
-            .expect("timestamp")
-            .into();
+        let since = at("2026-01-01T00:00:05Z");
         let h = handover(&logs, &changes, "ns", since);
         // s-1: sent at 10.000, answered at 10.020, reconciled by b at 10.030; s-2 never
         // reconciled elsewhere.
@@ -323,14 +326,8 @@ mod tests {
             r#"{"timestamp":"2026-01-01T00:00:02.000000Z","event":"reconcile","namespace":"ns","name":"s-1","shard":"b"}
 {"timestamp":"2026-01-01T00:00:10.100000Z","event":"reconcile","namespace":"ns","name":"s-1","shard":"b"}"#,
         );
-        let logs = vec![
-            ("a".to_string(), ShardLog::parse(&old)),
-            ("b".to_string(), ShardLog::parse(&new)),
-        ];
-        let since: SystemTime = "2026-01-01T00:00:05Z"
-            .parse::<Timestamp>()
-            .expect("timestamp")
-            .into();
+        let logs = shard_logs(&old, &new);
+        let since = at("2026-01-01T00:00:05Z");
         let h = handover(&logs, &HashMap::new(), "ns", since);
         assert_eq!(h.handovers, 1);
         assert_eq!(h.gap_ms.map(|p| p.p50), Some(100.0));
@@ -350,14 +347,8 @@ mod tests {
 {"timestamp":"2026-01-01T00:00:10.200000Z","event":"reconcile","namespace":"ns","name":"s-1","shard":"b"}
 {"timestamp":"2026-01-01T00:00:10.310000Z","event":"reconcile","namespace":"ns","name":"s-2","shard":"b"}"#,
         );
-        let logs = vec![
-            ("a".to_string(), ShardLog::parse(&old)),
-            ("b".to_string(), ShardLog::parse(&new)),
-        ];
-        let since: SystemTime = "2026-01-01T00:00:05Z"
-            .parse::<Timestamp>()
-            .expect("timestamp")
-            .into();
+        let logs = shard_logs(&old, &new);
+        let since = at("2026-01-01T00:00:05Z");
         let h = handover(&logs, &HashMap::new(), "ns", since);
         assert_eq!(h.handovers, 2);
         assert_eq!(h.gap_ms.map(|p| p.max), Some(200.0));
@@ -381,18 +372,17 @@ mod tests {
 {"timestamp":"2026-01-01T00:00:10.050000Z","event":"reconcile","namespace":"ns","name":"s-1","shard":"a"}"#,
         );
         let logs = vec![("a".to_string(), ShardLog::parse(&shard))];
-        let t = |s: &str| -> SystemTime { s.parse::<Timestamp>().expect("timestamp").into() };
         let writes = [
             (
                 "s-1".to_string(),
-                t("2026-01-01T00:00:10.000Z"),
-                t("2026-01-01T00:00:10.005Z"),
+                at("2026-01-01T00:00:10.000Z"),
+                at("2026-01-01T00:00:10.005Z"),
             ),
             // Never reconciled: not counted.
             (
                 "s-2".to_string(),
-                t("2026-01-01T00:00:10.000Z"),
-                t("2026-01-01T00:00:10.005Z"),
+                at("2026-01-01T00:00:10.000Z"),
+                at("2026-01-01T00:00:10.005Z"),
             ),
         ];
         let p = reconcile_after_writes(&logs, "ns", &writes).expect("one write matched");
