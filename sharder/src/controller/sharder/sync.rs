@@ -283,6 +283,15 @@ struct Tally {
     stop: CancellationToken,
 }
 
+impl Tally {
+    /// What a sync stopped for a newer view returns, with the moves it saw land elsewhere.
+    fn superseded(&self) -> Error {
+        Error::Superseded {
+            unsettled: self.unsettled,
+        }
+    }
+}
+
 /// Syncs every resource of one ring, records what it saw for the metrics and publishes the
 /// rebalance Events.
 #[tracing::instrument(skip_all, fields(ring = %view.ring_ref()))]
@@ -310,9 +319,7 @@ pub(super) async fn sync_ring(
     let mut draining = false;
     for (gr, resource) in sync_order(view, children_first) {
         if tally.stop.is_cancelled() {
-            return Err(Error::Superseded {
-                unsettled: tally.unsettled,
-            });
+            return Err(tally.superseded());
         }
         if resource.is_main() && !std::mem::replace(&mut draining, true) {
             drains_may_go(&mut tally, &ring).await?;
@@ -330,9 +337,7 @@ pub(super) async fn sync_ring(
         }
     }
     if tally.stop.is_cancelled() {
-        return Err(Error::Superseded {
-            unsettled: tally.unsettled,
-        });
+        return Err(tally.superseded());
     }
     hand_over_held(patcher, view, &stats, &mut tally);
     let waiting = tally.owner_wait.waiting;
@@ -439,7 +444,7 @@ async fn drains_may_go(tally: &mut Tally, ring: &sharding_crds::RingRef) -> Resu
         return Ok(());
     };
     let listed = tokio::select! {
-        () = tally.stop.cancelled() => return Err(Error::Superseded { unsettled: tally.unsettled }),
+        () = tally.stop.cancelled() => return Err(tally.superseded()),
         listed = tokio::time::timeout(DRAINS_WAIT, following.listed()) => listed.unwrap_or(false),
     };
     if !listed {
@@ -554,7 +559,7 @@ async fn sync_list(
     );
     let mut pager = Pager::new(api);
     let mut next = tokio::select! {
-        () = tally.stop.cancelled() => return Err(Error::Superseded { unsettled: tally.unsettled }),
+        () = tally.stop.cancelled() => return Err(tally.superseded()),
         next = pager.next_page() => next,
     };
     loop {
@@ -686,9 +691,7 @@ async fn sync_list(
                 Err(_) => stats.failed += 1,
             }
         }
-        next = following.ok_or(Error::Superseded {
-            unsettled: tally.unsettled,
-        })?;
+        next = following.ok_or_else(|| tally.superseded())?;
     }
 }
 
