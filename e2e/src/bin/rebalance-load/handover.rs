@@ -128,18 +128,9 @@ pub(crate) struct Joined {
     pub(crate) to_first_reconcile_ms: Option<f64>,
 }
 
-/// Matches every drain acknowledgement answered after `since` with the first reconcile of the
-/// same object by another shard that started after the acknowledgement was sent.
-///
-/// `logs` are the shards' parsed logs by shard name; `changes` the tool's watch's label changes
-/// per object (by Secret name; for the split of the gap).
-pub(crate) fn handover(
-    logs: &[(String, ShardLog)],
-    changes: &HashMap<(Kind, String), Changes>,
-    namespace: &str,
-    since: SystemTime,
-) -> Handover {
-    let since = Timestamp::try_from(since).unwrap_or(Timestamp::UNIX_EPOCH);
+/// Every reconcile start in `logs`, by object (`namespace/name`): when, and by which shard, in
+/// order.
+fn reconcile_starts(logs: &[(String, ShardLog)]) -> HashMap<&str, Vec<(Timestamp, &str)>> {
     let mut reconciles: HashMap<&str, Vec<(Timestamp, &str)>> = HashMap::new();
     for (shard, log) in logs {
         for (at, object) in &log.reconciles {
@@ -152,6 +143,22 @@ pub(crate) fn handover(
     for starts in reconciles.values_mut() {
         starts.sort();
     }
+    reconciles
+}
+
+/// Matches every drain acknowledgement answered after `since` with the first reconcile of the
+/// same object by another shard that started after the acknowledgement was sent.
+///
+/// `logs` are the shards' parsed logs by shard name; `changes` the tool's watch's label changes
+/// per object (by Secret name; for the split of the gap).
+pub(crate) fn handover(
+    logs: &[(String, ShardLog)],
+    changes: &HashMap<(Kind, String), Changes>,
+    namespace: &str,
+    since: SystemTime,
+) -> Handover {
+    let since = Timestamp::try_from(since).unwrap_or(Timestamp::UNIX_EPOCH);
+    let reconciles = reconcile_starts(logs);
     // Each shard's first reconcile of the scale-out: a joining shard's start.
     let mut first_reconcile: HashMap<&str, Timestamp> = HashMap::new();
     for (shard, log) in logs {
@@ -238,15 +245,7 @@ pub(crate) fn reconcile_after_writes(
     namespace: &str,
     writes: &[(String, SystemTime, SystemTime)],
 ) -> Option<Percentiles> {
-    let mut reconciles: HashMap<&str, Vec<Timestamp>> = HashMap::new();
-    for (_, log) in logs {
-        for (at, object) in &log.reconciles {
-            reconciles.entry(object.as_str()).or_default().push(*at);
-        }
-    }
-    for starts in reconciles.values_mut() {
-        starts.sort();
-    }
+    let reconciles = reconcile_starts(logs);
     let at = |t: SystemTime| Timestamp::try_from(t).unwrap_or(Timestamp::UNIX_EPOCH);
     let gaps = writes
         .iter()
@@ -255,7 +254,8 @@ pub(crate) fn reconcile_after_writes(
             let started = reconciles
                 .get(format!("{namespace}/{name}").as_str())?
                 .iter()
-                .find(|t| **t >= sent)?;
+                .find(|(t, _)| *t >= sent)?
+                .0;
             Some(started.duration_since(answered).as_secs_f64() * 1e3)
         })
         .collect();

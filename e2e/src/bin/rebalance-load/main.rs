@@ -65,6 +65,7 @@ use std::time::{Duration, Instant, SystemTime};
 use anyhow::Context;
 use clap::Parser;
 use e2e::fixtures::{create_ring, ring_spec, wait_status, wait_webhook};
+use e2e::process::Process;
 use e2e::prometheus::{apiserver_metrics, label, samples, sum};
 use e2e::sharder_process::{SharderFiles, SharderSettings};
 use e2e::{Cluster, cluster, unique_name};
@@ -424,12 +425,7 @@ async fn measure(
         .all(|key| after.get(key).and_then(Option::as_deref) == Some(SHARDS[3]));
     let moved_of = |kind: Kind| moved.iter().filter(|(k, _)| *k == kind).count();
     let (changes, relists) = tracker.changes();
-    let logs: Vec<(String, ShardLog)> = SHARDS
-        .iter()
-        .zip(&shards)
-        .map(|(name, process)| ((*name).to_string(), ShardLog::parse(&process.records())))
-        .collect();
-    let handover = handover(&logs, &changes, namespace, t0_wall);
+    let handover = handover(&shard_logs(&shards), &changes, namespace, t0_wall);
     let webhook = |suffix: &str| {
         let metric = format!("{WEBHOOK_DURATION}_{suffix}");
         let labels = [("operation", "UPDATE"), ("type", "admit")];
@@ -547,6 +543,9 @@ async fn measure(
         runs.push(took);
         failed += run_failed;
     }
+    // Each run but the last was followed by 5 s in which the shards reconciled its patches; give
+    // the last one time too before reading their logs.
+    tokio::time::sleep(Duration::from_secs(2)).await;
     let mut sorted = runs.clone();
     sorted.sort();
     let median = sorted.get(sorted.len() / 2).copied().unwrap_or_default();
@@ -557,16 +556,7 @@ async fn measure(
         median_seconds: secs(median),
         failed,
         delivery_ms: Percentiles::of(delivery),
-        reconcile_ms: {
-            // The last run's reconciles have started by now: the next run waited 5 s for them.
-            tokio::time::sleep(Duration::from_secs(2)).await;
-            let logs: Vec<(String, ShardLog)> = SHARDS
-                .iter()
-                .zip(&shards)
-                .map(|(name, process)| ((*name).to_string(), ShardLog::parse(&process.records())))
-                .collect();
-            reconcile_after_writes(&logs, namespace, &secret_writes)
-        },
+        reconcile_ms: reconcile_after_writes(&shard_logs(&shards), namespace, &secret_writes),
     };
 
     for shard in &shards {
@@ -680,6 +670,15 @@ fn delta_by(
         .collect();
     delta.sort_by(|a, b| b.1.total_cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
     delta
+}
+
+/// The shards' parsed logs so far, by shard name.
+fn shard_logs(shards: &[Process]) -> Vec<(String, ShardLog)> {
+    SHARDS
+        .iter()
+        .zip(shards)
+        .map(|(name, process)| ((*name).to_string(), ShardLog::parse(&process.records())))
+        .collect()
 }
 
 #[cfg(test)]
