@@ -5,7 +5,7 @@
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -22,6 +22,8 @@ pub struct TcpGate {
     open: Arc<Mutex<CancellationToken>>,
     /// How long bytes from `target` are held before they go on ([`TcpGate::delay_answers`]).
     delay: Arc<Mutex<Duration>>,
+    /// When a read from `target` was last held back ([`TcpGate::last_answer_held`]).
+    held: Arc<Mutex<Option<Instant>>>,
     stopped: CancellationToken,
 }
 
@@ -37,12 +39,17 @@ impl TcpGate {
             target,
             open: Arc::new(Mutex::new(CancellationToken::new())),
             delay: Arc::new(Mutex::new(Duration::ZERO)),
+            held: Arc::default(),
             stopped: CancellationToken::new(),
         };
         tokio::spawn(accept(
             listener,
             target,
-            (gate.open.clone(), gate.delay.clone()),
+            Delay {
+                delay: gate.delay.clone(),
+                held: gate.held.clone(),
+            },
+            gate.open.clone(),
             gate.stopped.clone(),
         ));
         Ok(gate)
@@ -77,6 +84,13 @@ impl TcpGate {
         }
     }
 
+    /// When bytes from `target` were last held back by [`TcpGate::delay_answers`]: a time after
+    /// some moment means that a request sent after it has been read by `target`, which is
+    /// answering it now.
+    pub fn last_answer_held(&self) -> Option<Instant> {
+        self.held.lock().ok().and_then(|held| *held)
+    }
+
     /// Where connections are forwarded to.
     pub fn target(&self) -> SocketAddr {
         self.target
@@ -93,7 +107,8 @@ impl Drop for TcpGate {
 async fn accept(
     listener: TcpListener,
     target: SocketAddr,
-    (open, delay): (Arc<Mutex<CancellationToken>>, Arc<Mutex<Duration>>),
+    delay: Delay,
+    open: Arc<Mutex<CancellationToken>>,
     stopped: CancellationToken,
 ) {
     loop {
@@ -117,6 +132,13 @@ async fn accept(
     }
 }
 
+/// How long a gate's connections hold what `target` sends, and when they last held some.
+#[derive(Clone, Default)]
+struct Delay {
+    delay: Arc<Mutex<Duration>>,
+    held: Arc<Mutex<Option<Instant>>>,
+}
+
 /// Copies bytes both ways between `inbound` and a new connection to `target` until either side
 /// closes or `cut` fires (a refused `target` ends `inbound` at once); bytes from `target` wait
 /// for `delay` each, without adding up.
@@ -124,7 +146,10 @@ async fn forward(
     inbound: TcpStream,
     target: SocketAddr,
     cut: CancellationToken,
-    delay: Arc<Mutex<Duration>>,
+    Delay {
+        delay,
+        held: last_held,
+    }: Delay,
 ) {
     let Ok(outbound) = TcpStream::connect(target).await else {
         return;
@@ -143,6 +168,11 @@ async fn forward(
                 Ok(0) | Err(_) => break,
                 Ok(n) => {
                     let hold = delay.lock().map(|d| *d).unwrap_or_default();
+                    if !hold.is_zero()
+                        && let Ok(mut last) = last_held.lock()
+                    {
+                        *last = Some(Instant::now());
+                    }
                     let at = tokio::time::Instant::now() + hold;
                     if held.send((at, buffer[..n].to_vec())).is_err() {
                         break;
@@ -253,12 +283,7 @@ async fn balance(
         }
         let target = ready[next % ready.len()];
         next = next.wrapping_add(1);
-        tokio::spawn(forward(
-            inbound,
-            target,
-            stopped.clone(),
-            Arc::new(Mutex::new(Duration::ZERO)),
-        ));
+        tokio::spawn(forward(inbound, target, stopped.clone(), Delay::default()));
     }
 }
 

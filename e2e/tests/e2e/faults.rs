@@ -858,7 +858,7 @@ async fn a_sync_stops_when_a_shard_joins_mid_sync() -> anyhow::Result<()> {
     // shard-d leaves (releases its Lease, so it is known to have stopped): its objects are moved
     // one by one. As soon as the first has moved, it is back.
     let leases = Api::<Lease>::namespaced(client.clone(), &ns);
-    leave_and_return_after_a_move(&leases, &secrets, &on_d, initially).await?;
+    leave_and_return_after_a_move(&leases, &secrets, &on_d, initially, None).await?;
 
     // Converged: every Secret is where the four shards want it, or draining towards it from a
     // live shard (the test plays the shards and never acknowledges).
@@ -936,7 +936,7 @@ async fn a_move_landing_after_a_newer_sync_listed_it_is_corrected() -> anyhow::R
     gate.delay_answers(Duration::from_secs(2));
     // When shard-d is back, the second move's answer is on its way, decided without shard-d.
     let leases = Api::<Lease>::namespaced(client.clone(), &ns);
-    leave_and_return_after_a_move(&leases, &secrets, &on_d, initially).await?;
+    leave_and_return_after_a_move(&leases, &secrets, &on_d, initially, Some(&gate)).await?;
     sharder
         .wait_for_record("the stopped sync's late move reported", WAIT, |r| {
             r["fields"]["message"] == SUPERSEDED_MOVES_UNSETTLED
@@ -1000,12 +1000,14 @@ async fn create_secrets_on_four_shards(
 
 /// shard-d leaves (releases its Lease, so it is known to have stopped) and its objects are moved
 /// one by one; as soon as the first of the `initially` on it (counted by `on_d`) has moved, it is
-/// back.
+/// back: with `answers_held_by`, once that gate holds an answer of the webhook sent after the
+/// first move (the next move's, placed without shard-d).
 async fn leave_and_return_after_a_move(
     leases: &Api<Lease>,
     secrets: &Api<Secret>,
     on_d: &impl Fn(&kube::core::ObjectList<kube::core::PartialObjectMeta<Secret>>) -> usize,
     initially: usize,
+    answers_held_by: Option<&TcpGate>,
 ) -> anyhow::Result<()> {
     let release = json!({"spec": {"holderIdentity": null}});
     leases
@@ -1016,6 +1018,15 @@ async fn leave_and_return_after_a_move(
         Ok((left < initially).then_some(()))
     })
     .await?;
+    if let Some(gate) = answers_held_by {
+        // The next move's webhook call has reached the sharder, which decided it without
+        // shard-d; its answer is held while shard-d comes back.
+        let moved = std::time::Instant::now();
+        poll_until("the next move's webhook answer held", WAIT, || async {
+            Ok(gate.last_answer_held().filter(|held| *held > moved))
+        })
+        .await?;
+    }
     let now = MicroTime(Timestamp::now());
     let acquire =
         json!({"spec": {"holderIdentity": "shard-d", "acquireTime": now, "renewTime": now}});
