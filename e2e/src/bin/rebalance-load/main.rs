@@ -54,6 +54,7 @@ mod handover;
 mod objects;
 mod placement;
 mod probes;
+mod pulse;
 mod report;
 mod timeline;
 
@@ -79,8 +80,10 @@ use crate::handover::{Percentiles, ShardLog, handover, reconcile_after_writes};
 use crate::objects::{create_secrets, floor_run};
 use crate::placement::{Kind, Tracker};
 use crate::probes::{
-    counters, memory, probe_pages, restart_sharder, start_shard, sync_records, wait_sync,
+    apiserver_profile, counters, memory, probe_pages, restart_sharder, start_shard, sync_records,
+    wait_sync,
 };
+use crate::pulse::{Pulse, PulseReport};
 use crate::report::{Counters, Duplicates, Floor, Goals, Phase, Report, ScaleOut, Writes, secs};
 use crate::timeline::Timeline;
 
@@ -96,6 +99,9 @@ pub(crate) const CONFIG_MAP_PREFIX: &str = "checksums-";
 
 /// Label the floor measurement sets.
 pub(crate) const FLOOR_LABEL: &str = "load.sharding.timebertt.dev/floor";
+
+/// How long the pulse writes before the scale-out starts.
+const PULSE_LEAD: Duration = Duration::from_secs(2);
 
 /// How often waits print progress.
 pub(crate) const PROGRESS_EVERY: Duration = Duration::from_secs(10);
@@ -148,6 +154,18 @@ struct Args {
     #[arg(long, default_value_t = SharderController::default().concurrent_moves,
           value_parser = clap::value_parser!(u32).range(1..))]
     concurrent_moves: u32,
+    /// Patch one Secret outside the ring, one write at a time, from 2 s before the scale-out
+    /// until it converged, and report what its writes and their watch events waited for
+    /// (see `pulse.rs`).
+    #[arg(long)]
+    pulse: bool,
+    /// Write a CPU profile of the API server, taken from the 4th shard's start for
+    /// `--apiserver-profile-seconds`, to this file (read it with `go tool pprof`).
+    #[arg(long, value_name = "FILE")]
+    apiserver_profile: Option<PathBuf>,
+    /// Seconds the API server's CPU profile covers.
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u64).range(1..=60))]
+    apiserver_profile_seconds: u64,
     /// Print the report as JSON instead of text.
     #[arg(long)]
     json: bool,
@@ -191,6 +209,11 @@ async fn run(args: &Args, cluster: &Cluster) -> anyhow::Result<Report> {
     let server_version = client.apiserver_version().await?.git_version;
     let namespace = cluster.namespace(&client, "load").await?;
     let ring = unique_name("load");
+    let pulse_namespace = if args.pulse {
+        Some(cluster.namespace(&client, "pulse").await?)
+    } else {
+        None
+    };
     let logs = std::env::temp_dir().join(format!(
         "controller-sharding-e2e-logs-{}",
         std::process::id()
@@ -202,15 +225,25 @@ async fn run(args: &Args, cluster: &Cluster) -> anyhow::Result<Report> {
             logs.display()
         ),
     );
-    let result = measure(args, cluster, &client, &namespace, &ring, started).await;
+    let result = measure(
+        args,
+        cluster,
+        &client,
+        (&namespace, pulse_namespace.as_deref()),
+        &ring,
+        started,
+    )
+    .await;
     // A local control plane goes away with this process; on an external cluster, clean up.
     if cluster.state_dir().is_none() {
         let _ = Api::<ClusterRing>::all(client.clone())
             .delete(&ring, &DeleteParams::default())
             .await;
-        let _ = Api::<Namespace>::all(client.clone())
-            .delete(&namespace, &DeleteParams::default())
-            .await;
+        for namespace in std::iter::once(&namespace).chain(&pulse_namespace) {
+            let _ = Api::<Namespace>::all(client.clone())
+                .delete(namespace, &DeleteParams::default())
+                .await;
+        }
     }
     let (phases, scale_out, floor, concurrent_moves, timeline) =
         result.with_context(|| format!("process logs are in {}", logs.display()))?;
@@ -252,7 +285,7 @@ async fn measure(
     args: &Args,
     cluster: &Cluster,
     client: &Client,
-    namespace: &str,
+    (namespace, pulse_namespace): (&str, Option<&str>),
     ring: &str,
     started: Instant,
 ) -> anyhow::Result<(Vec<Phase>, ScaleOut, Floor, usize, Timeline)> {
@@ -360,6 +393,18 @@ async fn measure(
             SHARDS[3]
         ),
     );
+    let pulse = match pulse_namespace {
+        Some(pulse_namespace) => {
+            let pulse = Pulse::start(client, pulse_namespace).await?;
+            tokio::time::sleep(PULSE_LEAD).await;
+            Some(pulse)
+        }
+        None => None,
+    };
+    let profile = args.apiserver_profile.as_ref().map(|_| {
+        let (client, seconds) = (client.clone(), args.apiserver_profile_seconds);
+        tokio::spawn(async move { apiserver_profile(&client, seconds).await })
+    });
     let t0 = Instant::now();
     let t0_wall = SystemTime::now();
     let sampler = tracker.sample(&SHARDS, t0, Duration::from_millis(args.sample_every.max(1)));
@@ -382,6 +427,19 @@ async fn measure(
         )
         .await?;
     let converged = converged_at.saturating_duration_since(t0);
+    let pulse = match pulse {
+        Some(pulse) => Some(PulseReport::of(&pulse.stop().await, t0, converged_at)),
+        None => None,
+    };
+    let apiserver_profile = match (profile, &args.apiserver_profile) {
+        (Some(profile), Some(path)) => {
+            let bytes = profile.await.context("the profile's task failed")??;
+            std::fs::write(path, bytes)
+                .with_context(|| format!("failed to write {}", path.display()))?;
+            Some(path.display().to_string())
+        }
+        _ => None,
+    };
     let secrets_converged = tracker
         .lock()
         .target
@@ -516,6 +574,8 @@ async fn measure(
         webhook_update_mean_ms,
         sharder_webhook_requests,
         sharder_webhook_mean_ms,
+        pulse,
+        apiserver_profile,
     };
     drop(tracker);
 

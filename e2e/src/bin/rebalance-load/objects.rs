@@ -96,44 +96,21 @@ pub(crate) async fn floor_run(
 ) -> FloorRun {
     let secrets = Api::<Secret>::namespaced(client.clone(), namespace);
     let configmaps = Api::<ConfigMap>::namespaced(client.clone(), namespace);
-    let seen: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
-    let (listed_tx, listed) = tokio::sync::oneshot::channel();
-    let watch = tokio::spawn({
-        let (seen, value) = (Arc::clone(&seen), value.to_string());
-        let events = watcher(
-            Api::<PartialObjectMeta<Secret>>::namespaced(client.clone(), namespace),
-            watcher::Config::default(),
-        );
-        async move {
-            let mut listed_tx = Some(listed_tx);
-            let mut events = std::pin::pin!(events);
-            while let Some(event) = events.next().await {
-                match event {
-                    Ok(watcher::Event::InitDone) => {
-                        if let Some(tx) = listed_tx.take() {
-                            let _ = tx.send(());
-                        }
-                    }
-                    Ok(watcher::Event::Apply(meta))
-                        if meta.labels().get(FLOOR_LABEL) == Some(&value) =>
-                    {
-                        let at = Instant::now();
-                        if let Ok(mut seen) = seen.lock() {
-                            seen.entry(meta.name_any()).or_insert(at);
-                        }
-                    }
-                    _ => {}
-                }
-            }
+    let floor_value = value.to_string();
+    let watch = FirstSeen::start(
+        Api::namespaced(client.clone(), namespace),
+        move |meta: &PartialObjectMeta<Secret>| {
+            (meta.labels().get(FLOOR_LABEL) == Some(&floor_value)).then(|| meta.name_any())
+        },
+    )
+    .await;
+    let watch = match watch {
+        Ok(watch) => Some(watch),
+        Err(error) => {
+            eprintln!("{error:#}: no delivery times");
+            None
         }
-    });
-    // Without the watch listed first, the patches' events could come with its list.
-    let watching = tokio::time::timeout(Duration::from_secs(30), listed)
-        .await
-        .is_ok_and(|r| r.is_ok());
-    if !watching {
-        eprintln!("the floor's watch of Secrets did not list within 30 s: no delivery times");
-    }
+    };
     let body = json!({"metadata": {"labels": {FLOOR_LABEL: value}}});
     let started = Instant::now();
     type Answered = (String, SystemTime, (Instant, SystemTime));
@@ -175,24 +152,20 @@ pub(crate) async fn floor_run(
         .collect();
     // Every delivery, or 10 s at most.
     let deadline = Instant::now() + Duration::from_secs(10);
-    while watching && Instant::now() < deadline {
-        let all = seen
-            .lock()
-            .is_ok_and(|seen| answered.iter().all(|(name, ..)| seen.contains_key(name)));
-        if all {
+    while let Some(watch) = &watch {
+        if Instant::now() >= deadline || answered.iter().all(|(name, ..)| watch.get(name).is_some())
+        {
             break;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    watch.abort();
-    let delivery_ms = seen
-        .lock()
-        .map(|seen| {
+    let delivery_ms = watch
+        .map(|watch| {
             answered
                 .iter()
                 .filter_map(|(name, _, (at, _))| {
                     // Seen before the answer was read: 0 (the watch was quicker than the answer).
-                    let seen = seen.get(name)?;
+                    let seen = watch.get(name)?;
                     Some(seen.saturating_duration_since(*at).as_secs_f64() * 1e3)
                 })
                 .collect()
@@ -206,5 +179,66 @@ pub(crate) async fn floor_run(
             .into_iter()
             .map(|(name, sent, (_, answered))| (name, sent, answered))
             .collect(),
+    }
+}
+
+/// A metadata watch of Secrets that records when it first delivered each key (`key` of an
+/// object's version; versions without one are skipped). Ends when dropped.
+pub(crate) struct FirstSeen {
+    seen: Arc<Mutex<HashMap<String, Instant>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl FirstSeen {
+    /// Opens the watch and waits (up to 30 s) until it listed, so that the writes that follow
+    /// come as events, not with its list.
+    pub(crate) async fn start(
+        api: Api<PartialObjectMeta<Secret>>,
+        key: impl Fn(&PartialObjectMeta<Secret>) -> Option<String> + Send + 'static,
+    ) -> anyhow::Result<Self> {
+        let seen: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
+        let (listed_tx, listed) = tokio::sync::oneshot::channel();
+        let task = tokio::spawn({
+            let seen = Arc::clone(&seen);
+            async move {
+                let mut listed_tx = Some(listed_tx);
+                let mut events = std::pin::pin!(watcher(api, watcher::Config::default()));
+                while let Some(event) = events.next().await {
+                    match event {
+                        Ok(watcher::Event::InitDone) => {
+                            if let Some(tx) = listed_tx.take() {
+                                let _ = tx.send(());
+                            }
+                        }
+                        Ok(watcher::Event::Apply(meta)) => {
+                            let at = Instant::now();
+                            if let (Some(key), Ok(mut seen)) = (key(&meta), seen.lock()) {
+                                seen.entry(key).or_insert(at);
+                            }
+                        }
+                        _ => {}
+                    }
+                }
+            }
+        });
+        let watch = Self { seen, task };
+        match tokio::time::timeout(Duration::from_secs(30), listed).await {
+            Ok(Ok(())) => Ok(watch),
+            _ => anyhow::bail!("a watch of Secrets did not list within 30 s"),
+        }
+    }
+
+    /// When the watch first delivered `key`.
+    pub(crate) fn get(&self, key: &str) -> Option<Instant> {
+        self.seen
+            .lock()
+            .ok()
+            .and_then(|seen| seen.get(key).copied())
+    }
+}
+
+impl Drop for FirstSeen {
+    fn drop(&mut self) {
+        self.task.abort();
     }
 }

@@ -7,6 +7,7 @@ use anyhow::Context;
 use e2e::fixtures::{ShardTiming, start_checksum_shard_with};
 use e2e::process::{Process, poll_until, status_fields};
 use e2e::sharder_process::{SharderFiles, counter};
+use http_body_util::BodyExt;
 use kube::Client;
 use kube::api::ListParams;
 
@@ -155,6 +156,30 @@ pub(crate) async fn probe_pages(client: &Client) -> anyhow::Result<Vec<PageProbe
         }
     }
     Ok(pages)
+}
+
+/// A CPU profile of the API server over the next `seconds` (its `/debug/pprof/profile`, which
+/// kube-apiserver serves to cluster admins unless started with `--profiling=false`).
+pub(crate) async fn apiserver_profile(client: &Client, seconds: u64) -> anyhow::Result<Vec<u8>> {
+    let request = hyper::Request::get(format!("/debug/pprof/profile?seconds={seconds}"))
+        .body(kube::client::Body::empty())?;
+    let response = client
+        .send(request)
+        .await
+        .context("failed to request the API server's CPU profile")?;
+    let status = response.status();
+    let body = response
+        .into_body()
+        .collect()
+        .await
+        .context("failed to read the API server's CPU profile")?
+        .to_bytes();
+    anyhow::ensure!(
+        status.is_success(),
+        "the API server answered {status} for its CPU profile: {}",
+        String::from_utf8_lossy(&body)
+    );
+    Ok(body.to_vec())
 }
 
 pub(crate) fn counters(files: &SharderFiles, ring: &str) -> anyhow::Result<Counters> {

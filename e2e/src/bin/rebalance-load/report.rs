@@ -7,6 +7,7 @@ use std::time::Duration;
 use serde::Serialize;
 
 use crate::handover::{Handover, Percentiles};
+use crate::pulse::PulseReport;
 
 /// Everything measured in one run.
 #[derive(Debug, Serialize)]
@@ -115,6 +116,10 @@ pub(crate) struct ScaleOut {
     /// their mean duration inside the sharder (milliseconds), from its own histogram.
     pub(crate) sharder_webhook_requests: f64,
     pub(crate) sharder_webhook_mean_ms: f64,
+    /// With `--pulse`: a write outside the ring, before and during the scale-out.
+    pub(crate) pulse: Option<PulseReport>,
+    /// With `--apiserver-profile`: where the API server's CPU profile was written.
+    pub(crate) apiserver_profile: Option<String>,
 }
 
 /// Per-object evidence of patches sent twice, from the watches (the API server's view): a moved
@@ -368,6 +373,28 @@ impl Report {
             s.sharder_webhook_requests,
             s.sharder_webhook_mean_ms
         );
+        if let Some(pulse) = &s.pulse {
+            for (when, stretch) in [
+                ("before the scale-out", &pulse.before),
+                ("during it", &pulse.during),
+            ] {
+                let _ = writeln!(
+                    out,
+                    "    pulse (a write outside the ring, one at a time) {when}: {} writes, answered in {} ms; \
+                     answer -> its watch: {} ms ({} not delivered within 2 s)",
+                    stretch.writes,
+                    ms(stretch.answered_ms),
+                    ms(stretch.delivered_ms),
+                    stretch.undelivered
+                );
+            }
+        }
+        if let Some(path) = &s.apiserver_profile {
+            let _ = writeln!(
+                out,
+                "    the API server's CPU profile from the 4th shard's start: {path} (go tool pprof -top {path})"
+            );
+        }
         let _ = writeln!(
             out,
             "  moved: {} Secrets, {} ConfigMaps (ring predicts {} each); only the new shard gained: {}",
