@@ -50,7 +50,16 @@ pub(crate) struct Beat {
 /// A running pulse; [`Pulse::stop`] ends it and returns its writes.
 pub(crate) struct Pulse {
     stop: Arc<AtomicBool>,
-    task: tokio::task::JoinHandle<Vec<Beat>>,
+    task: tokio::task::JoinHandle<PulseRun>,
+}
+
+/// What a pulse wrote.
+#[derive(Debug, Default)]
+pub(crate) struct PulseRun {
+    /// Its answered writes, timed.
+    pub(crate) beats: Vec<Beat>,
+    /// Every patch it sent, failed ones included: what the API server counted of it.
+    pub(crate) writes: usize,
 }
 
 impl Pulse {
@@ -73,19 +82,20 @@ impl Pulse {
     }
 
     /// Stops writing (after the write in flight) and returns every write.
-    pub(crate) async fn stop(self) -> Vec<Beat> {
+    pub(crate) async fn stop(self) -> PulseRun {
         self.stop.store(true, Ordering::Relaxed);
         self.task.await.unwrap_or_default()
     }
 }
 
 /// Writes until `stop`, one write at a time, each followed by waiting for its event.
-async fn beat(secrets: &Api<Secret>, watch: &FirstSeen, stop: &AtomicBool) -> Vec<Beat> {
-    let mut beats = Vec::new();
+async fn beat(secrets: &Api<Secret>, watch: &FirstSeen, stop: &AtomicBool) -> PulseRun {
+    let mut run = PulseRun::default();
     for n in 1u64.. {
         if stop.load(Ordering::Relaxed) {
             break;
         }
+        run.writes += 1;
         let value = n.to_string();
         let body = json!({"metadata": {"labels": {PULSE_LABEL: value}}});
         let sent = Instant::now();
@@ -108,14 +118,14 @@ async fn beat(secrets: &Api<Secret>, watch: &FirstSeen, stop: &AtomicBool) -> Ve
             }
             tokio::time::sleep(Duration::from_micros(200)).await;
         };
-        beats.push(Beat {
+        run.beats.push(Beat {
             sent,
             answered_ms: millis(answered - sent),
             delivered_ms: delivered.map(|at| millis(at.saturating_duration_since(answered))),
         });
         tokio::time::sleep(PAUSE).await;
     }
-    beats
+    run
 }
 
 fn millis(duration: Duration) -> f64 {

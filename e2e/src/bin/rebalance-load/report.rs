@@ -149,6 +149,8 @@ pub(crate) struct Duplicates {
 #[derive(Debug, Default, Serialize)]
 pub(crate) struct Writes {
     pub(crate) window_seconds: f64,
+    /// The tool's own writes in the window (`--pulse`), left out of the counts below.
+    pub(crate) own_left_out: f64,
     /// Counted by the API server (`apiserver_request_total`), every client.
     pub(crate) apiserver: f64,
     /// The API server's, by `verb resource`, largest first.
@@ -461,8 +463,16 @@ impl Report {
         let w = &s.writes;
         let _ = writeln!(
             out,
-            "  writes in {:.1} s: {} counted by the API server, {} sent by the sharder ({:.1} %)",
-            w.window_seconds, w.apiserver, w.sharder, w.sharder_share_percent
+            "  writes in {:.1} s: {} counted by the API server, {} sent by the sharder ({:.1} %){}",
+            w.window_seconds,
+            w.apiserver,
+            w.sharder,
+            w.sharder_share_percent,
+            if w.own_left_out > 0.0 {
+                format!(" (the pulse's {} writes left out)", w.own_left_out)
+            } else {
+                String::new()
+            }
         );
         for (kind, n) in &w.apiserver_by_kind {
             let _ = writeln!(out, "    API server: {kind}: {n}");
