@@ -14,6 +14,7 @@ use kube::core::PartialObjectMeta;
 use kube::runtime::watcher::{self, watcher};
 use kube::{Client, ResourceExt};
 use serde_json::json;
+use tokio::sync::Notify;
 
 use crate::placement::Kind;
 use crate::{CONFIG_MAP_PREFIX, FLOOR_LABEL, SECRET_PREFIX, progress};
@@ -152,25 +153,15 @@ pub(crate) async fn floor_run(
         .collect();
     // Every delivery, or 10 s at most.
     let deadline = Instant::now() + Duration::from_secs(10);
-    while let Some(watch) = &watch {
-        if Instant::now() >= deadline || answered.iter().all(|(name, ..)| watch.get(name).is_some())
-        {
-            break;
+    let mut delivery_ms = Vec::new();
+    if let Some(watch) = &watch {
+        for (name, _, (at, _)) in &answered {
+            // Seen before the answer was read: 0 (the watch was quicker than the answer).
+            if let Some(seen) = watch.wait(name, deadline).await {
+                delivery_ms.push(seen.saturating_duration_since(*at).as_secs_f64() * 1e3);
+            }
         }
-        tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let delivery_ms = watch
-        .map(|watch| {
-            answered
-                .iter()
-                .filter_map(|(name, _, (at, _))| {
-                    // Seen before the answer was read: 0 (the watch was quicker than the answer).
-                    let seen = watch.get(name)?;
-                    Some(seen.saturating_duration_since(*at).as_secs_f64() * 1e3)
-                })
-                .collect()
-        })
-        .unwrap_or_default();
     FloorRun {
         took,
         failed,
@@ -186,6 +177,8 @@ pub(crate) async fn floor_run(
 /// object's version; versions without one are skipped). Ends when dropped.
 pub(crate) struct FirstSeen {
     seen: Arc<Mutex<HashMap<String, Instant>>>,
+    /// Woken whenever a key is first seen.
+    arrived: Arc<Notify>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -197,9 +190,10 @@ impl FirstSeen {
         key: impl Fn(&PartialObjectMeta<Secret>) -> Option<String> + Send + 'static,
     ) -> anyhow::Result<Self> {
         let seen: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
+        let arrived = Arc::new(Notify::new());
         let (listed_tx, listed) = tokio::sync::oneshot::channel();
         let task = tokio::spawn({
-            let seen = Arc::clone(&seen);
+            let (seen, arrived) = (Arc::clone(&seen), Arc::clone(&arrived));
             async move {
                 let mut listed_tx = Some(listed_tx);
                 let mut events = std::pin::pin!(watcher(api, watcher::Config::default()));
@@ -215,13 +209,18 @@ impl FirstSeen {
                             if let (Some(key), Ok(mut seen)) = (key(&meta), seen.lock()) {
                                 seen.entry(key).or_insert(at);
                             }
+                            arrived.notify_waiters();
                         }
                         _ => {}
                     }
                 }
             }
         });
-        let watch = Self { seen, task };
+        let watch = Self {
+            seen,
+            arrived,
+            task,
+        };
         match tokio::time::timeout(Duration::from_secs(30), listed).await {
             Ok(Ok(())) => Ok(watch),
             _ => anyhow::bail!("a watch of Secrets did not list within 30 s"),
@@ -229,11 +228,30 @@ impl FirstSeen {
     }
 
     /// When the watch first delivered `key`.
-    pub(crate) fn get(&self, key: &str) -> Option<Instant> {
+    fn get(&self, key: &str) -> Option<Instant> {
         self.seen
             .lock()
             .ok()
             .and_then(|seen| seen.get(key).copied())
+    }
+
+    /// When the watch first delivered `key`, waiting for it until `deadline`.
+    pub(crate) async fn wait(&self, key: &str, deadline: Instant) -> Option<Instant> {
+        loop {
+            // Registered before looking, so that a delivery in between still wakes it.
+            let arrived = self.arrived.notified();
+            let mut arrived = std::pin::pin!(arrived);
+            arrived.as_mut().enable();
+            if let Some(at) = self.get(key) {
+                return Some(at);
+            }
+            if tokio::time::timeout_at(deadline.into(), arrived)
+                .await
+                .is_err()
+            {
+                return self.get(key);
+            }
+        }
     }
 }
 

@@ -108,16 +108,7 @@ async fn beat(secrets: &Api<Secret>, watch: &FirstSeen, stop: &AtomicBool) -> Pu
             tokio::time::sleep(Duration::from_millis(100)).await;
             continue;
         }
-        let deadline = answered + DELIVERY_TIMEOUT;
-        let delivered = loop {
-            if let Some(at) = watch.get(&value) {
-                break Some(at);
-            }
-            if Instant::now() >= deadline {
-                break None;
-            }
-            tokio::time::sleep(Duration::from_micros(200)).await;
-        };
+        let delivered = watch.wait(&value, answered + DELIVERY_TIMEOUT).await;
         run.beats.push(Beat {
             sent,
             answered_ms: millis(answered - sent),
