@@ -322,6 +322,8 @@ start() {
   mkdir -p "$dir"
   dir=$(cd "$dir" && pwd)
   [ ! -e "$dir/pids" ] || die "$dir already holds a control plane; stop it first"
+  # e2e/test.sh waits for every control plane its test processes started to be stopped.
+  if [ -n "${CONTROLLER_SHARDING_STARTED:-}" ]; then echo "$dir" >>"$CONTROLLER_SHARDING_STARTED"; fi
   local address=127.0.0.1 sans=""
   if $node; then
     local reason

@@ -12,6 +12,31 @@
 # the webhook ring's shards leaving their ConfigMaps to the sharder (synced children first).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+# A test process's control plane (and node) is stopped by a watchdog once that process has exited,
+# in the background. Wait for those stops before returning, so that a machine or container torn
+# down right after this command (as CI's are) is not left with etcd's data in /dev/shm, state
+# directories, or a node's mounts, network namespaces and iptables rules.
+started=$(mktemp "${TMPDIR:-/tmp}/controller-sharding-started.XXXXXX")
+export CONTROLLER_SHARDING_STARTED=$started
+stop_started() {
+  local status=$? dir waited=$SECONDS count=0 left=0 deadline=$((SECONDS + 60))
+  while read -r dir; do
+    count=$((count + 1))
+    while [ -d "$dir" ] && [ "$SECONDS" -lt "$deadline" ]; do sleep 0.2; done
+    # Its watchdog did not finish in time (or was killed): the owner is gone, so stop it here.
+    if [ -d "$dir" ]; then bash e2e/control-plane.sh stop "$dir" || true; fi
+    if [ -d "$dir" ]; then
+      echo "the control plane in $dir is still there after stopping it" >&2
+      left=$((left + 1))
+    fi
+  done <"$started"
+  rm -f "$started"
+  echo "control planes the tests started: $count, not stopped: $left (waited $((SECONDS - waited))s)"
+  if [ "$left" -gt 0 ] && [ "$status" -eq 0 ]; then status=1; fi
+  exit "$status"
+}
+trap stop_started EXIT
 if [ -z "${KUBECONFIG:-}" ]; then
   # As root this also installs the node's Debian packages for the in-cluster tests.
   bash e2e/control-plane.sh provision
