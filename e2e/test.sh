@@ -16,10 +16,12 @@ cd "$(dirname "$0")/.."
 # A test process's control plane (and node) is stopped by a watchdog once that process has exited,
 # in the background. Wait for those stops before returning, so that a machine or container torn
 # down right after this command (as CI's are) is not left with etcd's data in /dev/shm, state
-# directories, or a node's mounts, network namespaces and iptables rules.
+# directories, or a node's mounts, network namespaces and iptables rules. The test processes'
+# logs are kept where a run failed (and named), removed where it passed.
 started=$(mktemp "${TMPDIR:-/tmp}/controller-sharding-started.XXXXXX")
-export CONTROLLER_SHARDING_STARTED=$started
-stop_started() {
+log_dirs=$(mktemp "${TMPDIR:-/tmp}/controller-sharding-log-dirs.XXXXXX")
+export CONTROLLER_SHARDING_STARTED=$started CONTROLLER_SHARDING_LOG_DIRS=$log_dirs
+finish() {
   local status=$? dir waited=$SECONDS count=0 left=0 deadline=$((SECONDS + 60))
   while read -r dir; do
     count=$((count + 1))
@@ -34,9 +36,19 @@ stop_started() {
   rm -f "$started"
   echo "control planes the tests started: $count, not stopped: $left (waited $((SECONDS - waited))s)"
   if [ "$left" -gt 0 ] && [ "$status" -eq 0 ]; then status=1; fi
+  if [ "$status" -eq 0 ]; then
+    while read -r dir; do
+      # Only what log_dir() (e2e/src/process.rs) names.
+      case $dir in */controller-sharding-e2e-logs-[0-9]*) rm -rf "$dir" ;; esac
+    done <"$log_dirs"
+  elif [ -s "$log_dirs" ]; then
+    echo "the test processes' logs are kept in:" >&2
+    sed 's/^/  /' "$log_dirs" >&2
+  fi
+  rm -f "$log_dirs"
   exit "$status"
 }
-trap stop_started EXIT
+trap finish EXIT
 if [ -z "${KUBECONFIG:-}" ]; then
   # As root this also installs the node's Debian packages for the in-cluster tests.
   bash e2e/control-plane.sh provision

@@ -6,8 +6,10 @@
 //! when dropped, and prints its log when the test did not pass (through a [`DumpOnFailure`]).
 
 use std::future::Future;
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};
+use std::sync::Once;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
@@ -260,14 +262,39 @@ impl Process {
 }
 
 /// The directory of this test process's logs, created on first use. It outlives the run, so a
-/// failed test's whole log can be read afterwards.
+/// failed test's whole log can be read afterwards. When `CONTROLLER_SHARDING_LOG_DIRS` names a
+/// file, the directory is recorded there once: `e2e/test.sh` removes the logs of a run that
+/// passed and names those of one that failed.
 pub fn log_dir() -> anyhow::Result<PathBuf> {
+    static RECORDED: Once = Once::new();
     let dir = std::env::temp_dir().join(format!(
         "controller-sharding-e2e-logs-{}",
         std::process::id()
     ));
     std::fs::create_dir_all(&dir).with_context(|| format!("failed to create {}", dir.display()))?;
+    RECORDED.call_once(|| {
+        let Some(list) = std::env::var_os(LOG_DIRS_ENV).filter(|list| !list.is_empty()) else {
+            return;
+        };
+        if let Err(e) = record_log_dir(Path::new(&list), &dir) {
+            // Only the clean-up of a passing run depends on it.
+            eprintln!("could not record {} in {list:?}: {e}", dir.display());
+        }
+    });
     Ok(dir)
+}
+
+/// The variable naming the file that [`log_dir`] records its directory in.
+const LOG_DIRS_ENV: &str = "CONTROLLER_SHARDING_LOG_DIRS";
+
+/// Appends `dir` as a line to `list`. Test processes run side by side; one short append each
+/// keeps their lines whole.
+fn record_log_dir(list: &Path, dir: &Path) -> std::io::Result<()> {
+    let mut file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(list)?;
+    file.write_all(format!("{}\n", dir.display()).as_bytes())
 }
 
 impl Drop for Process {
@@ -281,6 +308,18 @@ impl Drop for Process {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn log_dirs_are_recorded_one_per_line() {
+        let scratch = std::env::temp_dir().join(unique_name("log-dirs"));
+        std::fs::create_dir_all(&scratch).expect("scratch dir");
+        let list = scratch.join("list");
+        record_log_dir(&list, Path::new("/tmp/a")).expect("first");
+        record_log_dir(&list, Path::new("/tmp/b c")).expect("second");
+        let recorded = std::fs::read_to_string(&list).expect("list");
+        std::fs::remove_dir_all(&scratch).expect("clean up");
+        assert_eq!(recorded, "/tmp/a\n/tmp/b c\n");
+    }
 
     #[test]
     fn status_fields_are_read_by_name_in_the_order_asked() {

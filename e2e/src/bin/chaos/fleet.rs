@@ -607,12 +607,9 @@ fn identity_pid(identity: &str) -> Option<u32> {
     parts.next()?.parse().ok()
 }
 
-/// Directory the harness writes every process log to.
+/// Directory the harness writes every process log to ([`e2e::process::log_dir`]).
 pub(crate) fn log_dir() -> PathBuf {
-    std::env::temp_dir().join(format!(
-        "controller-sharding-e2e-logs-{}",
-        std::process::id()
-    ))
+    e2e::process::log_dir().unwrap_or_else(|e| panic!("no directory for the process logs: {e:#}"))
 }
 
 #[cfg(test)]

@@ -267,7 +267,10 @@ async fn run(args: &Args, seed: u64, cluster: &Cluster) -> anyhow::Result<Report
             churn_stream,
         });
     }
-    progress(&format!("process logs in {}", fleet::log_dir().display()));
+    progress(&format!(
+        "process logs in {}",
+        e2e::process::log_dir()?.display()
+    ));
     let scene = Scene {
         args,
         seed,

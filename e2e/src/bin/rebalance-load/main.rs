@@ -214,10 +214,7 @@ async fn run(args: &Args, cluster: &Cluster) -> anyhow::Result<Report> {
     } else {
         None
     };
-    let logs = std::env::temp_dir().join(format!(
-        "controller-sharding-e2e-logs-{}",
-        std::process::id()
-    ));
+    let logs = e2e::process::log_dir()?;
     progress(
         started,
         &format!(
