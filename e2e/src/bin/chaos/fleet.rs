@@ -7,7 +7,7 @@
 //! stopped it, or a second after an exit nobody asked for, such as a shard that lost its Lease).
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -605,11 +605,6 @@ fn identity_pid(identity: &str) -> Option<u32> {
     let mut parts = identity.rsplitn(3, '_');
     let _nanos = parts.next()?;
     parts.next()?.parse().ok()
-}
-
-/// Directory the harness writes every process log to ([`e2e::process::log_dir`]).
-pub(crate) fn log_dir() -> PathBuf {
-    e2e::process::log_dir().unwrap_or_else(|e| panic!("no directory for the process logs: {e:#}"))
 }
 
 #[cfg(test)]

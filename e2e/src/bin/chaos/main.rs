@@ -267,10 +267,8 @@ async fn run(args: &Args, seed: u64, cluster: &Cluster) -> anyhow::Result<Report
             churn_stream,
         });
     }
-    progress(&format!(
-        "process logs in {}",
-        e2e::process::log_dir()?.display()
-    ));
+    let logs = e2e::process::log_dir()?;
+    progress(&format!("process logs in {}", logs.display()));
     let scene = Scene {
         args,
         seed,
@@ -295,7 +293,7 @@ async fn run(args: &Args, seed: u64, cluster: &Cluster) -> anyhow::Result<Report
     let mut report = result.with_context(|| {
         format!(
             "the run failed (seed {seed}); process logs are in {}",
-            fleet::log_dir().display()
+            logs.display()
         )
     })?;
     report.settings.server_version = server_version;

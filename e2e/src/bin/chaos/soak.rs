@@ -25,7 +25,7 @@ use crate::evidence::RunLog;
 use crate::exits::{self, Outages};
 use crate::faults::{FaultRecord, Injector};
 use crate::findings::{ExitCounts, ShardCounts, Violation};
-use crate::fleet::{self, Fleet, ShardRing, ShardTiming};
+use crate::fleet::{Fleet, ShardRing, ShardTiming};
 use crate::leases::LeaseLog;
 use crate::ownership;
 use crate::pins::{self, PinPlan};
@@ -249,7 +249,7 @@ pub(crate) async fn soak(scene: &Scene<'_>) -> anyhow::Result<Report> {
                 "release"
             },
             server_version: String::new(),
-            logs: fleet::log_dir().display().to_string(),
+            logs: e2e::process::log_dir()?.display().to_string(),
         },
         faults_by_kind,
         faults_skipped,
