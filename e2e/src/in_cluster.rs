@@ -28,6 +28,10 @@ use crate::{control_plane_script, run};
 /// ServiceAccount sends, one JSON event per line.
 pub const AUDIT_LOG: &str = "audit.log";
 
+/// The longest a script of [`InCluster::shell`] may run: far longer than any README block takes
+/// on the test node, where the install with its image pulls takes the longest.
+pub const SHELL_TIMEOUT: Duration = Duration::from_secs(600);
+
 /// The cluster with a node, its state directory and kubeconfig.
 #[derive(Debug)]
 pub struct InCluster {
@@ -184,7 +188,9 @@ impl InCluster {
     }
 
     /// Runs a shell script as a user would type it (`bash -euo pipefail`), with this cluster's
-    /// kubeconfig, the test kubectl first on `PATH`, in `cwd`; its standard output.
+    /// kubeconfig, the test kubectl first on `PATH`, in `cwd`; its standard output. A script
+    /// still running after [`SHELL_TIMEOUT`] is stopped and fails (a README loop that waits for
+    /// something that never comes must not hang the suite).
     pub fn shell(&self, script: &str, cwd: &Path) -> anyhow::Result<String> {
         let kubectl_dir = crate::kubectl()
             .parent()
@@ -195,8 +201,9 @@ impl InCluster {
             kubectl_dir.display(),
             std::env::var("PATH").unwrap_or_default()
         );
-        let out = Command::new("bash")
-            .args(["-euo", "pipefail", "-c", script])
+        let out = Command::new("timeout")
+            .arg(SHELL_TIMEOUT.as_secs().to_string())
+            .args(["bash", "-euo", "pipefail", "-c", script])
             .env("KUBECONFIG", &self.kubeconfig)
             .env("PATH", path)
             .current_dir(cwd)

@@ -92,6 +92,41 @@ pub const LABEL_NAMESPACE_NAME: &str = "kubernetes.io/metadata.name";
 /// validation rule is GA and always evaluated from 1.29 on, and the tests assert its message.
 pub const MIN_SERVER_MINOR: u32 = 29;
 
+/// Oldest API server minor version (1.x) that serves ValidatingAdmissionPolicy in
+/// `admissionregistration.k8s.io/v1`, which `config/admission-policies` uses.
+pub const ADMISSION_POLICIES_MIN_SERVER_MINOR: u32 = 30;
+
+/// The minor version (1.x) of the API server `client` talks to.
+pub async fn server_minor(client: &Client) -> anyhow::Result<u32> {
+    let info = client
+        .apiserver_version()
+        .await
+        .context("failed to reach the API server")?;
+    minor_of(&info)
+}
+
+/// The minor version in `info`; providers' builds may add a `+`.
+fn minor_of(info: &k8s_openapi::apimachinery::pkg::version::Info) -> anyhow::Result<u32> {
+    info.minor
+        .trim_end_matches('+')
+        .parse()
+        .with_context(|| format!("unexpected server minor version {:?}", info.minor))
+}
+
+/// Whether `config/admission-policies` can be applied to the API server `client` talks to. When
+/// it cannot, says on standard output that `what` (a test, or its part that applies them) is
+/// skipped: the README asks for Kubernetes 1.30 for that component and leaves it out on 1.29.
+pub async fn serves_admission_policies(client: &Client, what: &str) -> anyhow::Result<bool> {
+    let minor = server_minor(client).await?;
+    let served = minor >= ADMISSION_POLICIES_MIN_SERVER_MINOR;
+    if !served {
+        println!(
+            "skipped {what}: the API server is 1.{minor}, and config/admission-policies needs 1.{ADMISSION_POLICIES_MIN_SERVER_MINOR} (ValidatingAdmissionPolicy v1)"
+        );
+    }
+    Ok(served)
+}
+
 /// The cluster the tests of this process run against.
 #[derive(Debug)]
 pub struct Cluster {
@@ -182,11 +217,7 @@ impl Cluster {
             .apiserver_version()
             .await
             .context("failed to reach the API server")?;
-        let minor: u32 = info
-            .minor
-            .trim_end_matches('+')
-            .parse()
-            .with_context(|| format!("unexpected server minor version {:?}", info.minor))?;
+        let minor = minor_of(&info)?;
         if info.major != "1" || minor < MIN_SERVER_MINOR {
             bail!(
                 "the API server is {}; the tests need 1.{MIN_SERVER_MINOR} or newer",

@@ -13,7 +13,7 @@ use e2e::fixtures::{
 };
 use e2e::process::poll_until;
 use e2e::scenario::SharedScenario;
-use e2e::unique_name;
+use e2e::{serves_admission_policies, unique_name};
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::api::core::v1::Secret;
@@ -204,6 +204,14 @@ async fn grant_lease_rights(
 /// objects; relabelling into a ring it may not use is refused.
 #[tokio::test]
 async fn only_identities_that_may_use_a_ring_put_leases_into_it() -> anyhow::Result<()> {
+    if !serves_admission_policies(
+        &e2e::cluster().client().await?,
+        "only_identities_that_may_use_a_ring_put_leases_into_it",
+    )
+    .await?
+    {
+        return Ok(());
+    }
     let SharedScenario {
         mut logs,
         cluster,
@@ -313,6 +321,14 @@ async fn only_identities_that_may_use_a_ring_put_leases_into_it() -> anyhow::Res
 #[tokio::test]
 async fn the_sharder_identity_writes_only_its_webhook_configurations_and_shard_leases()
 -> anyhow::Result<()> {
+    if !serves_admission_policies(
+        &e2e::cluster().client().await?,
+        "the_sharder_identity_writes_only_its_webhook_configurations_and_shard_leases",
+    )
+    .await?
+    {
+        return Ok(());
+    }
     let SharedScenario {
         mut logs,
         cluster,
