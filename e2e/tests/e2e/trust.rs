@@ -248,25 +248,28 @@ async fn only_identities_that_may_use_a_ring_put_leases_into_it() -> anyhow::Res
     let as_shard = Api::<Lease>::namespaced(cluster.client_as(&shard, &[]).await?, &ns);
     let cluster_ring = RingKind::ClusterRing.lease_label();
     let controller_ring = RingKind::ControllerRing.lease_label();
-    // The API server loads a new policy within a second or so: wait until it refuses.
+    // The API server loads each new policy and binding on its own, within a second or so: wait
+    // until both policies (one per ring label) refuse.
     let admin_leases = Api::<Lease>::namespaced(client.clone(), &ns);
-    poll_until("the policy to refuse alice's ring Lease", WAIT, || async {
-        let labelled = lease(&ns, "squat", Some((cluster_ring, &ring)));
-        let result = as_alice.create(&PostParams::default(), &labelled).await;
-        if result.is_ok() {
-            // Created before the API server loaded the policy.
-            admin_leases.delete("squat", &Default::default()).await?;
-        }
-        Ok(forbidden(result, "needs the verb use").ok())
-    })
-    .await?;
-    let to_controller_ring = lease(&ns, "squat", Some((controller_ring, &ring)));
-    forbidden(
-        as_alice
-            .create(&PostParams::default(), &to_controller_ring)
-            .await,
-        &format!("use on controllerrings/{ring}"),
-    )?;
+    for (label, resource) in [
+        (cluster_ring, "clusterrings"),
+        (controller_ring, "controllerrings"),
+    ] {
+        poll_until(
+            &format!("the policy to refuse alice's Lease labelled {label}"),
+            WAIT,
+            || async {
+                let labelled = lease(&ns, "squat", Some((label, &ring)));
+                let result = as_alice.create(&PostParams::default(), &labelled).await;
+                if result.is_ok() {
+                    // Created before the API server loaded the policy.
+                    admin_leases.delete("squat", &Default::default()).await?;
+                }
+                Ok(forbidden(result, &format!("use on {resource}/{ring}")).ok())
+            },
+        )
+        .await?;
+    }
     // Unlabelled Leases are hers to write; labelling one is joining.
     as_alice
         .create(&PostParams::default(), &lease(&ns, "plain", None))
