@@ -96,28 +96,20 @@ pub const MIN_SERVER_MINOR: u32 = 29;
 /// `admissionregistration.k8s.io/v1`, which `config/admission-policies` uses.
 pub const ADMISSION_POLICIES_MIN_SERVER_MINOR: u32 = 30;
 
-/// The minor version (1.x) of the API server `client` talks to.
-pub async fn server_minor(client: &Client) -> anyhow::Result<u32> {
-    let info = client
-        .apiserver_version()
-        .await
-        .context("failed to reach the API server")?;
-    minor_of(&info)
-}
-
-/// The minor version in `info`; providers' builds may add a `+`.
-fn minor_of(info: &k8s_openapi::apimachinery::pkg::version::Info) -> anyhow::Result<u32> {
-    info.minor
+/// The minor version in a server's version information (`"29"`; providers' builds may add a
+/// `+`).
+pub fn parse_server_minor(minor: &str) -> anyhow::Result<u32> {
+    minor
         .trim_end_matches('+')
         .parse()
-        .with_context(|| format!("unexpected server minor version {:?}", info.minor))
+        .with_context(|| format!("unexpected server minor version {minor:?}"))
 }
 
-/// Whether `config/admission-policies` can be applied to the API server `client` talks to. When
-/// it cannot, says on standard output that `what` (a test, or its part that applies them) is
-/// skipped: the README asks for Kubernetes 1.30 for that component and leaves it out on 1.29.
-pub async fn serves_admission_policies(client: &Client, what: &str) -> anyhow::Result<bool> {
-    let minor = server_minor(client).await?;
+/// Whether `config/admission-policies` can be applied to `cluster`. When it cannot, says on
+/// standard output that `what` (a test, or its part that applies them) is skipped: the README asks
+/// for Kubernetes 1.30 for that component and leaves it out on 1.29.
+pub fn serves_admission_policies(cluster: &Cluster, what: &str) -> anyhow::Result<bool> {
+    let minor = cluster.server_minor()?;
     let served = minor >= ADMISSION_POLICIES_MIN_SERVER_MINOR;
     if !served {
         println!(
@@ -133,6 +125,8 @@ pub struct Cluster {
     kubeconfig: PathBuf,
     /// Directory of the control plane we started (logs live there); `None` for an external one.
     state_dir: Option<PathBuf>,
+    /// The API server's minor version (1.x), read once by [`Cluster::prepare`].
+    server_minor: OnceLock<u32>,
 }
 
 static CLUSTER: OnceLock<Result<Cluster, String>> = OnceLock::new();
@@ -207,6 +201,7 @@ impl Cluster {
         Self {
             kubeconfig,
             state_dir,
+            server_minor: OnceLock::new(),
         }
     }
 
@@ -217,13 +212,14 @@ impl Cluster {
             .apiserver_version()
             .await
             .context("failed to reach the API server")?;
-        let minor = minor_of(&info)?;
+        let minor = parse_server_minor(&info.minor)?;
         if info.major != "1" || minor < MIN_SERVER_MINOR {
             bail!(
                 "the API server is {}; the tests need 1.{MIN_SERVER_MINOR} or newer",
                 info.git_version
             );
         }
+        let _ = self.server_minor.set(minor);
         let namespaces: Api<Namespace> = Api::all(client.clone());
         // What config/crds installs besides the CRD: the system namespace (the sharder's leader
         // election Lease lives there).
@@ -234,6 +230,14 @@ impl Cluster {
             namespaces.create(&PostParams::default(), &ns).await?;
         }
         install_crds(&client).await
+    }
+
+    /// The API server's minor version (1.x), as [`Cluster::prepare`] read it.
+    pub fn server_minor(&self) -> anyhow::Result<u32> {
+        self.server_minor
+            .get()
+            .copied()
+            .context("the cluster was not prepared: its server version is unknown")
     }
 
     /// A fresh client for this cluster. Create one per test: clients are bound to the runtime

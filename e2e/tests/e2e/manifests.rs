@@ -314,7 +314,7 @@ async fn rendered_objects_pass_server_side_dry_run() -> anyhow::Result<()> {
         .collect::<anyhow::Result<_>>()?;
 
     let policies_served =
-        serves_admission_policies(&client, "config/admission-policies in this dry run").await?;
+        serves_admission_policies(cluster, "config/admission-policies in this dry run")?;
     let foreign_served = install_foreign_crds(&client, cluster.state_dir().is_some()).await?;
     let created_namespaces = create_missing_namespaces(&client, &rendered).await?;
 

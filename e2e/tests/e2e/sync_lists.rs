@@ -74,8 +74,7 @@ fn syncs(metrics: &str, ring: &str, outcome: &str) -> u64 {
 #[tokio::test]
 async fn a_sync_goes_on_when_its_continue_tokens_expire() -> anyhow::Result<()> {
     // A dedicated control plane runs the shared one's binaries.
-    let minor = e2e::server_minor(&e2e::cluster().client().await?).await?;
-    let snapshots_off: &[&str] = if minor >= 33 {
+    let snapshots_off: &[&str] = if e2e::cluster().server_minor()? >= 33 {
         &["--feature-gates=ListFromCacheSnapshot=false"]
     } else {
         &[]

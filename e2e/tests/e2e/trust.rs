@@ -205,11 +205,9 @@ async fn grant_lease_rights(
 #[tokio::test]
 async fn only_identities_that_may_use_a_ring_put_leases_into_it() -> anyhow::Result<()> {
     if !serves_admission_policies(
-        &e2e::cluster().client().await?,
+        e2e::cluster(),
         "only_identities_that_may_use_a_ring_put_leases_into_it",
-    )
-    .await?
-    {
+    )? {
         return Ok(());
     }
     let SharedScenario {
@@ -325,11 +323,9 @@ async fn only_identities_that_may_use_a_ring_put_leases_into_it() -> anyhow::Res
 async fn the_sharder_identity_writes_only_its_webhook_configurations_and_shard_leases()
 -> anyhow::Result<()> {
     if !serves_admission_policies(
-        &e2e::cluster().client().await?,
+        e2e::cluster(),
         "the_sharder_identity_writes_only_its_webhook_configurations_and_shard_leases",
-    )
-    .await?
-    {
+    )? {
         return Ok(());
     }
     let SharedScenario {

@@ -10,6 +10,7 @@
 mod ownership;
 
 use std::collections::BTreeMap;
+use std::sync::OnceLock;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
@@ -70,14 +71,22 @@ fn readme_block_for(c: &InCluster, heading: &str) -> anyhow::Result<String> {
     Ok(kept.join("\n"))
 }
 
-/// Whether the API server serves what `config/admission-policies` needs (1.30 or newer).
+/// Whether the API server serves what `config/admission-policies` needs (1.30 or newer); asked
+/// once, since a test process has one cluster.
 fn admission_policies_served(c: &InCluster) -> anyhow::Result<bool> {
-    let version = c.kubectl_json(&["version"])?;
-    let minor: u32 = version["serverVersion"]["minor"]
-        .as_str()
-        .map(|minor| minor.trim_end_matches('+'))
-        .and_then(|minor| minor.parse().ok())
-        .with_context(|| format!("no server minor version in {version}"))?;
+    static MINOR: OnceLock<u32> = OnceLock::new();
+    let minor = match MINOR.get() {
+        Some(minor) => *minor,
+        None => {
+            let version = c.kubectl_json(&["version"])?;
+            let minor = e2e::parse_server_minor(
+                version["serverVersion"]["minor"]
+                    .as_str()
+                    .with_context(|| format!("no server minor version in {version}"))?,
+            )?;
+            *MINOR.get_or_init(|| minor)
+        }
+    };
     Ok(minor >= e2e::ADMISSION_POLICIES_MIN_SERVER_MINOR)
 }
 
