@@ -145,6 +145,11 @@ impl InCluster {
 
     /// A fresh client for this cluster (clients are bound to the runtime they were made on).
     pub async fn client(&self) -> anyhow::Result<Client> {
+        Ok(Client::try_from(self.config().await?)?)
+    }
+
+    /// The client configuration for this cluster, for a client made on another runtime.
+    pub async fn config(&self) -> anyhow::Result<kube::Config> {
         let kubeconfig = Kubeconfig::read_from(&self.kubeconfig)
             .with_context(|| format!("failed to read {}", self.kubeconfig.display()))?;
         let mut config =
@@ -154,7 +159,7 @@ impl InCluster {
         // The tests must see a 429 (a PodDisruptionBudget refusing an eviction), not have the
         // client retry it for minutes.
         config.default_retry = false;
-        Ok(Client::try_from(config)?)
+        Ok(config)
     }
 
     /// Runs kubectl with `args` in the workspace root; its standard output, or an error with its

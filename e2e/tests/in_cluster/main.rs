@@ -668,7 +668,7 @@ async fn kubectl_scale_rebalances_through_drains() -> anyhow::Result<()> {
     let kind = RingKind::ClusterRing;
     ensure_example(c, kind, 3).await?;
     let client = c.client().await?;
-    let logs = ShardLogs::follow(client.clone(), SHARDS_NAMESPACE, SHARD_SELECTOR);
+    let logs = ShardLogs::follow(c.config().await?, SHARDS_NAMESPACE, SHARD_SELECTOR)?;
     let (namespace, _) = namespace_with_secrets(&client, kind, "scale", 150).await?;
     let before = wait_converged(c, kind, &namespace, Duration::from_secs(60)).await?;
     // The metrics as shipped: HTTPS, and only for a token allowed to read them.

@@ -35,62 +35,44 @@ pub struct Record {
 }
 
 /// Follows the logs of every pod matching a label selector until dropped or [`Self::stop`]ped.
+///
+/// It runs on a thread and runtime of its own: the tests call kubectl and curl synchronously,
+/// which holds up every task of their runtime, and a shard pod that is scaled away within a
+/// second or two of starting must still be followed.
 pub struct ShardLogs {
     records: Arc<Mutex<Vec<Record>>>,
     stop: CancellationToken,
-    tasks: JoinSet<()>,
+    thread: Option<std::thread::JoinHandle<()>>,
 }
 
 impl ShardLogs {
     /// Starts following the pods of `selector` in `namespace`, those running now and those that
-    /// start later.
-    pub fn follow(client: Client, namespace: &str, selector: &str) -> Self {
+    /// start later, with a client made from `config` on the follower's own runtime.
+    pub fn follow(config: kube::Config, namespace: &str, selector: &str) -> anyhow::Result<Self> {
         let records = Arc::new(Mutex::new(Vec::new()));
         let stop = CancellationToken::new();
-        let mut tasks = JoinSet::new();
-        let pods: Api<Pod> = Api::namespaced(client, namespace);
-        let (selector, records_, stop_) = (selector.to_string(), records.clone(), stop.clone());
-        tasks.spawn(async move {
-            let mut followed = HashSet::new();
-            let mut streams = JoinSet::new();
-            while !stop_.is_cancelled() {
-                if let Ok(list) = pods.list(&ListParams::default().labels(&selector)).await {
-                    for pod in list {
-                        let name = pod.metadata.name.clone().unwrap_or_default();
-                        let started = pod
-                            .status
-                            .as_ref()
-                            .and_then(|s| s.container_statuses.as_ref())
-                            .is_some_and(|cs| {
-                                cs.iter()
-                                    .any(|c| c.state.as_ref().is_some_and(|s| s.running.is_some()))
-                            });
-                        if started && followed.insert(name.clone()) {
-                            streams.spawn(stream(
-                                pods.clone(),
-                                name,
-                                records_.clone(),
-                                stop_.clone(),
-                            ));
+        let (namespace, selector) = (namespace.to_string(), selector.to_string());
+        let (records_, stop_) = (records.clone(), stop.clone());
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        let thread = std::thread::Builder::new()
+            .name("shard-logs".into())
+            .spawn(move || {
+                runtime.block_on(async move {
+                    match Client::try_from(config) {
+                        Ok(client) => {
+                            follow_pods(client, namespace, selector, records_, stop_).await
                         }
+                        Err(error) => eprintln!("shard logs: no client: {error}"),
                     }
-                }
-                tokio::select! {
-                    () = stop_.cancelled() => {}
-                    () = tokio::time::sleep(Duration::from_millis(300)) => {}
-                }
-            }
-            // Streams end with their containers; give the last lines a moment.
-            let _ = tokio::time::timeout(Duration::from_secs(2), async {
-                while streams.join_next().await.is_some() {}
-            })
-            .await;
-        });
-        Self {
+                });
+            })?;
+        Ok(Self {
             records,
             stop,
-            tasks,
-        }
+            thread: Some(thread),
+        })
     }
 
     /// The records so far.
@@ -101,17 +83,61 @@ impl ShardLogs {
     /// Stops following and returns every record.
     pub async fn stop(mut self) -> Vec<Record> {
         self.stop.cancel();
-        while self.tasks.join_next().await.is_some() {}
+        if let Some(thread) = self.thread.take() {
+            let _ = tokio::task::spawn_blocking(move || thread.join()).await;
+        }
         self.records()
     }
 }
 
-/// Follows one pod's log into `records`. A stream that fails to open or ends while the container
-/// still runs (an API server or kubelet connection dropped) is opened again, from the start of
-/// the log, and lines already read are skipped: a shard's last records (its Lease released) are
-/// what the scale tests look for, and a lost connection must not lose them. The stream is done
-/// when a fresh one brings no new line before its end (the container exited), when the pod is
-/// gone, or on `stop`.
+impl Drop for ShardLogs {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+/// Lists the pods every 300 ms and follows each one from the moment it is bound to a node: its
+/// log can be read from the moment its container starts, which the pod's status may report
+/// only seconds later.
+async fn follow_pods(
+    client: Client,
+    namespace: String,
+    selector: String,
+    records: Arc<Mutex<Vec<Record>>>,
+    stop: CancellationToken,
+) {
+    let pods: Api<Pod> = Api::namespaced(client, &namespace);
+    let mut followed = HashSet::new();
+    let mut streams = JoinSet::new();
+    while !stop.is_cancelled() {
+        if let Ok(list) = pods.list(&ListParams::default().labels(&selector)).await {
+            for pod in list {
+                let name = pod.metadata.name.clone().unwrap_or_default();
+                let bound = pod.spec.as_ref().is_some_and(|s| s.node_name.is_some());
+                if bound && followed.insert(name.clone()) {
+                    streams.spawn(stream(pods.clone(), name, records.clone(), stop.clone()));
+                }
+            }
+        }
+        tokio::select! {
+            () = stop.cancelled() => {}
+            () = tokio::time::sleep(Duration::from_millis(300)) => {}
+        }
+    }
+    // Streams end with their containers; give the last lines a moment.
+    let _ = tokio::time::timeout(Duration::from_secs(2), async {
+        while streams.join_next().await.is_some() {}
+    })
+    .await;
+}
+
+/// Follows one pod's log into `records`. Opening the stream is retried every 250 ms until it
+/// opens (the container may still be starting), the pod is gone, or `stop`. A stream that ends
+/// while the container still runs (an API server or kubelet connection dropped) is opened again,
+/// from the start of the log, and lines already read are skipped: a shard's last records (its
+/// Lease released) are what the scale tests look for, and a lost connection must not lose them.
+/// The stream is done when a fresh one brings no new line before its end (the container exited),
+/// when the pod is gone, or on `stop`.
 async fn stream(
     pods: Api<Pod>,
     pod: String,
@@ -123,13 +149,11 @@ async fn stream(
         ..LogParams::default()
     };
     let mut seen: HashSet<String> = HashSet::new();
-    let mut failed_opens = 0;
     loop {
         let reader = match pods.log_stream(&pod, &params).await {
             Ok(reader) => reader,
             Err(kube::Error::Api(e)) if e.code == 404 => return,
-            Err(_) if failed_opens < 20 && !stop.is_cancelled() => {
-                failed_opens += 1;
+            Err(_) if !stop.is_cancelled() => {
                 tokio::time::sleep(Duration::from_millis(250)).await;
                 continue;
             }
