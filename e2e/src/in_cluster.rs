@@ -183,6 +183,19 @@ impl InCluster {
         Ok(String::from_utf8(out.stdout)?)
     }
 
+    /// [`Self::kubectl`] on a blocking thread. The tests run on a single-threaded runtime, so a
+    /// long synchronous call (`kubectl rollout status`) would hold up their background tasks
+    /// (a steady writer, say) for as long as it runs.
+    pub async fn kubectl_beside_tasks(&'static self, args: &[&str]) -> anyhow::Result<String> {
+        let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+        tokio::task::spawn_blocking(move || {
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            self.kubectl(&args)
+        })
+        .await
+        .context("kubectl's thread failed")?
+    }
+
     /// `kubectl ... -o json`, parsed.
     pub fn kubectl_json(&self, args: &[&str]) -> anyhow::Result<serde_json::Value> {
         let mut all = args.to_vec();

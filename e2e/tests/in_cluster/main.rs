@@ -1010,21 +1010,25 @@ async fn rollout_restart_of_the_sharder_refuses_no_write() -> anyhow::Result<()>
     let writer = {
         let (client, namespace, stop) = (client.clone(), namespace.clone(), stop.clone());
         tokio::spawn(async move {
-            let (mut created, mut labelled, mut errors) = (0, 0, Vec::new());
+            let (mut attempts, mut labelled, mut errors) = (Vec::new(), 0, Vec::new());
             while !stop.is_cancelled() {
+                let created = attempts.len();
+                attempts.push(Instant::now());
                 match create_secrets(&client, kind, &namespace, created..created + 1).await {
                     Ok(n) => labelled += n,
                     Err(e) => errors.push(format!("{e:#}")),
                 }
-                created += 1;
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
-            (created, labelled, errors)
+            (attempts, labelled, errors)
         })
     };
     tokio::time::sleep(Duration::from_secs(2)).await;
-    c.kubectl(&["-n", SYSTEM, "rollout", "restart", "deployment", "sharder"])?;
-    c.kubectl(&[
+    // kubectl off the test's runtime, so that the writer keeps writing while the sharder rolls.
+    let rolling = Instant::now();
+    c.kubectl_beside_tasks(&["-n", SYSTEM, "rollout", "restart", "deployment", "sharder"])
+        .await?;
+    c.kubectl_beside_tasks(&[
         "-n",
         SYSTEM,
         "rollout",
@@ -1032,14 +1036,27 @@ async fn rollout_restart_of_the_sharder_refuses_no_write() -> anyhow::Result<()>
         "deployment",
         "sharder",
         "--timeout=180s",
-    ])?;
+    ])
+    .await?;
+    let rolled = rolling.elapsed();
     tokio::time::sleep(Duration::from_secs(3)).await;
     stop.cancel();
-    let (created, labelled, errors) = writer.await?;
+    let (attempts, labelled, errors) = writer.await?;
+    let created = attempts.len();
     ensure!(
         errors.is_empty(),
         "{} of {created} creates failed: {errors:?}",
         errors.len()
+    );
+    // At least one create a second while the sharder rolled (one every 100 ms is the aim), so
+    // that "no write refused" speaks of the rollout itself.
+    let during = attempts
+        .iter()
+        .filter(|at| (rolling..=rolling + rolled).contains(*at))
+        .count();
+    ensure!(
+        during as f64 >= rolled.as_secs_f64(),
+        "only {during} creates were sent during the {rolled:?} the rollout took"
     );
     wait_converged(c, kind, &namespace, Duration::from_secs(30)).await?;
     let new_leader = eventually(
@@ -1056,8 +1073,9 @@ async fn rollout_restart_of_the_sharder_refuses_no_write() -> anyhow::Result<()>
     .await?;
     ensure!(new_leader != leader_before, "the leader did not move");
     eprintln!(
-        "rollout restart: {created} Secrets created, {labelled} labelled in admission, 0 refused; \
-         leader {leader_before} → {new_leader}"
+        "rollout restart: {created} Secrets created ({during} while the sharder rolled for \
+         {rolled:?}), {labelled} labelled in admission, 0 refused; leader {leader_before} → \
+         {new_leader}"
     );
     c.kubectl(&["delete", "namespace", &namespace, "--wait=false"])?;
     guard.passed();
