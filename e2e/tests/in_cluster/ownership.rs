@@ -56,17 +56,15 @@ impl ShardLogs {
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()?;
+        // Made inside the follower's runtime, so its connection tasks run there.
+        let client = {
+            let _inside = runtime.enter();
+            Client::try_from(config)?
+        };
         let thread = std::thread::Builder::new()
             .name("shard-logs".into())
             .spawn(move || {
-                runtime.block_on(async move {
-                    match Client::try_from(config) {
-                        Ok(client) => {
-                            follow_pods(client, namespace, selector, records_, stop_).await
-                        }
-                        Err(error) => eprintln!("shard logs: no client: {error}"),
-                    }
-                });
+                runtime.block_on(follow_pods(client, namespace, selector, records_, stop_));
             })?;
         Ok(Self {
             records,
