@@ -1,6 +1,6 @@
 //! The `ClusterRing` API (docs/protocol.md §1).
 
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, LabelSelector};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, LabelSelector, Time};
 use kube::CustomResource;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -196,6 +196,24 @@ pub struct ClusterRingStatus {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
     pub conditions: Vec<Condition>,
+    /// Shards that may still be running although their Lease left the ring while they held it
+    /// (deleted, relabelled, or its holder changed without the shard's release mark): until the
+    /// given time their objects leave them only through drains (docs/protocol.md §18). Kept here
+    /// so that a sharder that starts meanwhile still knows them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["name"]))]
+    pub departed_shards: Vec<DepartedShard>,
+}
+
+/// A shard whose Lease left its ring while the shard may still be running.
+#[derive(Clone, Debug, Deserialize, Serialize, JsonSchema, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct DepartedShard {
+    /// The shard's name.
+    pub name: String,
+    /// Until when the shard may be running: two lease durations after the last renewal the
+    /// sharder saw.
+    pub until: Time,
 }
 
 impl ClusterRingSpec {

@@ -66,6 +66,14 @@ pub const LABEL_STATE: &str = "alpha.sharding.timebertt.dev/state";
 /// it; shards of other libraries ignore it and simply receive no objects.
 pub const ANNOTATION_EXCLUDED: &str = "alpha.sharding.timebertt.dev/excluded";
 
+/// Annotation a shard writes on its own Lease in the same write that empties the holder, with the
+/// holder identity it gives up as value: the shard released the Lease itself, has stopped, and its
+/// objects may move directly (docs/protocol.md §4). Our extension: a held Lease whose holder is
+/// emptied or changed *without* it (by a third party, or by a shard of another library) counts
+/// as a departure, so the objects leave the shard only through drains until the shard cannot be
+/// running any more. Acquiring the Lease removes it.
+pub const ANNOTATION_RELEASED_BY: &str = "alpha.sharding.timebertt.dev/released-by";
+
 /// Prefix of the ring-specific shard label key on sharded objects.
 pub const SHARD_LABEL_PREFIX: &str = "shard.alpha.sharding.timebertt.dev/";
 

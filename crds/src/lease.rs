@@ -27,6 +27,13 @@ pub const DEFAULT_RENEW_DEADLINE: Duration = Duration::from_secs(10);
 /// Default interval between attempts to acquire or renew a Lease.
 pub const DEFAULT_RETRY_PERIOD: Duration = Duration::from_secs(2);
 
+/// The longest lease duration the sharder counts (docs/protocol.md §4): a Lease that claims more is
+/// judged as if it said this, so a shard that died is taken over at most twice this long after
+/// its last renewal, whatever its fields say. A holder must therefore not use a longer one:
+/// [`LeaseTiming::validate`] refuses it, since the sharder would take over a Lease its holder
+/// still considers its own.
+pub const MAX_LEASE_DURATION: Duration = Duration::from_secs(300);
+
 /// Lease duration assumed when a Lease lacks `acquireTime`, `renewTime` or a positive
 /// `leaseDurationSeconds` (docs/protocol.md §4).
 const MISSING_LEASE_DURATION: SignedDuration = SignedDuration::from_secs(15);
@@ -117,6 +124,10 @@ pub enum LeaseTimingError {
     /// The Lease stores whole seconds, so a shorter duration cannot be written.
     #[error("must be at least one second")]
     LeaseDurationTooShort,
+    /// The sharder counts at most [`MAX_LEASE_DURATION`]: a longer one would let it take the Lease
+    /// over while its holder still considers it held.
+    #[error("must be at most 300 seconds, the longest lease duration the sharder counts")]
+    LeaseDurationTooLong,
     /// A zero renew deadline gives the Lease up at once.
     #[error("must be positive")]
     RenewDeadlineNotPositive,
@@ -136,7 +147,7 @@ impl LeaseTimingError {
     #[must_use]
     pub const fn field(self) -> &'static str {
         match self {
-            Self::LeaseDurationTooShort => "leaseDuration",
+            Self::LeaseDurationTooShort | Self::LeaseDurationTooLong => "leaseDuration",
             Self::RenewDeadlineNotPositive | Self::RenewDeadlineNotShorter => "renewDeadline",
             Self::RetryPeriodNotPositive | Self::RetryPeriodNotShorter => "retryPeriod",
         }
@@ -144,11 +155,14 @@ impl LeaseTimingError {
 }
 
 impl LeaseTiming {
-    /// Checks `0 < retry_period < renew_deadline < lease_duration` and a lease duration of at
-    /// least one second; the error names the first offending value.
+    /// Checks `0 < retry_period < renew_deadline < lease_duration` and a lease duration from one
+    /// second to [`MAX_LEASE_DURATION`]; the error names the first offending value.
     pub fn validate(&self) -> Result<(), LeaseTimingError> {
         if self.lease_duration < Duration::from_secs(1) {
             return Err(LeaseTimingError::LeaseDurationTooShort);
+        }
+        if self.lease_duration > MAX_LEASE_DURATION {
+            return Err(LeaseTimingError::LeaseDurationTooLong);
         }
         if self.renew_deadline.is_zero() {
             return Err(LeaseTimingError::RenewDeadlineNotPositive);
@@ -841,6 +855,16 @@ mod tests {
                 LeaseTimingError::LeaseDurationTooShort,
             ),
             (with(500, 400, 100), LeaseTimingError::LeaseDurationTooShort),
+            // The audit's case: the sharder would take over after 2 × 300 s while the holder,
+            // partitioned for 650 s, still counts on its 800 s renew deadline.
+            (
+                with(900_000, 800_000, 2_000),
+                LeaseTimingError::LeaseDurationTooLong,
+            ),
+            (
+                with(300_001, 10_000, 2_000),
+                LeaseTimingError::LeaseDurationTooLong,
+            ),
             (
                 with(15_000, 0, 2_000),
                 LeaseTimingError::RenewDeadlineNotPositive,
@@ -874,6 +898,7 @@ mod tests {
             "retryPeriod"
         );
         assert_eq!(with(1_000, 900, 100).validate(), Ok(()));
+        assert_eq!(with(300_000, 10_000, 2_000).validate(), Ok(()));
         assert_eq!(with(2_500, 2_000, 100).lease_duration_seconds(), 3);
         let huge = LeaseTiming {
             lease_duration: Duration::from_secs(u64::MAX),

@@ -25,8 +25,8 @@ pub mod ring_kind;
 pub mod selector;
 
 pub use cluster_ring::{
-    Assignment, ClusterRing, ClusterRingSpec, ClusterRingStatus, GroupResource, HashKey,
-    RingResource,
+    Assignment, ClusterRing, ClusterRingSpec, ClusterRingStatus, DepartedShard, GroupResource,
+    HashKey, RingResource,
 };
 pub use controller_ring::{ControllerRing, ControllerRingSpec};
 pub use ring_kind::{RingKind, RingObject, RingRef};

@@ -169,6 +169,6 @@ pub use crate::drain::{Disposition, DrainPassthrough, ReconcileError};
 pub use crate::lease::{GuardEnd, HeldLease, HeldRunEnd, LeaseGuard, LeaseLock, LeaseLockConfig};
 pub use crate::membership::{EVENT_SHARD_EXCLUDED, EVENT_TERM_STARTED, ShardRunEnd, Term};
 pub use crate::ownership::{Ownership, OwnershipError};
-pub use crate::shard::{DEFAULT_REJOIN_PAUSE, Shard};
+pub use crate::shard::{DEFAULT_JUDGEMENT_FALLBACK, DEFAULT_REJOIN_PAUSE, Shard};
 /// The kind of ring a [`Shard`] joins.
 pub use sharding_crds::RingKind;

@@ -3,12 +3,13 @@
 //! excludes the Lease from the ring.
 
 use std::future::Future;
+use std::time::Duration;
 
 use futures::StreamExt;
 use sharding_crds::labels::LABEL_STATE;
 use sharding_crds::lease::ShardState;
 use tokio_util::sync::CancellationToken;
-use tracing::{error, info};
+use tracing::{error, info, warn};
 
 use crate::Shard;
 use crate::lease::{Error, LeaseGuard, LeaseLock, RunEnd};
@@ -21,6 +22,15 @@ pub const EVENT_SHARD_EXCLUDED: &str = "shard_excluded";
 /// long it waited for the sharder to judge a Lease just created or taken over (0 otherwise).
 pub const EVENT_TERM_STARTED: &str = "term_started";
 
+/// How the wait for the sharder's judgement of a new holding ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Judgement {
+    /// The sharder admitted this holding.
+    Admitted,
+    /// No sharder labelled the Lease within the fallback: none serves the ring.
+    NoSharder,
+}
+
 /// Resolves once a version of the Lease `lock` just created or took over shows that the sharder
 /// admitted this holding: held by us, with the sharder's state label ([`LABEL_STATE`]) `ready`,
 /// which the acquiring write removed, so the sharder wrote it after seeing us, and without the
@@ -28,33 +38,64 @@ pub const EVENT_TERM_STARTED: &str = "term_started";
 /// resolves otherwise (an exclusion reaches the renewer, which ends the term).
 ///
 /// The sharder holds `ready` back while it still moves objects off this shard from when it was
-/// unavailable (docs/protocol.md §22), so the work's first listing no longer sees them.
-fn admitted(lock: &LeaseLock) -> impl Future<Output = ()> + Send + 'static {
+/// unavailable (docs/protocol.md §22), so the work's first listing no longer sees them. Only
+/// when `fallback` has passed since the acquiring write, the holding was renewed (an exclusion
+/// arrives with a renewal's answer at the latest), and no version of the Lease since that write
+/// carried a state label at all, does it conclude that no sharder serves the ring
+/// ([`Judgement::NoSharder`]): a sharder that labelled the Lease is waited for, however long.
+fn judgement(
+    lock: &LeaseLock,
+    renewed: LeaseGuard,
+    fallback: Duration,
+) -> impl Future<Output = Judgement> + Send + 'static {
     let mut versions = lock.changes();
     let config = lock.config();
     let identity = config.identity().to_string();
     let exclusion = config.exclusion_annotation().map(str::to_string);
+    let deadline = tokio::time::Instant::now() + fallback;
     async move {
-        while let Some(lease) = versions.next().await {
-            let meta = &lease.metadata;
-            let ours = lease
-                .spec
-                .as_ref()
-                .and_then(|s| s.holder_identity.as_deref())
-                == Some(identity.as_str());
-            let labelled = meta.labels.as_ref().is_some_and(|l| {
-                l.get(LABEL_STATE).map(String::as_str) == Some(ShardState::Ready.as_str())
-            });
-            let excluded = exclusion.as_ref().is_some_and(|key| {
-                meta.annotations
-                    .as_ref()
-                    .is_some_and(|a| a.contains_key(key))
-            });
-            if ours && labelled && !excluded {
-                return;
+        let no_sharder_yet = async {
+            if renewed.renewed().await.is_err() {
+                // Ended meanwhile: `run` reports how.
+                std::future::pending::<()>().await;
+            }
+            tokio::time::sleep_until(deadline).await;
+        };
+        tokio::pin!(no_sharder_yet);
+        let (mut labelled_since, mut waited) = (false, false);
+        loop {
+            tokio::select! {
+                version = versions.next() => {
+                    let Some(lease) = version else {
+                        return std::future::pending().await;
+                    };
+                    let meta = &lease.metadata;
+                    let ours = lease
+                        .spec
+                        .as_ref()
+                        .and_then(|s| s.holder_identity.as_deref())
+                        == Some(identity.as_str());
+                    let state = meta.labels.as_ref().and_then(|l| l.get(LABEL_STATE));
+                    let excluded = exclusion.as_ref().is_some_and(|key| {
+                        meta.annotations
+                            .as_ref()
+                            .is_some_and(|a| a.contains_key(key))
+                    });
+                    if ours && state.is_some() {
+                        labelled_since = true;
+                        if state.map(String::as_str) == Some(ShardState::Ready.as_str()) && !excluded {
+                            return Judgement::Admitted;
+                        }
+                    }
+                }
+                () = &mut no_sharder_yet, if !waited => {
+                    waited = true;
+                    if !labelled_since {
+                        return Judgement::NoSharder;
+                    }
+                }
             }
         }
-        std::future::pending().await
     }
 }
 
@@ -110,14 +151,15 @@ impl Shard {
     /// or after the Lease expired), the work starts only once the sharder has judged this
     /// holding: the acquiring write removes the sharder's state label, and a watch of the Lease
     /// sees the sharder write `ready` again (together with the exclusion annotation when it
-    /// excludes the Lease) without an exclusion, usually within milliseconds; or, with a
-    /// sharder that never labels `ready`, after the first successful renewal (one retry
-    /// period), whose answer carries an exclusion if there is one. Until then the objects
+    /// excludes the Lease) without an exclusion, usually within milliseconds. Until then the objects
     /// labelled with this name may be another copy's, and objects the sharder was moving off
     /// this shard while it was unavailable may still be on their way: the sharder writes `ready`
-    /// only when those moves have landed (docs/protocol.md §22). Renewing a Lease this shard
-    /// still held (a restart within the Lease duration) needs no judgement: to the sharder the
-    /// shard never left.
+    /// only when those moves have landed (docs/protocol.md §22), however long they take. Only
+    /// when no sharder has labelled the Lease at all since it was taken, for
+    /// [`Shard::with_judgement_fallback`] (60 s by default) and at least one renewal, does the
+    /// work start without a judgement (a warning says so). Renewing a Lease this shard still
+    /// held (a restart within the Lease duration) needs no judgement: to the sharder the shard
+    /// never left.
     ///
     /// [`HeldLease::run_while_held`]: crate::HeldLease::run_while_held
     /// [`ANNOTATION_EXCLUDED`]: sharding_crds::labels::ANNOTATION_EXCLUDED
@@ -145,10 +187,10 @@ impl Shard {
             // label, or at the latest with the first renewal. Until then the objects labelled
             // with this name may be another copy's, or still on their way to other shards.
             let probation = held.created() || held.unjudged();
+            let fallback = self.judgement_fallback();
             let end = held
                 .run(shutdown, |stop| {
-                    let first_renewal = guard.clone();
-                    let judged = probation.then(|| admitted(lock));
+                    let judged = probation.then(|| judgement(lock, guard.clone(), fallback));
                     let work = work(Term {
                         guard,
                         stop,
@@ -157,22 +199,25 @@ impl Shard {
                     let shard = self.name().to_string();
                     async move {
                         let acquired = std::time::Instant::now();
-                        if let Some(judged) = judged {
-                            // Whichever comes first; an exclusion ends the term through the
-                            // renewer either way.
-                            tokio::select! {
-                                renewed = first_renewal.renewed() => if renewed.is_err() {
-                                    // Ended meanwhile: `run` reports how.
-                                    return std::future::pending().await;
-                                },
-                                () = judged => {}
-                            }
+                        // An exclusion ends the term through the renewer while this waits.
+                        let judgement = match judged {
+                            Some(judged) => judged.await,
+                            None => Judgement::Admitted,
+                        };
+                        if judgement == Judgement::NoSharder {
+                            warn!(
+                                %shard,
+                                term = number,
+                                ?fallback,
+                                "no sharder labelled this shard's Lease since it was taken: starting work without the sharder's judgement"
+                            );
                         }
                         info!(
                             event = EVENT_TERM_STARTED,
                             %shard,
                             term = number,
                             waited_ms = acquired.elapsed().as_secs_f64() * 1e3,
+                            judged = judgement == Judgement::Admitted,
                             "starting work"
                         );
                         work.await;

@@ -35,10 +35,16 @@ pub struct Shard {
     weight: Option<u32>,
     leaves_controlled_objects: bool,
     rejoin_pause: Duration,
+    judgement_fallback: Duration,
 }
 
 /// How long [`Shard::run`] waits by default before rejoining after an exclusion.
 pub const DEFAULT_REJOIN_PAUSE: Duration = Duration::from_secs(30);
+
+/// How long [`Shard::run`] waits by default for a sharder's judgement of a Lease it just created
+/// or took over before it concludes that no sharder serves the ring: far longer than the sharder
+/// takes to land the moves it holds `ready` back for, which take milliseconds to seconds.
+pub const DEFAULT_JUDGEMENT_FALLBACK: Duration = Duration::from_secs(60);
 
 impl Shard {
     /// A shard named `name` (also the name and holder identity of its Lease) in ring `ring`.
@@ -81,6 +87,7 @@ impl Shard {
             weight: None,
             leaves_controlled_objects: false,
             rejoin_pause: DEFAULT_REJOIN_PAUSE,
+            judgement_fallback: DEFAULT_JUDGEMENT_FALLBACK,
         }
     }
 
@@ -121,6 +128,24 @@ impl Shard {
     /// How long [`Shard::run`] waits before rejoining after an exclusion.
     pub fn rejoin_pause(&self) -> Duration {
         self.rejoin_pause
+    }
+
+    /// The shard starting work on a Lease it just created or took over without the sharder's
+    /// `ready` only once `fallback` (instead of [`DEFAULT_JUDGEMENT_FALLBACK`]) has passed and
+    /// no sharder has labelled the Lease since this shard took it (see [`Shard::run`]).
+    ///
+    /// **Sharp edge:** a short fallback lets the work start while the sharder still moves
+    /// objects off this shard from its previous term; keep it far above the time those moves
+    /// take.
+    #[must_use]
+    pub fn with_judgement_fallback(mut self, fallback: Duration) -> Self {
+        self.judgement_fallback = fallback;
+        self
+    }
+
+    /// How long [`Shard::run`] waits for a judgement before it concludes that no sharder runs.
+    pub fn judgement_fallback(&self) -> Duration {
+        self.judgement_fallback
     }
 
     /// The kind of the ring.
@@ -172,8 +197,10 @@ impl Shard {
     /// name, labelled with the ring (the label key depends on the ring kind), annotated with the
     /// weight if one was set and with `"true"` if the shard leaves its controlled objects to the
     /// sharder (removed otherwise, so that a restart without it takes back what the shard said
-    /// before), and watching the sharder's exclusion annotation
-    /// ([`labels::ANNOTATION_EXCLUDED`], see [`LeaseLockConfig::with_exclusion_annotation`]).
+    /// before), watching the sharder's exclusion annotation
+    /// ([`labels::ANNOTATION_EXCLUDED`], see [`LeaseLockConfig::with_exclusion_annotation`]), and
+    /// marking its releases ([`labels::ANNOTATION_RELEASED_BY`], see
+    /// [`LeaseLockConfig::with_release_mark`]).
     /// Default timing; adjust it with the `with_*` methods.
     pub fn lease_config(&self) -> LeaseLockConfig {
         // Dropping the other kind's ring label lets a shard move between kinds on the same Lease:
@@ -182,7 +209,8 @@ impl Shard {
             .with_label(self.kind.lease_label(), &self.ring)
             .without_label(self.kind.other().lease_label())
             .with_exclusion_annotation(labels::ANNOTATION_EXCLUDED)
-            .with_verdict_label(labels::LABEL_STATE);
+            .with_verdict_label(labels::LABEL_STATE)
+            .with_release_mark(labels::ANNOTATION_RELEASED_BY);
         let config = if self.leaves_controlled_objects {
             config.with_annotation(labels::ANNOTATION_LEAVES_CONTROLLED_OBJECTS, "true")
         } else {

@@ -80,6 +80,10 @@ async fn valid_ring_round_trips_with_status() -> anyhow::Result<()> {
             observed_generation: created.metadata.generation,
             last_transition_time: Time(k8s_openapi::jiff::Timestamp::from_second(1_700_000_000)?),
         }],
+        departed_shards: vec![sharding_crds::DepartedShard {
+            name: "shard-a".into(),
+            until: Time(k8s_openapi::jiff::Timestamp::from_second(1_700_000_030)?),
+        }],
     };
     // A running sharder writes this ring's status too, so each check reads the answer to its own
     // write rather than a later GET.

@@ -28,6 +28,7 @@ pub struct LeaseLockConfig {
     pub(super) removed_annotations: Vec<String>,
     pub(super) exclusion_annotation: Option<String>,
     pub(super) verdict_label: Option<String>,
+    pub(super) release_mark: Option<String>,
     pub(super) timing: LeaseTiming,
 }
 
@@ -52,6 +53,7 @@ impl LeaseLockConfig {
             removed_annotations: Vec::new(),
             exclusion_annotation: None,
             verdict_label: None,
+            release_mark: None,
             timing: LeaseTiming::default(),
         }
     }
@@ -175,6 +177,23 @@ impl LeaseLockConfig {
     /// The label the lock treats as an observer's verdict on the holder, if any.
     pub fn verdict_label(&self) -> Option<&str> {
         self.verdict_label.as_deref()
+    }
+
+    /// Makes the lock mark its own releases: the write that empties the holder also sets the
+    /// annotation `key` to the identity that gives the Lease up, and every write that acquires
+    /// or renews the Lease removes it. The sharder moves a shard's objects directly only after
+    /// a release marked this way (docs/protocol.md §4); any other emptied or changed holder
+    /// may have been written by someone else while the shard still runs, so its objects leave
+    /// through drains.
+    #[must_use]
+    pub fn with_release_mark(mut self, key: impl Into<String>) -> Self {
+        self.release_mark = Some(key.into());
+        self
+    }
+
+    /// The annotation with which the lock marks its own releases, if any.
+    pub fn release_mark(&self) -> Option<&str> {
+        self.release_mark.as_deref()
     }
 
     /// Annotations the lock keeps on the Lease.

@@ -277,7 +277,13 @@ impl Inner {
         lease.metadata.annotations =
             merge_labels(lease.metadata.annotations.take(), &self.config.annotations);
         if let Some(annotations) = lease.metadata.annotations.as_mut() {
-            for key in &self.config.removed_annotations {
+            // A write that holds the Lease ends what a release mark said; `release` adds it back.
+            for key in self
+                .config
+                .removed_annotations
+                .iter()
+                .chain(&self.config.release_mark)
+            {
                 annotations.remove(key);
             }
         }
@@ -383,7 +389,14 @@ impl Inner {
             if !is_held_by(Some(&spec), &self.config.identity) {
                 return Ok(None);
             }
-            let released = self.with_spec(Some(lease), released_spec(&spec));
+            let mut released = self.with_spec(Some(lease), released_spec(&spec));
+            if let Some(key) = &self.config.release_mark {
+                released
+                    .metadata
+                    .annotations
+                    .get_or_insert_default()
+                    .insert(key.clone(), self.config.identity.clone());
+            }
             match self.store.replace(&released).await {
                 Ok(written) => return Ok(Some(written)),
                 Err(e) if is_conflict(&e) || is_not_found(&e) => {

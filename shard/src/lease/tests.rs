@@ -70,6 +70,10 @@ fn config_validation() {
             .with_lease_duration(Duration::from_millis(500))
             .with_renew_deadline(Duration::from_millis(400))
             .with_retry_period(Duration::from_millis(100)),
+        // Longer than the sharder counts: it would take the Lease over while still held.
+        ok.clone()
+            .with_lease_duration(Duration::from_secs(900))
+            .with_renew_deadline(Duration::from_secs(800)),
     ];
     for config in bad {
         assert!(config.validate().is_err(), "{config:?}");
@@ -320,6 +324,35 @@ async fn second_identity_waits_while_the_first_renews_and_gets_it_on_release() {
     assert_eq!(spec.holder_identity.as_deref(), Some("replica-2"));
     assert_eq!(spec.lease_transitions, Some(1));
     assert!(!held.is_lost());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_release_is_marked_in_the_same_write_and_acquiring_removes_the_mark() {
+    const MARK: &str = "released-by";
+    let marked = |fake: &FakeStore, identity: &str| {
+        let config = LeaseLockConfig::new("ns", "shard-a", identity)
+            .with_release_mark(MARK)
+            .with_lease_duration(DURATION)
+            .with_renew_deadline(DEADLINE)
+            .with_retry_period(RETRY);
+        LeaseLock::with_store(Store::Fake(fake.clone()), config, test_clock()).expect("valid")
+    };
+    let annotation = |fake: &FakeStore| {
+        fake.lease()
+            .and_then(|l| l.metadata.annotations)
+            .and_then(|a| a.get(MARK).cloned())
+    };
+    let fake = FakeStore::new();
+    let held = marked(&fake, "shard-a").acquire().await;
+    assert_eq!(annotation(&fake), None);
+    assert!(held.release().await.expect("release"));
+    // One write: the holder emptied and the mark naming who gave it up.
+    assert_eq!(spec(&fake).holder_identity.as_deref(), Some(""));
+    assert_eq!(annotation(&fake).as_deref(), Some("shard-a"));
+    // Taking it again removes the mark, so a later emptying by anyone else is not a release.
+    let again = marked(&fake, "shard-a").acquire().await;
+    assert_eq!(annotation(&fake), None);
+    drop(again);
 }
 
 #[tokio::test(start_paused = true)]
@@ -851,9 +884,10 @@ async fn work_on_a_created_lease_starts_when_the_sharder_labels_it() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn work_on_a_created_lease_waits_for_the_first_renewal() {
+async fn work_on_a_created_lease_no_sharder_labels_starts_after_the_fallback() {
     use crate::ShardRunEnd;
-    let shard = crate::Shard::new("r", "shard-a", "ns");
+    let fallback = Duration::from_secs(60);
+    let shard = crate::Shard::new("r", "shard-a", "ns").with_judgement_fallback(fallback);
     for excluded_at_once in [false, true] {
         let fake = FakeStore::new();
         let shutdown = CancellationToken::new();
@@ -867,12 +901,24 @@ async fn work_on_a_created_lease_waits_for_the_first_renewal() {
         }
         tokio::time::sleep(RETRY + Duration::from_millis(100)).await;
         settle().await;
+        // Renewed, but the sharder may still be moving objects off this shard: no start yet.
+        assert_eq!(
+            *started.lock().expect("lock"),
+            None,
+            "not at the first renewal"
+        );
+        tokio::time::sleep(fallback).await;
+        settle().await;
         let at = *started.lock().expect("lock");
         if excluded_at_once {
             assert_eq!(at, None, "never worked on another copy's objects");
             assert_eq!(spec(&fake).holder_identity.as_deref(), Some(""));
         } else {
-            assert_eq!(at, Some(begin + RETRY), "started with the first renewal");
+            assert_eq!(
+                at,
+                Some(begin + fallback),
+                "started once the fallback passed"
+            );
         }
         shutdown.cancel();
         let ended = run.await.expect("task ok").expect("no error");
@@ -944,6 +990,49 @@ async fn work_on_a_taken_over_lease_starts_on_a_ready_written_after_the_take() {
     assert_eq!(
         *started.lock().expect("lock"),
         Some(begin + Duration::from_millis(500)),
+        "started on `ready`"
+    );
+    shutdown.cancel();
+    let ended = run.await.expect("task ok").expect("no error");
+    assert_eq!(ended, crate::ShardRunEnd::Stopped { released: true });
+}
+
+/// The sharder holds `ready` back while it still moves objects off the shard (docs/protocol.md
+/// §22): a shard that takes its Lease back waits for it however long the moves take, once the
+/// sharder has shown itself by labelling the Lease, and never starts at its first renewal.
+#[tokio::test(start_paused = true)]
+async fn work_on_a_taken_lease_waits_for_ready_past_renewals_and_the_fallback() {
+    let fallback = Duration::from_secs(60);
+    let shard = crate::Shard::new("r", "shard-a", "ns").with_judgement_fallback(fallback);
+    let fake = FakeStore::new();
+    let held = judged_lock(&fake).acquire().await;
+    set_state_label(&fake, "ready");
+    assert!(held.release().await.expect("released"));
+
+    let shutdown = CancellationToken::new();
+    let begin = Instant::now();
+    let (started, run) = spawn_shard_run(&shard, judged_lock(&fake), &shutdown);
+    settle().await;
+    assert_eq!(state_label(&fake), None, "the take removed the old verdict");
+    // Renewals go on while the sharder's moves are in flight: no start.
+    tokio::time::sleep(RETRY * 3).await;
+    settle().await;
+    assert_eq!(*started.lock().expect("lock"), None, "not at a renewal");
+    // The sharder labels the Lease (here `expired`, a late renewal seen): it runs, so its
+    // `ready` is waited for past the fallback.
+    set_state_label(&fake, "expired");
+    tokio::time::sleep(fallback * 2).await;
+    settle().await;
+    assert_eq!(
+        *started.lock().expect("lock"),
+        None,
+        "not while a sharder withholds ready"
+    );
+    set_state_label(&fake, "ready");
+    settle().await;
+    assert_eq!(
+        *started.lock().expect("lock"),
+        Some(begin + RETRY * 3 + fallback * 2),
         "started on `ready`"
     );
     shutdown.cancel();

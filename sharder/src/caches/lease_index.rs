@@ -12,9 +12,12 @@
 //!
 //! Every other event costs one hash of the Lease's metadata and one state evaluation.
 //!
-//! The index also remembers shards whose Lease left a ring while they held it (deleted, or
-//! relabelled by someone else): they may still be running until the Lease would have become
-//! `uncertain`, and it announces a membership change of the ring once that time is over.
+//! The index also remembers shards whose Lease left a ring while they held it (deleted,
+//! relabelled, or its holder emptied or changed by someone other than the shard): they may still
+//! be running until the Lease would have become `uncertain`, and it announces a membership change
+//! of the ring once that time is over. Only a release the shard marks itself
+//! ([`ANNOTATION_RELEASED_BY`] with its identity, written with the emptied holder) says that it
+//! has stopped; the sharder cannot tell any other write to the holder from one by a third party.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::hash::{Hash, Hasher};
@@ -26,7 +29,7 @@ use kube::ResourceExt;
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::watcher;
 use sharding_crds::RingKind;
-use sharding_crds::labels::LABEL_STATE;
+use sharding_crds::labels::{ANNOTATION_RELEASED_BY, LABEL_STATE};
 use sharding_crds::lease::{ShardLease, ShardState};
 use tokio::sync::broadcast;
 
@@ -70,8 +73,8 @@ pub(crate) struct LeaseIndex {
 struct Inner {
     /// Ring name → its Leases.
     by_ring: HashMap<String, HashSet<ObjectRef<Lease>>>,
-    /// Lease → (its ring, the fingerprint of what membership depends on).
-    leases: HashMap<ObjectRef<Lease>, (String, u64)>,
+    /// Lease → what the index last saw of it.
+    leases: HashMap<ObjectRef<Lease>, Entry>,
     /// Ring name → how many membership changes it has seen, for caches of per-ring results.
     versions: HashMap<String, u64>,
     /// Bumped on every rebuild, which may change any ring.
@@ -79,6 +82,61 @@ struct Inner {
     /// Ring name → shards whose Lease left the ring (deleted, relabelled) while held by the shard
     /// and not yet `uncertain`, with when it would have been: until then the shard may still run.
     departed: HashMap<String, BTreeMap<String, Departure>>,
+}
+
+/// What the index keeps of one Lease.
+#[derive(Debug)]
+struct Entry {
+    /// Its ring (by its ring label).
+    ring: String,
+    /// The fingerprint of what membership depends on.
+    fingerprint: u64,
+    /// While the shard itself holds the Lease and it is not yet `uncertain`: until when the
+    /// shard may be running, and whether the Lease already carried the shard's release mark.
+    held: Option<Held>,
+}
+
+/// A Lease held by its shard, as last seen.
+#[derive(Clone, Copy, Debug)]
+struct Held {
+    /// When the Lease would become `uncertain`: two lease durations after the last renewal seen.
+    until: Timestamp,
+    /// Whether [`ANNOTATION_RELEASED_BY`] named the holder already: a mark left over from an
+    /// earlier release says nothing about the next write.
+    marked: bool,
+}
+
+impl Held {
+    /// What `lease` says at `now`, if its shard holds it and may be running.
+    fn of(lease: &Lease, now: Timestamp) -> Option<Self> {
+        let shard_lease = ShardLease::from_lease(lease);
+        if !shard_lease.is_held_by_shard() {
+            return None;
+        }
+        let until = running_until(&shard_lease, now)?;
+        Some(Self {
+            until,
+            marked: released_by(lease) == Some(shard_lease.name),
+        })
+    }
+}
+
+/// The holder a shard named when it released `lease` itself ([`ANNOTATION_RELEASED_BY`]).
+fn released_by(lease: &Lease) -> Option<&str> {
+    lease
+        .annotations()
+        .get(ANNOTATION_RELEASED_BY)
+        .map(String::as_str)
+}
+
+/// Until when the holder of `lease` may be running: two lease durations after its last renewal
+/// the sharder saw, unless the Lease is `uncertain` already (`None`).
+fn running_until(lease: &ShardLease<'_>, now: Timestamp) -> Option<Timestamp> {
+    let (state, _) = lease.evaluate(now);
+    let expiry = lease.expiry().filter(|_| state != ShardState::Uncertain)?;
+    let duration =
+        SignedDuration::from_secs(i64::from(lease.lease_duration_seconds.unwrap_or_default()));
+    Some(expiry.checked_add(duration).unwrap_or(Timestamp::MAX))
 }
 
 /// A shard whose held Lease left its ring; see [`LeaseIndex::departed_shards`].
@@ -196,9 +254,10 @@ impl LeaseIndex {
     }
 
     /// The shards of ring `ring` whose Lease left the ring at most two lease durations after its
-    /// last renewal the sharder saw, while held by the shard: deleted, or relabelled away (by
-    /// anyone allowed to), it may still be running and reconciling its objects. Until then those
-    /// leave it only through drains, as from a shard kept out of the ring.
+    /// last renewal the sharder saw, while held by the shard: deleted, relabelled away, or its
+    /// holder emptied or changed without the shard's own release mark (by anyone allowed to),
+    /// it may still be running and reconciling its objects. Until then those leave it only
+    /// through drains, as from a shard kept out of the ring.
     pub(crate) fn departed_shards(&self, ring: &str, now: Timestamp) -> BTreeSet<String> {
         self.inner
             .read()
@@ -215,6 +274,57 @@ impl LeaseIndex {
             .unwrap_or_default()
     }
 
+    /// The departures of ring `ring` that are not over at `now`: each shard with the time until
+    /// which it may still run (see [`LeaseIndex::departed_shards`]).
+    pub(crate) fn departures(&self, ring: &str, now: Timestamp) -> BTreeMap<String, Timestamp> {
+        self.inner
+            .read()
+            .map(|inner| {
+                inner
+                    .departed
+                    .get(ring)
+                    .into_iter()
+                    .flatten()
+                    .filter(|(_, d)| d.until > now)
+                    .map(|(shard, d)| (shard.clone(), d.until))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// Takes in a departure that another sharder process recorded (in the ring's status) before
+    /// this one saw the Lease leave: shard `shard` of ring `ring` may run until `until`. Returns
+    /// whether it was new to this index (or later than what it knew).
+    pub(crate) fn adopt_departure(
+        &self,
+        ring: &str,
+        shard: &str,
+        until: Timestamp,
+        now: Timestamp,
+    ) -> bool {
+        if until <= now {
+            return false;
+        }
+        let Ok(mut inner) = self.inner.write() else {
+            return false;
+        };
+        let known = inner
+            .departed
+            .get(ring)
+            .and_then(|shards| shards.get(shard))
+            .is_some_and(|d| d.until >= until);
+        if known {
+            return false;
+        }
+        // The Lease may be gone: the name is all the change notice needs.
+        let departure = Departure {
+            lease: ObjectRef::new(shard),
+            until,
+        };
+        self.keep_departure(&mut inner, ring, shard, departure, now);
+        true
+    }
+
     /// Takes in one event of the kind's Lease watch, after the cache applied it. Returns whether
     /// membership may have changed.
     pub(crate) fn observe(&self, event: &watcher::Event<Lease>, now: Timestamp) -> bool {
@@ -225,7 +335,7 @@ impl LeaseIndex {
             watcher::Event::Delete(lease) => self.delete(lease, now),
             watcher::Event::Init => None,
             watcher::Event::InitDone => {
-                self.rebuild();
+                self.rebuild(now);
                 Some(LeaseChange::All)
             }
         };
@@ -246,14 +356,19 @@ impl LeaseIndex {
             .cloned()
             .unwrap_or_default();
         let fingerprint = fingerprint(lease);
+        let entry = Entry {
+            ring: ring.clone(),
+            fingerprint,
+            held: Held::of(lease, now),
+        };
         let mut inner = self.inner.write().ok()?;
-        let previous = inner
-            .leases
-            .insert(reference.clone(), (ring.clone(), fingerprint));
+        let previous = inner.leases.insert(reference.clone(), entry);
         match previous {
-            Some((old_ring, old_fingerprint))
-                if old_fingerprint == fingerprint && old_ring == ring =>
-            {
+            Some(Entry {
+                ring: old_ring,
+                fingerprint: old_fingerprint,
+                ..
+            }) if old_fingerprint == fingerprint && old_ring == ring => {
                 // A renewal: membership is unchanged, but the state label may be out of date, or
                 // the holder's clock skew may have crossed the warning threshold.
                 drop(inner);
@@ -263,7 +378,11 @@ impl LeaseIndex {
                 (state_label_is_stale(lease, now) || skew_changed)
                     .then_some(LeaseChange::State(reference))
             }
-            Some((old_ring, _)) => {
+            Some(Entry {
+                ring: old_ring,
+                held: old_held,
+                ..
+            }) => {
                 let mut rings = vec![ring.clone()];
                 inner.bump(&ring);
                 if old_ring != ring {
@@ -271,6 +390,17 @@ impl LeaseIndex {
                     inner.bump(&old_ring);
                     self.note_departure(&mut inner, &old_ring, lease, now);
                     rings.push(old_ring);
+                } else if let Some(held) = old_held.filter(|held| held.until > now) {
+                    let shard_lease = ShardLease::from_lease(lease);
+                    // Emptied or handed to someone else: only the shard's own mark, written
+                    // with the emptied holder, says it stopped.
+                    let released_itself =
+                        shard_lease.holder_identity.unwrap_or_default().is_empty()
+                            && !held.marked
+                            && released_by(lease) == Some(shard_lease.name);
+                    if !shard_lease.is_held_by_shard() && !released_itself {
+                        self.record_departure(&mut inner, &ring, lease, held.until, now);
+                    }
                 }
                 inner
                     .by_ring
@@ -300,7 +430,7 @@ impl LeaseIndex {
     fn delete(&self, lease: &Lease, now: Timestamp) -> Option<LeaseChange> {
         let reference = ObjectRef::from_obj(lease);
         let mut inner = self.inner.write().ok()?;
-        let (ring, _) = inner.leases.remove(&reference)?;
+        let Entry { ring, .. } = inner.leases.remove(&reference)?;
         remove_from(&mut inner.by_ring, &ring, &reference);
         inner.bump(&ring);
         self.note_departure(&mut inner, &ring, lease, now);
@@ -313,19 +443,22 @@ impl LeaseIndex {
     /// Notes that `lease` left ring `ring` at `now`, if its shard may still be running (held by
     /// itself, not yet `uncertain`), and has the ring's views rebuilt once that is over.
     fn note_departure(&self, inner: &mut Inner, ring: &str, lease: &Lease, now: Timestamp) {
-        let shard_lease = ShardLease::from_lease(lease);
-        let held = shard_lease.is_held_by_shard();
-        let (state, _) = shard_lease.evaluate(now);
-        let Some(expiry) = shard_lease
-            .expiry()
-            .filter(|_| held && state != ShardState::Uncertain)
-        else {
-            return;
-        };
-        let duration = SignedDuration::from_secs(i64::from(
-            shard_lease.lease_duration_seconds.unwrap_or_default(),
-        ));
-        let until = expiry.checked_add(duration).unwrap_or(Timestamp::MAX);
+        if let Some(held) = Held::of(lease, now) {
+            self.record_departure(inner, ring, lease, held.until, now);
+        }
+    }
+
+    /// Notes that the shard of `lease` may still run for ring `ring` until `until`, and has the
+    /// ring's views rebuilt once that is over.
+    fn record_departure(
+        &self,
+        inner: &mut Inner,
+        ring: &str,
+        lease: &Lease,
+        until: Timestamp,
+        now: Timestamp,
+    ) {
+        let shard = ShardLease::from_lease(lease).name;
         let departure = Departure {
             lease: ObjectRef::from_obj(lease),
             until,
@@ -333,22 +466,36 @@ impl LeaseIndex {
         tracing::info!(
             kind = %self.kind,
             ring,
-            shard = shard_lease.name,
+            shard,
             %until,
-            "a held shard Lease left its ring: the shard may still run, so its objects leave it only through drains until then"
+            "a held shard Lease left its ring, or its holder changed without the shard's release mark: the shard may still run, so its objects leave it only through drains until then"
         );
+        self.keep_departure(inner, ring, shard, departure, now);
+    }
+
+    /// Keeps `departure` of `shard` from ring `ring` and ends it when its time is over.
+    fn keep_departure(
+        &self,
+        inner: &mut Inner,
+        ring: &str,
+        shard: &str,
+        departure: Departure,
+        now: Timestamp,
+    ) {
+        let until = departure.until;
+        inner.bump(ring);
         inner
             .departed
             .entry(ring.to_string())
             .or_default()
-            .insert(shard_lease.name.to_string(), departure.clone());
+            .insert(shard.to_string(), departure.clone());
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
         // Weak, so a pending timer does not keep the index (and its cache) alive after the
         // process began to shut down; the runtime drops the timer with it.
         let index = self.this.clone();
-        let (ring, shard) = (ring.to_string(), shard_lease.name.to_string());
+        let (ring, shard) = (ring.to_string(), shard.to_string());
         let wait = until
             .duration_since(now)
             .try_into()
@@ -387,7 +534,7 @@ impl LeaseIndex {
 
     /// Rebuilds the index from the cache, which a new listing just replaced (objects deleted
     /// while the watch was down produce no delete events).
-    fn rebuild(&self) {
+    fn rebuild(&self, now: Timestamp) {
         let mut fresh = Inner::default();
         for lease in self.store.state() {
             let reference = ObjectRef::from_obj(lease.as_ref());
@@ -401,9 +548,12 @@ impl LeaseIndex {
                 .entry(ring.clone())
                 .or_default()
                 .insert(reference.clone());
-            fresh
-                .leases
-                .insert(reference, (ring, fingerprint(lease.as_ref())));
+            let entry = Entry {
+                fingerprint: fingerprint(lease.as_ref()),
+                held: Held::of(lease.as_ref(), now),
+                ring,
+            };
+            fresh.leases.insert(reference, entry);
         }
         if let Ok(mut inner) = self.inner.write() {
             fresh.epoch = inner.epoch + 1;
@@ -589,11 +739,13 @@ mod tests {
         f.event(watcher::Event::Delete(lease("a", "r1", "ready", t0)), at(5));
         // Relabelled to another ring: it may still run for the ring it left.
         f.event(watcher::Event::Apply(lease("b", "r2", "ready", t0)), at(5));
-        // Released, then deleted: nothing runs under it.
+        // Released by the shard itself (marked), then deleted: nothing runs under it.
         let mut released = lease("c", "r1", "dead", t0);
         if let Some(spec) = released.spec.as_mut() {
-            spec.holder_identity = None;
+            spec.holder_identity = Some(String::new());
         }
+        released.metadata.annotations =
+            Some([(ANNOTATION_RELEASED_BY.to_string(), "c".to_string())].into());
         f.event(watcher::Event::Apply(released.clone()), at(5));
         f.event(watcher::Event::Delete(released), at(5));
         let index = f.index.clone();
@@ -610,6 +762,62 @@ mod tests {
             at(25),
         );
         assert!(!departed("r1", 25).contains("d"));
+    }
+
+    #[test]
+    fn a_holder_emptied_or_changed_without_the_shards_mark_is_a_departure() {
+        let t0 = Timestamp::from_second(4_000_000).unwrap();
+        let at = |s: i64| t0.checked_add(SignedDuration::from_secs(s)).unwrap();
+        let with_holder = |name: &str, holder: &str, mark: Option<&str>| {
+            let mut lease = lease(name, "r1", "ready", t0);
+            if let Some(spec) = lease.spec.as_mut() {
+                spec.holder_identity = Some(holder.into());
+            }
+            if let Some(mark) = mark {
+                lease.metadata.annotations =
+                    Some([(ANNOTATION_RELEASED_BY.to_string(), mark.to_string())].into());
+            }
+            lease
+        };
+        let mut f = Fixture::new();
+        for name in ["a", "b", "c", "d", "e"] {
+            f.event(watcher::Event::Apply(lease(name, "r1", "ready", t0)), t0);
+        }
+        // A third party empties a's holder, hands b's to someone else, and empties c's with a
+        // mark that names someone other than the holder.
+        f.event(watcher::Event::Apply(with_holder("a", "", None)), at(1));
+        f.event(watcher::Event::Apply(with_holder("b", "x", None)), at(1));
+        f.event(
+            watcher::Event::Apply(with_holder("c", "", Some("x"))),
+            at(1),
+        );
+        // d releases itself, with its mark in the same write.
+        f.event(
+            watcher::Event::Apply(with_holder("d", "", Some("d"))),
+            at(1),
+        );
+        // e carried its mark while still held (a leftover, or written by someone else first):
+        // a later emptying is no release by e.
+        f.event(
+            watcher::Event::Apply(with_holder("e", "e", Some("e"))),
+            at(1),
+        );
+        f.event(
+            watcher::Event::Apply(with_holder("e", "", Some("e"))),
+            at(2),
+        );
+        let departed = |s| f.index.departed_shards("r1", at(s));
+        let expected = BTreeSet::from(["a".into(), "b".into(), "c".into(), "e".into()]);
+        assert_eq!(departed(2), expected);
+        // Until two durations after the last renewal seen (10 s each).
+        assert_eq!(departed(19), expected);
+        assert!(departed(20).is_empty());
+
+        // After it became uncertain, emptying the holder leaves nothing to wait for.
+        let mut late = Fixture::new();
+        late.event(watcher::Event::Apply(lease("a", "r1", "ready", t0)), t0);
+        late.event(watcher::Event::Apply(with_holder("a", "", None)), at(20));
+        assert!(late.index.departed_shards("r1", at(20)).is_empty());
     }
 
     #[tokio::test(start_paused = true)]

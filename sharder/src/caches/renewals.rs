@@ -17,6 +17,12 @@
 //! [`MAX_LEASE_DURATION`] as that. A shard that stops renewing is therefore taken over at most
 //! `2 × MAX_LEASE_DURATION` after the sharder last saw it change, whatever its fields say.
 //!
+//! A holder's duration only grows while it holds the Lease: a write that shortens
+//! `leaseDurationSeconds` without changing the holder (which a shard never does; anyone with
+//! `update` on the Lease could) is counted with the longest duration seen since the holder took
+//! it. Otherwise such a write would make a running shard look dead and its objects move to
+//! another shard before it noticed (docs/protocol.md §4).
+//!
 //! What the shard's clock says is still measured: the difference between the `renewTime` it
 //! wrote and the instant the sharder saw the write is its [clock skew](Renewals::skew), reported
 //! as a metric and, beyond [`SKEW_WARNING`], as a Warning Event.
@@ -40,8 +46,13 @@ use sharding_crds::lease::ShardLease;
 pub(crate) const MISSING_LEASE_DURATION: i32 = 15;
 
 /// The longest lease duration the sharder counts: a Lease that claims more (up to 68 years fit
-/// the field) would otherwise keep the objects of a shard that died for that long.
-pub(crate) const MAX_LEASE_DURATION: i32 = 300;
+/// the field) would otherwise keep the objects of a shard that died for that long. The shard
+/// library refuses longer ones ([`sharding_crds::lease::MAX_LEASE_DURATION`]).
+pub(crate) const MAX_LEASE_DURATION: i32 = {
+    let secs = sharding_crds::lease::MAX_LEASE_DURATION.as_secs();
+    assert!(secs <= i32::MAX as u64);
+    secs as i32
+};
 
 /// How far a shard's `renewTime` may lie from the sharder's clock before it is reported. Watch
 /// delivery adds well under a second; anything beyond a few seconds is the shard's clock.
@@ -69,6 +80,9 @@ struct Seen {
     written: Written,
     /// When the sharder saw them change last.
     observed: Timestamp,
+    /// The longest positive duration written since the current holder took the Lease: what
+    /// the sharder counts while the holder stays.
+    longest: Option<i32>,
     /// `renewTime` minus `observed`, for renewals seen as they happened.
     skew: Option<SignedDuration>,
     /// Whether the last reported skew exceeded [`SKEW_WARNING`].
@@ -164,9 +178,20 @@ impl Inner {
             // A renewal seen late (in a listing) keeps the last measurement.
             let skew = measured.or(last_skew);
             let skewed = skew.is_some_and(|s| s.abs() > SKEW_WARNING);
+            let written_duration = written.duration.filter(|&d| d > 0);
+            let longest = match previous {
+                Some(seen)
+                    if seen.written.holder == written.holder
+                        && written.holder.as_deref().is_some_and(|h| !h.is_empty()) =>
+                {
+                    seen.longest.max(written_duration)
+                }
+                _ => written_duration,
+            };
             let seen = Seen {
                 written,
                 observed: now,
+                longest,
                 skew,
                 skewed,
                 skewed_changed: unasked || skewed != was_skewed,
@@ -177,14 +202,12 @@ impl Inner {
             return;
         };
         let observed = MicroTime(seen.observed);
+        let longest = seen.longest;
         if let Some(spec) = lease.spec.as_mut() {
             spec.renew_time = Some(observed.clone());
             spec.acquire_time = Some(spec.acquire_time.take().unwrap_or(observed));
-            spec.lease_duration_seconds = Some(
-                spec.lease_duration_seconds
-                    .filter(|&d| d > 0)
-                    .map_or(MISSING_LEASE_DURATION, |d| d.min(MAX_LEASE_DURATION)),
-            );
+            spec.lease_duration_seconds =
+                Some(longest.map_or(MISSING_LEASE_DURATION, |d| d.min(MAX_LEASE_DURATION)));
         }
     }
 }
@@ -275,7 +298,7 @@ mod tests {
         let max = i64::from(MAX_LEASE_DURATION);
         assert_eq!(state(&cached, max - 1), ShardState::Ready);
         assert_eq!(state(&cached, 2 * max), ShardState::Uncertain);
-        let cached = apply(&renewals, &lease(Some(0), Some(-5)), 1);
+        let cached = apply(&Renewals::default(), &lease(Some(0), Some(-5)), 1);
         assert_eq!(
             cached.spec.and_then(|s| s.lease_duration_seconds),
             Some(MISSING_LEASE_DURATION)
@@ -303,6 +326,37 @@ mod tests {
         }
         let inner = renewals.inner.lock().expect("lock");
         assert!(inner.seen.is_empty(), "{:?}", inner.seen.keys());
+    }
+
+    #[test]
+    fn shortening_a_held_lease_counts_the_longest_duration_until_the_holder_changes() {
+        let renewals = Renewals::default();
+        apply(&renewals, &lease(Some(0), Some(10)), 0);
+        // Someone else shortens it to 1 s at 1: the shard renewed at 0 and still runs.
+        let cached = apply(&renewals, &lease(Some(0), Some(1)), 1);
+        assert_eq!(
+            cached.spec.as_ref().and_then(|s| s.lease_duration_seconds),
+            Some(10)
+        );
+        assert_eq!(
+            state(&cached, 5),
+            ShardState::Ready,
+            "not expired after 1 s"
+        );
+        assert_eq!(state(&cached, 11), ShardState::Expired);
+        // Its own renewals keep the longest duration of the holding too.
+        let renewed = apply(&renewals, &lease(Some(3), Some(1)), 3);
+        assert_eq!(state(&renewed, 12), ShardState::Ready);
+        // A new holder starts from what it writes.
+        let mut taken = lease(Some(20), Some(4));
+        if let Some(spec) = taken.spec.as_mut() {
+            spec.holder_identity = Some("other".into());
+        }
+        let cached = apply(&renewals, &taken, 20);
+        assert_eq!(
+            cached.spec.as_ref().and_then(|s| s.lease_duration_seconds),
+            Some(4)
+        );
     }
 
     #[test]

@@ -13,7 +13,8 @@ use kube::ResourceExt;
 use kube::runtime::watcher;
 use sharding_crds::RingKind;
 use sharding_crds::labels::{
-    ANNOTATION_EXCLUDED, ANNOTATION_LEAVES_CONTROLLED_OBJECTS, ANNOTATION_WEIGHT, LABEL_STATE,
+    ANNOTATION_EXCLUDED, ANNOTATION_LEAVES_CONTROLLED_OBJECTS, ANNOTATION_RELEASED_BY,
+    ANNOTATION_WEIGHT, LABEL_STATE,
 };
 
 /// Applies `slim` to the object of `event`, if it carries one.
@@ -34,13 +35,17 @@ pub(super) fn slim_object<K: kube::Resource>(object: &mut K) {
 /// Longest exclusion annotation value kept; every reason the sharder writes is shorter.
 const MAX_EXCLUSION_REASON_LEN: usize = 64;
 
+/// Longest shard name: a Lease name, at most a DNS subdomain.
+const MAX_SHARD_NAME_LEN: usize = 253;
+
 /// What a longer exclusion annotation value is kept as: no reason, so the sharder rewrites it.
 const TOO_LONG: &str = "(too long)";
 
 /// Keeps of a shard Lease only what membership, shard states, Events and metrics read: name,
 /// namespace, UID, resourceVersion, creation time, the spec, the ring labels of both kinds, the
-/// state label, the weight annotation and the exclusion annotation the sharder writes (whose
-/// value, if someone else made it long, is replaced: any value other than a reason is rewritten).
+/// state label, the weight annotation, the shard's release mark (unless too long to name a shard)
+/// and the exclusion annotation the sharder writes (whose value, if someone else made it long, is
+/// replaced: any value other than a reason is rewritten).
 /// Owner references and finalizers go too.
 pub(super) fn slim_lease(lease: &mut Lease) {
     slim_object(lease);
@@ -57,10 +62,12 @@ pub(super) fn slim_lease(lease: &mut Lease) {
     meta.annotations = meta.annotations.take().map(|annotations| {
         annotations
             .into_iter()
-            .filter(|(key, _)| {
+            .filter(|(key, value)| {
                 key == ANNOTATION_WEIGHT
                     || key == ANNOTATION_EXCLUDED
                     || key == ANNOTATION_LEAVES_CONTROLLED_OBJECTS
+                    // Compared with a shard name only: a longer value can never match one.
+                    || (key == ANNOTATION_RELEASED_BY && value.len() <= MAX_SHARD_NAME_LEN)
             })
             .map(|(key, mut value)| {
                 if key == ANNOTATION_EXCLUDED && value.len() > MAX_EXCLUSION_REASON_LEN {

@@ -3,6 +3,7 @@
 //! or, for a ring with `assignment: Watch`, absent (docs/protocol.md §20), and writes the ring's
 //! status.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -20,7 +21,7 @@ use sharding_crds::cluster_ring::{
     CONDITION_READY, REASON_RECONCILIATION_FAILED, REASON_RECONCILIATION_SUCCEEDED,
 };
 use sharding_crds::labels::{APP_NAME, LABEL_APP_NAME};
-use sharding_crds::{Assignment, ClusterRingStatus, RingObject, RingRef};
+use sharding_crds::{Assignment, ClusterRingStatus, DepartedShard, RingObject, RingRef};
 use tokio_util::sync::CancellationToken;
 
 use crate::context::Context;
@@ -200,6 +201,8 @@ async fn reconcile<R: RingObject>(ring: Arc<R>, state: Arc<State>) -> Result<Act
                 )
             })
         });
+    let now = Timestamp::now();
+    let departed = ctx.caches.lease_index(R::KIND).departures(&name, now);
     let status = desired_status(
         ring.as_ref(),
         shards,
@@ -207,11 +210,14 @@ async fn reconcile<R: RingObject>(ring: Arc<R>, state: Arc<State>) -> Result<Act
         failure
             .as_ref()
             .map(|(reason, message)| (*reason, message.as_str())),
-        Timestamp::now(),
+        departed,
+        now,
     );
     if ring.ring_status() != Some(&status) {
         let api: Api<R> = Api::all(ctx.client.clone());
-        let patch = serde_json::json!({"status": status});
+        let mut patch = serde_json::json!({"status": status});
+        // A merge patch keeps a list it does not mention: an empty one must be said.
+        patch["status"]["departedShards"] = serde_json::json!(status.departed_shards);
         api.patch_status(&name, &super::patch_params(), &Patch::Merge(&patch))
             .await
             .map_err(|source| Error::Api {
@@ -397,6 +403,7 @@ fn desired_status<R: RingObject>(
     shards: i32,
     available_shards: i32,
     failure: Option<(&str, &str)>,
+    departed: BTreeMap<String, Timestamp>,
     now: Timestamp,
 ) -> ClusterRingStatus {
     let generation = ring.meta().generation;
@@ -425,11 +432,31 @@ fn desired_status<R: RingObject>(
         observed_generation: generation,
         last_transition_time,
     });
+    // Departures this process saw, and those a predecessor kept that are not over yet: the
+    // shards may still run (docs/protocol.md §18).
+    let mut departed = departed;
+    for kept in ring
+        .ring_status()
+        .map(|s| s.departed_shards.as_slice())
+        .unwrap_or_default()
+    {
+        if kept.until.0 > now {
+            let until = departed.entry(kept.name.clone()).or_insert(kept.until.0);
+            *until = (*until).max(kept.until.0);
+        }
+    }
     ClusterRingStatus {
         observed_generation: generation,
         shards,
         available_shards,
         conditions,
+        departed_shards: departed
+            .into_iter()
+            .map(|(name, until)| DepartedShard {
+                name,
+                until: Time(until),
+            })
+            .collect(),
     }
 }
 
@@ -465,7 +492,7 @@ mod tests {
         ring.metadata.generation = Some(4);
         let t1 = Timestamp::from_second(100).unwrap();
         let t2 = Timestamp::from_second(200).unwrap();
-        let first = desired_status(&ring, 3, 2, None, t1);
+        let first = desired_status(&ring, 3, 2, None, BTreeMap::new(), t1);
         assert_eq!(first.observed_generation, Some(4));
         assert_eq!((first.shards, first.available_shards), (3, 2));
         let cond = &first.conditions[0];
@@ -477,13 +504,14 @@ mod tests {
         assert_eq!(cond.message, "ClusterRing was successfully reconciled");
         assert_eq!(cond.observed_generation, Some(4));
         ring.status = Some(first.clone());
-        let again = desired_status(&ring, 3, 3, None, t2);
+        let again = desired_status(&ring, 3, 3, None, BTreeMap::new(), t2);
         assert_eq!(again.conditions[0].last_transition_time, Time(t1));
         let failed = desired_status(
             &ring,
             3,
             3,
             Some((REASON_RECONCILIATION_FAILED, "Broken")),
+            BTreeMap::new(),
             t2,
         );
         assert_eq!(failed.conditions.len(), 1);
@@ -491,6 +519,32 @@ mod tests {
         assert_eq!(failed.conditions[0].reason, "ReconciliationFailed");
         assert_eq!(failed.conditions[0].message, "Broken");
         assert_eq!(failed.conditions[0].last_transition_time, Time(t2));
+    }
+
+    #[test]
+    fn status_keeps_departures_a_predecessor_recorded_until_they_are_over() {
+        let at = |s| Timestamp::from_second(s).unwrap();
+        let departed = |entries: &[(&str, i64)]| -> Vec<DepartedShard> {
+            entries
+                .iter()
+                .map(|(name, until)| DepartedShard {
+                    name: (*name).into(),
+                    until: Time(at(*until)),
+                })
+                .collect()
+        };
+        let mut ring = ClusterRing::new("r", ClusterRingSpec::default());
+        ring.status = Some(ClusterRingStatus {
+            departed_shards: departed(&[("a", 130), ("b", 90), ("c", 110)]),
+            ..ClusterRingStatus::default()
+        });
+        // This process knows c (later) and d; a is only in the status, b is over.
+        let known = BTreeMap::from([("c".to_string(), at(140)), ("d".to_string(), at(150))]);
+        let status = desired_status(&ring, 3, 2, None, known, at(100));
+        assert_eq!(
+            status.departed_shards,
+            departed(&[("a", 130), ("c", 140), ("d", 150)])
+        );
     }
 
     #[test]

@@ -178,12 +178,20 @@ pub(crate) async fn refresh(sources: &ViewSources, scope: Scope) {
             leases.iter().map(AsRef::as_ref),
         );
         // Shards whose held Lease left the ring may still run too (a Lease that came back makes
-        // its shard available again).
+        // its shard available again), including those another sharder process saw leave and
+        // kept in the ring's status.
+        let index = sources.caches.lease_index(ring_ref.kind);
+        let now = Timestamp::now();
+        for departed in ring
+            .status()
+            .map(|s| s.departed_shards.as_slice())
+            .unwrap_or_default()
+        {
+            index.adopt_departure(&ring_ref.name, &departed.name, departed.until.0, now);
+        }
         excluded_held.extend(
-            sources
-                .caches
-                .lease_index(ring_ref.kind)
-                .departed_shards(&ring_ref.name, Timestamp::now())
+            index
+                .departed_shards(&ring_ref.name, now)
                 .into_iter()
                 .filter(|shard| !shards.contains_key(shard)),
         );
