@@ -1989,72 +1989,151 @@ async fn malformed_leases_are_taken_over_once_they_stop_changing() -> anyhow::Re
     Ok(())
 }
 
+/// How a test takes a running shard's Lease away in [`held_leases_taken_away`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum TakenAway {
+    /// The Lease is deleted.
+    Deleted,
+    /// The Lease's ring label is removed.
+    Unlabelled,
+    /// `holderIdentity` is emptied, as a release would, but without the shard's release mark.
+    HolderEmptied,
+    /// `holderIdentity` names someone else.
+    HolderChanged,
+    /// `leaseDurationSeconds` shrinks to 1 s while the shard holds the Lease.
+    DurationShortened,
+}
+
 /// docs/protocol.md §18: a running shard's Lease deleted, or stripped of its ring label, by
 /// someone allowed to: the shard may still be reconciling until its Lease would have become
 /// `uncertain`, so its objects are only drained until then, and move directly after.
 #[tokio::test]
 async fn objects_of_a_deleted_or_relabelled_held_lease_are_drained_until_it_would_expire()
 -> anyhow::Result<()> {
+    held_leases_taken_away(
+        "departed",
+        &[
+            ("shard-b", TakenAway::Deleted),
+            ("shard-c", TakenAway::Unlabelled),
+        ],
+    )
+    .await
+}
+
+/// docs/protocol.md §3, §4, §19.15: whoever may update a running shard's Lease and empties or
+/// changes its holder, without the release mark the shard itself writes, or shortens its duration,
+/// moves none of its objects directly before the shard could have stopped: emptied or changed,
+/// they are drained; shortened, the longer duration of the holding still counts. (Before, every
+/// object of the shard moved directly within a second, while the shard reconciled on.)
+#[tokio::test]
+async fn a_third_party_changing_a_held_leases_holder_or_duration_moves_nothing_directly()
+-> anyhow::Result<()> {
+    held_leases_taken_away(
+        "holder",
+        &[
+            ("shard-b", TakenAway::HolderEmptied),
+            ("shard-c", TakenAway::HolderChanged),
+            ("shard-d", TakenAway::DurationShortened),
+        ],
+    )
+    .await
+}
+
+/// Shard-a (held for an hour) and the shards of `taken` (lease duration 10 s, never renewed)
+/// share a ring of 30 Secrets; each Lease of `taken` is then taken away as it says. Checks that
+/// no object of theirs moves before its shard's Lease would have become `uncertain` (20 s after
+/// the last renewal), that those whose Lease left the ring are drained meanwhile, and that all
+/// are on shard-a afterwards.
+async fn held_leases_taken_away(prefix: &str, taken: &[(&str, TakenAway)]) -> anyhow::Result<()> {
     let SharedScenario {
         mut logs,
         client,
         ns,
         ..
-    } = SharedScenario::in_namespace("departed").await?;
-    let ring = unique_name("departed");
+    } = SharedScenario::in_namespace(prefix).await?;
+    let ring = unique_name(prefix);
     create_ring(&client, &ring, ring_spec(&ns)).await?;
     create_lease(&client, &ns, &ring, "shard-a", 3600).await?;
-    // Lease duration 10 s: these two may run until 20 s after their last renewal.
-    for shard in ["shard-b", "shard-c"] {
+    // Lease duration 10 s: these may run until 20 s after their last renewal.
+    for (shard, _) in taken {
         create_lease(&client, &ns, &ring, shard, 10).await?;
     }
     let renewed = std::time::Instant::now();
-    wait_status(&client, &ring, 3, 3).await?;
-    wait_webhook(&client, &ns, &ring, &["shard-a", "shard-b", "shard-c"]).await?;
-    let by_shard = secrets_by_shard(&client, &ns, &ring).await?;
-    let leaving: BTreeSet<String> = ["shard-b", "shard-c"]
-        .iter()
-        .flat_map(|s| by_shard.get(*s).cloned().unwrap_or_default())
+    let all: Vec<&str> = std::iter::once("shard-a")
+        .chain(taken.iter().map(|(shard, _)| *shard))
         .collect();
-    ensure!(
-        by_shard.get("shard-b").is_some_and(|s| !s.is_empty())
-            && by_shard.get("shard-c").is_some_and(|s| !s.is_empty()),
-        "objects did not land on shard-b and shard-c: {by_shard:?}"
-    );
+    let count = i32::try_from(all.len())?;
+    wait_status(&client, &ring, count, count).await?;
+    wait_webhook(&client, &ns, &ring, &all).await?;
+    let by_shard = secrets_by_shard(&client, &ns, &ring).await?;
+    let leaving_of = |shard: &str| by_shard.get(shard).cloned().unwrap_or_default();
+    for (shard, _) in taken {
+        ensure!(
+            !leaving_of(shard).is_empty(),
+            "no object landed on {shard}: {by_shard:?}"
+        );
+    }
+    let leaving: BTreeSet<String> = taken.iter().flat_map(|(s, _)| leaving_of(s)).collect();
+    // Those whose shard no longer counts as available are drained at once.
+    let drained_first: BTreeSet<String> = taken
+        .iter()
+        .filter(|(_, how)| *how != TakenAway::DurationShortened)
+        .flat_map(|(s, _)| leaving_of(s))
+        .collect();
     let leases = Api::<Lease>::namespaced(client.clone(), &ns);
-    leases
-        .delete("shard-b", &kube::api::DeleteParams::default())
-        .await?;
-    let unlabel = json!({"metadata": {"labels": {RingKind::ClusterRing.lease_label(): null}}});
-    leases
-        .patch("shard-c", &PatchParams::default(), &Patch::Merge(&unlabel))
-        .await?;
+    for (shard, how) in taken {
+        let patch = match how {
+            TakenAway::Deleted => {
+                leases
+                    .delete(shard, &kube::api::DeleteParams::default())
+                    .await?;
+                continue;
+            }
+            TakenAway::Unlabelled => {
+                json!({"metadata": {"labels": {RingKind::ClusterRing.lease_label(): null}}})
+            }
+            TakenAway::HolderEmptied => json!({"spec": {"holderIdentity": ""}}),
+            TakenAway::HolderChanged => json!({"spec": {"holderIdentity": "intruder"}}),
+            TakenAway::DurationShortened => json!({"spec": {"leaseDurationSeconds": 1}}),
+        };
+        leases
+            .patch(shard, &PatchParams::default(), &Patch::Merge(&patch))
+            .await?;
+    }
 
     let secrets = Api::<Secret>::namespaced(client.clone(), &ns);
     let (key, drain) = (labels::shard_label(&ring), labels::drain_label(&ring));
+    let still_on_its_shard = |name: &str, labels: &BTreeMap<String, String>| {
+        ensure!(
+            labels.get(&key).is_some_and(|s| s != "shard-a"),
+            "{name} moved while its shard may still run ({:?} after the last renewal): {labels:?}",
+            renewed.elapsed()
+        );
+        Ok(())
+    };
     poll_until(
-        "every object of shard-b and shard-c drained, none moved",
+        "every object of a Lease that left the ring drained, none moved",
         WAIT,
         || async {
             let mut drained = 0;
             for name in &leaving {
                 let labels = secrets.get(name).await?.labels().clone();
-                ensure!(
-                    matches!(
-                        labels.get(&key).map(String::as_str),
-                        Some("shard-b" | "shard-c")
-                    ),
-                    "{name} moved while its shard may still run ({:?} after the last renewal): {labels:?}",
-                    renewed.elapsed()
-                );
-                drained += usize::from(labels.contains_key(&drain));
+                still_on_its_shard(name, &labels)?;
+                drained += usize::from(drained_first.contains(name) && labels.contains_key(&drain));
             }
-            Ok((drained == leaving.len()).then_some(()))
+            Ok((drained == drained_first.len()).then_some(()))
         },
     )
     .await?;
+    // Well past the moment the shortened duration would have let the sharder take over.
+    while renewed.elapsed() < Duration::from_secs(8) {
+        for name in &leaving {
+            still_on_its_shard(name, secrets.get(name).await?.labels())?;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
     poll_until(
-        "every object of shard-b and shard-c on shard-a once their Leases would have expired",
+        "every object of the taken-away Leases on shard-a once they would have expired",
         Duration::from_secs(40),
         || async {
             let mut moved = 0;
@@ -2075,8 +2154,9 @@ async fn objects_of_a_deleted_or_relabelled_held_lease_are_drained_until_it_woul
     )
     .await?;
     eprintln!(
-        "{} objects drained at once, moved {:?} after their shards' last renewal",
+        "{} objects of {taken:?} drained at once ({} of them) and moved {:?} after their shards' last renewal",
         leaving.len(),
+        drained_first.len(),
         renewed.elapsed()
     );
     logs.passed();

@@ -796,6 +796,103 @@ async fn kubectl_scale_rebalances_through_drains() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// docs/protocol.md §3, §19.15: someone allowed to update a running shard's Lease empties its
+/// holder, as a release would but without the shard's release mark (`kubectl patch lease
+/// <shard> --type=merge -p '{"spec":{"holderIdentity":""}}'`), with the example's 3 shards and
+/// 500 Secrets. Every Secret another shard reconciles before the patched shard stopped (it
+/// notices at its next renewal and exits; its container restarts) was drained by it first, no
+/// Secret is reconciled by two shards at once, and the ring converges with the shard back.
+/// (Before, all of the shard's Secrets moved directly within a second while it ran on.)
+#[tokio::test]
+async fn a_third_party_emptying_a_running_shards_holder_moves_nothing_directly()
+-> anyhow::Result<()> {
+    let c = cluster_or_skip!();
+    let _turn = TURN.lock().await;
+    let mut guard = OnFailure::new(c);
+    ensure_installed(c)?;
+    let kind = RingKind::ClusterRing;
+    ensure_example(c, kind, 3).await?;
+    let client = c.client().await?;
+    let logs = ShardLogs::follow(c.config().await?, SHARDS_NAMESPACE, SHARD_SELECTOR)?;
+    let (namespace, _) = namespace_with_secrets(&client, kind, "holder", 500).await?;
+    let before = wait_converged(c, kind, &namespace, Duration::from_secs(90)).await?;
+    let victim = before
+        .values()
+        .next()
+        .context("no Secret assigned")?
+        .clone();
+    let patched_at = k8s_openapi::jiff::Timestamp::now();
+    c.kubectl(&[
+        "-n",
+        SHARDS_NAMESPACE,
+        "patch",
+        "lease",
+        &victim,
+        "--type=merge",
+        "-p",
+        r#"{"spec":{"holderIdentity":""}}"#,
+    ])?;
+    wait_ring(c, kind, 3).await?;
+    wait_converged(c, kind, &namespace, Duration::from_secs(120)).await?;
+    let records = logs.stop().await;
+    let stopped = records
+        .iter()
+        .filter(|r| r.pod == victim && r.at >= patched_at)
+        .filter(|r| matches!(r.event.as_str(), "lease_lost" | "lease_released"))
+        .map(|r| r.at)
+        .min()
+        .with_context(|| format!("{victim} never logged that its Lease was gone"))?;
+    // A drain record is written right after the acknowledging write, which the next shard's
+    // reconcile follows.
+    let slack = k8s_openapi::jiff::SignedDuration::from_millis(500);
+    let (mut drained, mut after_stop) = (0, 0);
+    for name in before.iter().filter(|(_, s)| **s == victim).map(|(n, _)| n) {
+        let object = format!("{namespace}/{name}");
+        let of_object = |r: &&ownership::Record| r.object.as_deref() == Some(object.as_str());
+        let Some(taken) = records
+            .iter()
+            .filter(of_object)
+            .filter(|r| r.event == "reconcile" && r.pod != victim && r.at >= patched_at)
+            .map(|r| r.at)
+            .min()
+        else {
+            continue;
+        };
+        if taken >= stopped {
+            after_stop += 1;
+            continue;
+        }
+        let acknowledged = records.iter().filter(of_object).any(|r| {
+            r.event == "drain" && r.pod == victim && r.at >= patched_at && r.at <= taken + slack
+        });
+        ensure!(
+            acknowledged,
+            "{object} was reconciled by another shard at {taken}, while {victim} still ran \
+             (until {stopped}), without {victim} acknowledging a drain of it first: it moved directly"
+        );
+        drained += 1;
+    }
+    ensure!(
+        drained > 0,
+        "no Secret of {victim} was taken over before it stopped at {stopped}: the test saw no handover"
+    );
+    let violations = ownership::violations(&records);
+    ensure!(
+        violations.is_empty(),
+        "ownership overlapped:\n{}",
+        violations.join("\n")
+    );
+    eprintln!(
+        "holder emptied on {victim}: {drained} Secrets drained before it stopped {:?} after the \
+         patch, {after_stop} taken after; {} records checked",
+        stopped.duration_since(patched_at),
+        records.len()
+    );
+    c.kubectl(&["delete", "namespace", &namespace, "--wait=false"])?;
+    guard.passed();
+    Ok(())
+}
+
 /// How a shard pod goes away in [`shard_pod_gone`].
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Gone {

@@ -3,7 +3,9 @@
 //!
 //! The rule, for every object: when shard B reconciles it after shard A did, A must have let go
 //! in between, by acknowledging a drain of that object or by releasing or losing its Lease, and A
-//! logs no reconcile of it after letting go unless it got the object back the same way. Records
+//! logs no reconcile of it after letting go unless it got the object back the same way. A pod
+//! whose container restarts (a shard exits when it loses its Lease) starts a new term under the
+//! same name: its reconciles count again from its next `term_started`. Records
 //! of all pods carry the node's one clock, so their timestamps compare; a letting-go record may
 //! trail the next shard's reconcile by [`LOG_SLACK`], since it is written after the write it
 //! reports.
@@ -210,17 +212,36 @@ fn parse(pod: &str, line: &str) -> Option<Record> {
 /// Every breach of the rule in `records`, described; empty when ownership never overlapped.
 pub fn violations(records: &[Record]) -> Vec<String> {
     let mut out = Vec::new();
-    // When each pod let go of everything (released or lost its Lease, stopped).
-    let mut ended: BTreeMap<&str, Timestamp> = BTreeMap::new();
+    // Each pod's terms in order: when a term started (`true`) and when the pod let go of
+    // everything (`false`: released or lost its Lease, stopped).
+    let mut terms: BTreeMap<&str, Vec<(Timestamp, bool)>> = BTreeMap::new();
     for r in records {
-        if matches!(
-            r.event.as_str(),
-            "lease_released" | "lease_lost" | "shard_stopped"
-        ) {
-            let at = ended.entry(&r.pod).or_insert(r.at);
-            *at = (*at).min(r.at);
-        }
+        let began = match r.event.as_str() {
+            "term_started" => true,
+            "lease_released" | "lease_lost" | "shard_stopped" => false,
+            _ => continue,
+        };
+        terms.entry(&r.pod).or_default().push((r.at, began));
     }
+    for changes in terms.values_mut() {
+        changes.sort();
+    }
+    // Whether `pod` let go in `(after, until]`.
+    let ended_within = |pod: &str, after: Timestamp, until: Timestamp| {
+        terms.get(pod).is_some_and(|c| {
+            c.iter()
+                .any(|(at, began)| !began && *at > after && *at <= until)
+        })
+    };
+    // When `pod` let go last before `at`, unless a term started since.
+    let ended_before = |pod: &str, at: Timestamp| {
+        terms.get(pod).and_then(|c| {
+            c.iter()
+                .rev()
+                .find(|(t, _)| *t < at)
+                .and_then(|(t, began)| (!began).then_some(*t))
+        })
+    };
     let mut by_object: BTreeMap<&str, Vec<&Record>> = BTreeMap::new();
     for r in records {
         if let Some(object) = &r.object {
@@ -239,7 +260,7 @@ pub fn violations(records: &[Record]) -> Vec<String> {
             let drained = events
                 .iter()
                 .any(|r| r.event == "drain" && r.pod == a.pod && let_go(r.at));
-            let stopped = ended.get(a.pod.as_str()).is_some_and(|at| let_go(*at));
+            let stopped = ended_within(&a.pod, a.at, b.at + LOG_SLACK);
             if !drained && !stopped {
                 out.push(format!(
                     "{object}: reconciled by {} at {} and by {} at {} without {} letting go in between",
@@ -250,8 +271,7 @@ pub fn violations(records: &[Record]) -> Vec<String> {
     }
     for r in records {
         if r.event == "reconcile"
-            && let Some(end) = ended.get(r.pod.as_str())
-            && r.at > *end
+            && let Some(end) = ended_before(&r.pod, r.at)
         {
             out.push(format!(
                 "{}: {} reconciled it at {} after its Lease ended at {end}",
@@ -311,5 +331,21 @@ mod tests {
             record("a", 11, "reconcile", Some("ns/x")),
         ];
         assert_eq!(violations(&late).len(), 1);
+    }
+
+    #[test]
+    fn a_restarted_container_reconciles_again_in_its_new_term() {
+        let restarted = [
+            record("a", 10, "lease_lost", None),
+            record("a", 14, "term_started", None),
+            record("a", 15, "reconcile", Some("ns/x")),
+        ];
+        assert!(violations(&restarted).is_empty());
+        let between = [
+            record("a", 10, "lease_lost", None),
+            record("a", 12, "reconcile", Some("ns/x")),
+            record("a", 14, "term_started", None),
+        ];
+        assert_eq!(violations(&between).len(), 1);
     }
 }
