@@ -2039,6 +2039,105 @@ async fn a_third_party_changing_a_held_leases_holder_or_duration_moves_nothing_d
     .await
 }
 
+/// docs/protocol.md §18: a departure outlives the sharder that saw it. A running shard's holder
+/// is emptied by someone else; the sharder drains its objects, and keeps the departure in the
+/// ring's status. A new sharder process that starts meanwhile (the old one stopped) drains them
+/// just the same until the shard could have stopped, and only then moves them. (Before, the new
+/// process saw a Lease without holder and moved every object at once.)
+#[tokio::test]
+async fn a_sharder_started_during_a_departure_still_drains_until_it_is_over() -> anyhow::Result<()>
+{
+    let DedicatedScenario {
+        dedicated,
+        client,
+        ns,
+    } = DedicatedScenario::in_namespace("restart").await?;
+    let cluster = dedicated.cluster();
+    let ring = unique_name("restart");
+    let files = SharderFiles::create(cluster.kubeconfig(), &SharderSettings::default())?;
+    let mut first = files.start_process()?;
+    files.wait_ready(STARTUP).await?;
+    create_ring(&client, &ring, ring_spec(&ns)).await?;
+    create_lease(&client, &ns, &ring, "shard-a", 3600).await?;
+    // Duration 20 s: shard-b may run until 40 s after this.
+    create_lease(&client, &ns, &ring, "shard-b", 20).await?;
+    let renewed = std::time::Instant::now();
+    wait_status(&client, &ring, 2, 2).await?;
+    wait_webhook(&client, &ns, &ring, &["shard-a", "shard-b"]).await?;
+    let by_shard = secrets_by_shard(&client, &ns, &ring).await?;
+    let leaving = by_shard.get("shard-b").cloned().unwrap_or_default();
+    ensure!(!leaving.is_empty(), "no object on shard-b: {by_shard:?}");
+    let leases = Api::<Lease>::namespaced(client.clone(), &ns);
+    let emptied = json!({"spec": {"holderIdentity": ""}});
+    leases
+        .patch("shard-b", &PatchParams::default(), &Patch::Merge(&emptied))
+        .await?;
+    let secrets = Api::<Secret>::namespaced(client.clone(), &ns);
+    let (key, drain) = (labels::shard_label(&ring), labels::drain_label(&ring));
+    let on_shard_b =
+        |labels: &BTreeMap<String, String>| labels.get(&key).map(String::as_str) == Some("shard-b");
+    poll_until("shard-b's objects drained", WAIT, || async {
+        let mut drained = 0;
+        for name in &leaving {
+            let labels = secrets.get(name).await?.labels().clone();
+            ensure!(on_shard_b(&labels), "{name} moved at once: {labels:?}");
+            drained += usize::from(labels.contains_key(&drain));
+        }
+        Ok((drained == leaving.len()).then_some(()))
+    })
+    .await?;
+    let rings = Api::<sharding_crds::ClusterRing>::all(client.clone());
+    poll_until("the departure in the ring's status", WAIT, || async {
+        let ring = rings.get(&ring).await?;
+        let departed = ring.status.map(|s| s.departed_shards).unwrap_or_default();
+        Ok(departed.iter().any(|d| d.name == "shard-b").then_some(()))
+    })
+    .await?;
+    first.terminate()?;
+    first.wait(Duration::from_secs(20)).await?;
+    let mut second = files.start_process()?;
+    files.wait_ready(STARTUP).await?;
+    second
+        .wait_for_record("the new sharder to lead", STARTUP, |r| {
+            r.to_string().contains("finished sync of ring")
+        })
+        .await?;
+    let led_after = renewed.elapsed();
+    // It synced the ring and left shard-b's objects where they were, until the departure ends.
+    while renewed.elapsed() < Duration::from_secs(36) {
+        for name in &leaving {
+            let labels = secrets.get(name).await?.labels().clone();
+            ensure!(
+                on_shard_b(&labels),
+                "{name} moved {:?} after shard-b's last renewal, while it may still run: {labels:?}",
+                renewed.elapsed()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    poll_until(
+        "shard-b's objects on shard-a once its Lease would have expired",
+        Duration::from_secs(30),
+        || async {
+            let mut moved = 0;
+            for name in &leaving {
+                let labels = secrets.get(name).await?.labels().clone();
+                moved += usize::from(labels.get(&key).map(String::as_str) == Some("shard-a"));
+            }
+            Ok((moved == leaving.len()).then_some(()))
+        },
+    )
+    .await?;
+    eprintln!(
+        "{} objects of shard-b drained, a new sharder leading {led_after:?} after its last renewal kept them there, moved after {:?}",
+        leaving.len(),
+        renewed.elapsed()
+    );
+    first.passed();
+    second.passed();
+    Ok(())
+}
+
 /// Shard-a (held for an hour) and the shards of `taken` (lease duration 10 s, never renewed)
 /// share a ring of 30 Secrets; each Lease of `taken` is then taken away as it says. Checks that
 /// no object of theirs moves before its shard's Lease would have become `uncertain` (20 s after
