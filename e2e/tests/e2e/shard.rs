@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use anyhow::{Context, ensure};
 use e2e::fixtures::{
-    ShardTiming, create_lease, create_ring, ring_spec, secret, start_checksum_shard,
-    start_checksum_shard_with, wait_labelled, wait_status, wait_webhook,
+    ShardTiming, create_lease, create_ring, ring_spec, secret, start_checksum_shard_with,
+    wait_labelled, wait_status, wait_webhook,
 };
 use e2e::process::{Process, poll_until};
 use e2e::scenario::SharedScenario;
@@ -41,9 +41,15 @@ fn drain_key() -> String {
     labels::drain_label(RING)
 }
 
-/// Starts a checksum-controller shard watching and leasing in `namespace`.
+/// The judgement fallback of shards that run without a sharder here: no sharder labels their
+/// Leases, so they start once it has passed.
+const NO_SHARDER: [&str; 2] = ["--judgement-fallback", "1"];
+
+/// Starts a checksum-controller shard watching and leasing in `namespace`, where no sharder
+/// runs.
 fn start_shard(namespace: &str, shard: &str) -> anyhow::Result<Process> {
-    start_checksum_shard(RING, namespace, shard, ShardTiming::FAST)
+    let ring = RingRef::new(RingKind::ClusterRing, RING);
+    start_checksum_shard_with(&ring, namespace, shard, ShardTiming::FAST, &NO_SHARDER)
 }
 
 fn now() -> anyhow::Result<Timestamp> {
@@ -539,7 +545,7 @@ async fn lease_lock_elects_one_holder_and_hands_over_on_release() -> anyhow::Res
 }
 
 /// Starts a checksum-controller shard whose reconciles of `slow-*` Secrets wait `delay` seconds
-/// before writing, with `extra` flags.
+/// before writing, where no sharder runs.
 fn start_slow_shard(namespace: &str, shard: &str, delay: &str) -> anyhow::Result<Process> {
     let ring = RingRef::new(RingKind::ClusterRing, RING);
     start_checksum_shard_with(
@@ -547,7 +553,12 @@ fn start_slow_shard(namespace: &str, shard: &str, delay: &str) -> anyhow::Result
         namespace,
         shard,
         ShardTiming::FAST,
-        &["--testing-reconcile-delay", delay],
+        &[
+            "--testing-reconcile-delay",
+            delay,
+            NO_SHARDER[0],
+            NO_SHARDER[1],
+        ],
     )
 }
 

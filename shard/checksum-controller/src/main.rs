@@ -124,6 +124,10 @@ struct Args {
     /// Seconds to wait before rejoining the ring after the sharder excluded this shard.
     #[arg(long, default_value = "30", value_parser = parse_seconds)]
     rejoin_pause: Duration,
+    /// Seconds after taking its Lease without any sharder labelling it (no sharder serves the
+    /// ring) before the shard starts without the sharder's `ready`.
+    #[arg(long, default_value = "60", value_parser = parse_seconds)]
+    judgement_fallback: Duration,
     /// Leave the ConfigMaps' shard label to the sharder: create each ConfigMap once with the
     /// Secret's shard label and never relabel it afterwards, so that ConfigMaps follow their
     /// Secret only by the sharder's moves (as shards written for the protocol alone do). The
@@ -608,7 +612,9 @@ async fn main() -> anyhow::Result<()> {
         // acknowledged.
         shard = shard.leaving_controlled_objects_to_sharder();
     }
-    let shard = shard.with_rejoin_pause(args.rejoin_pause);
+    let shard = shard
+        .with_rejoin_pause(args.rejoin_pause)
+        .with_judgement_fallback(args.judgement_fallback);
     let config = shard
         .lease_config()
         .with_lease_duration(args.lease_duration)
