@@ -1009,7 +1009,11 @@ async fn leave_and_return_after_a_move(
     initially: usize,
     answers_held_by: Option<&TcpGate>,
 ) -> anyhow::Result<()> {
-    let release = json!({"spec": {"holderIdentity": null}});
+    // A release the shard marks itself (as the shard library does): its objects move directly.
+    let release = json!({
+        "metadata": {"annotations": {labels::ANNOTATION_RELEASED_BY: "shard-d"}},
+        "spec": {"holderIdentity": null},
+    });
     leases
         .patch("shard-d", &PatchParams::default(), &Patch::Merge(&release))
         .await?;
@@ -1028,8 +1032,10 @@ async fn leave_and_return_after_a_move(
         .await?;
     }
     let now = MicroTime(Timestamp::now());
-    let acquire =
-        json!({"spec": {"holderIdentity": "shard-d", "acquireTime": now, "renewTime": now}});
+    let acquire = json!({
+        "metadata": {"annotations": {labels::ANNOTATION_RELEASED_BY: null}},
+        "spec": {"holderIdentity": "shard-d", "acquireTime": now, "renewTime": now},
+    });
     leases
         .patch("shard-d", &PatchParams::default(), &Patch::Merge(&acquire))
         .await?;
