@@ -19,7 +19,7 @@ use e2e::sharder_process::{SharderFiles, SharderSettings, counter_of};
 use e2e::{IndependentRing, serves_admission_policies, unique_name};
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
-use k8s_openapi::api::core::v1::Secret;
+use k8s_openapi::api::core::v1::{Namespace, Secret};
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use k8s_openapi::jiff::Timestamp;
@@ -348,7 +348,8 @@ async fn grant_use(client: &kube::Client, ring: &str, user: &str) -> anyhow::Res
 /// `leaves-controlled-objects` and `released-by` (set or removed), and she can neither delete it
 /// nor label a Lease with an empty ring value. She may still renew it and write other
 /// annotations. The shard's identity, which may use the ring, does all of it; the ControllerRing
-/// policy refuses the same.
+/// policy refuses the same. The namespace controller, which has no `use`, may delete a shard
+/// Lease only once its namespace is being deleted.
 #[tokio::test]
 async fn changing_what_a_shard_lease_says_needs_use_on_its_ring() -> anyhow::Result<()> {
     if !serves_admission_policies(
@@ -514,6 +515,51 @@ async fn changing_what_a_shard_lease_says_needs_use_on_its_ring() -> anyhow::Res
             .await
             .with_context(|| format!("the shard deletes {name}"))?;
     }
+
+    // Deleting a namespace deletes its Leases as the namespace controller, which has no `use`:
+    // refused while the namespace lives, admitted once it is being deleted. A finalizer keeps
+    // the Lease (and so the namespace) there long enough to ask.
+    let doomed = cluster.namespace(&client, "doomed").await?;
+    grant_lease_rights(&client, &doomed, &shard).await?;
+    let mut held = lease(&doomed, "held", Some((cluster_ring, &ring)));
+    held.metadata.finalizers = Some(vec!["example.com/hold".into()]);
+    Api::<Lease>::namespaced(cluster.client_as(&shard, &[]).await?, &doomed)
+        .create(&PostParams::default(), &held)
+        .await?;
+    let namespace_controller = Api::<Lease>::namespaced(
+        cluster
+            .client_as(
+                "system:serviceaccount:kube-system:namespace-controller",
+                &["system:serviceaccounts", "system:authenticated"],
+            )
+            .await?,
+        &doomed,
+    );
+    let dry_run = kube::api::DeleteParams {
+        dry_run: true,
+        ..Default::default()
+    };
+    forbidden(
+        namespace_controller.delete("held", &dry_run).await,
+        "takes a shard out of that ClusterRing",
+    )
+    .context("the namespace controller deletes a shard Lease of a live namespace")?;
+    Api::<Namespace>::all(client.clone())
+        .delete(&doomed, &Default::default())
+        .await?;
+    poll_until(
+        "the namespace controller's delete to be admitted in a namespace being deleted",
+        WAIT,
+        || async {
+            let result = namespace_controller.delete("held", &dry_run).await;
+            Ok(result.is_ok().then_some(()))
+        },
+    )
+    .await?;
+    let release = json!({"metadata": {"finalizers": null}});
+    Api::<Lease>::namespaced(client.clone(), &doomed)
+        .patch("held", &PatchParams::default(), &Patch::Merge(&release))
+        .await?;
     logs.passed();
     Ok(())
 }
