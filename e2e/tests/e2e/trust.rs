@@ -1063,19 +1063,25 @@ async fn the_sharder_works_with_the_shipped_admission_policies() -> anyhow::Resu
     grant_lease_rights(&client, example, &stranger).await?;
     let as_stranger = Api::<Lease>::namespaced(cluster.client_as(&stranger, &[]).await?, example);
     let cluster_ring = RingKind::ClusterRing.lease_label();
+    // Dry runs: a write admitted before the API server loaded a policy must not persist (a
+    // squatting Lease would join the ring below).
+    let dry_run = PostParams {
+        dry_run: true,
+        ..Default::default()
+    };
     poll_until("both policies to be in force", WAIT, || async {
         let foreign: MutatingWebhookConfiguration =
             serde_json::from_value(json!({"metadata": {"name": unique_name("foreign")}}))?;
         let sharder_refused = forbidden(
             Api::<MutatingWebhookConfiguration>::all(as_sharder.clone())
-                .create(&PostParams::default(), &foreign)
+                .create(&dry_run, &foreign)
                 .await,
             "its own webhook configurations",
         );
         let join_refused = forbidden(
             as_stranger
                 .create(
-                    &PostParams::default(),
+                    &dry_run,
                     &lease(example, "squat", Some((cluster_ring, example))),
                 )
                 .await,
