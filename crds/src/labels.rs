@@ -61,9 +61,11 @@ pub const MAX_SHARD_WEIGHT: u32 = 10;
 pub const LABEL_STATE: &str = "alpha.sharding.timebertt.dev/state";
 
 /// Annotation the sharder keeps on a shard Lease while the Lease is excluded from its ring
-/// (docs/protocol.md §18), with the reason as value (for example `DuplicateName`). Our extension:
-/// shards built with the `shard` library stop reconciling and release their Lease when they see
-/// it; shards of other libraries ignore it and simply receive no objects.
+/// (docs/protocol.md §18), with the reason as value (for example `DuplicateShardName`). Our
+/// extension: shards built with the `shard` library stop reconciling and release their Lease when
+/// they see it. A shard of another library that ignores it receives no objects when its name is
+/// invalid or its namespace not allowed, but an excluded duplicate name keeps receiving objects:
+/// they carry the name it shares with the copy that kept it, so both reconcile them at once.
 pub const ANNOTATION_EXCLUDED: &str = "alpha.sharding.timebertt.dev/excluded";
 
 /// Annotation a shard writes on its own Lease in the same write that empties the holder, with the

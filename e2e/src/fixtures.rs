@@ -438,8 +438,39 @@ pub fn start_checksum_shard_with(
     timing: ShardTiming,
     extra: &[&str],
 ) -> anyhow::Result<crate::process::Process> {
+    let args = checksum_shard_args(ring, namespace, shard, timing);
+    crate::process::Process::start(
+        "checksum-controller",
+        args.into_iter().chain(extra.iter().copied()),
+    )
+}
+
+/// [`start_checksum_shard_of`] authenticating with `kubeconfig` (another cluster, or another
+/// identity, such as a ServiceAccount with the example's RBAC).
+pub fn start_checksum_shard_as(
+    ring: &RingRef,
+    namespace: &str,
+    shard: &str,
+    timing: ShardTiming,
+    kubeconfig: &std::path::Path,
+) -> anyhow::Result<crate::process::Process> {
+    let args = checksum_shard_args(ring, namespace, shard, timing);
+    crate::process::Process::start_with_env(
+        "checksum-controller",
+        args,
+        [("KUBECONFIG", kubeconfig)],
+    )
+}
+
+/// The flags of a test shard: `ring`, watching and leasing in `namespace`, JSON logs.
+fn checksum_shard_args<'a>(
+    ring: &'a RingRef,
+    namespace: &'a str,
+    shard: &'a str,
+    timing: ShardTiming,
+) -> Vec<&'a str> {
     let ShardTiming(duration, deadline, retry) = timing;
-    let args = [
+    vec![
         "--ring-kind",
         ring.kind.kind(),
         "--ring",
@@ -458,8 +489,7 @@ pub fn start_checksum_shard_with(
         retry,
         "--log-format",
         "json",
-    ];
-    crate::process::Process::start("checksum-controller", args.iter().chain(extra).copied())
+    ]
 }
 
 /// Warning Events the sharder recorded about the Lease `name` in `namespace`.

@@ -37,33 +37,34 @@ pub fn sharder_kubeconfig(admin: &Path) -> anyhow::Result<PathBuf> {
     if let Some(path) = made.get(admin) {
         return Ok(path.clone());
     }
-    let kubectl_as_admin = |args: &[&str]| -> anyhow::Result<String> {
-        let out = Command::new(kubectl())
-            .arg("--kubeconfig")
-            .arg(admin)
-            .args(args)
-            .output()
-            .context("failed to run kubectl")?;
-        if !out.status.success() {
-            bail!(
-                "kubectl {} failed: {}",
-                args.join(" "),
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
-        Ok(String::from_utf8(out.stdout)?)
-    };
     let rbac = workspace_root().join("config/rbac");
-    kubectl_as_admin(&["apply", "-k", &rbac.to_string_lossy()])?;
-    let token = kubectl_as_admin(&[
-        "-n",
-        NAMESPACE_SYSTEM,
-        "create",
-        "token",
-        SERVICE_ACCOUNT,
-        "--duration",
-        TOKEN_DURATION,
-    ])?;
+    kubectl_as(admin, &["apply", "-k", &rbac.to_string_lossy()])?;
+    let path = service_account_kubeconfig(admin, NAMESPACE_SYSTEM, SERVICE_ACCOUNT)?;
+    made.insert(admin.to_path_buf(), path.clone());
+    Ok(path)
+}
+
+/// A kubeconfig for the cluster of `admin` (an administrator's kubeconfig) that authenticates as
+/// the existing ServiceAccount `namespace/name` with a token valid longer than any test run,
+/// written next to `admin` (`sharder.kubeconfig` for the sharder's, `<namespace>.<name>.kubeconfig`
+/// for others).
+pub fn service_account_kubeconfig(
+    admin: &Path,
+    namespace: &str,
+    name: &str,
+) -> anyhow::Result<PathBuf> {
+    let token = kubectl_as(
+        admin,
+        &[
+            "-n",
+            namespace,
+            "create",
+            "token",
+            name,
+            "--duration",
+            TOKEN_DURATION,
+        ],
+    )?;
     let mut config = Kubeconfig::read_from(admin)
         .with_context(|| format!("failed to read {}", admin.display()))?;
     for named in &mut config.auth_infos {
@@ -72,12 +73,34 @@ pub fn sharder_kubeconfig(admin: &Path) -> anyhow::Result<PathBuf> {
             ..Default::default()
         });
     }
+    let file = if (namespace, name) == (NAMESPACE_SYSTEM, SERVICE_ACCOUNT) {
+        "sharder.kubeconfig".to_string()
+    } else {
+        format!("{namespace}.{name}.kubeconfig")
+    };
     // JSON is YAML: every kubeconfig reader takes it.
-    let path = admin.with_file_name("sharder.kubeconfig");
+    let path = admin.with_file_name(file);
     std::fs::write(&path, serde_json::to_string(&config)?)
         .with_context(|| format!("failed to write {}", path.display()))?;
-    made.insert(admin.to_path_buf(), path.clone());
     Ok(path)
+}
+
+/// Runs kubectl with `args` as the administrator of `admin`; returns its standard output.
+fn kubectl_as(admin: &Path, args: &[&str]) -> anyhow::Result<String> {
+    let out = Command::new(kubectl())
+        .arg("--kubeconfig")
+        .arg(admin)
+        .args(args)
+        .output()
+        .context("failed to run kubectl")?;
+    if !out.status.success() {
+        bail!(
+            "kubectl {} failed: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(String::from_utf8(out.stdout)?)
 }
 
 /// Grants the sharder's ServiceAccount what the README asks for each ring: `get`, `list`,

@@ -28,4 +28,4 @@ pub(crate) mod pin;
 pub(crate) mod rebalance;
 pub(crate) mod sync_schedule;
 pub(crate) mod validation;
-pub(crate) mod webhook_config;
+pub mod webhook_config;

@@ -2,7 +2,9 @@
 //! accepts every rendered object (server-side dry run), the shipped SharderConfigs are valid and
 //! fit the Deployment that mounts them, the RBAC grants exactly what docs/protocol.md §14 lists
 //! (plus `clusterrings/finalizers` update, which owner references with `blockOwnerDeletion` need,
-//! and the reviews of metrics scrapers), and the ServiceMonitor scrapes the secure metrics.
+//! and the reviews of metrics scrapers), the ServiceMonitor scrapes the secure metrics, both
+//! installs include the admission policies (and only their Kubernetes 1.29 variants leave them
+//! out), and the example rings take shards only from the shards' namespace.
 //!
 //! Rendering uses `kubectl kustomize` of the kubectl built with the test control plane
 //! ([`e2e::kubectl`]).
@@ -23,8 +25,9 @@ use kube::runtime::wait::{await_condition, conditions};
 use serde_json::{Value, json};
 use sharding_crds::config::SharderConfig;
 
-/// Every kustomization we ship, relative to the workspace root. `config/certificate` is a
-/// component and is rendered through `config/default`.
+/// Every kustomization we ship, relative to the workspace root. `config/certificate` and
+/// `config/overlays/k8s-1.29/without-admission-policies` are components and are rendered through
+/// the installs that use them.
 const KUSTOMIZATIONS: &[&str] = &[
     "config/crds",
     "config/rbac",
@@ -32,10 +35,19 @@ const KUSTOMIZATIONS: &[&str] = &[
     "config/monitoring",
     "config/default",
     "config/overlays/no-cert-manager",
+    "config/overlays/k8s-1.29/default",
+    "config/overlays/k8s-1.29/no-cert-manager",
     "config/admission-policies",
     "deploy/base",
     "deploy",
     "deploy/controllerring",
+];
+
+/// Components: rendered only as part of a kustomization that uses them.
+const COMPONENTS: &[&str] = &[
+    "config/certificate",
+    "config/network-policy",
+    "config/overlays/k8s-1.29/without-admission-policies",
 ];
 
 /// Kinds of other projects our manifests use, with their plural names: the test control plane
@@ -231,7 +243,7 @@ fn every_kustomization_renders() -> anyhow::Result<()> {
     let listed: BTreeSet<String> = KUSTOMIZATIONS.iter().map(|d| d.to_string()).collect();
     let missing: Vec<_> = found
         .difference(&listed)
-        .filter(|d| !["config/certificate", "config/network-policy"].contains(&d.as_str()))
+        .filter(|d| !COMPONENTS.contains(&d.as_str()))
         .collect();
     ensure!(missing.is_empty(), "kustomizations not tested: {missing:?}");
     Ok(())
@@ -320,11 +332,11 @@ async fn rendered_objects_pass_server_side_dry_run() -> anyhow::Result<()> {
 
     let mut failures = Vec::new();
     for (dir, objects) in &rendered {
-        if *dir == "config/admission-policies" && !policies_served {
-            continue;
-        }
         let mut items = Vec::new();
         for object in objects {
+            if !policies_served && is_admission_policy(object) {
+                continue;
+            }
             let api_version = str_at(object, "/apiVersion");
             let foreign = FOREIGN_KINDS
                 .iter()
@@ -639,10 +651,9 @@ fn shipped_sharder_configs_are_valid_and_fit_the_deployment() -> anyhow::Result<
 #[test]
 fn sharder_cluster_role_is_exactly_the_spec_list() -> anyhow::Result<()> {
     let objects = render("config/rbac")?;
-    let core_and_events: &[&str] = &["", "events.k8s.io"];
     let expected = expected_grants(&[
-        (core_and_events, "events", &["create", "patch"]),
-        (&[""], "namespaces", &["get", "list", "watch"]),
+        (&["events.k8s.io"], "events", &["create"]),
+        (&[""], "namespaces", &["list", "watch"]),
         (
             &["admissionregistration.k8s.io"],
             "mutatingwebhookconfigurations",
@@ -651,27 +662,28 @@ fn sharder_cluster_role_is_exactly_the_spec_list() -> anyhow::Result<()> {
         (
             &["coordination.k8s.io"],
             "leases",
-            &["get", "list", "watch", "update", "patch", "delete"],
+            &["list", "watch", "patch", "delete"],
         ),
+        // `use`: what the shard Lease policies ask of takeovers, exclusions and deletes.
         (
             &["sharding.timebertt.dev"],
             "clusterrings",
-            &["get", "list", "watch"],
+            &["list", "watch", "use"],
         ),
         (
             &["sharding.timebertt.dev"],
             "controllerrings",
-            &["get", "list", "watch"],
+            &["list", "watch", "use"],
         ),
         (
             &["sharding.timebertt.dev"],
             "clusterrings/status",
-            &["update", "patch"],
+            &["patch"],
         ),
         (
             &["sharding.timebertt.dev"],
             "controllerrings/status",
-            &["update", "patch"],
+            &["patch"],
         ),
         (
             &["sharding.timebertt.dev"],
@@ -701,7 +713,7 @@ fn sharder_cluster_role_is_exactly_the_spec_list() -> anyhow::Result<()> {
         expected_grants(&[(
             &["coordination.k8s.io"],
             "leases",
-            &["get", "create", "update", "patch"],
+            &["get", "create", "update"],
         )])
     );
 
@@ -901,6 +913,83 @@ fn example_grants(objects: &[Value], ring_kind: &str) -> anyhow::Result<()> {
                 "{role_name} lacks {verb} on {group}/{resource}"
             );
         }
+    }
+    Ok(())
+}
+
+/// Whether `object` is a ValidatingAdmissionPolicy or a binding of one.
+fn is_admission_policy(object: &Value) -> bool {
+    str_at(object, "/apiVersion") == "admissionregistration.k8s.io/v1"
+        && kind(object).starts_with("ValidatingAdmissionPolicy")
+}
+
+/// The installs a user follows (`config/default`, `config/overlays/no-cert-manager`) contain every
+/// object of `config/admission-policies` unchanged; their Kubernetes 1.29 variants contain none
+/// of them and are otherwise the same install.
+#[test]
+fn installs_include_the_admission_policies_except_on_1_29() -> anyhow::Result<()> {
+    let policies = render("config/admission-policies")?;
+    ensure!(
+        policies.len() == 6 && policies.iter().all(is_admission_policy),
+        "config/admission-policies should hold three policies and their bindings"
+    );
+    for (install, for_1_29) in [
+        ("config/default", "config/overlays/k8s-1.29/default"),
+        (
+            "config/overlays/no-cert-manager",
+            "config/overlays/k8s-1.29/no-cert-manager",
+        ),
+    ] {
+        let objects = render(install)?;
+        for policy in &policies {
+            let found = objects
+                .iter()
+                .find(|o| kind(o) == kind(policy) && name(o) == name(policy))
+                .with_context(|| format!("{install} lacks {}", describe(policy)))?;
+            ensure!(
+                found["spec"] == policy["spec"],
+                "{install} changes {}",
+                describe(policy)
+            );
+        }
+        let old = render(for_1_29)?;
+        ensure!(
+            !old.iter().any(is_admission_policy),
+            "{for_1_29} includes an admission policy"
+        );
+        let rest: Vec<&Value> = objects.iter().filter(|o| !is_admission_policy(o)).collect();
+        let old: Vec<&Value> = old.iter().collect();
+        ensure!(
+            rest == old,
+            "{for_1_29} is not {install} without the admission policies"
+        );
+    }
+    Ok(())
+}
+
+/// Both example rings take shards only from Leases in the namespace their shards run in and
+/// write their Leases to (`--lease-namespace=$(POD_NAMESPACE)`).
+#[test]
+fn example_rings_take_shards_only_from_their_namespace() -> anyhow::Result<()> {
+    for (dir, ring_kind) in [
+        ("deploy", "ClusterRing"),
+        ("deploy/controllerring", "ControllerRing"),
+    ] {
+        let objects = render(dir)?;
+        let deployment = find(&objects, "Deployment", "checksum-controller")?;
+        let shards = container(deployment, "checksum-controller")?;
+        ensure!(
+            shards["args"]
+                .as_array()
+                .is_some_and(|a| a.iter().any(|v| v == "--lease-namespace=$(POD_NAMESPACE)")),
+            "{dir}: the shards do not write their Leases into their own namespace"
+        );
+        let ring = only(&objects, ring_kind)?;
+        assert_eq!(
+            ring["spec"]["leaseNamespaces"],
+            json!([namespace(deployment)]),
+            "{dir}: spec.leaseNamespaces"
+        );
     }
     Ok(())
 }

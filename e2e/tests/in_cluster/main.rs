@@ -55,20 +55,34 @@ fn readme_block(heading: &str) -> anyhow::Result<String> {
 }
 
 /// The README's block under `heading` as the README says to run it against this cluster: on an
-/// API server older than 1.30 without its `config/admission-policies` lines (the README: "leave
-/// that line out on 1.29"), saying so.
+/// API server older than 1.30 with the `config/overlays/k8s-1.29/` variant of each install (the
+/// README: the same install without the admission policies, which 1.29 cannot serve), saying so.
 fn readme_block_for(c: &InCluster, heading: &str) -> anyhow::Result<String> {
     let block = readme_block(heading)?;
     if admission_policies_served(c)? {
         return Ok(block);
     }
-    let (left_out, kept): (Vec<&str>, Vec<&str>) = block
+    let lines: Vec<String> = block
         .lines()
-        .partition(|line| line.contains("config/admission-policies"));
-    for line in left_out {
-        println!("note: left out of {heading:?} on this API server: {line}");
-    }
-    Ok(kept.join("\n"))
+        .map(|line| {
+            let old = ["config/overlays/no-cert-manager", "config/default"]
+                .into_iter()
+                .find(|install| line.contains(&format!("-k {install}")));
+            match old {
+                Some(install) => {
+                    let variant = format!(
+                        "config/overlays/k8s-1.29/{}",
+                        install.rsplit('/').next().unwrap_or(install)
+                    );
+                    let changed = line.replace(install, &variant);
+                    println!("note: on this API server, {heading:?} runs {changed:?}");
+                    changed
+                }
+                None => line.to_string(),
+            }
+        })
+        .collect();
+    Ok(lines.join("\n"))
 }
 
 /// Whether the API server serves what `config/admission-policies` needs (1.30 or newer); asked
