@@ -1668,6 +1668,105 @@ async fn big_labelled_leases_do_not_grow_the_sharders_memory() -> anyhow::Result
     Ok(())
 }
 
+/// Whoever reaches the webhook port can send it admission reviews, and anyone who may dry-run a
+/// create can make the API server send them: neither grows the sharder's memory through the pins
+/// it remembers for controllers' children. 1,000 dry-run reviews with a 200 KiB pin each and
+/// 1,000 real-looking reviews with a 200 KiB pin each (no shard name; 400 MiB in all), then
+/// 20,000 reviews with valid pins on names of 253 characters (twice the per-ring cap), leave the
+/// sharder's resident memory within 48 MiB of where it was; a real create is still assigned to
+/// its pinned shard.
+#[tokio::test]
+async fn dry_run_pins_do_not_grow_the_sharders_memory() -> anyhow::Result<()> {
+    const BIG: usize = 1_000;
+    const PIN_KIB: usize = 200;
+    const VALID: usize = 20_000;
+    const BOUND_KIB: u64 = 48 * 1024;
+    let DedicatedScenario {
+        dedicated,
+        client,
+        ns,
+    } = DedicatedScenario::in_namespace("dry-pins").await?;
+    let cluster = dedicated.cluster();
+    let files = SharderFiles::create(cluster.kubeconfig(), &SharderSettings::default())?;
+    let mut sharder = files.start_process()?;
+    files.wait_ready(STARTUP).await?;
+    let pid = sharder.id().context("the sharder has a process id")?;
+    let ring = unique_name("dry-pins");
+    create_ring(&client, &ring, ring_spec(&ns)).await?;
+    let shards = ["shard-a", "shard-b", "shard-c"];
+    for shard in shards {
+        create_lease(&client, &ns, &ring, shard, 3600).await?;
+    }
+    wait_status(&client, &ring, 3, 3).await?;
+    wait_webhook(&client, &ns, &ring, &shards).await?;
+    let webhook = e2e::webhook_client::WebhookClient::connect(
+        ([127, 0, 0, 1], files.webhook_port).into(),
+        &files.ca,
+    )
+    .await?;
+    let path = labels::webhook_path(&ring);
+    let pin = labels::pin_annotation(&ring);
+    let review = |uid: String, name: String, value: &str, dry_run: bool| {
+        let mut review = secret_review(&uid, &ns, &name, &[]);
+        review["request"]["object"]["metadata"]["annotations"] = json!({ pin.as_str(): value });
+        review["request"]["dryRun"] = json!(dry_run);
+        review.to_string().into_bytes()
+    };
+    // Past its start-up allocations, and the connection's buffers.
+    webhook
+        .post_all(&path, 50, 8, |i| {
+            review(format!("warm-{i}"), format!("warm-{i}"), "shard-b", true)
+        })
+        .await?;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let before = e2e::process::rss_kib(pid)?;
+
+    let big = "x".repeat(PIN_KIB * 1024);
+    webhook
+        .post_all(&path, BIG, 8, |i| {
+            review(format!("dry-{i}"), format!("dry-{i}"), &big, true)
+        })
+        .await?;
+    webhook
+        .post_all(&path, BIG, 8, |i| {
+            review(format!("invalid-{i}"), format!("invalid-{i}"), &big, false)
+        })
+        .await?;
+    let long_name = |i: usize| format!("{i:0>253}");
+    webhook
+        .post_all(&path, VALID, 16, |i| {
+            review(format!("valid-{i}"), long_name(i), shards[i % 3], false)
+        })
+        .await?;
+    let after = e2e::process::rss_kib(pid)?;
+    let sent = (2 * BIG * PIN_KIB) as u64;
+    println!(
+        "sharder VmRSS {before} KiB before, {after} KiB after {BIG} dry-run and {BIG} invalid \
+         pins ({sent} KiB) and {VALID} valid pins"
+    );
+    ensure!(
+        after.saturating_sub(before) < BOUND_KIB,
+        "the sharder's memory grew by {} KiB (bound {BOUND_KIB} KiB)",
+        after.saturating_sub(before)
+    );
+    // Real writes are still answered, pins included.
+    let secrets = Api::<Secret>::namespaced(client.clone(), &ns);
+    let mut real = secret("real");
+    real.metadata.annotations = Some([(pin.clone(), "shard-b".to_string())].into());
+    let created = secrets.create(&PostParams::default(), &real).await?;
+    ensure!(
+        created
+            .labels()
+            .get(&labels::shard_label(&ring))
+            .map(String::as_str)
+            == Some("shard-b"),
+        "the pinned Secret was not assigned to shard-b: {:?}",
+        created.labels()
+    );
+    sharder.passed();
+    Ok(())
+}
+
 /// docs/protocol.md §18: a Lease created later under a running shard's name, in another
 /// namespace, takes nothing from it: the older Lease keeps the shard and its objects, the copy is
 /// kept out. A running shard that is kept out all the same (here: its Lease labelled for both ring

@@ -158,6 +158,36 @@ async fn a_child_follows_its_controllers_pin_and_ignores_its_own() {
 }
 
 #[tokio::test]
+async fn a_dry_run_pin_is_answered_but_not_remembered() {
+    let shards = ["shard-a", "shard-b", "shard-c"];
+    let controller = name_not_on(&shards, "shard-a");
+    let state = pinned_state(&shards, &[]);
+    let mut dry_run = review(
+        "secrets",
+        "Secret",
+        secret(&controller, json!({PIN: "shard-a"})),
+    );
+    dry_run["request"]["dryRun"] = json!(true);
+    let response = admit(state.clone(), dry_run).await;
+    assert_eq!(assigned_shard(&response), "shard-a");
+    let view = state.rings.all().into_iter().next().expect("a view");
+    // Nothing a dry run sends is kept: the children of an object that does not exist follow
+    // the ring.
+    assert_eq!(view.pins.remembered(&view.ring_ref()), 0);
+    let response = admit(
+        state.clone(),
+        review(
+            "secrets",
+            "Secret",
+            secret(&controller, json!({PIN: "shard-a"})),
+        ),
+    )
+    .await;
+    assert_eq!(assigned_shard(&response), "shard-a");
+    assert_eq!(view.pins.remembered(&view.ring_ref()), 1);
+}
+
+#[tokio::test]
 async fn a_pin_for_an_unknown_ring_is_reported_and_changes_nothing() {
     let shards = ["shard-a", "shard-b"];
     let expected = HashRing::new(shards)
