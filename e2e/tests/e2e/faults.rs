@@ -1596,11 +1596,16 @@ async fn a_crd_changing_its_served_version_is_discovered_again() -> anyhow::Resu
 /// Anyone allowed to create Leases can label them for a ring, any ring: every sharder replica
 /// caches such Leases. A tenant's 300 Leases for a ring that does not exist, each with 200 KiB of
 /// annotations (60 MiB in all), leave the sharder's resident memory about flat, because its
-/// caches keep only the fields it reads.
+/// caches keep only the fields it reads. So do 100 Leases each with an empty ring value (never
+/// listed), with a ring value no ring can have (never cached), and with a valid one but a
+/// 100 KiB `holderIdentity`, weight and `leaves-controlled-objects` (kept as markers): 70 MiB
+/// more. A real shard still joins its ring afterwards.
 #[tokio::test]
 async fn big_labelled_leases_do_not_grow_the_sharders_memory() -> anyhow::Result<()> {
     const LEASES: usize = 300;
     const ANNOTATION_KIB: usize = 200;
+    const HOSTILE: usize = 100;
+    const FIELD_KIB: usize = 100;
     let DedicatedScenario {
         dedicated,
         client,
@@ -1641,29 +1646,83 @@ async fn big_labelled_leases_do_not_grow_the_sharders_memory() -> anyhow::Result
         };
         leases.create(&PostParams::default(), &lease).await?;
     }
-    // Every one of them is in the sharder's cache: its state metrics report each.
+    // Ring values no ring can have, and fields longer than any valid value.
+    let field = "9".repeat(FIELD_KIB * 1024);
+    for (prefix, ring, fields) in [
+        ("empty", "", 2),
+        ("invalid", "No_Such_Ring", 2),
+        ("long", "no-such-ring", 3),
+    ] {
+        for i in 0..HOSTILE {
+            let mut annotations =
+                BTreeMap::from([(labels::ANNOTATION_WEIGHT.to_string(), field.clone())]);
+            if fields == 3 {
+                annotations.insert(
+                    labels::ANNOTATION_LEAVES_CONTROLLED_OBJECTS.to_string(),
+                    field.clone(),
+                );
+            }
+            let lease = Lease {
+                metadata: ObjectMeta {
+                    name: Some(format!("{prefix}-{i}")),
+                    labels: Some(
+                        [(
+                            RingKind::ClusterRing.lease_label().to_string(),
+                            ring.to_string(),
+                        )]
+                        .into(),
+                    ),
+                    annotations: Some(annotations),
+                    ..Default::default()
+                },
+                spec: Some(LeaseSpec {
+                    holder_identity: Some(field.clone()),
+                    lease_duration_seconds: Some(3600),
+                    renew_time: Some(MicroTime(Timestamp::now())),
+                    ..Default::default()
+                }),
+            };
+            leases.create(&PostParams::default(), &lease).await?;
+        }
+    }
+    // Every Lease of a possible ring is in the sharder's cache: its state metrics report each.
+    // None of the others is.
     poll_until("the sharder to report every Lease", WAIT, || async {
         let metrics = files.metrics()?;
-        let reported = metrics
-            .lines()
-            .filter(|l| {
-                l.starts_with("controller_sharding_shard_info{")
-                    && l.contains(r#"clusterring="no-such-ring""#)
-            })
-            .count();
-        Ok((reported == LEASES).then_some(()))
+        let info = |ring: &str| {
+            metrics
+                .lines()
+                .filter(|l| {
+                    l.starts_with("controller_sharding_shard_info{")
+                        && l.contains(&format!("clusterring=\"{ring}\""))
+                })
+                .count()
+        };
+        let cached = info("no-such-ring");
+        ensure!(
+            info("") == 0 && info("No_Such_Ring") == 0,
+            "Leases of no possible ring were cached"
+        );
+        Ok((cached == LEASES + HOSTILE).then_some(()))
     })
     .await?;
     let after = e2e::process::rss_kib(pid)?;
-    let payload = (LEASES * ANNOTATION_KIB) as u64;
+    let payload = (LEASES * ANNOTATION_KIB + HOSTILE * FIELD_KIB * 7) as u64;
     println!(
-        "sharder VmRSS {before} KiB before, {after} KiB after {LEASES} Leases with {payload} KiB of annotations"
+        "sharder VmRSS {before} KiB before, {after} KiB after {} Leases with {payload} KiB of \
+         annotations and holders",
+        LEASES + 3 * HOSTILE
     );
     ensure!(
         after.saturating_sub(before) < payload / 4,
         "the sharder's memory grew by {} KiB with {payload} KiB of Lease annotations",
         after.saturating_sub(before)
     );
+    // The cache still serves real shards.
+    let ring = unique_name("after-squat");
+    create_ring(&client, &ring, ring_spec(&ns)).await?;
+    create_lease(&client, &ns, &ring, "shard-a", 3600).await?;
+    wait_status(&client, &ring, 1, 1).await?;
     sharder.passed();
     Ok(())
 }
