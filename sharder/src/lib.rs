@@ -178,7 +178,10 @@ pub async fn run(
         registry,
         readiness.clone(),
         &certificate,
-        ctx.client.clone(),
+        server::ReviewClients {
+            new_tokens: clients.metrics_auth_new,
+            known: clients.metrics_auth_known,
+        },
         &mut tasks,
         &shutdown,
     )
