@@ -205,6 +205,11 @@ pub struct MetricsEndpoint {
     /// non-resource URL `/metrics` (SubjectAccessReview). `false` serves plain HTTP to anyone
     /// who reaches the port: for local use only.
     pub secure: bool,
+    /// Audiences a scraper's token must be issued for (e.g. a projected ServiceAccount token with
+    /// `audience: controller-sharding-metrics`). Empty: the API server's own audiences, so a
+    /// scraper's ordinary token works, and the sharder sees tokens it could replay to the API
+    /// server. When set, the TokenReview asks for these audiences and any other token is refused.
+    pub token_audiences: Vec<String>,
 }
 
 impl Default for MetricsEndpoint {
@@ -212,6 +217,7 @@ impl Default for MetricsEndpoint {
         Self {
             bind_address: ":8080".into(),
             secure: true,
+            token_audiences: Vec::new(),
         }
     }
 }
@@ -512,6 +518,12 @@ impl SharderConfig {
         self.metrics
             .socket_addr()
             .map_err(|m| invalid("metrics.bindAddress", m.to_string()))?;
+        if self.metrics.token_audiences.iter().any(String::is_empty) {
+            return Err(invalid(
+                "metrics.tokenAudiences",
+                "audiences must not be empty strings",
+            ));
+        }
 
         let sharder = &self.controller.sharder;
         if sharder.sync_period.0.is_zero() {
@@ -763,6 +775,14 @@ shutdownDelay: 2s
         assert_eq!(config.metrics.bind_address, ":8080");
         let config = parse("metrics: {bindAddress: \"127.0.0.1:9090\"}\n").expect("valid");
         assert!(config.metrics.secure);
+        let config =
+            parse("metrics: {tokenAudiences: [controller-sharding-metrics]}\n").expect("valid");
+        assert_eq!(
+            config.metrics.token_audiences,
+            ["controller-sharding-metrics"]
+        );
+        let err = error_of("metrics: {tokenAudiences: [\"\"]}\n");
+        assert!(err.contains("metrics.tokenAudiences"), "{err}");
         let err = error_of("metrics: {secure: maybe}\n");
         assert!(err.contains("metrics.secure"), "{err}");
     }

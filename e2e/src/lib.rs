@@ -33,6 +33,7 @@
 //! | [`etcd::Compactor`] | compacts a dedicated control plane's etcd again and again, so continue tokens expire |
 //! | [`IndependentRing`] | a hash ring written from the protocol's description, to check the sharder's answers against |
 //! | [`trivial_webhook`] | a webhook that answers every review with one constant patch, served like the sharder's over TLS on loopback ([`trivial_webhook::loopback_tls`]) |
+//! | [`webhook_client::WebhookClient`] | admission reviews sent by the thousand to a sharder's webhook over one HTTP/2 connection |
 //! | [`latency::Latencies`] | nearest-rank percentiles of latency samples |
 //! | [`in_cluster::in_cluster`] | a control plane with a node, the product images loaded, for tests that install the product as users do |
 //! | [`apiserver::ApiServer`] | restarting kube-apiserver of a control plane the harness started (a [`dedicated::DedicatedCluster`], never the shared one) |
@@ -57,6 +58,7 @@ pub mod sharder_identity;
 pub mod sharder_process;
 pub mod shared_sharder;
 pub mod trivial_webhook;
+pub mod webhook_client;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

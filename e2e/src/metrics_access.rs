@@ -64,9 +64,21 @@ pub async fn service_account_token(
         .create(&PostParams::default(), &account)
         .await
         .with_context(|| format!("failed to create ServiceAccount {ns}/{name}"))?;
+    token_for(client, ns, name, Vec::new()).await
+}
+
+/// A token for the existing ServiceAccount `ns`/`name` from the TokenRequest API, valid for an
+/// hour, for `audiences` (empty: the API server's own).
+pub async fn token_for(
+    client: &Client,
+    ns: &str,
+    name: &str,
+    audiences: Vec<String>,
+) -> anyhow::Result<String> {
+    let accounts = Api::<ServiceAccount>::namespaced(client.clone(), ns);
     let request = TokenRequest {
         spec: TokenRequestSpec {
-            audiences: Vec::new(),
+            audiences,
             expiration_seconds: Some(3600),
             bound_object_ref: None,
         },

@@ -62,6 +62,9 @@ pub struct SharderSettings {
     /// shipped configuration: the tests and tools read counters with a plain
     /// [`SharderFiles::metrics`], and the config file says `secure: false` explicitly.
     pub metrics_secure: bool,
+    /// `metrics.tokenAudiences`: audiences a scraper's token must be issued for; empty: the API
+    /// server's.
+    pub metrics_token_audiences: Vec<String>,
 }
 
 impl Default for SharderSettings {
@@ -74,6 +77,7 @@ impl Default for SharderSettings {
             concurrent_moves: sharding_crds::config::SharderController::default().concurrent_moves,
             shards_leave_controlled_objects: false,
             metrics_secure: false,
+            metrics_token_audiences: Vec::new(),
         }
     }
 }
@@ -124,6 +128,7 @@ health:
 metrics:
   bindAddress: 127.0.0.1:{metrics_port}
   secure: {metrics_secure}
+  tokenAudiences: {audiences}
 controller:
   sharder:
     syncPeriod: {sync}
@@ -148,6 +153,7 @@ shutdownDelay: 1s
             concurrent_moves = settings.concurrent_moves,
             leave = settings.shards_leave_controlled_objects,
             metrics_secure = settings.metrics_secure,
+            audiences = serde_json::to_string(&settings.metrics_token_audiences)?,
             webhook_url = settings
                 .webhook_url
                 .clone()

@@ -112,8 +112,10 @@ impl Caches {
                 writer,
                 Watched {
                     api: Api::<Lease>::all(runner.client.clone()),
-                    config: watcher::Config::default().labels(kind.lease_label()),
+                    config: watcher::Config::default().labels(&slim::lease_selector(kind)),
                     prepare: Box::new(move |event| {
+                        // First: what the renewal tracking copies must be bounded already.
+                        slim::prepare_lease(kind, event);
                         renewals.prepare(event, Timestamp::now());
                         slim::for_each_object(event, slim::slim_lease);
                     }),

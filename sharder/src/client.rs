@@ -22,7 +22,17 @@ pub(crate) struct Clients {
     pub(crate) leader_election: Client,
     /// Lists and watches of the caches.
     pub(crate) caches: Client,
+    /// Reviews of metrics scrapers' tokens never accepted before: what a client sending random
+    /// tokens reaches. Throttled on its own, so it takes nothing from the controllers' budget.
+    pub(crate) metrics_auth_new: Client,
+    /// Reviews of tokens accepted before, and of what their users may do; throttled on its own,
+    /// so random tokens cannot delay a known scraper's review.
+    pub(crate) metrics_auth_known: Client,
 }
+
+/// Requests per second (and burst) of each metrics-authentication client: a few scrapers need a
+/// couple of reviews every two minutes.
+const METRICS_AUTH_QPS: f32 = 20.0;
 
 /// Builds the clients described by `clientConnection`, counting their requests into `requests`.
 pub(crate) async fn build_clients(
@@ -38,6 +48,18 @@ pub(crate) async fn build_clients(
         .context("failed to build API client")?
         .with_layer(&CountLayer::new(requests.clone(), "caches"))
         .build();
+    let metrics_auth = |name: &'static str| -> anyhow::Result<Client> {
+        Ok(kube::client::ClientBuilder::try_from(kube_config.clone())
+            .context("failed to build API client")?
+            .with_layer(&CountLayer::new(requests.clone(), name))
+            .with_layer(&throttle::ThrottleLayer::new(
+                METRICS_AUTH_QPS,
+                METRICS_AUTH_QPS as u32,
+            ))
+            .build())
+    };
+    let metrics_auth_new = metrics_auth("metrics_auth")?;
+    let metrics_auth_known = metrics_auth("metrics_auth")?;
     let builder = kube::client::ClientBuilder::try_from(kube_config)
         .context("failed to build API client")?
         .with_layer(&CountLayer::new(requests.clone(), "main"));
@@ -58,6 +80,8 @@ pub(crate) async fn build_clients(
         main,
         leader_election,
         caches,
+        metrics_auth_new,
+        metrics_auth_known,
     })
 }
 

@@ -119,7 +119,11 @@ pub async fn run(
         allowed_protected: config.webhook.config.allowed_protected_resources.clone(),
         default_selector: config.webhook.config.namespace_selector.clone(),
         ring_calculations: ctx.metrics.ring_calculations.clone(),
-        pins: views::Pins::new(ctx.caches.namespaces.clone()),
+        // The leader's sync sees every pinned main object once per sync period: a pin unseen for
+        // several periods belongs to an object that is gone.
+        pins: views::Pins::new(ctx.caches.namespaces.clone()).with_max_age(
+            (config.controller.sharder.sync_period.0 * 4).max(std::time::Duration::from_secs(3600)),
+        ),
     };
     tasks.spawn(views::maintain(
         view_sources.clone(),
@@ -174,7 +178,10 @@ pub async fn run(
         registry,
         readiness.clone(),
         &certificate,
-        ctx.client.clone(),
+        server::ReviewClients {
+            new_tokens: clients.metrics_auth_new,
+            known: clients.metrics_auth_known,
+        },
         &mut tasks,
         &shutdown,
     )

@@ -3,6 +3,8 @@
 //! (`metrics_auth`), and the plain health server.
 
 mod metrics_auth;
+
+pub(crate) use self::metrics_auth::ReviewClients;
 pub mod tls;
 
 use std::net::SocketAddr;
@@ -147,8 +149,12 @@ const METRICS_LIMITS: ConnectionLimits = ConnectionLimits {
 
 /// [`metrics_router`] behind authentication and authorization through the API server (see
 /// `metrics_auth`): only `/metrics` asks the API server anything; other paths are 404 at no cost.
-pub(crate) fn secure_metrics_router(registry: Arc<Registry>, client: kube::Client) -> Router {
-    let auth = Arc::new(metrics_auth::MetricsAuth::new(client));
+pub(crate) fn secure_metrics_router(
+    registry: Arc<Registry>,
+    clients: ReviewClients,
+    audiences: Vec<String>,
+) -> Router {
+    let auth = Arc::new(metrics_auth::MetricsAuth::new(clients, audiences));
     metrics_router(registry).route_layer(axum::middleware::from_fn_with_state(
         auth,
         metrics_auth::require_access,
@@ -158,13 +164,13 @@ pub(crate) fn secure_metrics_router(registry: Arc<Registry>, client: kube::Clien
 /// Starts the admin servers the configuration enables: metrics from `registry`, and the health
 /// probes answering from `readiness`. A bind address of `0` disables a server. With
 /// `metrics.secure`, metrics are served over TLS with the webhook's serving certificate (from
-/// `certificate`, the webhook's reloader) and every scrape is reviewed through `client`.
+/// `certificate`, the webhook's reloader) and every scrape is reviewed through `clients`.
 pub(crate) async fn serve_admin(
     config: &SharderConfig,
     registry: Registry,
     readiness: Arc<Readiness>,
     certificate: &Arc<tls::CertReloader>,
-    client: kube::Client,
+    clients: ReviewClients,
     tasks: &mut JoinSet<()>,
     shutdown: &CancellationToken,
 ) -> anyhow::Result<()> {
@@ -181,7 +187,7 @@ pub(crate) async fn serve_admin(
             tasks.spawn(serve_tls(
                 listener,
                 acceptor,
-                secure_metrics_router(registry, client),
+                secure_metrics_router(registry, clients, config.metrics.token_audiences.clone()),
                 METRICS_LIMITS,
                 shutdown.clone(),
                 config.graceful_shutdown.0,
@@ -326,7 +332,11 @@ mod tests {
     fn secure_router_without_api_server() -> Router {
         let config = kube::Config::new("http://127.0.0.1:1".parse().expect("url"));
         let client = kube::Client::try_from(config).expect("client");
-        secure_metrics_router(Arc::new(Registry::default()), client)
+        let clients = ReviewClients {
+            new_tokens: client.clone(),
+            known: client,
+        };
+        secure_metrics_router(Arc::new(Registry::default()), clients, Vec::new())
     }
 
     async fn answer(app: Router, request: Request<Body>) -> (StatusCode, String) {

@@ -345,7 +345,9 @@ fn decide(
         .annotations
         .as_ref()
         .and_then(|pins| pins.get(&view.pin_annotation));
-    if resource.is_main() {
+    // A dry run writes nothing, so its pin is not remembered: it would let anyone who may dry-run
+    // a create grow the sharder's memory.
+    if resource.is_main() && request.dry_run != Some(true) {
         view.pins.main_seen(ring, &key, own);
     }
     let (shard, pin) = view.place(&key, resource.is_main(), own, namespace);

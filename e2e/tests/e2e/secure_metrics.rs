@@ -5,7 +5,9 @@
 use std::time::Duration;
 
 use anyhow::ensure;
-use e2e::metrics_access::{bind_metrics_reader, install_metrics_reader, service_account_token};
+use e2e::metrics_access::{
+    bind_metrics_reader, install_metrics_reader, service_account_token, token_for,
+};
 use e2e::net::curl;
 use e2e::prometheus::sum;
 use e2e::scenario::DedicatedScenario;
@@ -109,6 +111,95 @@ async fn secure_metrics_admit_only_tokens_allowed_to_get_them() -> anyhow::Resul
         assert_eq!(curl(&["-sf", &url])?, "ok\n");
     }
 
+    sharder.passed();
+    Ok(())
+}
+
+/// With `metrics.tokenAudiences` set, only a token issued for that audience reads the metrics:
+/// the reader's ordinary token (the API server's audience) is refused. And a flood of random
+/// tokens, kept up past the time the scraper's cached answer expires (so its token is reviewed
+/// again in the middle of the flood), never keeps the scraper out: every scrape gets 200.
+#[tokio::test]
+async fn secure_metrics_honour_audiences_and_outlast_a_flood_of_random_tokens() -> anyhow::Result<()>
+{
+    const AUDIENCE: &str = "controller-sharding-metrics";
+    const FLOODERS: usize = 12;
+    let DedicatedScenario {
+        dedicated,
+        client,
+        ns,
+    } = DedicatedScenario::in_namespace("metrics-flood").await?;
+    let files = SharderFiles::create(
+        dedicated.cluster().kubeconfig(),
+        &SharderSettings {
+            metrics_secure: true,
+            metrics_token_audiences: vec![AUDIENCE.into()],
+            ..SharderSettings::default()
+        },
+    )?;
+    let mut sharder = files.start_process()?;
+    files.wait_ready(Duration::from_secs(60)).await?;
+    install_metrics_reader(&client).await?;
+    let ordinary = service_account_token(&client, &ns, "reader").await?;
+    bind_metrics_reader(&client, &ns, "reader").await?;
+    let scraper = token_for(&client, &ns, "reader", vec![AUDIENCE.into()]).await?;
+
+    let (status, _) = files.scrape_metrics(Some(&ordinary))?;
+    assert_eq!(
+        status, 401,
+        "a token for the API server's audience was accepted"
+    );
+    let (status, text) = files.scrape_metrics(Some(&scraper))?;
+    assert_eq!(status, 200, "{text}");
+    // When the scraper's answers expire: the sharder's own cache time, from now.
+    let expired_at = std::time::Instant::now() + Duration::from_secs(125);
+
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let url = files.metrics_url();
+    let ca = files.ca.display().to_string();
+    let flooders: Vec<_> = (0..FLOODERS)
+        .map(|f| {
+            let (stop, url, ca) = (stop.clone(), url.clone(), ca.clone());
+            std::thread::spawn(move || {
+                let mut sent = 0u64;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let header = format!("Authorization: Bearer random-{f}-{sent}");
+                    let _ = std::process::Command::new("curl")
+                        .args(["-s", "-o", "/dev/null", "--max-time", "15", "--cacert", &ca])
+                        .args(["-H", &header, &url])
+                        .status();
+                    sent += 1;
+                }
+                sent
+            })
+        })
+        .collect();
+    let mut scrapes = 0;
+    let mut refused = Vec::new();
+    while std::time::Instant::now() < expired_at + Duration::from_secs(15) {
+        let (status, _) = files.scrape_metrics(Some(&scraper))?;
+        scrapes += 1;
+        if status != 200 {
+            refused.push(status);
+        }
+        tokio::time::sleep(Duration::from_secs(2)).await;
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let sent: u64 = flooders
+        .into_iter()
+        .map(|f| f.join().unwrap_or_default())
+        .sum();
+    let text = files.scrape_metrics(Some(&scraper))?.1;
+    println!(
+        "{sent} random tokens sent, {} TokenReviews; the scraper got {scrapes} scrapes, refused: {refused:?}",
+        reviews(&text, "tokenreviews")
+    );
+    ensure!(
+        refused.is_empty(),
+        "the scraper was refused during the flood: {refused:?}"
+    );
+    // Its token was reviewed again during the flood (the first review, and one after expiry).
+    ensure!(sent > 0, "the flood sent nothing");
     sharder.passed();
     Ok(())
 }

@@ -14,7 +14,7 @@ use kube::runtime::watcher;
 use sharding_crds::RingKind;
 use sharding_crds::labels::{
     ANNOTATION_EXCLUDED, ANNOTATION_LEAVES_CONTROLLED_OBJECTS, ANNOTATION_RELEASED_BY,
-    ANNOTATION_WEIGHT, LABEL_STATE,
+    ANNOTATION_WEIGHT, LABEL_STATE, is_dns_subdomain, is_valid_label_value,
 };
 
 /// Applies `slim` to the object of `event`, if it carries one.
@@ -41,9 +41,67 @@ const MAX_SHARD_NAME_LEN: usize = 253;
 /// What a longer exclusion annotation value is kept as: no reason, so the sharder rewrites it.
 const TOO_LONG: &str = "(too long)";
 
+/// Longest weight or `leaves-controlled-objects` value kept; every valid one ("100", "false") is
+/// far shorter.
+const MAX_STEERING_VALUE_LEN: usize = 16;
+
+/// What a longer weight or `leaves-controlled-objects` value is kept as: no number and not
+/// "true", so it reads as invalid (weight) or unset (leaves-controlled-objects).
+const INVALID_VALUE: &str = "(invalid)";
+
+/// The label selector of the Lease watch of `kind`: Leases with a non-empty ring value. A Lease
+/// with an empty value belongs to no ring; listing it would let anyone who may create a Lease
+/// fill the cache.
+pub(super) fn lease_selector(kind: RingKind) -> String {
+    let label = kind.lease_label();
+    format!("{label},{label}!=")
+}
+
+/// Whether `ring` can name a ring: rings are objects, so a DNS subdomain, and the value of a
+/// label, so at most 63 characters.
+fn is_valid_ring_value(ring: &str) -> bool {
+    is_dns_subdomain(ring) && is_valid_label_value(ring)
+}
+
+/// Makes a Lease event of the `kind` watch safe to keep, before anything else reads it: a Lease
+/// whose ring value names no possible ring is treated as deleted (it is never cached, and leaves
+/// the cache if it was there), and a `holderIdentity` longer than any name is replaced by
+/// [`TOO_LONG`], which can name no shard. Without that the renewal tracking would copy a value
+/// of up to the object size limit for every such Lease.
+pub(super) fn prepare_lease(kind: RingKind, event: &mut watcher::Event<Lease>) {
+    let (watcher::Event::Apply(lease) | watcher::Event::InitApply(lease)) = event else {
+        if let watcher::Event::Delete(lease) = event {
+            cap_holder(lease);
+        }
+        return;
+    };
+    cap_holder(lease);
+    let valid = lease
+        .labels()
+        .get(kind.lease_label())
+        .is_some_and(|ring| is_valid_ring_value(ring));
+    if !valid {
+        let lease = std::mem::take(lease);
+        *event = watcher::Event::Delete(lease);
+    }
+}
+
+/// Replaces a `holderIdentity` longer than a name with [`TOO_LONG`].
+fn cap_holder(lease: &mut Lease) {
+    if let Some(holder) = lease
+        .spec
+        .as_mut()
+        .and_then(|spec| spec.holder_identity.as_mut())
+        .filter(|holder| holder.len() > MAX_SHARD_NAME_LEN)
+    {
+        *holder = TOO_LONG.to_string();
+    }
+}
+
 /// Keeps of a shard Lease only what membership, shard states, Events and metrics read: name,
 /// namespace, UID, resourceVersion, creation time, the spec, the ring labels of both kinds, the
-/// state label, the weight annotation, the shard's release mark (unless too long to name a shard)
+/// state label, the weight and `leaves-controlled-objects` annotations (a value too long to be
+/// valid as [`INVALID_VALUE`]), the shard's release mark (unless too long to name a shard)
 /// and the exclusion annotation the sharder writes (whose value, if someone else made it long, is
 /// replaced: any value other than a reason is rewritten).
 /// Owner references and finalizers go too.
@@ -72,6 +130,11 @@ pub(super) fn slim_lease(lease: &mut Lease) {
             .map(|(key, mut value)| {
                 if key == ANNOTATION_EXCLUDED && value.len() > MAX_EXCLUSION_REASON_LEN {
                     value = TOO_LONG.to_string();
+                }
+                if (key == ANNOTATION_WEIGHT || key == ANNOTATION_LEAVES_CONTROLLED_OBJECTS)
+                    && value.len() > MAX_STEERING_VALUE_LEN
+                {
+                    value = INVALID_VALUE.to_string();
                 }
                 (key, value)
             })
@@ -156,5 +219,96 @@ mod tests {
         let annotations = lease.annotations();
         assert_eq!(annotations.len(), 1, "{:?}", annotations.keys());
         assert_eq!(annotations[ANNOTATION_LEAVES_CONTROLLED_OBJECTS], "true");
+    }
+
+    fn ring_lease(ring: Option<&str>, holder: &str) -> Lease {
+        Lease {
+            metadata: ObjectMeta {
+                name: Some("shard-a".into()),
+                namespace: Some("team".into()),
+                labels: ring.map(|ring| {
+                    BTreeMap::from([(RingKind::ClusterRing.lease_label().into(), ring.into())])
+                }),
+                ..Default::default()
+            },
+            spec: Some(LeaseSpec {
+                holder_identity: Some(holder.into()),
+                ..Default::default()
+            }),
+        }
+    }
+
+    #[test]
+    fn leases_of_no_possible_ring_are_never_cached() {
+        assert_eq!(
+            lease_selector(RingKind::ClusterRing),
+            format!("{0},{0}!=", RingKind::ClusterRing.lease_label())
+        );
+        for ring in [None, Some(""), Some("Upper"), Some("a_b"), Some("-a")] {
+            for event in [
+                watcher::Event::Apply(ring_lease(ring, "shard-a")),
+                watcher::Event::InitApply(ring_lease(ring, "shard-a")),
+            ] {
+                let mut event = event;
+                prepare_lease(RingKind::ClusterRing, &mut event);
+                // A delete: the cache drops it if an earlier value put it there.
+                assert!(
+                    matches!(&event, watcher::Event::Delete(l) if l.metadata.name.as_deref() == Some("shard-a")),
+                    "{ring:?}: {event:?}"
+                );
+            }
+        }
+        let mut event = watcher::Event::Apply(ring_lease(Some("example.ring-1"), "shard-a"));
+        prepare_lease(RingKind::ClusterRing, &mut event);
+        assert!(matches!(event, watcher::Event::Apply(_)), "{event:?}");
+    }
+
+    #[test]
+    fn a_holder_longer_than_a_name_is_kept_as_a_marker() {
+        let long = "h".repeat(10 * 1024);
+        for make in [
+            watcher::Event::Apply as fn(Lease) -> watcher::Event<Lease>,
+            watcher::Event::Delete,
+        ] {
+            let mut event = make(ring_lease(Some("ring"), &long));
+            prepare_lease(RingKind::ClusterRing, &mut event);
+            let (watcher::Event::Apply(lease) | watcher::Event::Delete(lease)) = &event else {
+                panic!("{event:?}");
+            };
+            let holder = lease
+                .spec
+                .as_ref()
+                .and_then(|s| s.holder_identity.as_deref());
+            assert_eq!(holder, Some(TOO_LONG));
+        }
+        let name = "n".repeat(MAX_SHARD_NAME_LEN);
+        let mut event = watcher::Event::Apply(ring_lease(Some("ring"), &name));
+        prepare_lease(RingKind::ClusterRing, &mut event);
+        let watcher::Event::Apply(lease) = &event else {
+            panic!("{event:?}");
+        };
+        let holder = lease
+            .spec
+            .as_ref()
+            .and_then(|s| s.holder_identity.as_deref());
+        assert_eq!(holder, Some(name.as_str()));
+    }
+
+    #[test]
+    fn long_steering_annotations_are_kept_as_invalid_markers() {
+        let long = "9".repeat(10 * 1024);
+        let mut lease = ring_lease(Some("ring"), "shard-a");
+        lease.metadata.annotations = Some(BTreeMap::from([
+            (ANNOTATION_WEIGHT.into(), long.clone()),
+            (ANNOTATION_LEAVES_CONTROLLED_OBJECTS.into(), long),
+        ]));
+        slim_lease(&mut lease);
+        let annotations = lease.annotations();
+        assert_eq!(annotations[ANNOTATION_WEIGHT], INVALID_VALUE);
+        assert_eq!(
+            annotations[ANNOTATION_LEAVES_CONTROLLED_OBJECTS],
+            INVALID_VALUE
+        );
+        assert!(sharding_crds::labels::parse_weight(Some(INVALID_VALUE)).is_err());
     }
 }

@@ -7,8 +7,19 @@
 //! Both answers are cached for a short while, negative ones too, so a scraper that comes back
 //! every 15 or 30 seconds costs the API server two reviews every couple of minutes rather than two
 //! per scrape. The caches are bounded in entries and keep a hash of each token, never the token,
-//! so a client sending random tokens cannot grow the sharder's memory; it can only cost one
-//! TokenReview per request, a few at a time.
+//! so a client sending random tokens cannot grow the sharder's memory.
+//!
+//! Whoever reaches the port can send tokens, so a flood of random ones must not keep a real
+//! scraper out: refusals are cached apart from acceptances (they cannot push a scraper's entry
+//! out), and reviews run in two lanes, each with its own client, rate limit, turns and timeout.
+//! Tokens accepted within the last hour (a scraper whose cached answer expired) and every
+//! SubjectAccessReview (only accepted tokens get there) use the known lane; any other token
+//! waits briefly for the new-token lane, where random tokens queue, and is answered 503 if it
+//! gets no turn. A scraper's rotated token is new too, so during such a flood it may wait a few
+//! scrapes to be accepted.
+//!
+//! With `metrics.tokenAudiences` set, the TokenReview asks for those audiences: a token issued
+//! for the API server (which a sharder could replay) is refused.
 
 mod cache;
 
@@ -47,12 +58,25 @@ pub(crate) const DENIED_TTL: Duration = Duration::from_secs(10);
 /// leaves room for many scrapers while bounding the memory to well under a megabyte.
 pub(crate) const MAX_ENTRIES: usize = 1000;
 
-/// Reviews sent at once. A client sending new tokens as fast as it can thus keeps only a few
-/// API calls in flight; the rest wait their turn.
+/// Refusals remembered: far more than acceptances, as each costs 32 bytes and a flood of random
+/// tokens sends many; kept apart, so they never push an accepted token out.
+pub(crate) const MAX_REFUSED: usize = 10_000;
+
+/// How long a token the API server accepted counts as known: its later reviews use the known
+/// lane. About a projected token's lifetime.
+pub(crate) const KNOWN_TTL: Duration = Duration::from_secs(3600);
+
+/// Reviews sent at once per lane. A client sending new tokens as fast as it can thus keeps only a
+/// few API calls in flight; the rest wait their turn.
 const MAX_REVIEWS_IN_FLIGHT: usize = 4;
 
-/// How long a request waits for its reviews (a turn and the API call) before it is refused.
+/// How long a request waits for its reviews in the known lane (a turn and the API call) before
+/// it is refused.
 const REVIEW_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long a new token waits for its review: a flood's requests are answered 503 soon rather
+/// than holding connections of the metrics server.
+const NEW_TOKEN_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Longest token looked at. Service account tokens are a kilobyte or two; a longer header is not
 /// worth a review.
@@ -79,8 +103,8 @@ pub(crate) enum ReviewError {
         #[source]
         source: kube::Error,
     },
-    /// No answer within [`REVIEW_TIMEOUT`].
-    #[error("failed to get a review answered within {REVIEW_TIMEOUT:?}")]
+    /// No answer within the lane's timeout.
+    #[error("failed to get a review answered in time")]
     Timeout,
 }
 
@@ -116,25 +140,59 @@ pub(crate) enum Access {
     Forbidden,
 }
 
+/// The clients the reviews go through: one per lane (see the module docs).
+pub(crate) struct ReviewClients {
+    /// Reviews of tokens not accepted before.
+    pub(crate) new_tokens: Client,
+    /// Reviews of tokens accepted before, and SubjectAccessReviews.
+    pub(crate) known: Client,
+}
+
+/// One lane of reviews: its client, turns and timeout.
+struct Lane {
+    client: Client,
+    turns: Semaphore,
+    timeout: Duration,
+}
+
+impl Lane {
+    fn new(client: Client, timeout: Duration) -> Self {
+        Self {
+            client,
+            turns: Semaphore::new(MAX_REVIEWS_IN_FLIGHT),
+            timeout,
+        }
+    }
+}
+
 /// Reviews of scrapers' tokens through the API server, with their answers cached (not `Debug`:
 /// kube's `Client` is not).
 pub(crate) struct MetricsAuth {
-    client: Client,
-    /// SHA-256 of a token → its user, or `None` when the token was rejected.
-    tokens: Mutex<ExpiringCache<[u8; 32], Option<User>>>,
+    new_tokens: Lane,
+    known: Lane,
+    /// Audiences the TokenReview asks for; empty: the API server's.
+    audiences: Vec<String>,
+    /// SHA-256 of an accepted token → its user.
+    accepted: Mutex<ExpiringCache<[u8; 32], User>>,
+    /// SHA-256 of a refused token.
+    refused: Mutex<ExpiringCache<[u8; 32], ()>>,
+    /// SHA-256 of a token accepted within [`KNOWN_TTL`].
+    known_tokens: Mutex<ExpiringCache<[u8; 32], ()>>,
     /// User → whether it may read the metrics.
     access: Mutex<ExpiringCache<User, bool>>,
-    reviews: Semaphore,
 }
 
 impl MetricsAuth {
-    /// Reviews through `client`; its requests count as the client's own.
-    pub(crate) fn new(client: Client) -> Self {
+    /// Reviews through `clients`, asking for `audiences` (empty: the API server's).
+    pub(crate) fn new(clients: ReviewClients, audiences: Vec<String>) -> Self {
         Self {
-            client,
-            tokens: Mutex::new(ExpiringCache::new(MAX_ENTRIES)),
+            new_tokens: Lane::new(clients.new_tokens, NEW_TOKEN_TIMEOUT),
+            known: Lane::new(clients.known, REVIEW_TIMEOUT),
+            audiences,
+            accepted: Mutex::new(ExpiringCache::new(MAX_ENTRIES)),
+            refused: Mutex::new(ExpiringCache::new(MAX_REFUSED)),
+            known_tokens: Mutex::new(ExpiringCache::new(MAX_ENTRIES)),
             access: Mutex::new(ExpiringCache::new(MAX_ENTRIES)),
-            reviews: Semaphore::new(MAX_REVIEWS_IN_FLIGHT),
         }
     }
 
@@ -154,39 +212,59 @@ impl MetricsAuth {
         })
     }
 
-    /// The user `token` stands for, or `None` when the API server does not accept it.
+    /// The user `token` stands for, or `None` when the API server does not accept it (for the
+    /// configured audiences).
     async fn authenticate(&self, token: &str) -> Result<Option<User>, ReviewError> {
         let key: [u8; 32] = Sha256::digest(token.as_bytes()).into();
-        if let Some(known) = lock(&self.tokens).get(&key, now()) {
-            return Ok(known);
+        let now = now();
+        if let Some(user) = lock(&self.accepted).get(&key, now) {
+            return Ok(Some(user));
         }
+        if lock(&self.refused).get(&key, now).is_some() {
+            return Ok(None);
+        }
+        let lane = if lock(&self.known_tokens).get(&key, now).is_some() {
+            &self.known
+        } else {
+            &self.new_tokens
+        };
         let review = TokenReview {
             spec: TokenReviewSpec {
                 token: Some(token.to_owned()),
-                // The API server's own audiences: a token made for another service is refused.
-                audiences: None,
+                // None: the API server's own audiences.
+                audiences: Some(self.audiences.clone()).filter(|a| !a.is_empty()),
             },
             ..TokenReview::default()
         };
-        let answer = self
-            .review(
-                Api::<TokenReview>::all(self.client.clone()),
-                review,
-                "TokenReview",
-            )
-            .await?;
+        let answer = review_in(
+            lane,
+            Api::<TokenReview>::all(lane.client.clone()),
+            review,
+            "TokenReview",
+        )
+        .await?;
         let user = answer
             .status
             .filter(|s| s.authenticated == Some(true))
+            // An audience-aware API server names the requested audiences the token is valid
+            // for; with none named it may not have checked them.
+            .filter(|s| {
+                self.audiences.is_empty()
+                    || s.audiences
+                        .iter()
+                        .flatten()
+                        .any(|a| self.audiences.contains(a))
+            })
             .and_then(|s| s.user)
             .map(User::from);
-        let ttl = if user.is_some() {
-            ALLOWED_TTL
-        } else {
-            DENIED_TTL
-        };
-        let now = now();
-        lock(&self.tokens).insert(key, user.clone(), now + ttl, now);
+        let now = self::now();
+        match &user {
+            Some(user) => {
+                lock(&self.accepted).insert(key, user.clone(), now + ALLOWED_TTL, now);
+                lock(&self.known_tokens).insert(key, (), now + KNOWN_TTL, now);
+            }
+            None => lock(&self.refused).insert(key, (), now + DENIED_TTL, now),
+        }
         Ok(user)
     }
 
@@ -209,38 +287,39 @@ impl MetricsAuth {
             },
             ..SubjectAccessReview::default()
         };
-        let answer = self
-            .review(
-                Api::<SubjectAccessReview>::all(self.client.clone()),
-                review,
-                "SubjectAccessReview",
-            )
-            .await?;
+        let answer = review_in(
+            &self.known,
+            Api::<SubjectAccessReview>::all(self.known.client.clone()),
+            review,
+            "SubjectAccessReview",
+        )
+        .await?;
         let allowed = answer.status.is_some_and(|s| s.allowed);
         let ttl = if allowed { ALLOWED_TTL } else { DENIED_TTL };
         let now = now();
         lock(&self.access).insert(user.clone(), allowed, now + ttl, now);
         Ok(allowed)
     }
+}
 
-    /// Creates `review` and returns the API server's answer, waiting for a turn first.
-    async fn review<K>(&self, api: Api<K>, review: K, kind: &'static str) -> Result<K, ReviewError>
-    where
-        K: kube::Resource
-            + Clone
-            + serde::Serialize
-            + serde::de::DeserializeOwned
-            + std::fmt::Debug,
-    {
-        tokio::time::timeout(REVIEW_TIMEOUT, async {
-            let _turn = self.reviews.acquire().await;
-            api.create(&PostParams::default(), &review)
-                .await
-                .map_err(|source| ReviewError::Api { kind, source })
-        })
-        .await
-        .map_err(|_| ReviewError::Timeout)?
-    }
+/// Creates `review` in `lane` and returns the API server's answer, waiting for a turn first.
+async fn review_in<K>(
+    lane: &Lane,
+    api: Api<K>,
+    review: K,
+    kind: &'static str,
+) -> Result<K, ReviewError>
+where
+    K: kube::Resource + Clone + serde::Serialize + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    tokio::time::timeout(lane.timeout, async {
+        let _turn = lane.turns.acquire().await;
+        api.create(&PostParams::default(), &review)
+            .await
+            .map_err(|source| ReviewError::Api { kind, source })
+    })
+    .await
+    .map_err(|_| ReviewError::Timeout)?
 }
 
 /// The bearer token of the `Authorization` header, as Kubernetes reads it: the scheme `Bearer`
@@ -364,5 +443,157 @@ mod tests {
         assert_eq!(user.groups, ["system:serviceaccounts"]);
         assert_eq!(user.uid, "1234");
         assert_eq!(user.extra.len(), 1);
+    }
+
+    /// An API server that accepts the token "good" (for audience "metrics" when asked for
+    /// audiences, and then names it), allows every user, and answers a review of any other token
+    /// after `slow`; it counts the TokenReviews of each token.
+    fn api_server(
+        slow: Duration,
+    ) -> (
+        ReviewClients,
+        Arc<Mutex<std::collections::HashMap<String, usize>>>,
+    ) {
+        use kube::client::Body;
+        let counts = Arc::new(Mutex::new(std::collections::HashMap::new()));
+        let seen = counts.clone();
+        let service = tower::service_fn(move |request: axum::http::Request<Body>| {
+            let seen = seen.clone();
+            async move {
+                let path = request.uri().path().to_string();
+                let body = request
+                    .into_body()
+                    .collect_bytes()
+                    .await
+                    .expect("request body");
+                let body: serde_json::Value = serde_json::from_slice(&body).expect("json");
+                let answer = if path.contains("tokenreviews") {
+                    let token = body["spec"]["token"]
+                        .as_str()
+                        .unwrap_or_default()
+                        .to_string();
+                    *lock(&seen).entry(token.clone()).or_insert(0) += 1;
+                    let audiences = body["spec"]["audiences"].as_array().cloned();
+                    let good = token == "good"
+                        && audiences
+                            .as_ref()
+                            .is_none_or(|a| a.iter().any(|a| a == "metrics"));
+                    if !good {
+                        tokio::time::sleep(slow).await;
+                    }
+                    serde_json::json!({
+                        "apiVersion": "authentication.k8s.io/v1",
+                        "kind": "TokenReview",
+                        "spec": body["spec"],
+                        "status": {
+                            "authenticated": good,
+                            "user": {"username": "scraper"},
+                            "audiences": audiences.map(|_| vec!["metrics"]),
+                        },
+                    })
+                } else {
+                    serde_json::json!({
+                        "apiVersion": "authorization.k8s.io/v1",
+                        "kind": "SubjectAccessReview",
+                        "spec": body["spec"],
+                        "status": {"allowed": true},
+                    })
+                };
+                axum::http::Response::builder()
+                    .status(201)
+                    .body(Body::from(serde_json::to_vec(&answer).expect("json")))
+            }
+        });
+        let client = kube::Client::new(service, "default");
+        let clients = ReviewClients {
+            new_tokens: client.clone(),
+            known: client,
+        };
+        (clients, counts)
+    }
+
+    fn bearer(token: &str) -> HeaderMap {
+        with_authorization(&format!("Bearer {token}"))
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn refusals_are_cached_apart_and_never_push_a_scraper_out() {
+        let (clients, counts) = api_server(Duration::ZERO);
+        let auth = MetricsAuth::new(clients, Vec::new());
+        assert_eq!(
+            auth.check(&bearer("good")).await.ok(),
+            Some(Access::Allowed)
+        );
+        for _ in 0..3 {
+            assert_eq!(
+                auth.check(&bearer("random")).await.ok(),
+                Some(Access::Unauthenticated)
+            );
+        }
+        // More refusals than the acceptance cache holds.
+        for i in 0..MAX_ENTRIES + 10 {
+            auth.check(&bearer(&format!("r{i}")))
+                .await
+                .expect("answered");
+        }
+        assert_eq!(
+            auth.check(&bearer("good")).await.ok(),
+            Some(Access::Allowed)
+        );
+        let counts = lock(&counts);
+        assert_eq!(counts["random"], 1, "a refusal is remembered");
+        assert_eq!(counts["good"], 1, "the scraper's answer stayed cached");
+        assert!(lock(&auth.refused).len() <= MAX_REFUSED);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_flood_of_random_tokens_does_not_starve_a_known_scraper() {
+        let (clients, counts) = api_server(Duration::from_secs(1));
+        let auth = Arc::new(MetricsAuth::new(clients, Vec::new()));
+        assert_eq!(
+            auth.check(&bearer("good")).await.ok(),
+            Some(Access::Allowed)
+        );
+        // The scraper's cached answers expire.
+        tokio::time::advance(ALLOWED_TTL + Duration::from_secs(1)).await;
+        let flood: Vec<_> = (0..200)
+            .map(|i| {
+                let auth = auth.clone();
+                tokio::spawn(async move { auth.check(&bearer(&format!("f{i}"))).await.is_ok() })
+            })
+            .collect();
+        tokio::task::yield_now().await;
+        let started = tokio::time::Instant::now();
+        assert_eq!(
+            auth.check(&bearer("good")).await.ok(),
+            Some(Access::Allowed)
+        );
+        assert!(started.elapsed() < Duration::from_millis(100));
+        let mut refused = 0;
+        for request in flood {
+            if !request.await.expect("joined") {
+                refused += 1;
+            }
+        }
+        // The flood's requests got 503 after their short wait, and cost only the reviews the
+        // new-token lane had turns for.
+        assert!(refused > 150, "{refused}");
+        assert_eq!(lock(&counts)["good"], 2);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn with_audiences_only_tokens_for_them_are_accepted() {
+        let (clients, _) = api_server(Duration::ZERO);
+        let auth = MetricsAuth::new(clients, vec!["metrics".into()]);
+        assert_eq!(
+            auth.check(&bearer("good")).await.ok(),
+            Some(Access::Allowed)
+        );
+        let (clients, _) = api_server(Duration::ZERO);
+        let auth = MetricsAuth::new(clients, vec!["other".into()]);
+        assert_eq!(
+            auth.check(&bearer("good")).await.ok(),
+            Some(Access::Unauthenticated)
+        );
     }
 }

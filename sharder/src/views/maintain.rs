@@ -272,5 +272,7 @@ pub(crate) async fn refresh(sources: &ViewSources, scope: Scope) {
     if matches!(scope, Scope::All { .. }) {
         sources.views.retain(&keep);
         sources.pins.retain(&keep);
+        // Every replica, not only the leader whose syncs forget pins of deleted objects.
+        sources.pins.prune_old();
     }
 }

@@ -14,6 +14,8 @@ pub struct Views {
     views: RwLock<HashMap<RingRef, Arc<RingView>>>,
     revision: AtomicU64,
     changed: tokio::sync::watch::Sender<u64>,
+    /// Slots for controller lookups (`controller_shard`), which admission requests trigger.
+    pub(crate) lookups: tokio::sync::Semaphore,
 }
 
 impl Default for Views {
@@ -22,6 +24,7 @@ impl Default for Views {
             views: RwLock::default(),
             revision: AtomicU64::new(0),
             changed: tokio::sync::watch::Sender::new(0),
+            lookups: tokio::sync::Semaphore::new(super::controller_lookup::MAX_LOOKUPS_IN_FLIGHT),
         }
     }
 }

@@ -158,6 +158,85 @@ async fn a_child_follows_its_controllers_pin_and_ignores_its_own() {
 }
 
 #[tokio::test]
+async fn a_dry_run_pin_is_answered_but_not_remembered() {
+    let shards = ["shard-a", "shard-b", "shard-c"];
+    let controller = name_not_on(&shards, "shard-a");
+    let state = pinned_state(&shards, &[]);
+    let mut dry_run = review(
+        "secrets",
+        "Secret",
+        secret(&controller, json!({PIN: "shard-a"})),
+    );
+    dry_run["request"]["dryRun"] = json!(true);
+    let response = admit(state.clone(), dry_run).await;
+    assert_eq!(assigned_shard(&response), "shard-a");
+    let view = state.rings.all().into_iter().next().expect("a view");
+    // Nothing a dry run sends is kept: the children of an object that does not exist follow
+    // the ring.
+    assert_eq!(view.pins.remembered(&view.ring_ref()), 0);
+    let response = admit(
+        state.clone(),
+        review(
+            "secrets",
+            "Secret",
+            secret(&controller, json!({PIN: "shard-a"})),
+        ),
+    )
+    .await;
+    assert_eq!(assigned_shard(&response), "shard-a");
+    assert_eq!(view.pins.remembered(&view.ring_ref()), 1);
+}
+
+/// A client whose API server answers nothing useful; it records the path of every request.
+fn recording_client() -> (kube::Client, std::sync::Arc<std::sync::Mutex<Vec<String>>>) {
+    let paths = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = paths.clone();
+    let service = tower::service_fn(move |request: HttpRequest<kube::client::Body>| {
+        seen.lock()
+            .expect("paths")
+            .push(request.uri().path().to_string());
+        async move {
+            axum::http::Response::builder()
+                .status(404)
+                .body(kube::client::Body::empty())
+        }
+    });
+    (kube::Client::new(service, "default"), paths)
+}
+
+#[tokio::test]
+async fn a_crafted_controller_reference_makes_no_request() {
+    let shards = ["shard-a", "shard-b", "shard-c"];
+    for (controller, requests) in [("parent", 1), ("../../../api/v1/secrets", 0)] {
+        let (client, paths) = recording_client();
+        let mut state = pinned_state(&shards, &[]);
+        state.client = Some(client);
+        // A remembered pin on the controller makes its children ask where it sits.
+        admit(
+            state.clone(),
+            review(
+                "secrets",
+                "Secret",
+                secret(controller, json!({PIN: "shard-a"})),
+            ),
+        )
+        .await;
+        let child = json!({"metadata": {
+            "name": "child",
+            "namespace": "default",
+            "ownerReferences": [
+                {"apiVersion": "v1", "kind": "Secret", "name": controller, "uid": "u1", "controller": true},
+            ],
+        }});
+        let response = admit(state, review("configmaps", "ConfigMap", child)).await;
+        // Answered either way: the controller's pin, its shard unread.
+        assert_eq!(assigned_shard(&response), "shard-a");
+        let paths = paths.lock().expect("paths");
+        assert_eq!(paths.len(), requests, "{controller}: {paths:?}");
+    }
+}
+
+#[tokio::test]
 async fn a_pin_for_an_unknown_ring_is_reported_and_changes_nothing() {
     let shards = ["shard-a", "shard-b"];
     let expected = HashRing::new(shards)
