@@ -886,4 +886,42 @@ mod tests {
         assert!(again.is_some(), "no place freed after a connection closed");
         shutdown.cancel();
     }
+
+    #[tokio::test]
+    async fn request_heads_over_16_kib_are_refused() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let shutdown = CancellationToken::new();
+        tokio::spawn(serve(
+            listener,
+            None,
+            health_router(Arc::new(Readiness::default())),
+            HEALTH_LIMITS,
+            shutdown.clone(),
+            Duration::from_secs(1),
+        ));
+        let head = |filler: usize| {
+            format!(
+                "GET /healthz HTTP/1.1\r\nhost: x\r\nx-filler: {}\r\nconnection: close\r\n\r\n",
+                "a".repeat(filler)
+            )
+        };
+        for (filler, ok) in [(8 * 1024, true), (20 * 1024, false)] {
+            let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
+            // The server may close while the head is still being written.
+            let _ = stream.write_all(head(filler).as_bytes()).await;
+            let mut answer = Vec::new();
+            let _ = tokio::time::timeout(Duration::from_secs(5), stream.read_to_end(&mut answer))
+                .await
+                .expect("an answer or a close");
+            assert_eq!(
+                answer.starts_with(b"HTTP/1.1 200"),
+                ok,
+                "{filler} bytes of header: {}",
+                String::from_utf8_lossy(&answer)
+            );
+        }
+        shutdown.cancel();
+    }
 }
