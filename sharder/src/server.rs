@@ -579,9 +579,6 @@ fn too_large() -> Response {
 fn timed_out() -> Response {
     (
         StatusCode::REQUEST_TIMEOUT,
-        // The rest of the body may still be on its way: the connection cannot carry another
-        // request.
-        [(header::CONNECTION, "close")],
         "request body not received in time\n",
     )
         .into_response()
@@ -613,7 +610,20 @@ pub async fn read_body(request: Request, max: usize) -> Result<RequestBody, Resp
         .get::<BodyLimits>()
         .cloned()
         .unwrap_or_else(|| BodyLimits::new(max, BODY_TIMEOUT));
-    limits.read(request.into_body(), max).await
+    let http1 = request.version() < axum::http::Version::HTTP_2;
+    let mut read = limits.read(request.into_body(), max).await;
+    if let Err(answer) = &mut read
+        && http1
+        && answer.status() == StatusCode::REQUEST_TIMEOUT
+    {
+        // The rest of the body may still be on its way: the connection cannot carry another
+        // request. (HTTP/2 ends just the stream; the header is not allowed there.)
+        answer.headers_mut().insert(
+            header::CONNECTION,
+            header::HeaderValue::from_static("close"),
+        );
+    }
+    read
 }
 
 /// Binds a TCP listener, naming the address in the error.
@@ -815,6 +825,7 @@ mod tests {
             .await
             .expect_err("timed out");
         assert_eq!(refused.status(), StatusCode::REQUEST_TIMEOUT);
+        assert_eq!(refused.headers()[header::CONNECTION], "close");
         assert_eq!(started.elapsed(), Duration::from_secs(5));
         assert_eq!(limits.available(), 1000);
     }
