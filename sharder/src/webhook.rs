@@ -21,7 +21,6 @@ use std::sync::Arc;
 
 use anyhow::Context as _;
 use axum::Router;
-use axum::body::Body;
 use axum::extract::{Path, State};
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
@@ -83,9 +82,6 @@ const NOT_FOUND: &str = "not found: the webhook path is /webhooks/sharder/cluste
 
 /// Body of the 404 answer for a ring this sharder does not know.
 const UNKNOWN_RING: &str = "not found: no such ring\n";
-
-/// Body of the 413 answer.
-const TOO_LARGE: &str = "request body too large\n";
 
 /// Longest ring name in a path: ring names are object names, at most 253 characters.
 const MAX_RING_NAME: usize = 253;
@@ -158,7 +154,7 @@ impl AdmissionDecision {
 async fn handle(
     State(state): State<Arc<WebhookState>>,
     Path((kind, ring)): Path<(String, String)>,
-    body: Body,
+    request: axum::extract::Request,
 ) -> Result<Response, Response> {
     let Some(kind) = RingKind::from_path_segment(&kind) else {
         return Err((StatusCode::NOT_FOUND, NOT_FOUND).into_response());
@@ -175,9 +171,7 @@ async fn handle(
         return Err((StatusCode::NOT_FOUND, UNKNOWN_RING).into_response());
     }
     let started = std::time::Instant::now();
-    let Ok(body) = axum::body::to_bytes(body, MAX_BODY_BYTES).await else {
-        return Err((StatusCode::PAYLOAD_TOO_LARGE, TOO_LARGE).into_response());
-    };
+    let body = server::read_body(request, MAX_BODY_BYTES).await?;
     let (outcome, result) = match decode(&body) {
         Ok(request) => {
             let (mut decision, lookup, warnings) = decide(&state, &ring, &request);
