@@ -121,9 +121,12 @@ pub async fn run(
         ring_calculations: ctx.metrics.ring_calculations.clone(),
         // The leader's sync sees every pinned main object once per sync period: a pin unseen for
         // several periods belongs to an object that is gone.
-        pins: views::Pins::new(ctx.caches.namespaces.clone()).with_max_age(
-            (config.controller.sharder.sync_period.0 * 4).max(std::time::Duration::from_secs(3600)),
-        ),
+        pins: views::Pins::new(ctx.caches.namespaces.clone())
+            .with_max_age(
+                (config.controller.sharder.sync_period.0 * 4)
+                    .max(std::time::Duration::from_secs(3600)),
+            )
+            .with_not_remembered(ctx.metrics.pins_not_remembered.clone()),
     };
     tasks.spawn(views::maintain(
         view_sources.clone(),

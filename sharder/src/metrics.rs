@@ -127,6 +127,8 @@ pub struct Metrics {
     pub(crate) list_restarts: Family<ResourceLabels, Counter>,
     /// Drain and move patches (and dry-run probes) the sharder controller has in flight.
     pub(crate) patches_in_flight: Gauge,
+    /// Controllers' pins not remembered because the ring already had its maximum (views::pins).
+    pub(crate) pins_not_remembered: Family<RingLabel, Counter>,
 }
 
 impl Default for Metrics {
@@ -145,6 +147,7 @@ impl Default for Metrics {
             list_inconsistent_continuations: Family::default(),
             list_restarts: Family::default(),
             patches_in_flight: Gauge::default(),
+            pins_not_remembered: Family::default(),
         }
     }
 }
@@ -171,6 +174,11 @@ impl Metrics {
             DRAINS,
             "Drain patches sent by the sharder for objects whose shard changed",
             self.drains.clone(),
+        );
+        registry.register(
+            "controller_sharding_pins_not_remembered",
+            "Pins of main objects this process did not remember because their ring already had 10,000; their children follow the ring until the leader's sync moves them",
+            self.pins_not_remembered.clone(),
         );
         registry.register(
             "controller_sharding_ring_calculations",

@@ -22,7 +22,11 @@ use k8s_openapi::api::core::v1::Namespace;
 use kube::runtime::reflector::{ObjectRef, Store};
 use sharding_crds::RingRef;
 
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+
 use crate::core::pin::is_valid_pin;
+use crate::metrics::RingLabel;
 
 /// Most pins remembered per ring; beyond it new pins are not remembered (their children follow
 /// the ring until the leader's sync moves them), so no caller can grow the map without bound.
@@ -49,6 +53,8 @@ pub struct Pins {
     namespaces: Store<Namespace>,
     controllers: Arc<RwLock<Controllers>>,
     max_age: Duration,
+    /// Pins not remembered because their ring was full, by ring.
+    not_remembered: Family<RingLabel, Counter>,
 }
 
 /// The remembered controller pins of every ring.
@@ -88,6 +94,7 @@ impl Pins {
             namespaces,
             controllers: Arc::default(),
             max_age: DEFAULT_MAX_AGE,
+            not_remembered: Family::default(),
         }
     }
 
@@ -96,6 +103,17 @@ impl Pins {
     #[must_use]
     pub fn with_max_age(mut self, max_age: Duration) -> Self {
         self.max_age = max_age;
+        self
+    }
+
+    /// These pins, counting in `not_remembered` each pin left out because its ring already has
+    /// [`MAX_PINS_PER_RING`] (`controller_sharding_pins_not_remembered_total`).
+    #[must_use]
+    pub(crate) fn with_not_remembered(
+        mut self,
+        not_remembered: Family<RingLabel, Counter>,
+    ) -> Self {
+        self.not_remembered = not_remembered;
         self
     }
 
@@ -158,6 +176,9 @@ impl Pins {
             return;
         }
         if pins.pins.len() >= MAX_PINS_PER_RING {
+            self.not_remembered
+                .get_or_create(&RingLabel(ring.clone()))
+                .inc();
             if !pins.full {
                 pins.full = true;
                 tracing::warn!(%ring, max = MAX_PINS_PER_RING, "too many pinned main objects to remember: children of further pinned objects follow the ring until the sync moves them");
@@ -292,13 +313,18 @@ mod tests {
 
     #[test]
     fn at_most_the_cap_is_remembered_per_ring() {
-        let pins = Pins::default();
+        let not_remembered: Family<RingLabel, Counter> = Family::default();
+        let pins = Pins::default().with_not_remembered(not_remembered.clone());
         let ring = RingRef::new(RingKind::ClusterRing, "r");
         let other = RingRef::new(RingKind::ControllerRing, "r");
         for i in 0..MAX_PINS_PER_RING + 100 {
             pins.main_seen(&ring, &format!("/Secret/ns/{i}"), Some("shard-a"));
         }
         assert_eq!(pins.remembered(&ring), MAX_PINS_PER_RING);
+        assert_eq!(
+            not_remembered.get_or_create(&RingLabel(ring.clone())).get(),
+            100
+        );
         let refused = format!("/Secret/ns/{}", MAX_PINS_PER_RING);
         assert_eq!(pins.controller(&ring, &refused), None);
         // Pins already remembered still change, and other rings have their own room.
