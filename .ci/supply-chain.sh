@@ -99,7 +99,7 @@ advisories() {
 }
 
 # The shipped binaries: binary name and the package that builds it.
-SHIPPED=("sharder sharding-sharder" "checksum-controller sharding-checksum-controller")
+SHIPPED=("sharder kube-sharder" "checksum-controller sharding-checksum-controller")
 
 # sbom DIR: write DIR/<binary>.cdx.json for each shipped binary (CycloneDX 1.5 JSON) and check them.
 # cargo-cyclonedx writes its files next to each package's Cargo.toml, for every package of the

@@ -55,7 +55,7 @@ build() {
   local started=$SECONDS
   log "building release binaries of ${IMAGES[*]}"
   (cd "$root" && cargo build --release --locked -q \
-    -p sharding-sharder --bin sharder -p sharding-checksum-controller --bin checksum-controller)
+    -p kube-sharder --bin sharder -p sharding-checksum-controller --bin checksum-controller)
   local target
   target=$(cd "$root" && cargo metadata --format-version 1 --no-deps |
     sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')

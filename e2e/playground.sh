@@ -279,7 +279,7 @@ up() {
   local started=$SECONDS
 
   log "building the sharder and checksum-controller"
-  (cd "$ROOT" && cargo build --bins -p sharding-sharder -p sharding-checksum-controller)
+  (cd "$ROOT" && cargo build --bins -p kube-sharder -p kubectl-sharding -p sharding-checksum-controller)
   binary_dir >"$STATE/bin-dir"
 
   log "starting the control plane"

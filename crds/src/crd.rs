@@ -12,7 +12,7 @@ use crate::cluster_ring::{ClusterRing, NAME_LENGTH_RULE};
 pub const CRD_PATH: &str = "config/crds/sharding.timebertt.dev_clusterrings.yaml";
 
 /// Command that regenerates the committed CRD YAML files from the Rust types.
-pub const REGENERATE_COMMAND: &str = "cargo run -p sharding-crds --bin crdgen";
+pub const REGENERATE_COMMAND: &str = "cargo run -p kube-sharding-api --bin crdgen";
 
 /// Path of the committed CRD YAML of `kind`, relative to the repository root.
 pub fn crd_path(kind: RingKind) -> String {

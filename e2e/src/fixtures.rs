@@ -10,7 +10,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, MicroTime};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, ListParams, ObjectMeta, PostParams};
 use kube::{Client, ResourceExt};
-use sharding_crds::{
+use kube_sharding_api::{
     ClusterRing, ClusterRingSpec, ControllerRing, GroupResource, RingKind, RingObject, RingRef,
     RingResource,
 };
@@ -115,7 +115,7 @@ pub async fn watch_ring_with_shards(
 ) -> anyhow::Result<String> {
     let ring = crate::unique_name(prefix);
     let spec = ClusterRingSpec {
-        assignment: Some(sharding_crds::Assignment::Watch),
+        assignment: Some(kube_sharding_api::Assignment::Watch),
         ..ring_spec(namespace)
     };
     create_ring(client, &ring, spec).await?;

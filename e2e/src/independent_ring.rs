@@ -109,7 +109,7 @@ mod tests {
     /// the tests predict placement with this one, so a disagreement is a bug in one of them.
     #[test]
     fn agrees_with_the_sharders_ring() {
-        use sharder::core::hash_ring::HashRing;
+        use kube_sharder::core::hash_ring::HashRing;
         let weighted = [("light", 1), ("heavy", 3), ("odd", 1)];
         let rings = [
             (

@@ -225,7 +225,7 @@ impl Cluster {
         let namespaces: Api<Namespace> = Api::all(client.clone());
         // What config/crds installs besides the CRD: the system namespace (the sharder's leader
         // election Lease lives there).
-        let system = sharding_crds::labels::NAMESPACE_SYSTEM;
+        let system = kube_sharding_api::labels::NAMESPACE_SYSTEM;
         if namespaces.get_opt(system).await?.is_none() {
             let ns: Namespace =
                 serde_json::from_value(serde_json::json!({"metadata": {"name": system}}))?;
@@ -348,8 +348,8 @@ impl Cluster {
 /// are Established.
 pub async fn install_crds(client: &Client) -> anyhow::Result<()> {
     let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
-    for kind in sharding_crds::RingKind::ALL {
-        let crd = sharding_crds::crd::ring_crd(kind);
+    for kind in kube_sharding_api::RingKind::ALL {
+        let crd = kube_sharding_api::crd::ring_crd(kind);
         let name = crd.metadata.name.clone().unwrap_or_default();
         crds.patch(
             &name,

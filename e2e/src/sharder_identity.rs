@@ -13,9 +13,9 @@ use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
 use kube::Client;
 use kube::api::{Api, Patch, PatchParams};
 use kube::config::Kubeconfig;
+use kube_sharding_api::labels::NAMESPACE_SYSTEM;
+use kube_sharding_api::{ClusterRingSpec, RingKind, RingRef};
 use serde_json::json;
-use sharding_crds::labels::NAMESPACE_SYSTEM;
-use sharding_crds::{ClusterRingSpec, RingKind, RingRef};
 
 use crate::in_cluster::workspace_root;
 use crate::kubectl;

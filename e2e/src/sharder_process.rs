@@ -74,7 +74,8 @@ impl Default for SharderSettings {
             sync_period: "5m".into(),
             webhook_url: None,
             drain_timeout: "15s".into(),
-            concurrent_moves: sharding_crds::config::SharderController::default().concurrent_moves,
+            concurrent_moves: kube_sharding_api::config::SharderController::default()
+                .concurrent_moves,
             shards_leave_controlled_objects: false,
             metrics_secure: false,
             metrics_token_audiences: Vec::new(),
@@ -173,8 +174,8 @@ shutdownDelay: 1s
     }
 
     /// The parsed configuration.
-    pub fn load(&self) -> anyhow::Result<sharding_crds::config::SharderConfig> {
-        sharder::load_config(Some(&self.config))
+    pub fn load(&self) -> anyhow::Result<kube_sharding_api::config::SharderConfig> {
+        kube_sharder::load_config(Some(&self.config))
     }
 
     /// Starts the `sharder` binary with this config as a child process.
@@ -302,7 +303,7 @@ shutdownDelay: 1s
 ///
 /// Labels are matched in the order the sharder writes them: `clusterring`, `group`, `resource`.
 pub fn counter(metrics: &str, metric: &str, ring: &str, resource: &str) -> anyhow::Result<u64> {
-    let ring = sharding_crds::RingRef::new(sharding_crds::RingKind::ClusterRing, ring);
+    let ring = kube_sharding_api::RingRef::new(kube_sharding_api::RingKind::ClusterRing, ring);
     counter_of(metrics, metric, &ring, resource)
 }
 
@@ -310,7 +311,7 @@ pub fn counter(metrics: &str, metric: &str, ring: &str, resource: &str) -> anyho
 pub fn counter_of(
     metrics: &str,
     metric: &str,
-    ring: &sharding_crds::RingRef,
+    ring: &kube_sharding_api::RingRef,
     resource: &str,
 ) -> anyhow::Result<u64> {
     let (label, name) = (ring.kind.metric_label(), &ring.name);

@@ -40,7 +40,7 @@ impl SharedSharder {
     pub fn counter_of(
         &self,
         metric: &str,
-        ring: &sharding_crds::RingRef,
+        ring: &kube_sharding_api::RingRef,
         resource: &str,
     ) -> anyhow::Result<u64> {
         counter_of(&self.files.metrics()?, metric, ring, resource)
@@ -106,7 +106,9 @@ fn start_shared() -> anyhow::Result<SharedSharder> {
             };
             // Never cancelled: the sharder lives as long as the test process.
             let token = CancellationToken::new();
-            if let Err(error) = runtime.block_on(sharder::run(config, "e2e-shared".into(), token)) {
+            if let Err(error) =
+                runtime.block_on(kube_sharder::run(config, "e2e-shared".into(), token))
+            {
                 tracing::error!(error = %format!("{error:#}"), "shared sharder failed");
             }
         })?;

@@ -1,6 +1,6 @@
 //! A trivial mutating webhook to compare the sharder's against: it allows every review with the
 //! same one-operation JSON patch, adding [`FIXED_LABEL`], and decodes nothing but the request's
-//! `uid`. Served like the sharder's ([`sharder::server::serve_tls`] with [`loopback_tls`]), so a
+//! `uid`. Served like the sharder's ([`kube_sharder::server::serve_tls`] with [`loopback_tls`]), so a
 //! comparison measures the handlers, not transports.
 
 use std::path::Path;
@@ -65,11 +65,11 @@ pub fn router() -> anyhow::Result<Router> {
 
 /// Generates a CA and a serving certificate for 127.0.0.1 into `dir` (the CA as `ca.crt`) and
 /// returns a TLS acceptor that serves them as the sharder does: through
-/// [`sharder::server::tls::CertReloader`], offering HTTP/2 and HTTP/1.1.
+/// [`kube_sharder::server::tls::CertReloader`], offering HTTP/2 and HTTP/1.1.
 pub fn loopback_tls(dir: &Path) -> anyhow::Result<TlsAcceptor> {
     std::fs::create_dir_all(dir)?;
     generate_certificates(dir)?;
-    let reloader = Arc::new(sharder::server::tls::CertReloader::new(
+    let reloader = Arc::new(kube_sharder::server::tls::CertReloader::new(
         dir.join("tls.crt"),
         dir.join("tls.key"),
     ));

@@ -6,8 +6,8 @@
 //!
 //! ```no_run
 //! # async fn leader_only_work(_stop: tokio_util::sync::CancellationToken) {}
-//! # async fn example(client: kube::Client) -> Result<(), shard::lease::Error> {
-//! use shard::lease::{HeldRunEnd, LeaseLock, LeaseLockConfig};
+//! # async fn example(client: kube::Client) -> Result<(), kube_sharding::lease::Error> {
+//! use kube_sharding::lease::{HeldRunEnd, LeaseLock, LeaseLockConfig};
 //! use tokio_util::sync::CancellationToken;
 //!
 //! let shutdown = CancellationToken::new();
@@ -71,7 +71,7 @@ pub(crate) fn guard_exclude(guard: &LeaseGuard) {
 }
 pub use self::held::{HeldLease, HeldRunEnd};
 pub use self::lock::LeaseLock;
-pub use sharding_crds::lease::{
+pub use kube_sharding_api::lease::{
     DEFAULT_LEASE_DURATION, DEFAULT_RENEW_DEADLINE, DEFAULT_RETRY_PERIOD, LeaseTiming,
 };
 

@@ -37,7 +37,7 @@
 //! | `shard` | [`Shard`]: identity, label keys, watcher and Lease configuration |
 //!
 //! When a Lease expires, valid timing and valid shard names are the protocol's rules in
-//! [`sharding_crds::lease`], shared with the sharder.
+//! [`kube_sharding_api::lease`], shared with the sharder.
 //!
 //! # Example: a sharded controller
 //!
@@ -49,7 +49,7 @@
 //! use k8s_openapi::api::core::v1::{ConfigMap, Secret};
 //! use kube::runtime::controller::{Action, Controller};
 //! use kube::{Api, Client};
-//! use shard::{Departure, LeaseLock, Ownership, OwnershipError, Shard, ShardRunEnd, Term};
+//! use kube_sharding::{Departure, LeaseLock, Ownership, OwnershipError, Shard, ShardRunEnd, Term};
 //! use tokio_util::sync::CancellationToken;
 //!
 //! #[derive(Debug, thiserror::Error)]
@@ -129,7 +129,7 @@
 //! # The protocol, for shards written in other languages
 //!
 //! Nothing here is specific to Rust; a shard in any language joins a ring by following these
-//! rules (label keys derive from the ring name, see [`sharding_crds::labels`]):
+//! rules (label keys derive from the ring name, see [`kube_sharding_api::labels`]):
 //!
 //! 1. **Membership.** Keep a `coordination.k8s.io/v1` Lease, in any namespace, whose name and
 //!    `spec.holderIdentity` are both the shard name, labelled
@@ -171,4 +171,4 @@ pub use crate::membership::{EVENT_SHARD_EXCLUDED, EVENT_TERM_STARTED, ShardRunEn
 pub use crate::ownership::{Ownership, OwnershipError};
 pub use crate::shard::{DEFAULT_JUDGEMENT_FALLBACK, DEFAULT_REJOIN_PAUSE, Shard};
 /// The kind of ring a [`Shard`] joins.
-pub use sharding_crds::RingKind;
+pub use kube_sharding_api::RingKind;

@@ -6,8 +6,8 @@ use std::future::Future;
 use std::time::Duration;
 
 use futures::StreamExt;
-use sharding_crds::labels::LABEL_STATE;
-use sharding_crds::lease::ShardState;
+use kube_sharding_api::labels::LABEL_STATE;
+use kube_sharding_api::lease::ShardState;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
@@ -162,7 +162,7 @@ impl Shard {
     /// never left.
     ///
     /// [`HeldLease::run_while_held`]: crate::HeldLease::run_while_held
-    /// [`ANNOTATION_EXCLUDED`]: sharding_crds::labels::ANNOTATION_EXCLUDED
+    /// [`ANNOTATION_EXCLUDED`]: kube_sharding_api::labels::ANNOTATION_EXCLUDED
     pub async fn run<W, F>(
         &self,
         lock: &LeaseLock,

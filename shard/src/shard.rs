@@ -5,8 +5,8 @@ use std::time::Duration;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::runtime::watcher;
-use sharding_crds::RingKind;
-use sharding_crds::labels;
+use kube_sharding_api::RingKind;
+use kube_sharding_api::labels;
 
 use crate::drain::{self, Disposition};
 use crate::lease::LeaseLockConfig;
@@ -18,7 +18,7 @@ use crate::lease::LeaseLockConfig;
 /// `ControllerRing` (docs/protocol.md §15), whose label keys and Lease label differ.
 ///
 /// ```
-/// let shard = shard::Shard::new("example", "shard-0", "default");
+/// let shard = kube_sharding::Shard::new("example", "shard-0", "default");
 /// assert_eq!(
 ///     shard.label_selector(),
 ///     "shard.alpha.sharding.timebertt.dev/clusterring-50d858e0-example=shard-0"
@@ -63,8 +63,8 @@ impl Shard {
     /// A shard named `name` in ring `ring` of kind `kind` (see [`Shard::new`] for the name).
     ///
     /// ```
-    /// use shard::RingKind;
-    /// let shard = shard::Shard::of_kind(RingKind::ControllerRing, "example", "shard-0", "default");
+    /// use kube_sharding::RingKind;
+    /// let shard = kube_sharding::Shard::of_kind(RingKind::ControllerRing, "example", "shard-0", "default");
     /// assert_eq!(
     ///     shard.label_selector(),
     ///     "shard.alpha.sharding.timebertt.dev/example=shard-0"

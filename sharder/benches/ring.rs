@@ -6,7 +6,7 @@
 use std::hint::black_box;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use sharder::core::hash_ring::HashRing;
+use kube_sharder::core::hash_ring::HashRing;
 
 const SHARD_COUNTS: [usize; 4] = [3, 10, 100, 1000];
 const KEYS: usize = 1000;

@@ -15,12 +15,12 @@ use axum::http::{Request, StatusCode};
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
 use http_body_util::BodyExt;
 use kube::api::ObjectMeta;
+use kube_sharder::metrics::Metrics;
+use kube_sharder::views::{ResourceInfo, Views, build_view};
+use kube_sharder::webhook::{WebhookState, router};
+use kube_sharding_api::labels;
+use kube_sharding_api::{ClusterRing, ClusterRingSpec, GroupResource, RingResource};
 use serde_json::{Value, json};
-use sharder::metrics::Metrics;
-use sharder::views::{ResourceInfo, Views, build_view};
-use sharder::webhook::{WebhookState, router};
-use sharding_crds::labels;
-use sharding_crds::{ClusterRing, ClusterRingSpec, GroupResource, RingResource};
 use tower::ServiceExt;
 
 const RING: &str = "example";

@@ -26,8 +26,8 @@ use k8s_openapi::jiff::Timestamp;
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::watcher;
 use kube::{Api, ResourceExt};
-use sharding_crds::selector::selector_matches;
-use sharding_crds::{ClusterRing, ControllerRing, RingKind, RingRef};
+use kube_sharding_api::selector::selector_matches;
+use kube_sharding_api::{ClusterRing, ControllerRing, RingKind, RingRef};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 

@@ -26,7 +26,7 @@ mod status;
 use std::io::Write;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use sharding_crds::RingKind;
+use kube_sharding_api::RingKind;
 
 pub use self::simulate::ShardChange;
 

@@ -7,7 +7,7 @@ mod throttle;
 use anyhow::Context as _;
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Client, Config};
-use sharding_crds::config::SharderConfig;
+use kube_sharding_api::config::SharderConfig;
 
 use self::requests::{ApiRequests, CountLayer};
 

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use kube::Client;
-use sharding_crds::config::SharderConfig;
+use kube_sharding_api::config::SharderConfig;
 
 use crate::caches::Caches;
 use crate::direct_moves::DirectMoves;

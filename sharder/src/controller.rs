@@ -12,7 +12,7 @@ pub(crate) mod shard_lease;
 pub mod sharder;
 
 use kube::api::PatchParams;
-use sharding_crds::{ClusterRing, ControllerRing};
+use kube_sharding_api::{ClusterRing, ControllerRing};
 use tokio_util::sync::CancellationToken;
 
 use crate::context::Context;

@@ -16,7 +16,7 @@
 //! | `webhook_config` | the desired MutatingWebhookConfiguration of a ring (docs/protocol.md §8) |
 //!
 //! The Lease rules (shard states, expiry, takeover) are shared with the shard library and live
-//! in [`sharding_crds::lease`].
+//! in [`kube_sharding_api::lease`].
 
 pub(crate) mod any_ring;
 pub mod hash_ring;

@@ -17,7 +17,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use sharding_crds::RingRef;
+use kube_sharding_api::RingRef;
 use tokio::sync::broadcast;
 
 /// How many "the last move off a shard landed" notices a slow subscriber may fall behind by
@@ -121,7 +121,7 @@ impl Drop for DirectMove {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use sharding_crds::RingKind;
+    use kube_sharding_api::RingKind;
 
     fn ring(name: &str) -> RingRef {
         RingRef::new(RingKind::ClusterRing, name.to_string())

@@ -6,11 +6,11 @@
 //! when leadership is lost (another replica may lead already), stopped on shutdown before the
 //! Lease is released so the next leader takes over at once.
 //!
-//! [`HeldLease::run_while_held`]: shard::HeldLease::run_while_held
+//! [`HeldLease::run_while_held`]: kube_sharding::HeldLease::run_while_held
 
 use anyhow::Context as _;
 use kube::Client;
-use shard::lease::{HeldRunEnd, LeaseLock, LeaseLockConfig};
+use kube_sharding::lease::{HeldRunEnd, LeaseLock, LeaseLockConfig};
 use tokio_util::sync::CancellationToken;
 
 use crate::context::Context;

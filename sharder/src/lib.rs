@@ -1,6 +1,6 @@
 //! The sharder: assigns the objects of every `ClusterRing` and `ControllerRing` to the ring's
 //! available shards and moves them when shards come and go. Both kinds run through one engine;
-//! what differs between them is in [`sharding_crds::RingKind`].
+//! what differs between them is in [`kube_sharding_api::RingKind`].
 //!
 //! | module | what |
 //! |---|---|
@@ -23,7 +23,7 @@
 //!
 //! [`run`] lists the tasks of the process and stops them all on one shutdown signal. The Lease
 //! rules (shard states, expiry, takeover, timing) are shared with the shard library in
-//! [`sharding_crds::lease`].
+//! [`kube_sharding_api::lease`].
 
 mod caches;
 pub mod cli;
@@ -47,8 +47,8 @@ pub use crate::leader_election::default_identity;
 use std::sync::Arc;
 
 use anyhow::Context as _;
+use kube_sharding_api::config::SharderConfig;
 use prometheus_client::registry::Registry;
-use sharding_crds::config::SharderConfig;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 

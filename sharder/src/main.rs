@@ -1,4 +1,4 @@
-//! The sharder binary: parses flags, initialises logging, and runs [`sharder::run`].
+//! The sharder binary: parses flags, initialises logging, and runs [`kube_sharder::run`].
 
 use std::path::PathBuf;
 
@@ -38,14 +38,14 @@ fn main() -> anyhow::Result<()> {
         LogFormat::Json => builder.json().init(),
     }
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let mut config = sharder::load_config(args.config.as_deref())?;
+    let mut config = kube_sharder::load_config(args.config.as_deref())?;
     if let Some(leader_elect) = args.leader_elect {
         config.leader_election.leader_elect = leader_elect;
     }
     tokio::runtime::Runtime::new()?.block_on(async move {
         let shutdown = CancellationToken::new();
         tokio::spawn(shutdown_on_signal(shutdown.clone()));
-        sharder::run(config, sharder::default_identity(), shutdown).await
+        kube_sharder::run(config, kube_sharder::default_identity(), shutdown).await
     })
 }
 

@@ -4,7 +4,7 @@
 //! time from a `StateSource`, which reads the caches (`crate::state_source`), so every replica
 //! reports them, leader or not.
 
-use sharding_crds::RingRef;
+use kube_sharding_api::RingRef;
 
 mod state;
 

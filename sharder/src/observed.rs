@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use sharding_crds::{GroupResource, RingRef};
+use kube_sharding_api::{GroupResource, RingRef};
 
 /// Counts of one ring's objects from its latest complete listing.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -197,7 +197,7 @@ impl Observed {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use sharding_crds::RingKind;
+    use kube_sharding_api::RingKind;
 
     #[test]
     fn drains_are_tracked_until_acknowledged_or_no_longer_seen() {

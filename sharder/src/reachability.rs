@@ -13,7 +13,7 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use sharding_crds::RingRef;
+use kube_sharding_api::RingRef;
 use tokio::sync::broadcast;
 
 /// First delay between probes of an unreachable webhook.
@@ -139,7 +139,7 @@ impl Reachability {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use sharding_crds::RingKind;
+    use kube_sharding_api::RingKind;
 
     #[test]
     fn moves_stop_after_a_miss_and_probes_back_off() {

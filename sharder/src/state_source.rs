@@ -5,8 +5,8 @@ use std::sync::Arc;
 
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
-use sharding_crds::lease::ShardLease;
-use sharding_crds::{RingKind, RingRef};
+use kube_sharding_api::lease::ShardLease;
+use kube_sharding_api::{RingKind, RingRef};
 
 use crate::caches::Caches;
 use crate::core::membership::{Exclusion, ring_members};
@@ -40,7 +40,7 @@ impl StateSource for CacheState {
                     shards: status.shards.into(),
                     available_shards: status.available_shards.into(),
                     ready: i64::from(status.conditions.iter().any(|c| {
-                        c.type_ == sharding_crds::cluster_ring::CONDITION_READY
+                        c.type_ == kube_sharding_api::cluster_ring::CONDITION_READY
                             && c.status == "True"
                     })),
                 }

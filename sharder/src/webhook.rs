@@ -25,8 +25,8 @@ use axum::extract::{Path, State};
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
-use sharding_crds::config::SharderConfig;
-use sharding_crds::{GroupResource, RingKind, RingRef};
+use kube_sharding_api::config::SharderConfig;
+use kube_sharding_api::{GroupResource, RingKind, RingRef};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
@@ -55,7 +55,7 @@ pub(crate) async fn serve(
             .server_config()
             .context("failed to build TLS config")?,
     ));
-    let addr = sharding_crds::config::parse_bind_address(&server_config.bind_address)?
+    let addr = kube_sharding_api::config::parse_bind_address(&server_config.bind_address)?
         .context("webhook server address")?;
     let listener = server::bind(addr).await?;
     tracing::info!(address = %listener.local_addr()?, "serving webhook");

@@ -3,8 +3,8 @@
 
 use std::path::Path;
 
-use sharding_crds::RingKind;
-use sharding_crds::crd::{crd_path, ring_crd_yaml};
+use kube_sharding_api::RingKind;
+use kube_sharding_api::crd::{crd_path, ring_crd_yaml};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     for kind in RingKind::ALL {

@@ -9,8 +9,8 @@
 //! - **(c)** a namespace matched by a ring's webhook, served by the real sharder (in-process, as
 //!   the end-to-end tests run it) with three available shards: the cost of our webhook.
 //!
-//! Both webhooks are served the same way — `sharder::server::serve_tls` with a
-//! `sharder::server::tls::CertReloader`, an RSA-2048 certificate for 127.0.0.1 from the same generator,
+//! Both webhooks are served the same way — `kube_sharder::server::serve_tls` with a
+//! `kube_sharder::server::tls::CertReloader`, an RSA-2048 certificate for 127.0.0.1 from the same generator,
 //! on a multi-threaded runtime of their own — so (c)/(b) compares the handlers, not transports.
 //! The goal is (c)/(b) ≤ 1.1 at the median.
 //!
@@ -40,9 +40,9 @@ use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
 use k8s_openapi::api::core::v1::{Namespace, Secret};
 use kube::api::{Api, DeleteParams, ObjectMeta, PostParams};
 use kube::{Client, ResourceExt};
+use kube_sharding_api::ClusterRing;
+use kube_sharding_api::labels;
 use serde_json::{Value, json};
-use sharding_crds::ClusterRing;
-use sharding_crds::labels;
 use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
 
@@ -265,11 +265,11 @@ async fn measure(
         // The listener joins the reactor of the runtime that serves it.
         match tokio::net::TcpListener::from_std(listener) {
             Ok(listener) => {
-                sharder::server::serve_tls(
+                kube_sharder::server::serve_tls(
                     listener,
                     tls,
                     app,
-                    sharder::server::ConnectionLimits::default(),
+                    kube_sharder::server::ConnectionLimits::default(),
                     serving,
                     Duration::from_secs(1),
                 )

@@ -20,9 +20,9 @@ use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
+use kube_sharding_api::labels::{ANNOTATION_LEAVES_CONTROLLED_OBJECTS, ANNOTATION_WEIGHT};
+use kube_sharding_api::{HashKey, RingKind, RingRef};
 use serde_json::{Value, json};
-use sharding_crds::labels::{ANNOTATION_LEAVES_CONTROLLED_OBJECTS, ANNOTATION_WEIGHT};
-use sharding_crds::{HashKey, RingKind, RingRef};
 
 /// What one run of `kubectl-sharding` printed.
 struct Run {
@@ -786,7 +786,7 @@ async fn explain_and_simulate_know_pins() -> anyhow::Result<()> {
     let (ns, ring) = ring_with_shards(cluster, &client, "cli-pins", &shards).await?;
     wait_webhook(&client, &ns, &ring, &shards).await?;
     let three = IndependentRing::unweighted(shards);
-    let pin = sharding_crds::labels::pin_annotation(&ring);
+    let pin = kube_sharding_api::labels::pin_annotation(&ring);
     let name = (0..)
         .map(|i| format!("pinned-{i}"))
         .find(|n| three.shard_for(&format!("/Secret/{ns}/{n}")) != "b")

@@ -12,9 +12,9 @@ use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Namespace, Secret};
 use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
+use kube_sharding_api::ClusterRing;
+use kube_sharding_api::labels;
 use serde_json::json;
-use sharding_crds::ClusterRing;
-use sharding_crds::labels;
 
 /// The garbage collector needs a few seconds to notice a deleted owner; a namespace's content is
 /// deleted in several passes.

@@ -6,7 +6,9 @@ use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomRe
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, LabelSelector, Time};
 use kube::api::{Api, DynamicObject, Patch, PatchParams, PostParams};
 use kube::core::{ApiResource, ObjectMeta};
-use sharding_crds::{ClusterRing, ClusterRingSpec, ClusterRingStatus, GroupResource, RingResource};
+use kube_sharding_api::{
+    ClusterRing, ClusterRingSpec, ClusterRingStatus, GroupResource, RingResource,
+};
 
 fn ring_api(client: &kube::Client) -> Api<ClusterRing> {
     Api::all(client.clone())
@@ -52,7 +54,7 @@ async fn valid_ring_round_trips_with_status() -> anyhow::Result<()> {
             match_labels: Some([("team".to_string(), String::new())].into()),
             ..Default::default()
         }),
-        hash_key: Some(sharding_crds::HashKey::Namespace),
+        hash_key: Some(kube_sharding_api::HashKey::Namespace),
         lease_namespaces: Vec::new(),
         assignment: None,
     };
@@ -80,7 +82,7 @@ async fn valid_ring_round_trips_with_status() -> anyhow::Result<()> {
             observed_generation: created.metadata.generation,
             last_transition_time: Time(k8s_openapi::jiff::Timestamp::from_second(1_700_000_000)?),
         }],
-        departed_shards: vec![sharding_crds::DepartedShard {
+        departed_shards: vec![kube_sharding_api::DepartedShard {
             name: "shard-a".into(),
             until: Time(k8s_openapi::jiff::Timestamp::from_second(1_700_000_030)?),
         }],

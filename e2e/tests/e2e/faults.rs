@@ -21,9 +21,9 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, MicroTime};
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 use kube::api::{Api, ListParams, ObjectMeta, Patch, PatchParams, PostParams};
+use kube_sharder::controller::sharder::{SUPERSEDED_MOVES_UNSETTLED, SYNC_FINISHED, SYNC_STARTED};
+use kube_sharding_api::{RingKind, RingRef, labels};
 use serde_json::json;
-use sharder::controller::sharder::{SUPERSEDED_MOVES_UNSETTLED, SYNC_FINISHED, SYNC_STARTED};
-use sharding_crds::{RingKind, RingRef, labels};
 
 /// Generous bound for processes starting up and caches syncing on a busy machine.
 const STARTUP: Duration = Duration::from_secs(60);
@@ -429,7 +429,7 @@ async fn objects_of_a_namespace_that_joins_a_ring_are_assigned_within_seconds() 
         )
         .await?;
     let late = cluster.namespace(&client, "joins-late").await?;
-    let spec = sharding_crds::ClusterRingSpec {
+    let spec = kube_sharding_api::ClusterRingSpec {
         namespace_selector: Some(LabelSelector {
             match_labels: Some(BTreeMap::from([(selected_label.to_string(), ring.clone())])),
             match_expressions: None,
@@ -1066,7 +1066,7 @@ async fn wait_settled(
 
 /// Ready condition of ClusterRing `ring` as (status, reason).
 async fn ready_of(client: &kube::Client, ring: &str) -> anyhow::Result<(String, String)> {
-    let object = Api::<sharding_crds::ClusterRing>::all(client.clone())
+    let object = Api::<kube_sharding_api::ClusterRing>::all(client.clone())
         .get(ring)
         .await?;
     Ok(object
@@ -1523,7 +1523,10 @@ async fn a_crd_changing_its_served_version_is_discovered_again() -> anyhow::Resu
         create_lease(&client, &ns, &ring, shard, 3600).await?;
     }
     let mut spec = ring_spec(&ns);
-    spec.resources = vec![sharding_crds::RingResource::new(group.clone(), "gadgets")];
+    spec.resources = vec![kube_sharding_api::RingResource::new(
+        group.clone(),
+        "gadgets",
+    )];
     create_ring(&client, &ring, spec).await?;
     wait_status(&client, &ring, 2, 2).await?;
     let resource = |v: &str| {
@@ -2250,7 +2253,7 @@ async fn a_sharder_started_during_a_departure_still_drains_until_it_is_over() ->
         Ok((drained == leaving.len()).then_some(()))
     })
     .await?;
-    let rings = Api::<sharding_crds::ClusterRing>::all(client.clone());
+    let rings = Api::<kube_sharding_api::ClusterRing>::all(client.clone());
     poll_until("the departure in the ring's status", WAIT, || async {
         let ring = rings.get(&ring).await?;
         let departed = ring.status.map(|s| s.departed_shards).unwrap_or_default();
@@ -2439,7 +2442,7 @@ async fn with_namespace_keys_controlled_objects_wait_for_their_controllers() -> 
     } = SharedScenario::in_namespace("nsfollow").await?;
     let ring = unique_name("nsfollow");
     let mut spec = ring_spec(&ns);
-    spec.hash_key = Some(sharding_crds::HashKey::Namespace);
+    spec.hash_key = Some(kube_sharding_api::HashKey::Namespace);
     create_ring(&client, &ring, spec).await?;
     let shards = ["shard-a", "shard-b", "shard-c"];
     for shard in shards {

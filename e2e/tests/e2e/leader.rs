@@ -19,9 +19,9 @@ use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{ConfigMap, Secret};
 use kube::api::{Api, ObjectMeta, PostParams};
 use kube::{Client, ResourceExt};
+use kube_sharding_api::labels;
 use serde_json::Value;
 use sha2::{Digest, Sha256};
-use sharding_crds::labels;
 
 const SHARDS: [&str; 3] = ["shard-a", "shard-b", "shard-c"];
 

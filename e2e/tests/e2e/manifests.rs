@@ -22,8 +22,8 @@ use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomRe
 use kube::Client;
 use kube::api::{Api, DeleteParams, PostParams};
 use kube::runtime::wait::{await_condition, conditions};
+use kube_sharding_api::config::SharderConfig;
 use serde_json::{Value, json};
-use sharding_crds::config::SharderConfig;
 
 /// Every kustomization we ship, relative to the workspace root. `config/certificate` and
 /// `config/overlays/k8s-1.29/without-admission-policies` are components and are rendered through
@@ -519,7 +519,8 @@ fn container_port(container: &Value, port_name: &str) -> Option<u64> {
 }
 
 fn bind_port(address: &str) -> anyhow::Result<Option<u64>> {
-    let addr = sharding_crds::config::parse_bind_address(address).map_err(anyhow::Error::msg)?;
+    let addr =
+        kube_sharding_api::config::parse_bind_address(address).map_err(anyhow::Error::msg)?;
     Ok(addr.map(|a| u64::from(a.port())))
 }
 

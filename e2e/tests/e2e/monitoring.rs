@@ -24,9 +24,9 @@ use e2e::sharder_process::{SharderFiles, SharderSettings};
 use e2e::unique_name;
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::api::{Api, DeleteParams};
+use kube_sharding_api::ClusterRing;
 use serde_json::Value as Json;
 use serde_yaml::Value as Yaml;
-use sharding_crds::ClusterRing;
 
 use crate::manifests::{render, workspace_root};
 

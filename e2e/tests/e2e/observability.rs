@@ -17,7 +17,7 @@ use e2e::unique_name;
 use k8s_openapi::api::core::v1::{Event, Secret};
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use kube::{Client, ResourceExt};
-use sharding_crds::labels;
+use kube_sharding_api::labels;
 
 /// The value of the series `line_prefix` (everything up to the value) in `metrics`.
 fn value(metrics: &str, line_prefix: &str) -> Option<f64> {

@@ -16,8 +16,8 @@ use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::ResourceExt;
 use kube::api::{Api, ListParams, ObjectMeta, Patch, PostParams};
+use kube_sharding_api::labels;
 use serde_json::json;
-use sharding_crds::labels;
 
 /// A Secret `name` pinned to `shard` by the pin annotation of ClusterRing `ring`.
 fn pinned_secret(ring: &str, name: &str, shard: &str) -> Secret {

@@ -21,8 +21,8 @@ use k8s_openapi::api::core::v1::{ConfigMap, Secret};
 use k8s_openapi::api::scheduling::v1::PriorityClass;
 use kube::api::{Api, ListParams, ObjectMeta, PostParams};
 use kube::{Client, ResourceExt};
-use sharding_crds::labels;
-use sharding_crds::{ClusterRingSpec, GroupResource, RingKind, RingRef, RingResource};
+use kube_sharding_api::labels;
+use kube_sharding_api::{ClusterRingSpec, GroupResource, RingKind, RingRef, RingResource};
 
 /// Lease duration of a shard these tests kill, in seconds (that of [`KILLED`]): its objects move
 /// once the sharder took its Lease over, twice this after its last renewal.

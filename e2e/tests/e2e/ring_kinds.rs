@@ -22,8 +22,8 @@ use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{ConfigMap, Secret};
 use kube::api::{Api, ListParams, ObjectMeta, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
+use kube_sharding_api::{ControllerRing, HashKey, RingKind, RingRef};
 use serde_json::json;
-use sharding_crds::{ControllerRing, HashKey, RingKind, RingRef};
 
 /// The ControllerRing label keys and Lease label, spelled out from docs/protocol.md §15.
 const CONTROLLER_RING_LEASE_LABEL: &str = "alpha.sharding.timebertt.dev/controllerring";
@@ -144,7 +144,7 @@ async fn same_name_rings_of_both_kinds_coexist() -> anyhow::Result<()> {
     ensure!(
         !lease
             .labels()
-            .contains_key(sharding_crds::labels::LABEL_STATE),
+            .contains_key(kube_sharding_api::labels::LABEL_STATE),
         "neither kind's controller labels a Lease of both kinds"
     );
     logs.passed();

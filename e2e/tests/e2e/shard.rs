@@ -22,10 +22,10 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::api::{Api, ObjectMeta, Patch, PatchParams, PostParams, WatchEvent, WatchParams};
 use kube::{Client, ResourceExt};
+use kube_sharding::{LeaseLock, LeaseLockConfig};
+use kube_sharding_api::labels;
+use kube_sharding_api::{RingKind, RingRef};
 use serde_json::{Value, json};
-use shard::{LeaseLock, LeaseLockConfig};
-use sharding_crds::labels;
-use sharding_crds::{RingKind, RingRef};
 
 const RING: &str = "checksum-controller";
 /// Lease duration of [`ShardTiming::FAST`], which the shards here use so that loss and takeover
@@ -755,7 +755,7 @@ async fn a_reconcile_in_flight_is_cancelled_at_once_when_the_lease_is_lost() -> 
     let client = cluster().client().await?;
     let namespace = cluster().namespace(&client, "shard-cancel").await?;
     let name = unique_name("shard");
-    let shard = shard::Shard::new(RING, &name, &namespace);
+    let shard = kube_sharding::Shard::new(RING, &name, &namespace);
     let config = shard
         .lease_config()
         .with_lease_duration(Duration::from_secs(3))
@@ -766,7 +766,7 @@ async fn a_reconcile_in_flight_is_cancelled_at_once_when_the_lease_is_lost() -> 
 
     let reconcile = {
         let (probe, client) = (Arc::clone(&probe), client.clone());
-        move |secret: Arc<Secret>, _: Arc<()>, ownership: shard::Ownership| {
+        move |secret: Arc<Secret>, _: Arc<()>, ownership: kube_sharding::Ownership| {
             let (probe, client) = (Arc::clone(&probe), client.clone());
             async move {
                 let mut finished = DropCounter(Arc::clone(&probe), false);
@@ -925,7 +925,7 @@ async fn an_excluded_shard_steps_out_and_touches_nothing() -> anyhow::Result<()>
     )?;
     let excluded = process
         .wait_for_record("the shard to step out", WAIT, |r| {
-            r["event"] == shard::EVENT_SHARD_EXCLUDED
+            r["event"] == kube_sharding::EVENT_SHARD_EXCLUDED
         })
         .await?;
     ensure!(
@@ -1030,7 +1030,7 @@ async fn a_new_shard_starts_when_the_sharder_has_labelled_its_lease() -> anyhow:
         .await?;
     let started = process
         .wait_for_record("the term's work started", WAIT, |r| {
-            r["event"] == shard::EVENT_TERM_STARTED
+            r["event"] == kube_sharding::EVENT_TERM_STARTED
         })
         .await?;
     let reconciled = process
@@ -1134,12 +1134,12 @@ async fn a_shard_resumed_after_its_renew_deadline_writes_nothing() -> anyhow::Re
 /// (released, `found_moved`), one deleted (deleted); one still on the shard is not reported.
 #[tokio::test]
 async fn departures_while_not_watching_are_found_by_the_first_listing() -> anyhow::Result<()> {
-    use shard::{Departure, ObjectKey, Release};
+    use kube_sharding::{Departure, ObjectKey, Release};
 
     let client = cluster().client().await?;
     let namespace = cluster().namespace(&client, "shard-found").await?;
     let name = unique_name("shard");
-    let shard = shard::Shard::new(RING, &name, &namespace);
+    let shard = kube_sharding::Shard::new(RING, &name, &namespace);
     let secrets: Api<Secret> = Api::namespaced(client.clone(), &namespace);
     let key = |secret: &Secret| ObjectKey {
         namespace: secret.namespace(),
@@ -1257,7 +1257,7 @@ async fn returning_shard_attempt(client: &kube::Client, ns: &str) -> anyhow::Res
     // drain, so what moves to it stays.
     create_lease(&client, &ns, &ring, "shard-b", 3600).await?;
     let name = "shard-r";
-    let shard = shard::Shard::new(&ring, name, &ns);
+    let shard = kube_sharding::Shard::new(&ring, name, &ns);
     let lock = || -> anyhow::Result<LeaseLock> {
         let config = shard
             .lease_config()
@@ -1372,7 +1372,7 @@ async fn returning_shard_attempt(client: &kube::Client, ns: &str) -> anyhow::Res
     first_term.cancel();
     let ended = first.await??;
     ensure!(
-        ended == shard::ShardRunEnd::Stopped { released: true },
+        ended == kube_sharding::ShardRunEnd::Stopped { released: true },
         "{ended:?}"
     );
     let mut moves = Vec::new();
@@ -1480,7 +1480,7 @@ async fn returning_shard_attempt(client: &kube::Client, ns: &str) -> anyhow::Res
     );
     second_term.cancel();
     ensure!(
-        second.await?? == shard::ShardRunEnd::Stopped { released: true },
+        second.await?? == kube_sharding::ShardRunEnd::Stopped { released: true },
         "second term ended cleanly"
     );
     watcher.abort();

@@ -18,9 +18,9 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, MicroTime, O
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, ObjectMeta, Patch, PatchParams, PostParams};
+use kube_sharding_api::labels;
+use kube_sharding_api::{ClusterRing, GroupResource, RingResource};
 use serde_json::json;
-use sharding_crds::labels;
-use sharding_crds::{ClusterRing, GroupResource, RingResource};
 
 #[tokio::test]
 async fn webhook_assigns_in_the_create_response() -> anyhow::Result<()> {

@@ -17,8 +17,8 @@ use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, LabelSelectorRequirement};
 use kube::ResourceExt;
 use kube::api::{Api, ListParams, ObjectMeta, PostParams};
-use sharder::controller::sharder::{LIST_CONTINUED_INCONSISTENTLY, SYNC_FINISHED};
-use sharding_crds::{ClusterRingSpec, RingKind, RingRef, RingResource, labels};
+use kube_sharder::controller::sharder::{LIST_CONTINUED_INCONSISTENTLY, SYNC_FINISHED};
+use kube_sharding_api::{ClusterRingSpec, RingKind, RingRef, RingResource, labels};
 
 /// Generous bound for processes starting up and caches syncing on a busy machine.
 const STARTUP: Duration = Duration::from_secs(60);

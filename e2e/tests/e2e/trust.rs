@@ -25,12 +25,12 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 use kube::api::{Api, ObjectMeta, Patch, PatchParams, PostParams};
-use serde_json::json;
-use sharder::core::webhook_config::desired_webhook_configuration;
-use sharding_crds::config::WebhookConfig;
-use sharding_crds::{
+use kube_sharder::core::webhook_config::desired_webhook_configuration;
+use kube_sharding_api::config::WebhookConfig;
+use kube_sharding_api::{
     ClusterRing, ClusterRingSpec, ControllerRing, RingKind, RingObject, RingRef, labels,
 };
+use serde_json::json;
 
 /// The exclusion annotation on Lease `namespace`/`name`, once it equals `want`.
 async fn wait_exclusion_annotation(

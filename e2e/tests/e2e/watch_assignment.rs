@@ -19,8 +19,8 @@ use k8s_openapi::api::core::v1::{ConfigMap, Secret};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::api::{Api, ListParams, ObjectMeta, Patch, PostParams};
 use kube::{Client, ResourceExt};
+use kube_sharding_api::{Assignment, ClusterRing, labels};
 use serde_json::json;
-use sharding_crds::{Assignment, ClusterRing, labels};
 
 /// How soon a new object of a Watch ring must carry its label: the watch event reaches the
 /// sharder within milliseconds and the patch follows at once; seconds leave room for a busy
@@ -153,7 +153,7 @@ async fn controlled_objects_follow_their_controller_in_watch_mode() -> anyhow::R
         ..
     } = SharedScenario::in_namespace("watch-owner").await?;
     let ring = unique_name("watch-owner");
-    let spec = sharding_crds::ClusterRingSpec {
+    let spec = kube_sharding_api::ClusterRingSpec {
         assignment: Some(Assignment::Watch),
         ..ring_spec(&ns)
     };

@@ -1,5 +1,5 @@
 //! The webhook server's connection limits, over real sockets on loopback: the server the sharder
-//! runs ([`sharder::server::serve_tls`], its certificate served as the sharder serves it), with
+//! runs ([`kube_sharder::server::serve_tls`], its certificate served as the sharder serves it), with
 //! limits small enough to observe; and hostile clients against a `sharder` process of the test's
 //! own (slow bodies, many large bodies, a flood of its health port), with its memory measured.
 //! Loopback has a whole /8: binding a client socket to 127.0.0.2, 127.0.0.3, ... makes it another
@@ -17,9 +17,9 @@ use e2e::process::{Process, poll_until, status_fields};
 use e2e::scenario::DedicatedScenario;
 use e2e::sharder_process::{SharderFiles, SharderSettings};
 use e2e::trivial_webhook;
+use kube_sharder::server::ConnectionLimits;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, ServerName};
-use sharder::server::ConnectionLimits;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpSocket, TcpStream};
 use tokio_rustls::TlsConnector;
@@ -35,7 +35,7 @@ async fn server(
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
     let stop = CancellationToken::new();
-    tokio::spawn(sharder::server::serve_tls(
+    tokio::spawn(kube_sharder::server::serve_tls(
         listener,
         tls,
         trivial_webhook::router()?,

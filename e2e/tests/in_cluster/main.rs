@@ -21,8 +21,8 @@ use e2e::metrics_access::METRICS_READER;
 use k8s_openapi::api::core::v1::{Namespace, Pod, Secret};
 use kube::Client;
 use kube::api::{Api, EvictParams, PostParams};
+use kube_sharding_api::RingKind;
 use serde_json::{Value, json};
-use sharding_crds::RingKind;
 use tokio::sync::Mutex;
 
 use crate::ownership::ShardLogs;
@@ -465,7 +465,7 @@ async fn webhook_metric(client: &Client, name: &str) -> anyhow::Result<f64> {
     Ok(e2e::prometheus::sum(
         &text,
         name,
-        &[("name", sharding_crds::labels::WEBHOOK_NAME)],
+        &[("name", kube_sharding_api::labels::WEBHOOK_NAME)],
     ))
 }
 
@@ -637,8 +637,8 @@ async fn readme_pins(
     );
     let annotation = format!(
         "{}{}",
-        sharding_crds::labels::PIN_ANNOTATION_PREFIX,
-        sharding_crds::labels::ring_suffix(RING)
+        kube_sharding_api::labels::PIN_ANNOTATION_PREFIX,
+        kube_sharding_api::labels::ring_suffix(RING)
     );
     ensure!(
         pinned["metadata"]["annotations"][&annotation].as_str() == Some(shard.as_str()),

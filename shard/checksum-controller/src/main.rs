@@ -9,7 +9,7 @@
 //! the sharder's moves alone: a create that finds the ConfigMap already there (a Secret that
 //! moved here) writes nothing more and waits for the sharder to bring it.
 //!
-//! Order of life ([`shard::Shard::run`]): acquire the shard Lease, then run the controller and the
+//! Order of life ([`kube_sharding::Shard::run`]): acquire the shard Lease, then run the controller and the
 //! departures watch; exit non-zero the moment the Lease is lost; on SIGTERM/SIGINT stop the
 //! controller, release the Lease, exit 0; when the sharder excludes the shard, stop at once,
 //! release the Lease and rejoin after `--rejoin-pause`.
@@ -23,11 +23,11 @@
 //! | `applied` (the ConfigMap write of a reconcile succeeded) | `namespace`, `name`, `shard`, `configmap` |
 //! | `up_to_date` (a reconcile found its ConfigMap in the shard's cache as it would write it, and wrote nothing, not even the ownership read) | `namespace`, `name`, `shard`, `configmap` |
 //! | `awaiting_move` (with `--leave-children-to-sharder`: the create found the ConfigMap on another shard; the Secret is reconciled again when it arrives; after 10 s without, the ConfigMap is read, and waited for again if it is the Secret's, else written) | `namespace`, `name`, `shard`, `configmap` |
-//! | `write_refused` (a reconcile stopped before its write: [`shard::Ownership::confirm`] said no) | `namespace`, `name`, `shard`, `error` |
+//! | `write_refused` (a reconcile stopped before its write: [`kube_sharding::Ownership::confirm`] said no) | `namespace`, `name`, `shard`, `error` |
 //! | `drain` (a drain was acknowledged) | `namespace`, `name`, `shard`, `resource_version` (of the Secret, the version the patch was conditioned on), `took_ms` (the acknowledging write's round trip, milliseconds) |
-//! | `released` (a Secret left this shard, [`shard::Departure::Released`]) | `namespace`, `name`, `shard`, `how` (`drained`, `reassigned`, `found_moved`), `had_state`, `checksums` (of the dropped record), `released_total` |
-//! | `deleted` (a Secret of this shard was deleted, [`shard::Departure::Deleted`]) | `namespace`, `name`, `shard`, `had_state`, `checksums`, `deleted_total` |
-//! | `lease_acquired`, `lease_lost`, `lease_released`, `lease_excluded` (the shard library's) | `lease`, `namespace`, `resource_version` (of the Lease as written), see `shard::lease` |
+//! | `released` (a Secret left this shard, [`kube_sharding::Departure::Released`]) | `namespace`, `name`, `shard`, `how` (`drained`, `reassigned`, `found_moved`), `had_state`, `checksums` (of the dropped record), `released_total` |
+//! | `deleted` (a Secret of this shard was deleted, [`kube_sharding::Departure::Deleted`]) | `namespace`, `name`, `shard`, `had_state`, `checksums`, `deleted_total` |
+//! | `lease_acquired`, `lease_lost`, `lease_released`, `lease_excluded` (the shard library's) | `lease`, `namespace`, `resource_version` (of the Lease as written), see `kube_sharding::lease` |
 //! | `shard_excluded` (the shard library's: stepped out of the ring, rejoining after a pause) | `shard`, `reason`, `released` |
 //! | `shard_stopped` | `shard`, `reason` (`lease_lost` or `shutdown`) |
 //!
@@ -48,12 +48,12 @@ use kube::runtime::controller::{self, Action, Controller};
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, Resource, ResourceExt};
-use sha2::{Digest, Sha256};
-use shard::lease::error_chain;
-use shard::{
+use kube_sharding::lease::error_chain;
+use kube_sharding::{
     Departure, LeaseLock, ObjectKey, Ownership, OwnershipError, ReconcileError, Shard, ShardRunEnd,
     Term,
 };
+use sha2::{Digest, Sha256};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 use tracing_subscriber::EnvFilter;
@@ -91,7 +91,7 @@ struct Args {
     clusterring: String,
     /// Kind of the ring to join: `ClusterRing` or `ControllerRing`.
     #[arg(long, default_value = "ClusterRing")]
-    ring_kind: shard::RingKind,
+    ring_kind: kube_sharding::RingKind,
     /// Weight of this shard (1 to 10): it receives about this many times the share of a shard
     /// of weight 1. Without it, the Lease carries no weight annotation (weight 1).
     #[arg(long)]

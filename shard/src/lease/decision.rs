@@ -3,7 +3,7 @@
 //!
 //! Nothing here talks to the API server or reads a clock; callers pass the current time in, so
 //! every rule is testable with plain values. When a Lease expires is the protocol's rule in
-//! [`sharding_crds::lease`], the same one the sharder computes shard states with.
+//! [`kube_sharding_api::lease`], the same one the sharder computes shard states with.
 
 use std::collections::BTreeMap;
 use std::ops::Add;
@@ -12,7 +12,7 @@ use std::time::Duration;
 use k8s_openapi::api::coordination::v1::LeaseSpec;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use k8s_openapi::jiff::Timestamp;
-use sharding_crds::lease::lease_expiry;
+use kube_sharding_api::lease::lease_expiry;
 
 /// What a candidate may do with a Lease, given the Lease's current spec.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -51,7 +51,7 @@ pub(crate) fn decide(
     if holder.is_empty() {
         return AcquireDecision::Take;
     }
-    // Not expired yet (`now < E`, see `sharding_crds::lease::is_expired`): wait for it.
+    // Not expired yet (`now < E`, see `kube_sharding_api::lease::is_expired`): wait for it.
     match lease_expiry(spec) {
         Some(expires_at) if now < expires_at => AcquireDecision::Wait {
             holder: holder.to_string(),

@@ -15,7 +15,7 @@ pub enum GuardEnd {
     /// The sharder keeps the holder's Lease out of its ring (docs/protocol.md §18), with this
     /// reason (the value of [`ANNOTATION_EXCLUDED`]).
     ///
-    /// [`ANNOTATION_EXCLUDED`]: sharding_crds::labels::ANNOTATION_EXCLUDED
+    /// [`ANNOTATION_EXCLUDED`]: kube_sharding_api::labels::ANNOTATION_EXCLUDED
     Excluded(String),
 }
 

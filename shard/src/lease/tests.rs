@@ -835,7 +835,7 @@ fn spawn_shard_run(
 
 #[tokio::test(start_paused = true)]
 async fn work_on_a_created_lease_starts_when_the_sharder_labels_it() {
-    use sharding_crds::labels::LABEL_STATE;
+    use kube_sharding_api::labels::LABEL_STATE;
     let shard = crate::Shard::new("r", "shard-a", "ns");
     let judged_after = Duration::from_millis(300);
     for excluded in [false, true] {
@@ -931,7 +931,7 @@ async fn work_on_a_created_lease_no_sharder_labels_starts_after_the_fallback() {
 fn judged_lock(fake: &FakeStore) -> LeaseLock {
     let config = LeaseLockConfig::new("ns", "shard-a", "shard-a")
         .with_exclusion_annotation(EXCLUDED)
-        .with_verdict_label(sharding_crds::labels::LABEL_STATE)
+        .with_verdict_label(kube_sharding_api::labels::LABEL_STATE)
         .with_lease_duration(DURATION)
         .with_renew_deadline(DEADLINE)
         .with_retry_period(RETRY);
@@ -942,7 +942,7 @@ fn judged_lock(fake: &FakeStore) -> LeaseLock {
 fn state_label(fake: &FakeStore) -> Option<String> {
     fake.lease()
         .and_then(|l| l.metadata.labels)
-        .and_then(|l| l.get(sharding_crds::labels::LABEL_STATE).cloned())
+        .and_then(|l| l.get(kube_sharding_api::labels::LABEL_STATE).cloned())
 }
 
 fn set_state_label(fake: &FakeStore, state: &str) {
@@ -951,7 +951,7 @@ fn set_state_label(fake: &FakeStore, state: &str) {
             .metadata
             .labels
             .get_or_insert_default()
-            .insert(sharding_crds::labels::LABEL_STATE.into(), state.into());
+            .insert(kube_sharding_api::labels::LABEL_STATE.into(), state.into());
     });
 }
 

@@ -28,9 +28,9 @@ use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::ResourceExt;
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::watcher;
-use sharding_crds::RingKind;
-use sharding_crds::labels::{ANNOTATION_RELEASED_BY, LABEL_STATE};
-use sharding_crds::lease::{ShardLease, ShardState};
+use kube_sharding_api::RingKind;
+use kube_sharding_api::labels::{ANNOTATION_RELEASED_BY, LABEL_STATE};
+use kube_sharding_api::lease::{ShardLease, ShardState};
 use tokio::sync::broadcast;
 
 use super::Renewals;

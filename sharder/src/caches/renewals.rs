@@ -39,7 +39,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::ResourceExt;
 use kube::runtime::watcher;
-use sharding_crds::lease::ShardLease;
+use kube_sharding_api::lease::ShardLease;
 
 /// The lease duration counted for a Lease without a positive `leaseDurationSeconds`
 /// (docs/protocol.md §4).
@@ -47,9 +47,9 @@ pub(crate) const MISSING_LEASE_DURATION: i32 = 15;
 
 /// The longest lease duration the sharder counts: a Lease that claims more (up to 68 years fit
 /// the field) would otherwise keep the objects of a shard that died for that long. The shard
-/// library refuses longer ones ([`sharding_crds::lease::MAX_LEASE_DURATION`]).
+/// library refuses longer ones ([`kube_sharding_api::lease::MAX_LEASE_DURATION`]).
 pub(crate) const MAX_LEASE_DURATION: i32 = {
-    let secs = sharding_crds::lease::MAX_LEASE_DURATION.as_secs();
+    let secs = kube_sharding_api::lease::MAX_LEASE_DURATION.as_secs();
     assert!(secs <= i32::MAX as u64);
     secs as i32
 };
@@ -216,7 +216,7 @@ impl Inner {
 mod tests {
     use k8s_openapi::api::coordination::v1::LeaseSpec;
     use kube::api::ObjectMeta;
-    use sharding_crds::lease::ShardState;
+    use kube_sharding_api::lease::ShardState;
 
     use super::*;
 

@@ -11,8 +11,8 @@ use std::collections::BTreeMap;
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::ResourceExt;
 use kube::runtime::watcher;
-use sharding_crds::RingKind;
-use sharding_crds::labels::{
+use kube_sharding_api::RingKind;
+use kube_sharding_api::labels::{
     ANNOTATION_EXCLUDED, ANNOTATION_LEAVES_CONTROLLED_OBJECTS, ANNOTATION_RELEASED_BY,
     ANNOTATION_WEIGHT, LABEL_STATE, is_dns_subdomain, is_valid_label_value,
 };
@@ -309,6 +309,6 @@ mod tests {
             annotations[ANNOTATION_LEAVES_CONTROLLED_OBJECTS],
             INVALID_VALUE
         );
-        assert!(sharding_crds::labels::parse_weight(Some(INVALID_VALUE)).is_err());
+        assert!(kube_sharding_api::labels::parse_weight(Some(INVALID_VALUE)).is_err());
     }
 }

@@ -13,10 +13,12 @@ use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::core::{ApiResource, GroupVersionKind};
 use kube::runtime::watcher;
 use kube::{Client, Config};
+use kube_sharding_api::labels::{GROUP, PIN_ANNOTATION_PREFIX};
+use kube_sharding_api::selector::selector_matches;
+use kube_sharding_api::{
+    ClusterRing, ControllerRing, GroupResource, RingKind, RingObject, RingRef,
+};
 use serde::Serialize;
-use sharding_crds::labels::{GROUP, PIN_ANNOTATION_PREFIX};
-use sharding_crds::selector::selector_matches;
-use sharding_crds::{ClusterRing, ControllerRing, GroupResource, RingKind, RingObject, RingRef};
 
 use super::{ConnectionArgs, Error};
 use crate::core::any_ring::AnyRing;
@@ -278,7 +280,7 @@ pub(crate) async fn namespace_selector(
     match written {
         Some(selector) => (selector, SelectorSource::WebhookConfiguration),
         None => (
-            sharding_crds::config::default_namespace_selector(),
+            kube_sharding_api::config::default_namespace_selector(),
             SelectorSource::SharderDefault,
         ),
     }
@@ -485,7 +487,7 @@ pub(crate) fn walk_order(rings: &[LoadedRing]) -> Vec<(GroupResource, ResourceIn
 mod tests {
     use super::super::fixtures::{lease, loaded};
     use super::*;
-    use sharding_crds::{ClusterRingSpec, RingResource};
+    use kube_sharding_api::{ClusterRingSpec, RingResource};
 
     #[test]
     fn namespaces_keep_labels_and_pins_only() {

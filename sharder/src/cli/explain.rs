@@ -9,9 +9,9 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 use kube::api::ObjectMeta;
+use kube_sharding_api::lease::{ShardLease, ShardState};
+use kube_sharding_api::{GroupResource, HashKey, RingKind, RingRef};
 use serde::Serialize;
-use sharding_crds::lease::{ShardLease, ShardState};
-use sharding_crds::{GroupResource, HashKey, RingKind, RingRef};
 
 use super::Error;
 use super::cluster::{self, Connection, LoadedRing, covers};

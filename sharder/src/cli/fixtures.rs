@@ -7,8 +7,8 @@ use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, MicroTime, OwnerReference};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::ObjectMeta;
-use sharding_crds::labels::ANNOTATION_WEIGHT;
-use sharding_crds::{ClusterRing, ClusterRingSpec, GroupResource, RingKind, RingResource};
+use kube_sharding_api::labels::ANNOTATION_WEIGHT;
+use kube_sharding_api::{ClusterRing, ClusterRingSpec, GroupResource, RingKind, RingResource};
 
 use super::cluster::{LoadedRing, Namespaces, SelectorSource};
 use crate::core::any_ring::AnyRing;

@@ -7,7 +7,7 @@
 use std::collections::HashMap;
 
 use kube::Client;
-use sharding_crds::GroupResource;
+use kube_sharding_api::GroupResource;
 
 use super::Error;
 use super::cluster::api_error;

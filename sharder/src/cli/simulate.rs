@@ -12,10 +12,10 @@ use std::fmt;
 use std::str::FromStr;
 
 use kube::api::ObjectMeta;
+use kube_sharding_api::labels::parse_weight;
+use kube_sharding_api::lease::is_valid_shard_name;
+use kube_sharding_api::{GroupResource, RingKind, RingRef};
 use serde::Serialize;
-use sharding_crds::labels::parse_weight;
-use sharding_crds::lease::is_valid_shard_name;
-use sharding_crds::{GroupResource, RingKind, RingRef};
 
 use super::cluster::{self, Connection};
 use super::output::{Table, imbalance, or_dash, ratio};

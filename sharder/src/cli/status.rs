@@ -8,9 +8,9 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 use kube::api::ObjectMeta;
+use kube_sharding_api::lease::ShardLease;
+use kube_sharding_api::{Assignment, GroupResource, HashKey, RingKind, RingRef};
 use serde::Serialize;
-use sharding_crds::lease::ShardLease;
-use sharding_crds::{Assignment, GroupResource, HashKey, RingKind, RingRef};
 
 use super::cluster::{self, Connection, LoadedRing, SelectorSource};
 use super::output::{Table, age, imbalance, or_dash, ratio};
@@ -287,7 +287,7 @@ pub(crate) fn ring_status(ring: &LoadedRing, tally: Tally, now: Timestamp) -> Ri
     let condition = status.and_then(|s| {
         s.conditions
             .iter()
-            .find(|c| c.type_ == sharding_crds::cluster_ring::CONDITION_READY)
+            .find(|c| c.type_ == kube_sharding_api::cluster_ring::CONDITION_READY)
     });
     let ready = condition.map_or_else(|| "Unknown".to_string(), |c| c.status.clone());
     let mut resources: Vec<(bool, String)> = view
@@ -658,7 +658,7 @@ mod tests {
         value: &str,
     ) -> k8s_openapi::api::coordination::v1::Lease {
         lease.metadata.annotations.get_or_insert_default().insert(
-            sharding_crds::labels::ANNOTATION_LEAVES_CONTROLLED_OBJECTS.to_string(),
+            kube_sharding_api::labels::ANNOTATION_LEAVES_CONTROLLED_OBJECTS.to_string(),
             value.to_string(),
         );
         lease

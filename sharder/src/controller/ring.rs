@@ -16,12 +16,12 @@ use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
-use serde_json::Value;
-use sharding_crds::cluster_ring::{
+use kube_sharding_api::cluster_ring::{
     CONDITION_READY, REASON_RECONCILIATION_FAILED, REASON_RECONCILIATION_SUCCEEDED,
 };
-use sharding_crds::labels::{APP_NAME, LABEL_APP_NAME};
-use sharding_crds::{Assignment, ClusterRingStatus, DepartedShard, RingObject, RingRef};
+use kube_sharding_api::labels::{APP_NAME, LABEL_APP_NAME};
+use kube_sharding_api::{Assignment, ClusterRingStatus, DepartedShard, RingObject, RingRef};
+use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 
 use crate::context::Context;
@@ -463,8 +463,8 @@ fn desired_status<R: RingObject>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kube_sharding_api::{ClusterRing, ClusterRingSpec};
     use serde_json::json;
-    use sharding_crds::{ClusterRing, ClusterRingSpec};
 
     #[test]
     fn subset_ignores_server_defaults_but_not_changes() {

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use sharding_crds::{
+use kube_sharding_api::{
     ClusterRing, ClusterRingSpec, ClusterRingStatus, ControllerRing, GroupResource, RingObject,
     RingRef,
 };

@@ -8,7 +8,7 @@
 //! (`secrets`) to kinds (`Secret`) through API discovery before asking for a key.
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
-use sharding_crds::HashKey;
+use kube_sharding_api::HashKey;
 
 /// Why a main object created with `generateName` cannot be hashed in its CREATE. The webhook
 /// allows it unchanged (a denial would refuse users' writes for as long as the ring exists), and

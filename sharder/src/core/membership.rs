@@ -16,12 +16,12 @@ use std::collections::{BTreeMap, BTreeSet};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
-use sharding_crds::RingKind;
-use sharding_crds::labels::{
+use kube_sharding_api::RingKind;
+use kube_sharding_api::labels::{
     ANNOTATION_LEAVES_CONTROLLED_OBJECTS, ANNOTATION_WEIGHT, leaves_controlled_objects,
     parse_weight,
 };
-use sharding_crds::lease::{ShardLease, is_valid_shard_name};
+use kube_sharding_api::lease::{ShardLease, is_valid_shard_name};
 
 /// Why a Lease of a ring is kept out of the ring, whatever its holder.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]

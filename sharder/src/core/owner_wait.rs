@@ -10,7 +10,7 @@
 
 use std::collections::{HashMap, HashSet};
 
-use sharding_crds::{GroupResource, HashKey};
+use kube_sharding_api::{GroupResource, HashKey};
 
 use crate::core::hash_ring::hash;
 use crate::core::rebalance::waits_for_owner;

@@ -5,7 +5,7 @@
 //! A pin only ever chooses among the available shards: a pin to a shard that is not available,
 //! or a malformed one, leaves the object to the hash ring and is reported, never refusing a write.
 
-use sharding_crds::labels::is_valid_label_value;
+use kube_sharding_api::labels::is_valid_label_value;
 
 use super::hash_ring::HashRing;
 

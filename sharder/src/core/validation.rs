@@ -6,10 +6,10 @@
 
 use std::collections::HashSet;
 
-use sharding_crds::cluster_ring::MAX_NAME_LEN;
-use sharding_crds::crd::name_length_message;
-use sharding_crds::selector::validate_label_selector;
-use sharding_crds::{GroupResource, RingKind, RingObject};
+use kube_sharding_api::cluster_ring::MAX_NAME_LEN;
+use kube_sharding_api::crd::name_length_message;
+use kube_sharding_api::selector::validate_label_selector;
+use kube_sharding_api::{GroupResource, RingKind, RingObject};
 
 /// API groups none of whose resources a ring may cover unless the sharder's configuration allows
 /// them (`webhook.config.allowedProtectedResources`): a mutating webhook in front of them, or
@@ -20,7 +20,7 @@ const PROTECTED_GROUPS: &[&str] = &[
     "authentication.k8s.io",
     "authorization.k8s.io",
     "rbac.authorization.k8s.io",
-    sharding_crds::labels::GROUP,
+    kube_sharding_api::labels::GROUP,
 ];
 
 /// Single resources a ring may not cover unless allowed: pods (every workload's start would pass
@@ -163,7 +163,7 @@ fn is_namespace_name(name: &str) -> bool {
 mod tests {
     use super::*;
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, LabelSelectorRequirement};
-    use sharding_crds::{ClusterRing, ClusterRingSpec, GroupResource, RingResource};
+    use kube_sharding_api::{ClusterRing, ClusterRingSpec, GroupResource, RingResource};
 
     fn ring(name: &str, resources: Vec<RingResource>) -> ClusterRing {
         ClusterRing::new(
@@ -296,11 +296,11 @@ mod tests {
     #[test]
     fn refuses_controller_rings_named_like_a_cluster_ring_key() {
         let named = |name: &str| {
-            let mut ring = sharding_crds::ControllerRing::new(name, Default::default());
+            let mut ring = kube_sharding_api::ControllerRing::new(name, Default::default());
             ring.spec.0.resources = vec![res("", "secrets", &[])];
             ring
         };
-        let alias = sharding_crds::labels::shard_label("example");
+        let alias = kube_sharding_api::labels::shard_label("example");
         let alias = alias.rsplit('/').next().expect("a key with a prefix");
         assert!(alias.starts_with("clusterring-"), "{alias}");
         let message = validate_ring(&named(alias), &[])

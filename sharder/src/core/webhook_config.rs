@@ -11,9 +11,9 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{
     LabelSelector, LabelSelectorRequirement, ObjectMeta, OwnerReference,
 };
 use kube::ResourceExt;
-use sharding_crds::config::{SharderConfig, WebhookConfig};
-use sharding_crds::labels::{APP_NAME, LABEL_APP_NAME, WEBHOOK_NAME};
-use sharding_crds::{GroupResource, RingObject};
+use kube_sharding_api::config::{SharderConfig, WebhookConfig};
+use kube_sharding_api::labels::{APP_NAME, LABEL_APP_NAME, WEBHOOK_NAME};
+use kube_sharding_api::{GroupResource, RingObject};
 
 /// Field manager of every write the sharder makes: server-side applies and label, status and
 /// Lease patches.
@@ -113,8 +113,10 @@ fn rule(gr: &GroupResource) -> RuleWithOperations {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use sharding_crds::config::{ServiceReference as ConfigService, WebhookClientConfig as Cfg};
-    use sharding_crds::{ClusterRing, ClusterRingSpec, RingResource};
+    use kube_sharding_api::config::{
+        ServiceReference as ConfigService, WebhookClientConfig as Cfg,
+    };
+    use kube_sharding_api::{ClusterRing, ClusterRingSpec, RingResource};
 
     fn ring() -> ClusterRing {
         let mut ring = ClusterRing::new(
@@ -258,7 +260,7 @@ mod tests {
 
     #[test]
     fn controller_ring_names_path_labels_and_owner() {
-        let mut ring = sharding_crds::ControllerRing::new("example", ring().spec.into());
+        let mut ring = kube_sharding_api::ControllerRing::new("example", ring().spec.into());
         ring.metadata.uid = Some("uid-2".into());
         let wc = desired_webhook_configuration(&ring, &WebhookConfig::default(), None);
         assert_eq!(wc.metadata.name.as_deref(), Some("controllerring-example"));

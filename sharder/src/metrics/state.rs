@@ -5,11 +5,11 @@ use std::sync::Arc;
 
 use std::sync::atomic::AtomicU64;
 
+use kube_sharding_api::{RingKind, RingRef};
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
 use prometheus_client::metrics::MetricType;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
-use sharding_crds::{RingKind, RingRef};
 
 use super::{ResourceLabels, RingLabel};
 use crate::observed::{PendingDrains, RingObjects};
@@ -463,7 +463,7 @@ mod tests {
 
         fn objects(&self) -> ObjectsSnapshot {
             let ring = RingRef::new(RingKind::ControllerRing, "example");
-            let secrets = sharding_crds::GroupResource::new("", "secrets");
+            let secrets = kube_sharding_api::GroupResource::new("", "secrets");
             ObjectsSnapshot {
                 rings: vec![(
                     ring.clone(),

@@ -8,8 +8,8 @@
 //! lookup, and at most [`MAX_LOOKUPS_IN_FLIGHT`] lookups run at once.
 
 use kube::api::{Api, ApiResource, DynamicObject};
-use sharding_crds::RingRef;
-use sharding_crds::labels::is_dns_subdomain;
+use kube_sharding_api::RingRef;
+use kube_sharding_api::labels::is_dns_subdomain;
 
 use super::registry::Views;
 use super::view::RingView;
@@ -134,7 +134,7 @@ mod tests {
     use axum::http::{Request, Response};
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
     use kube::client::Body;
-    use sharding_crds::{ClusterRing, ClusterRingSpec, GroupResource, RingResource};
+    use kube_sharding_api::{ClusterRing, ClusterRingSpec, GroupResource, RingResource};
 
     use super::*;
     use crate::views::{ResourceInfo, build_view};
@@ -240,7 +240,7 @@ mod tests {
                     "apiVersion": "meta.k8s.io/v1",
                     "kind": "PartialObjectMetadata",
                     "metadata": {"name": "parent", "namespace": "team-a", "labels": {
-                        sharding_crds::labels::shard_label("example"): "shard-a",
+                        kube_sharding_api::labels::shard_label("example"): "shard-a",
                     }},
                 });
                 Response::builder()
@@ -255,7 +255,7 @@ mod tests {
     async fn lookups_read_the_controller_and_run_at_most_eight_at_once() {
         let views = Arc::new(Views::default());
         views.insert(view());
-        let ring = RingRef::new(sharding_crds::RingKind::ClusterRing, "example");
+        let ring = RingRef::new(kube_sharding_api::RingKind::ClusterRing, "example");
         let view = views.get(&ring).expect("the view");
         let found = lookup(&view, "v1", "parent", "team-a").expect("a lookup");
         let (client, paths, most) = client(std::time::Duration::from_millis(50));

@@ -5,7 +5,7 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use kube::Client;
-use sharding_crds::GroupResource;
+use kube_sharding_api::GroupResource;
 
 use crate::views::ResourceInfo;
 

@@ -7,9 +7,9 @@ use std::time::Duration;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use k8s_openapi::jiff::Timestamp;
+use kube_sharding_api::{GroupResource, RingKind, RingRef};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
-use sharding_crds::{GroupResource, RingKind, RingRef};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 

@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Namespace;
 use kube::runtime::reflector::{ObjectRef, Store};
-use sharding_crds::RingRef;
+use kube_sharding_api::RingRef;
 
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -250,7 +250,7 @@ impl Pins {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use sharding_crds::RingKind;
+    use kube_sharding_api::RingKind;
 
     #[test]
     fn controller_pins_are_remembered_and_forgotten() {

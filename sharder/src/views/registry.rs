@@ -4,7 +4,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 
-use sharding_crds::RingRef;
+use kube_sharding_api::RingRef;
 
 use super::view::RingView;
 

@@ -4,7 +4,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
-use sharding_crds::{Assignment, GroupResource, HashKey, RingKind, RingObject, RingRef};
+use kube_sharding_api::{Assignment, GroupResource, HashKey, RingKind, RingObject, RingRef};
 
 use super::pins::Pins;
 use crate::core::hash_ring::HashRing;
@@ -351,7 +351,7 @@ pub fn build_view<R: RingObject>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use sharding_crds::{ClusterRing, ClusterRingSpec, ControllerRing, RingResource};
+    use kube_sharding_api::{ClusterRing, ClusterRingSpec, ControllerRing, RingResource};
 
     fn info(kind: &str, namespaced: bool) -> ResourceInfo {
         ResourceInfo {
@@ -400,7 +400,10 @@ mod tests {
         ]);
         let shards = BTreeMap::from([("s1".to_string(), 1)]);
         let view = build_view(&ring, &shards, &discovered, &LabelSelector::default());
-        assert_eq!(view.shard_label, sharding_crds::labels::shard_label("r"));
+        assert_eq!(
+            view.shard_label,
+            kube_sharding_api::labels::shard_label("r")
+        );
         assert_eq!(view.kind, RingKind::ClusterRing);
         assert_eq!(view.hash_ring.members().collect::<Vec<_>>(), [("s1", 1)]);
         assert_eq!(

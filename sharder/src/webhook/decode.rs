@@ -194,7 +194,7 @@ impl<'de: 'a, 'a> Deserialize<'de> for Labels<'a> {
 }
 
 /// The annotations of an object whose key starts with
-/// [`sharding_crds::labels::PIN_ANNOTATION_PREFIX`], read like [`Labels`].
+/// [`kube_sharding_api::labels::PIN_ANNOTATION_PREFIX`], read like [`Labels`].
 #[derive(Debug, Default)]
 pub(super) struct PinAnnotations<'a>(Labels<'a>);
 
@@ -220,7 +220,7 @@ impl<'de: 'a, 'a> Deserialize<'de> for PinAnnotations<'a> {
             fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
                 let mut pins = Vec::new();
                 while let Some(key) = map.next_key::<Text<'de>>()? {
-                    if key.starts_with(sharding_crds::labels::PIN_ANNOTATION_PREFIX) {
+                    if key.starts_with(kube_sharding_api::labels::PIN_ANNOTATION_PREFIX) {
                         pins.push((key, map.next_value::<Text<'de>>()?));
                     } else {
                         map.next_value::<CheckedString>()?;

@@ -5,10 +5,10 @@ use axum::http::{Request as HttpRequest, StatusCode};
 use http_body_util::BodyExt;
 use k8s_openapi::ByteString;
 use kube::api::ObjectMeta;
-use serde_json::{Value, json};
-use sharding_crds::{
+use kube_sharding_api::{
     ClusterRing, ClusterRingSpec, ControllerRing, GroupResource, HashKey, RingResource,
 };
+use serde_json::{Value, json};
 use tower::ServiceExt;
 
 use super::*;
@@ -178,7 +178,7 @@ async fn creates_labels_map_when_missing() {
 
 #[tokio::test]
 async fn assignment_removes_a_stale_drain_label() {
-    let drain = sharding_crds::labels::drain_label("example");
+    let drain = kube_sharding_api::labels::drain_label("example");
     let object =
         json!({"metadata": {"name": "foo", "namespace": "default", "labels": {&drain: "true"}}});
     let response = admit(

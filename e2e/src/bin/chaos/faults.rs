@@ -347,7 +347,7 @@ impl Injector {
                         self.deleted_leases.push((shard.clone(), Timestamp::now()));
                     }
                     _ => {
-                        let label = sharding_crds::RingKind::ClusterRing.lease_label();
+                        let label = kube_sharding_api::RingKind::ClusterRing.lease_label();
                         let unlabel = serde_json::json!({"metadata": {"labels": {label: null}}});
                         own.patch(&shard, &PatchParams::default(), &Patch::Merge(&unlabel))
                             .await?;
@@ -408,7 +408,7 @@ impl Injector {
                 name: Some(name.to_string()),
                 labels: Some(
                     [(
-                        sharding_crds::RingKind::ClusterRing
+                        kube_sharding_api::RingKind::ClusterRing
                             .lease_label()
                             .to_string(),
                         self.fleet.rings()[ring].ring.clone(),

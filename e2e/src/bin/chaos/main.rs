@@ -84,7 +84,7 @@ use clap::Parser;
 use e2e::{Cluster, cluster, unique_name};
 use k8s_openapi::api::core::v1::Namespace;
 use kube::api::{Api, DeleteParams};
-use sharding_crds::{Assignment, ClusterRing};
+use kube_sharding_api::{Assignment, ClusterRing};
 
 use crate::plan::{FaultKind, PlanTiming, round_ms};
 use crate::report::Report;

@@ -3,8 +3,8 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
+use kube_sharding_api::Assignment;
 use serde::Serialize;
-use sharding_crds::Assignment;
 
 use crate::churn::ChurnStats;
 use crate::convergence::Outcome;

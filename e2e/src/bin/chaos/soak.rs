@@ -16,7 +16,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, LabelSelecto
 use k8s_openapi::jiff::SignedDuration;
 use kube::api::{Api, PostParams};
 use kube::{Client, ResourceExt};
-use sharding_crds::{Assignment, ClusterRingSpec};
+use kube_sharding_api::{Assignment, ClusterRingSpec};
 use tokio_util::sync::{CancellationToken, DropGuard};
 
 use crate::churn::{self, ChurnStats};

@@ -4,7 +4,7 @@
 //! shards, for `--objects` Secrets (each with the checksum ConfigMap its shard writes):
 //!
 //! 1. **convergence**: the time from starting the 4th shard until every Secret and ConfigMap
-//!    carries the shard the 4-shard ring (`sharder::core::hash_ring::Ring`, key `/Secret/<ns>/<name>`)
+//!    carries the shard the 4-shard ring (`kube_sharder::core::hash_ring::Ring`, key `/Secret/<ns>/<name>`)
 //!    predicts and no drain label is left. Placements are followed with metadata-only watches, so
 //!    the time is that of the watch event that completed convergence (which then has to hold for
 //!    `--settle` seconds), and measuring does not load the API server with repeated lists;
@@ -73,8 +73,8 @@ use e2e::{Cluster, cluster, unique_name};
 use k8s_openapi::api::core::v1::Namespace;
 use kube::Client;
 use kube::api::{Api, DeleteParams};
-use sharding_crds::ClusterRing;
-use sharding_crds::config::SharderController;
+use kube_sharding_api::ClusterRing;
+use kube_sharding_api::config::SharderController;
 
 use crate::handover::{Percentiles, ShardLog, handover, reconcile_after_writes};
 use crate::objects::{create_secrets, floor_run};

@@ -15,8 +15,8 @@ use kube::api::Api;
 use kube::core::PartialObjectMeta;
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, Resource, ResourceExt};
+use kube_sharding_api::labels;
 use serde::de::DeserializeOwned;
-use sharding_crds::labels;
 use tokio::task::JoinHandle;
 
 use crate::report::{Transitions, secs};

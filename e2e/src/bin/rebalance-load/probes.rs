@@ -11,10 +11,10 @@ use http_body_util::BodyExt;
 use kube::Client;
 use kube::api::ListParams;
 
-use sharder::controller::sharder::SYNC_FINISHED;
-use sharder::core::list_scope::PAGE_SIZE;
-use sharder::metrics::{DRAINS, MOVEMENTS};
-use sharding_crds::{RingKind, RingRef};
+use kube_sharder::controller::sharder::SYNC_FINISHED;
+use kube_sharder::core::list_scope::PAGE_SIZE;
+use kube_sharder::metrics::{DRAINS, MOVEMENTS};
+use kube_sharding_api::{RingKind, RingRef};
 
 use crate::report::{Counters, MemorySample, PageProbe, SyncRecord};
 

@@ -30,8 +30,8 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, ObjectMeta, PostParams};
 use kube::runtime::watcher;
+use kube_sharding_api::{Assignment, ClusterRing, ClusterRingSpec, RingResource, labels};
 use serde::Serialize;
-use sharding_crds::{Assignment, ClusterRing, ClusterRingSpec, RingResource, labels};
 use tokio_util::sync::CancellationToken;
 
 use crate::progress;

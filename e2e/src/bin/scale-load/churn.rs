@@ -34,9 +34,9 @@ use k8s_openapi::api::core::v1::{ConfigMap, Secret};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, ObjectMeta, Patch, PostParams};
+use kube_sharder::controller::sharder::SYNC_FINISHED;
+use kube_sharding_api::{ClusterRing, RingKind, RingRef};
 use serde::Serialize;
-use sharder::controller::sharder::SYNC_FINISHED;
-use sharding_crds::{ClusterRing, RingKind, RingRef};
 use tokio_util::sync::CancellationToken;
 
 use crate::progress;

@@ -16,9 +16,9 @@ use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::Client;
 use kube::api::{Api, DeleteParams, Patch};
+use kube_sharding_api::ClusterRing;
+use kube_sharding_api::labels::{ANNOTATION_WEIGHT, NAMESPACE_SYSTEM};
 use serde::Serialize;
-use sharding_crds::ClusterRing;
-use sharding_crds::labels::{ANNOTATION_WEIGHT, NAMESPACE_SYSTEM};
 use tokio_util::sync::CancellationToken;
 
 use e2e::prometheus::{apiserver_metrics, label, samples, sum};

@@ -8,7 +8,7 @@ use e2e::fixtures::wait_status;
 use e2e::process::Process;
 use e2e::sharder_process::{SharderFiles, SharderSettings};
 use kube::Client;
-use sharder::controller::sharder::SYNC_FINISHED;
+use kube_sharder::controller::sharder::SYNC_FINISHED;
 
 /// CPU time (user + system) a process used so far, in seconds.
 pub(crate) fn cpu_seconds(pid: u32) -> anyhow::Result<f64> {

@@ -29,8 +29,8 @@ use k8s_openapi::api::core::v1::{ConfigMap, Namespace};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use kube::Client;
 use kube::api::{Api, DeleteParams, ObjectMeta, PostParams};
+use kube_sharding_api::{ClusterRing, ClusterRingSpec, RingResource};
 use serde::Serialize;
-use sharding_crds::{ClusterRing, ClusterRingSpec, RingResource};
 
 use crate::progress;
 use crate::samples::{cpu, start_settled_sharder};

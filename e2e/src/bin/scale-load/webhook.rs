@@ -5,7 +5,7 @@
 //! Everything runs in this process, without a control plane:
 //!
 //! - **Servers.** Two webhooks, each served on **one core**: a tokio `current_thread` runtime on an
-//!   OS thread of its own, running `sharder::server::serve_tls` (the sharder's own TLS server, with
+//!   OS thread of its own, running `kube_sharder::server::serve_tls` (the sharder's own TLS server, with
 //!   its `CertReloader` and an RSA-2048 certificate for 127.0.0.1 from the harness's generator). On
 //!   that thread run the TLS records, HTTP/2 and the handler, and nothing else, so the thread's
 //!   CPU time (`/proc/self/task/<tid>/stat`) is the server's whole cost. One serves the trivial
@@ -50,13 +50,13 @@ use http_body_util::{BodyExt, Full};
 use hyper::client::conn::http2::SendRequest;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use k8s_openapi::ByteString;
+use kube_sharder::metrics::Metrics;
+use kube_sharder::views::{ResourceInfo, Views, build_view};
+use kube_sharder::webhook::WebhookState;
+use kube_sharding_api::{ClusterRing, GroupResource, labels};
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, ServerName};
 use serde_json::{Value, json};
-use sharder::metrics::Metrics;
-use sharder::views::{ResourceInfo, Views, build_view};
-use sharder::webhook::WebhookState;
-use sharding_crds::{ClusterRing, GroupResource, labels};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_rustls::{TlsAcceptor, TlsConnector};
@@ -114,7 +114,8 @@ pub(crate) fn run(args: &Args) -> anyhow::Result<()> {
     let connector = tls_connector(&cert_dir.join("ca.crt"))?;
     let (state, rings) = sharder_state(&args.shards);
     let trivial = OneCoreServer::start("trivial-webhook", trivial_webhook::router()?, tls.clone())?;
-    let sharder = OneCoreServer::start("sharder-webhook", sharder::webhook::router(state), tls)?;
+    let sharder =
+        OneCoreServer::start("sharder-webhook", kube_sharder::webhook::router(state), tls)?;
 
     let mut targets = vec![Arc::new(Target::trivial(trivial.addr)?)];
     for (shards, ring) in rings {
@@ -246,11 +247,11 @@ impl OneCoreServer {
                 match set_up() {
                     Ok((tid, runtime, listener)) => {
                         let _ = started.send(Ok(tid));
-                        runtime.block_on(sharder::server::serve_tls(
+                        runtime.block_on(kube_sharder::server::serve_tls(
                             listener,
                             tls,
                             app,
-                            sharder::server::ConnectionLimits::default(),
+                            kube_sharder::server::ConnectionLimits::default(),
                             token,
                             Duration::from_secs(1),
                         ));

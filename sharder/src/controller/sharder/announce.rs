@@ -9,7 +9,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use sharding_crds::RingRef;
+use kube_sharding_api::RingRef;
 
 use crate::context::Context;
 use crate::events::{REASON_DRAIN_NOT_ACKNOWLEDGED, REASON_SHARD_JOINED, REASON_SHARD_LEFT};

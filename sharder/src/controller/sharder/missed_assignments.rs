@@ -28,7 +28,7 @@ use kube::api::{Api, DynamicObject, ObjectMeta};
 use kube::core::{ApiResource, PartialObjectMeta};
 use kube::runtime::utils::Backoff;
 use kube::runtime::{WatchStreamExt, watcher};
-use sharding_crds::{GroupResource, RingRef};
+use kube_sharding_api::{GroupResource, RingRef};
 use tokio::sync::{Semaphore, watch};
 use tokio::task::{AbortHandle, JoinSet};
 use tokio_util::sync::CancellationToken;

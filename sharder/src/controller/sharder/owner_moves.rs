@@ -25,7 +25,7 @@ use futures::StreamExt;
 use kube::api::{Api, DynamicObject};
 use kube::core::PartialObjectMeta;
 use kube::runtime::{WatchStreamExt, watcher};
-use sharding_crds::GroupResource;
+use kube_sharding_api::GroupResource;
 use tokio::sync::{Semaphore, mpsc, watch};
 use tokio::task::{AbortHandle, JoinHandle, JoinSet};
 use tokio_util::sync::CancellationToken;

@@ -7,9 +7,9 @@ use std::sync::Arc;
 use kube::Resource;
 use kube::api::{Api, DynamicObject, Patch, PatchParams};
 use kube::core::{ApiResource, PartialObjectMeta};
+use kube_sharding_api::lease::ShardLease;
+use kube_sharding_api::{GroupResource, RingRef};
 use serde_json::json;
-use sharding_crds::lease::ShardLease;
-use sharding_crds::{GroupResource, RingRef};
 
 use super::patch_limit::PatchLimit;
 use crate::context::Context;

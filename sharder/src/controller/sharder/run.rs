@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use sharding_crds::RingRef;
+use kube_sharding_api::RingRef;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -158,7 +158,7 @@ fn webhook_in_place(ctx: &Context, ring: &RingRef) -> bool {
         let generation = ring.meta().generation;
         ring.status().is_some_and(|s| {
             s.conditions.iter().any(|c| {
-                c.type_ == sharding_crds::cluster_ring::CONDITION_READY
+                c.type_ == kube_sharding_api::cluster_ring::CONDITION_READY
                     && (c.status == "True" || c.reason == REASON_WEBHOOK_UNREACHABLE)
                     && c.observed_generation == generation
             })

@@ -11,7 +11,7 @@ use futures::StreamExt;
 use kube::api::{Api, DynamicObject};
 use kube::core::PartialObjectMeta;
 use kube::{Resource, ResourceExt};
-use sharding_crds::{GroupResource, HashKey};
+use kube_sharding_api::{GroupResource, HashKey};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
@@ -439,7 +439,7 @@ const DRAINS_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 /// it walked the controlled objects first, so that every drain reaches the watch as an event. A
 /// watch that ended or did not list within [`DRAINS_WAIT`] leaves the held objects to the next
 /// sync.
-async fn drains_may_go(tally: &mut Tally, ring: &sharding_crds::RingRef) -> Result<(), Error> {
+async fn drains_may_go(tally: &mut Tally, ring: &kube_sharding_api::RingRef) -> Result<(), Error> {
     let Some(following) = &mut tally.following else {
         return Ok(());
     };
@@ -702,7 +702,7 @@ mod tests {
     #[test]
     fn main_resources_sync_before_controlled_ones() {
         use crate::views::{ResourceInfo, build_view};
-        use sharding_crds::{ClusterRing, ClusterRingSpec, RingResource};
+        use kube_sharding_api::{ClusterRing, ClusterRingSpec, RingResource};
         use std::collections::BTreeMap;
         use std::collections::HashMap;
 

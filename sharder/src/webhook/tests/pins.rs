@@ -170,7 +170,14 @@ async fn a_dry_run_pin_is_answered_but_not_remembered() {
     dry_run["request"]["dryRun"] = json!(true);
     let response = admit(state.clone(), dry_run).await;
     assert_eq!(assigned_shard(&response), "shard-a");
-    let view = state.rings.all().into_iter().next().expect("a view");
+    // The ClusterRing's view: the state also holds a ControllerRing of the same name, and the
+    // views come in no fixed order.
+    let view = state
+        .rings
+        .all()
+        .into_iter()
+        .find(|view| view.kind == kube_sharding_api::RingKind::ClusterRing)
+        .expect("the ClusterRing's view");
     // Nothing a dry run sends is kept: the children of an object that does not exist follow
     // the ring.
     assert_eq!(view.pins.remembered(&view.ring_ref()), 0);
@@ -242,9 +249,12 @@ async fn a_pin_for_an_unknown_ring_is_reported_and_changes_nothing() {
     let expected = HashRing::new(shards)
         .shard_for("/Secret/default/foo")
         .map(str::to_string);
-    let unknown = format!("{}nope", sharding_crds::labels::PIN_ANNOTATION_PREFIX);
+    let unknown = format!("{}nope", kube_sharding_api::labels::PIN_ANNOTATION_PREFIX);
     // The ControllerRing `example` beside it is known: its pin key is not reported.
-    let known = format!("{}example", sharding_crds::labels::PIN_ANNOTATION_PREFIX);
+    let known = format!(
+        "{}example",
+        kube_sharding_api::labels::PIN_ANNOTATION_PREFIX
+    );
     let response = admit(
         pinned_state(&shards, &[]),
         review(

@@ -1,11 +1,11 @@
-//! `kubectl sharding`: the kubectl plugin, a thin shell around [`sharder::cli`].
+//! `kubectl sharding`: the kubectl plugin, a thin shell around [`kube_sharder::cli`].
 
 use std::process::ExitCode;
 
 use clap::Parser;
 
 fn main() -> ExitCode {
-    let cli = sharder::cli::Cli::parse();
+    let cli = kube_sharder::cli::Cli::parse();
     let _ = rustls::crypto::ring::default_provider().install_default();
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -17,7 +17,7 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(sharder::cli::run(cli, &mut std::io::stdout().lock())) {
+    match runtime.block_on(kube_sharder::cli::run(cli, &mut std::io::stdout().lock())) {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
             eprintln!("error: {error}");
