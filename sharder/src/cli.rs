@@ -60,6 +60,12 @@ pub struct ConnectionArgs {
     /// The kubeconfig context to use; without it the current context.
     #[arg(long, global = true, value_name = "NAME")]
     pub context: Option<String>,
+    /// The kubeconfig cluster to use; without it the context's.
+    #[arg(long, global = true, value_name = "NAME")]
+    pub cluster: Option<String>,
+    /// The kubeconfig user to use; without it the context's.
+    #[arg(long, global = true, value_name = "NAME")]
+    pub user: Option<String>,
     /// User to impersonate.
     #[arg(long = "as", global = true, value_name = "USER")]
     pub impersonate: Option<String>,
@@ -100,7 +106,10 @@ pub enum Command {
     /// Rings with their shards, objects per shard and resource, draining and unassigned objects,
     /// and the imbalance (max/mean objects per available shard).
     Status {
-        /// Only this ring (of either kind unless --kind is given).
+        /// Only this ring (of either kind unless --kind is given), as `NAME` or as kubectl names
+        /// it, `clusterring/NAME` or `controllerring/NAME` (plural or `.sharding.timebertt.dev`
+        /// also taken).
+        #[arg(value_name = "[KIND/]RING")]
         ring: Option<String>,
         /// Only rings of this kind, `ClusterRing` or `ControllerRing` (default: both).
         #[arg(long)]
@@ -109,16 +118,20 @@ pub enum Command {
     /// One object in every ring covering it: its hash key, the shard the ring wants, its labels,
     /// and why it is (not) there.
     Explain {
-        /// The resource, as kubectl takes it: plural, singular, kind or short name, optionally
-        /// `resource.group`.
+        /// The object as kubectl takes it: `TYPE NAME` or `TYPE/NAME`, where `TYPE` is the
+        /// plural, singular, kind or short name, optionally `TYPE.GROUP` or
+        /// `TYPE.VERSION.GROUP` (`secret demo`, `secret/demo`, `deploy.apps/web`).
+        #[arg(value_name = "TYPE[.GROUP][/NAME]")]
         resource: String,
-        /// The object's name.
-        name: String,
+        /// The object's name, when the first argument is only the type.
+        #[arg(value_name = "NAME")]
+        name: Option<String>,
     },
     /// How many objects would move from and to each shard if shards were added or removed, and
     /// the resulting distribution. Writes nothing.
     Simulate {
-        /// The ring.
+        /// The ring, as `NAME`, `clusterring/NAME` or `controllerring/NAME`.
+        #[arg(value_name = "[KIND/]RING")]
         ring: String,
         /// The ring's kind, `ClusterRing` or `ControllerRing`; needed when both kinds have a
         /// ring of this name.
@@ -191,6 +204,64 @@ fn ring_not_found(name: &str, kind: Option<RingKind>) -> Error {
     })
 }
 
+/// The resource and name of an object given as kubectl takes it: `TYPE/NAME` in one argument,
+/// or `TYPE` and `NAME` in two.
+fn object_arg<'a>(first: &'a str, second: Option<&'a str>) -> Result<(&'a str, &'a str), Error> {
+    let usage = |message: &str| Err(Error::Usage(message.into()));
+    match (first.split_once('/'), second) {
+        (Some(_), Some(_)) => usage(
+            "there is no need to give the type as a separate argument when the object is given as TYPE/NAME",
+        ),
+        (Some((resource, name)), None) if !resource.is_empty() && !name.is_empty() => {
+            if name.contains('/') {
+                return usage("an object's name cannot contain '/': give TYPE/NAME or TYPE NAME");
+            }
+            Ok((resource, name))
+        }
+        (Some(_), None) => usage("give the object as TYPE/NAME or TYPE NAME, both non-empty"),
+        (None, None) => usage(
+            "give the object's name too, as TYPE NAME or TYPE/NAME (e.g. `secret demo` or `secret/demo`)",
+        ),
+        (None, Some(name)) if name.is_empty() || name.contains('/') => {
+            usage("an object's name is non-empty and cannot contain '/'")
+        }
+        (None, Some(name)) => Ok((first, name)),
+    }
+}
+
+/// The name and kind of a ring given as `NAME` or `KIND/NAME`, where `KIND` is how kubectl names
+/// the ring resources (`clusterring`, `clusterrings`, `clusterrings.sharding.timebertt.dev`, in
+/// any case, and the same for `controllerring`). A kind given both ways must agree.
+fn ring_arg(arg: &str, kind: Option<RingKind>) -> Result<(&str, Option<RingKind>), Error> {
+    let Some((resource, name)) = arg.split_once('/') else {
+        return Ok((arg, kind));
+    };
+    let resource = resource.to_ascii_lowercase();
+    let bare = resource
+        .strip_suffix(".sharding.timebertt.dev")
+        .unwrap_or(&resource);
+    let named = match bare {
+        "clusterring" | "clusterrings" => RingKind::ClusterRing,
+        "controllerring" | "controllerrings" => RingKind::ControllerRing,
+        _ => {
+            return Err(Error::Usage(format!(
+                "{arg:?} names no ring: give NAME, clusterring/NAME or controllerring/NAME"
+            )));
+        }
+    };
+    if name.is_empty() || name.contains('/') {
+        return Err(Error::Usage(format!(
+            "{arg:?}: a ring's name is non-empty and cannot contain '/'"
+        )));
+    }
+    if kind.is_some_and(|kind| kind != named) {
+        return Err(Error::Usage(format!(
+            "{arg:?} names a {named}, but --kind says otherwise"
+        )));
+    }
+    Ok((name, Some(named)))
+}
+
 fn in_namespace(namespace: Option<&str>) -> String {
     namespace.map_or_else(String::new, |ns| format!(" in namespace {ns:?}"))
 }
@@ -201,7 +272,14 @@ pub async fn run(cli: Cli, out: &mut dyn Write) -> Result<(), Error> {
     let scope = cli.connection.namespace.as_deref();
     let rendered = match cli.command {
         Command::Status { ring, kind } => {
-            let report = status::run(&connection, ring.as_deref(), kind, scope).await?;
+            let (ring, kind) = match ring.as_deref() {
+                Some(ring) => {
+                    let (name, kind) = ring_arg(ring, kind)?;
+                    (Some(name), kind)
+                }
+                None => (None, kind),
+            };
+            let report = status::run(&connection, ring, kind, scope).await?;
             output::render(cli.output, &report, status::table)?
         }
         Command::Explain { resource, name } => {
@@ -210,8 +288,9 @@ pub async fn run(cli: Cli, out: &mut dyn Write) -> Result<(), Error> {
                     "explain looks at one object: use -n NAMESPACE, not -A".into(),
                 ));
             }
+            let (resource, name) = object_arg(&resource, name.as_deref())?;
             let namespace = scope.unwrap_or(&connection.default_namespace);
-            let report = explain::run(&connection, &resource, &name, namespace).await?;
+            let report = explain::run(&connection, resource, name, namespace).await?;
             output::render(cli.output, &report, explain::table)?
         }
         Command::Simulate {
@@ -220,10 +299,93 @@ pub async fn run(cli: Cli, out: &mut dyn Write) -> Result<(), Error> {
             add,
             remove,
         } => {
-            let report = simulate::run(&connection, &ring, kind, &add, &remove, scope).await?;
+            let (ring, kind) = ring_arg(&ring, kind)?;
+            let report = simulate::run(&connection, ring, kind, &add, &remove, scope).await?;
             output::render(cli.output, &report, simulate::table)?
         }
     };
     out.write_all(rendered.as_bytes())
         .map_err(|e| Error::Output(e.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn object(args: &[&str]) -> Result<(String, String), String> {
+        let cli = Cli::try_parse_from(["kubectl-sharding", "explain"].iter().chain(args))
+            .map_err(|e| e.kind().to_string())?;
+        let Command::Explain { resource, name } = cli.command else {
+            unreachable!("explain parses as explain")
+        };
+        object_arg(&resource, name.as_deref())
+            .map(|(r, n)| (r.to_string(), n.to_string()))
+            .map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn explain_takes_an_object_in_every_form_kubectl_does() {
+        let ok = |r: &str, n: &str| Ok((r.to_string(), n.to_string()));
+        assert_eq!(object(&["secret", "demo"]), ok("secret", "demo"));
+        assert_eq!(object(&["secret/demo"]), ok("secret", "demo"));
+        assert_eq!(object(&["Secret/demo"]), ok("Secret", "demo"));
+        assert_eq!(object(&["cm/demo"]), ok("cm", "demo"));
+        assert_eq!(object(&["deploy.apps/web"]), ok("deploy.apps", "web"));
+        assert_eq!(
+            object(&["deployments.v1.apps", "web"]),
+            ok("deployments.v1.apps", "web")
+        );
+        assert!(object(&["secret/demo", "other"]).is_err_and(|e| e.contains("no need")));
+        assert!(object(&["secret"]).is_err_and(|e| e.contains("TYPE NAME")));
+        assert!(object(&["secret/"]).is_err());
+        assert!(object(&["/demo"]).is_err());
+        assert!(object(&["secret/a/b"]).is_err_and(|e| e.contains("'/'")));
+        assert!(object(&["secret", "a/b"]).is_err_and(|e| e.contains("'/'")));
+        assert!(object(&[]).is_err());
+    }
+
+    #[test]
+    fn rings_are_named_as_kubectl_names_them() {
+        use RingKind::{ClusterRing, ControllerRing};
+        assert_eq!(ring_arg("example", None).ok(), Some(("example", None)));
+        assert_eq!(
+            ring_arg("example", Some(ControllerRing)).ok(),
+            Some(("example", Some(ControllerRing)))
+        );
+        for arg in [
+            "clusterring/example",
+            "ClusterRings/example",
+            "clusterrings.sharding.timebertt.dev/example",
+        ] {
+            assert_eq!(
+                ring_arg(arg, None).ok(),
+                Some(("example", Some(ClusterRing))),
+                "{arg}"
+            );
+        }
+        assert_eq!(
+            ring_arg("controllerring/example", Some(ControllerRing)).ok(),
+            Some(("example", Some(ControllerRing)))
+        );
+        assert!(ring_arg("controllerring/example", Some(ClusterRing)).is_err());
+        assert!(ring_arg("secret/example", None).is_err());
+        assert!(ring_arg("clusterring/", None).is_err());
+    }
+
+    #[test]
+    fn kubeconfig_selection_flags_parse_anywhere() {
+        let cli = Cli::try_parse_from([
+            "kubectl-sharding",
+            "status",
+            "--cluster",
+            "c",
+            "--user=u",
+            "--context",
+            "x",
+        ])
+        .expect("flags parse");
+        assert_eq!(cli.connection.cluster.as_deref(), Some("c"));
+        assert_eq!(cli.connection.user.as_deref(), Some("u"));
+        assert_eq!(cli.connection.context.as_deref(), Some("x"));
+    }
 }

@@ -244,6 +244,21 @@ async fn status_reports_rings_of_both_kinds() -> anyhow::Result<()> {
         status["rings"].as_array().map(Vec::len) == Some(2),
         "{status}"
     );
+    // `KIND/NAME` as kubectl names it picks one of the two rings.
+    for (arg, kind) in [
+        (format!("clusterring/{name}"), "ClusterRing"),
+        (
+            format!("controllerrings.sharding.timebertt.dev/{name}"),
+            "ControllerRing",
+        ),
+    ] {
+        let one = json(&["status", &arg]).await?;
+        let rings = one["rings"].as_array().context("rings")?;
+        ensure!(
+            rings.len() == 1 && rings[0]["kind"] == kind,
+            "status {arg}: {one}"
+        );
+    }
     for (kind, predicted, shards) in [
         ("ClusterRing", &cluster_predicted, vec!["a", "b"]),
         ("ControllerRing", &controller_predicted, vec!["c", "d"]),
@@ -441,6 +456,14 @@ async fn explain_says_where_and_why() -> anyhow::Result<()> {
         }
     };
     let placed = explain("secret", stayer.clone(), ns.clone()).await?;
+    // kubectl's other spellings of the same object get the same answer.
+    for resource in [format!("secret/{stayer}"), format!("secrets.v1./{stayer}")] {
+        let answer = json(&["explain", &resource, "-n", &ns]).await?;
+        let same = answer["rings"]
+            .as_array()
+            .and_then(|rings| rings.iter().find(|r| r["ring"] == ring.name.as_str()));
+        ensure!(same == Some(&placed), "explain {resource}: {answer}");
+    }
     let placed_shard = three.shard_for(&key_of(stayer));
     ensure!(
         placed["verdict"] == "InPlace"

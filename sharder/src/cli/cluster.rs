@@ -39,8 +39,10 @@ pub(crate) struct Connection {
 pub(crate) async fn connect(args: &ConnectionArgs) -> Result<Connection, Error> {
     let options = KubeConfigOptions {
         context: args.context.clone(),
-        ..KubeConfigOptions::default()
+        cluster: args.cluster.clone(),
+        user: args.user.clone(),
     };
+    let chosen = args.context.is_some() || args.cluster.is_some() || args.user.is_some();
     let failed = |e: &dyn std::fmt::Display| Error::Kubeconfig(e.to_string());
     let mut config = match &args.kubeconfig {
         Some(path) => {
@@ -50,7 +52,7 @@ pub(crate) async fn connect(args: &ConnectionArgs) -> Result<Connection, Error> 
                 .await
                 .map_err(|e| failed(&e))?
         }
-        None if args.context.is_some() => Config::from_kubeconfig(&options)
+        None if chosen => Config::from_kubeconfig(&options)
             .await
             .map_err(|e| failed(&e))?,
         None => Config::infer().await.map_err(|e| failed(&e))?,
