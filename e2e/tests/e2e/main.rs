@@ -12,6 +12,7 @@ mod monitoring;
 mod observability;
 mod pins;
 mod rebalance;
+mod release;
 mod ring_kinds;
 mod secure_metrics;
 mod shard;
