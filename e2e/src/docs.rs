@@ -9,11 +9,30 @@ use anyhow::{Context, bail, ensure};
 
 use crate::in_cluster::workspace_root;
 
+/// A shell block of the documentation that users copy and the tests run as written: the page
+/// (from the workspace root) and the exact heading line of its section.
+pub type DocBlock = (&'static str, &'static str);
+
+/// The sharder installed without cert-manager: the in-cluster tests' install, and the
+/// playground's in a real cluster (e2e/playground-cluster.sh names the same page and heading).
+pub const WITHOUT_CERT_MANAGER: DocBlock = ("docs/install-kustomize.md", "## Without cert-manager");
+/// The example ring applied and one Secret assigned.
+pub const EXAMPLE_RING: DocBlock = ("docs/getting-started.md", "## The example ring");
+/// Pins on the example ring.
+pub const PINS: DocBlock = (
+    "docs/rings.md",
+    "## Pins: an object or a namespace on a chosen shard",
+);
+/// Rings, sharder and CRDs removed.
+pub const UNINSTALL: DocBlock = ("docs/install-kustomize.md", "## Uninstall");
+/// Every block the in-cluster tests run.
+pub const RUN_BLOCKS: [DocBlock; 4] = [WITHOUT_CERT_MANAGER, EXAMPLE_RING, PINS, UNINSTALL];
+
 /// The first `sh` block of the section under the line `heading` (exactly, e.g.
 /// `## Without cert-manager`) of `page`, a path from the workspace root. The block must come
 /// before the next heading, so a section that loses its block is an error rather than the next
 /// section's block run in its place.
-pub fn shell_block(page: &str, heading: &str) -> anyhow::Result<String> {
+pub fn shell_block((page, heading): DocBlock) -> anyhow::Result<String> {
     let text = std::fs::read_to_string(workspace_root().join(page))
         .with_context(|| format!("failed to read {page}"))?;
     shell_block_in(&text, heading).with_context(|| format!("in {page}"))

@@ -5,21 +5,9 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, ensure};
-use e2e::docs::{self, LinkReport};
+use e2e::docs::{self, LinkReport, RUN_BLOCKS, WITHOUT_CERT_MANAGER};
 
 use e2e::in_cluster::workspace_root;
-
-/// The shell blocks run as written, by page and heading: the in-cluster tests
-/// (e2e/tests/in_cluster) and the playground in a real cluster (e2e/playground-cluster.sh).
-const RUN_BLOCKS: [(&str, &str); 4] = [
-    ("docs/install-kustomize.md", "## Without cert-manager"),
-    ("docs/getting-started.md", "## The example ring"),
-    (
-        "docs/rings.md",
-        "## Pins: an object or a namespace on a chosen shard",
-    ),
-    ("docs/install-kustomize.md", "## Uninstall"),
-];
 
 /// The README and every Markdown page of `docs/`, relative to the workspace root.
 fn pages() -> anyhow::Result<Vec<PathBuf>> {
@@ -146,7 +134,7 @@ fn readme_example_is_compiled() -> anyhow::Result<()> {
 #[test]
 fn run_blocks_are_found() -> anyhow::Result<()> {
     for (page, heading) in RUN_BLOCKS {
-        let block = docs::shell_block(page, heading)?;
+        let block = docs::shell_block((page, heading))?;
         ensure!(
             block.contains("kubectl "),
             "{page} {heading}: no kubectl command in\n{block}"
@@ -154,7 +142,7 @@ fn run_blocks_are_found() -> anyhow::Result<()> {
         println!("{page} {heading:?}: {} lines", block.lines().count());
     }
     let playground = std::fs::read_to_string(workspace_root().join("e2e/playground-cluster.sh"))?;
-    let (page, heading) = RUN_BLOCKS[0];
+    let (page, heading) = WITHOUT_CERT_MANAGER;
     ensure!(
         playground.contains(&format!("doc_block {page} '{heading}'")),
         "e2e/playground-cluster.sh does not run {page} {heading:?}"
