@@ -97,10 +97,12 @@ package() {
   local flags
   mapfile -t flags < <(package_flags)
   log "cargo package ${flags[*]}"
-  cargo package --locked "${flags[@]}"
+  # --allow-dirty: check the tree as it is, also by hand before a commit; the real
+  # `cargo publish` of a release refuses uncommitted changes by itself.
+  cargo package --locked --allow-dirty "${flags[@]}"
   log "cargo publish --dry-run ${flags[*]}"
   # The packages were built just above; the dry run adds the registry's own checks.
-  cargo publish --dry-run --locked --no-verify "${flags[@]}"
+  cargo publish --dry-run --locked --allow-dirty --no-verify "${flags[@]}"
 }
 
 tool_root() { echo "$TOOLS_DIR/$1-$2"; }
