@@ -28,6 +28,10 @@ CARGO_SEMVER_CHECKS_VERSION=0.51.0
 CACHE_DIR=${CONTROLLER_SHARDING_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/controller-sharding}
 TOOLS_DIR=$CACHE_DIR/tools
 
+# Scratch space of this run, removed when it ends.
+SCRATCH=$(mktemp -d)
+trap 'rm -rf "$SCRATCH"' EXIT
+
 log() { echo "crates: $*" >&2; }
 die() { log "error: $*"; exit 1; }
 
@@ -137,22 +141,26 @@ tools() {
 
 # api [REV]: semver checks of the published libraries against REV or their newest release.
 api() {
-  local rev=${1:-} name kinds baseline checked=0
-  tools
+  local rev=${1:-} name kinds baseline info checked=0
   local bin
   bin=$(tool_root cargo-semver-checks "$CARGO_SEMVER_CHECKS_VERSION")/bin/cargo-semver-checks
   while read -r name kinds; do
     [[ " $kinds " == *" lib "* ]] || continue
     if [ -n "$rev" ]; then
       baseline=(--baseline-rev "$rev")
-    # Asked from outside the workspace, where cargo info would describe the member itself.
-    elif (cd "$(mktemp -d)" && cargo info --quiet "$name" 2>/dev/null) | grep -q '^version:'; then
-      # Not --locked: the baseline is the release as a user resolves it.
+    # Asked from outside the workspace, where cargo info would describe the member itself. Only
+    # "not found" skips the crate: a registry that cannot be reached fails the check instead of
+    # passing it unchecked.
+    elif info=$(cd "$SCRATCH" && cargo info --quiet "$name" 2>&1); then
       baseline=()
-    else
+    elif grep -q "could not find \`$name\`" <<<"$info"; then
       log "$name: never published, no baseline; skipped (give a git revision to compare with)"
       continue
+    else
+      die "could not ask the registry for $name: $info"
     fi
+    # Built only when a crate has a baseline: until the first release CI pays nothing for it.
+    tools
     log "cargo semver-checks -p $name ${baseline[*]}"
     "$bin" semver-checks check-release -p "$name" "${baseline[@]}"
     checked=$((checked + 1))
