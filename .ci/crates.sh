@@ -15,7 +15,7 @@
 #                           REV (a git revision) if given, else the newest version of the crate in
 #                           the registry; a crate never published and no REV is skipped, said so
 #   .ci/crates.sh tools     build the pinned cargo-semver-checks into the cache
-#   .ci/crates.sh           all of the above, as CI runs them
+#   .ci/crates.sh           docs, msrv, package and api, as CI runs them
 #
 # The published crates are the workspace members whose manifest does not say `publish = false`.
 # cargo-semver-checks is built like the tools of .ci/supply-chain.sh, once, into
@@ -169,9 +169,13 @@ api() {
 }
 
 all() {
+  echo "--- crates: cargo doc, rustdoc warnings denied"
   docs
+  echo "--- crates: MSRV check"
   msrv
+  echo "--- crates: cargo package, cargo publish --dry-run"
   package
+  echo "--- crates: public API against the newest release (cargo semver-checks)"
   api
 }
 
