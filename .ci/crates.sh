@@ -103,7 +103,10 @@ package() {
   log "cargo package ${flags[*]}"
   # --allow-dirty: check the tree as it is, also by hand before a commit; the real
   # `cargo publish` of a release refuses uncommitted changes by itself.
-  cargo package --locked --allow-dirty "${flags[@]}"
+  # The unpacked packages build without the workspace's profiles, so their dependencies would get
+  # debug info the workspace's builds leave out (profile.dev.package."*") and all be compiled
+  # again: without debug info they reuse most of what the workspace built (2 min instead of 12).
+  CARGO_PROFILE_DEV_DEBUG=false cargo package --locked --allow-dirty "${flags[@]}"
   log "cargo publish --dry-run ${flags[*]}"
   # The packages were built just above; the dry run adds the registry's own checks.
   cargo publish --dry-run --locked --allow-dirty --no-verify "${flags[@]}"
