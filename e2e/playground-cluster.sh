@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The playground in a real cluster: a control plane with a node (containerd, kubelet, kube-proxy,
 # kube-scheduler), the images built offline from Dockerfile.sharder and
-# Dockerfile.checksum-controller, and the install of the README done as a user does it
+# Dockerfile.checksum-controller, and the install of docs/install-kustomize.md done as a user does it
 # (`kubectl apply -k config/overlays/no-cert-manager`, `kubectl apply -k deploy`). Needs root.
 #
 #   e2e/playground-cluster.sh [up]     start everything; stays in the foreground, Ctrl-C stops
@@ -34,10 +34,18 @@ usage() {
   exit 2
 }
 
-# The shell block that follows heading $1 in the README.
-readme_block() {
-  awk -v h="$1" '$0 == h {f = 1; next} f && /^```sh$/ {p = 1; next} p && /^```$/ {exit} p {print}' \
-    "$ROOT/README.md"
+# The shell block of the section under heading $2 of the page $1 (as e2e::docs::shell_block finds
+# it: the first sh block before the next heading; fences of other languages are skipped).
+doc_block() {
+  awk -v h="$2" '
+    !s && $0 == h {s = 1; next}
+    !s {next}
+    p && /^```$/ {exit}
+    p {print; next}
+    /^```sh$/ {p = 1; next}
+    /^```/ {f = !f; next}
+    !f && /^#/ {exit}
+  ' "$ROOT/$1"
 }
 
 up_running() { [ -f "$STATE/up.pid" ] && kill -0 "$(cat "$STATE/up.pid")" 2>/dev/null; }
@@ -82,7 +90,7 @@ up() {
   bash "$ROOT/e2e/control-plane.sh" load-images "$PLANE" "$STATE/images/sharder.tar" \
     "$STATE/images/checksum-controller.tar"
 
-  # The README's "Without cert-manager" install, run as written, in a scratch directory beside
+  # The "Without cert-manager" install (docs/install-kustomize.md), run as written, in a scratch directory beside
   # the checkout; then the example.
   local work=$STATE/install
   mkdir -p "$work"
@@ -91,9 +99,12 @@ up() {
   (
     cd "$work"
     export KUBECONFIG=$KUBECONFIG_FILE PATH="$(dirname "$KUBECTL"):$PATH"
-    if ! bash -euo pipefail -c "$(readme_block '### Without cert-manager')" >install.log 2>&1; then
+    local script
+    script=$(doc_block docs/install-kustomize.md '## Without cert-manager')
+    [ -n "$script" ] || die "no \"Without cert-manager\" block in docs/install-kustomize.md"
+    if ! bash -euo pipefail -c "$script" >install.log 2>&1; then
       cat install.log >&2
-      die "the README's install steps failed"
+      die "the install steps of docs/install-kustomize.md failed"
     fi
     kubectl -n sharding-system rollout status deployment sharder --timeout=180s
     kubectl apply -k deploy >/dev/null
@@ -119,7 +130,7 @@ The playground runs in a real cluster. In another terminal:
   kubectl -n $NAMESPACE get secrets -L $SHARD_LABEL -w
   kubectl -n sharding-system logs -l app.kubernetes.io/component=sharder -f
   kubectl -n sharding-system get pods -o wide         # metrics: HTTPS with a token, see the
-                                                      # README's "Who may scrape"
+                                                      # "Who may scrape" in docs/monitoring.md
 
 Ctrl-C stops everything and removes $STATE.
 EOF

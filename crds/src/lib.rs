@@ -14,6 +14,8 @@
 //! | [`config`] | `SharderConfig`, the sharder's configuration file, and its validation |
 //! | [`duration`], [`selector`] | Go-style durations and label selectors as the config and rings use them |
 
+#![deny(missing_docs)]
+
 pub mod cluster_ring;
 pub mod config;
 pub mod controller_ring;

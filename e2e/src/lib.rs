@@ -41,6 +41,7 @@
 pub mod apiserver;
 pub mod certs;
 pub mod dedicated;
+pub mod docs;
 pub mod etcd;
 pub mod fixtures;
 pub mod gate;

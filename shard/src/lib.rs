@@ -1,161 +1,110 @@
-//! Turn a kube-rs controller into a *shard* of a controller-sharding ring.
+//! Run a kube-rs controller as one *shard* of a controller-sharding ring.
 //!
-//! A ring (a `ClusterRing` or a `ControllerRing`, [`RingKind`]) lets N replicas of a controller split the objects of some resources
-//! between them. A central sharder assigns every object to one shard by writing a ring-specific
-//! shard label, and moves objects when shards come and go. This crate implements the shard's
-//! side of that contract:
+//! A ring (a `ClusterRing` or a `ControllerRing`, [`RingKind`]) lets N replicas of a controller
+//! split the objects of some resources between them. A central sharder (the `kube-sharder`
+//! crate, deployed once per cluster) assigns every object to one shard by writing a
+//! ring-specific shard label, and moves objects when shards come and go. This crate is the
+//! shard's side of that contract. With it, each replica
 //!
-//! - [`LeaseLock`]: a Lease lock (acquire, renew, notice loss, release) used for the shard's
-//!   membership Lease, and reusable for leader election;
-//! - [`HeldLease::run_while_held`]: the lifecycle of work guarded by a Lease: dropped at once on
-//!   loss, stopped and then the Lease released on shutdown; [`LeaseGuard`]: what work checks
-//!   right before it acts (the lost token and the monotonic renew deadline, shared with the
-//!   renewer);
-//! - [`Shard::run`]: a shard's membership, term after term: acquire, run while held, and step
-//!   out (release, pause, rejoin) when the sharder excludes the shard's Lease from its ring;
+//! - announces itself with a membership Lease and works only while it holds it;
+//! - watches only the objects labelled with its name;
+//! - hands objects over when the sharder drains them, and never reconciles one that is leaving;
+//! - learns which objects left it (moved to another shard) as opposed to deleted ones.
+//!
+//! # The 10-line version
+//!
+//! ```no_run
+//! # use std::{sync::Arc, time::Duration};
+//! # use futures::StreamExt;
+//! # use k8s_openapi::api::core::v1::Secret;
+//! # use kube::{Api, Client, runtime::controller::{Action, Controller}};
+//! # use kube_sharding::{LeaseLock, Ownership, OwnershipError, Shard, Term};
+//! # use tokio_util::sync::CancellationToken;
+//! async fn reconcile(_: Arc<Secret>, _: Arc<()>, ownership: Ownership) -> Result<Action, OwnershipError> {
+//!     ownership.confirm().await?; // right before the first write: still ours, Lease still held
+//!     Ok(Action::await_change())
+//! }
+//! # async fn run() -> anyhow::Result<()> {
+//! let client = Client::try_default().await?;
+//! let shard = Shard::new("my-ring", "my-controller-0", "default"); // ring, pod name, Lease namespace
+//! let lock = LeaseLock::new(client.clone(), shard.lease_config())?;
+//! let shutdown = CancellationToken::new(); // cancel it on SIGTERM
+//! let end = shard.run(&lock, &shutdown, |term: Term| {
+//!     Controller::new(Api::<Secret>::all(client.clone()), shard.watcher_config())
+//!         .graceful_shutdown_on(term.stop.cancelled_owned())
+//!         .run(shard.reconciler(client.clone(), term.guard, reconcile),
+//!              |_, _, _| Action::requeue(Duration::from_secs(5)), Arc::new(()))
+//!         .for_each(|_| async {})
+//! }).await?;
+//! # let _ = end; Ok(()) }
+//! ```
+//!
+//! `end` says whether the shard stopped on `shutdown` (the Lease was released, so the sharder
+//! hands the objects to the other shards at once) or lost its Lease (exit: another shard may own
+//! the objects already). Complete programs are in the crate's `examples/`: `minimal.rs` (the
+//! above with signal handling and a ring from the environment) and `departures.rs` (controlled
+//! objects, event filters and per-object local state that must follow objects as they move).
+//!
+//! # The contract with the sharder
+//!
+//! The sharder and the shards never talk to each other; they read and write the objects and the
+//! shards' Leases, and this crate does the shard's part:
+//!
+//! - **Membership is a Lease.** A `coordination.k8s.io/v1` Lease whose name and holder are the
+//!   shard name, labelled with the ring ([`Shard::lease_config`]). The sharder counts the shard
+//!   while the Lease is renewed, and moves its objects away when it is released or expires.
+//!   [`Shard::run`] acquires it before any work, renews it, drops the work at once when it is
+//!   lost, and on shutdown stops the work first and then releases the Lease.
+//! - **The sharder judges a returning shard.** After creating or taking over its Lease a shard
+//!   waits until the sharder has labelled the Lease `ready` (it holds that back while objects it
+//!   was moving off the shard are still on their way). While the sharder marks the Lease as
+//!   excluded from the ring (two processes claiming one name, say), [`Shard::run`] steps out,
+//!   releases and tries again later.
+//! - **A shard sees only its objects.** Every watch on a main or controlled resource of the ring
+//!   must select the shard's label: [`Shard::watcher_config`] (or [`Shard::label_selector`]).
+//! - **Drains are acknowledged, not reconciled.** Before moving an object the sharder adds a
+//!   drain label; the shard stops reconciling it and removes both labels, which hands the object
+//!   over. [`Shard::reconciler`] does that around your reconciler, and event filters must let
+//!   drained objects through ([`Shard::predicate`]).
+//! - **Writes are confirmed.** A reconcile may have read an object just before a drain or the
+//!   loss of the Lease; [`Ownership::confirm`] checks both with one read, right before the first
+//!   write.
+//!
+//! The full rules, for shards in any language, are in `docs/protocol.md` of the
+//! controller-sharding repository: sections "2. Labels and names (the wire protocol)",
+//! "3. The shard contract (what a shard must do)", "4. Shard states", "18. Shard names and
+//! misbehaving shards" and "22. A returning shard and the moves off it". The label keys and the
+//! Lease rules this crate and the sharder share are in [`kube_sharding_api::labels`] and
+//! [`kube_sharding_api::lease`].
+//!
+//! # What is where
+//!
 //! - [`Shard`]: the shard's identity, its label keys, the label-selected
 //!   [watcher configuration](Shard::watcher_config) and its [Lease configuration](Shard::lease_config);
-//! - [`Shard::reconciler`]: a wrapper around your reconciler that acknowledges drains, never
+//!   [`Shard::run`]: membership, term after term: acquire, run while held, and step out
+//!   (release, pause, rejoin) when the sharder excludes the shard's Lease from its ring;
+//! - [`LeaseLock`]: a Lease lock (acquire, renew, notice loss, release) used for the shard's
+//!   membership Lease, and reusable for leader election; [`HeldLease::run_while_held`]: work
+//!   guarded by a Lease; [`LeaseGuard`]: what work checks right before it acts (the lost token
+//!   and the monotonic renew deadline, shared with the renewer);
+//! - [`Shard::reconciler`]: the wrapper around your reconciler that acknowledges drains, never
 //!   lets your code see an object that is being moved away, starts nothing once the Lease's
 //!   [guard](HeldLease::guard) ended and cancels reconciles in flight when it ends; it hands
-//!   your reconciler an [`Ownership`] to confirm before the first write; [`Shard::predicate`]
-//!   for event filters;
+//!   your reconciler an [`Ownership`] to confirm before the first write;
 //! - [`Shard::departures`]: a stream of objects that left the shard ([`Departure::Released`]),
 //!   told apart from deleted ones ([`Departure::Deleted`]), for local state.
-//!
-//! The crate logs through `tracing` and never installs a subscriber. The example shard,
-//! `checksum-controller`, is a package of its own (`shard/checksum-controller/`), so the library
-//! carries only library dependencies.
 //!
 //! | module | what |
 //! |---|---|
 //! | [`lease`] | the Lease lock, [`LeaseGuard`], [`HeldLease::run_while_held`], and the pure acquire decision it uses |
 //! | [`drain`] | the reconciler wrapper that acknowledges drains and cancels reconciles when the Lease ends |
-//! | `ownership` | [`Ownership`]: the check before a reconcile's first write |
 //! | [`departures`] | released versus deleted objects |
-//! | `membership` | [`Shard::run`]: terms, exclusion and rejoining |
-//! | `shard` | [`Shard`]: identity, label keys, watcher and Lease configuration |
 //!
-//! When a Lease expires, valid timing and valid shard names are the protocol's rules in
-//! [`kube_sharding_api::lease`], shared with the sharder.
-//!
-//! # Example: a sharded controller
-//!
-//! ```no_run
-//! use std::sync::Arc;
-//! use std::time::Duration;
-//!
-//! use futures::StreamExt;
-//! use k8s_openapi::api::core::v1::{ConfigMap, Secret};
-//! use kube::runtime::controller::{Action, Controller};
-//! use kube::{Api, Client};
-//! use kube_sharding::{Departure, LeaseLock, Ownership, OwnershipError, Shard, ShardRunEnd, Term};
-//! use tokio_util::sync::CancellationToken;
-//!
-//! #[derive(Debug, thiserror::Error)]
-//! enum Error {
-//!     #[error(transparent)]
-//!     Ownership(#[from] OwnershipError),
-//! }
-//!
-//! /// Your reconciler: it only ever sees objects assigned to this shard that are not being
-//! /// drained, and confirms they still are right before its first write.
-//! async fn reconcile(
-//!     secret: Arc<Secret>,
-//!     _context: Arc<()>,
-//!     ownership: Ownership,
-//! ) -> Result<Action, Error> {
-//!     // ... read and compute (no writes) ...
-//!     ownership.confirm().await?; // one GET: still ours, not draining, Lease held
-//!     // ... write ...
-//!     Ok(Action::await_change())
-//! }
-//!
-//! #[tokio::main]
-//! async fn main() -> anyhow::Result<()> {
-//!     let client = Client::try_default().await?;
-//!     // The shard name must be unique in the ring and stable: use the pod name.
-//!     let shard = Shard::new("my-ring", "my-controller-0", "default");
-//!     let lock = LeaseLock::new(client.clone(), shard.lease_config())?;
-//!     let shutdown = CancellationToken::new();
-//!     let on_signal = shutdown.clone();
-//!     tokio::spawn(async move {
-//!         let _ = tokio::signal::ctrl_c().await;
-//!         on_signal.cancel();
-//!     });
-//!
-//!     // Each membership term: the controller, watching only this shard's objects (main and
-//!     // controlled), and the departures of its main objects, next to each other.
-//!     let term = |term: Term| {
-//!         let controller = Controller::new(Api::<Secret>::all(client.clone()), shard.watcher_config())
-//!             .owns(Api::<ConfigMap>::all(client.clone()), shard.watcher_config())
-//!             .graceful_shutdown_on(term.stop.cancelled_owned())
-//!             .run(
-//!                 // Acknowledges drains; starts nothing once the term's guard ended and
-//!                 // cancels reconciles in flight when it ends.
-//!                 shard.reconciler(client.clone(), term.guard, reconcile),
-//!                 |_, _, _| Action::requeue(Duration::from_secs(5)),
-//!                 Arc::new(()),
-//!             )
-//!             .for_each(|_| async {});
-//!         let departures = shard
-//!             .departures(Api::<Secret>::all(client.clone()))
-//!             .stream()
-//!             .for_each(|departure| async move {
-//!                 match departure {
-//!                     // Moved to another shard: drop local state, leave external resources.
-//!                     Departure::Released { .. } => {}
-//!                     // Gone from the API server: clean up.
-//!                     Departure::Deleted { .. } => {}
-//!                 }
-//!             });
-//!         async move {
-//!             tokio::select! {
-//!                 () = controller => {}
-//!                 () = departures => {}
-//!             }
-//!         }
-//!     };
-//!     // Acquires the Lease before any work; drops the work at once when the Lease is lost;
-//!     // on shutdown stops it, then releases the Lease so the sharder hands our objects over at
-//!     // once; steps out and rejoins later when the sharder excludes this shard.
-//!     match shard.run(&lock, &shutdown, term).await? {
-//!         ShardRunEnd::LeaseLost => anyhow::bail!("lost the shard Lease"),
-//!         ShardRunEnd::Stopped { .. } => Ok(()),
-//!     }
-//! }
-//! ```
-//!
-//! # The protocol, for shards written in other languages
-//!
-//! Nothing here is specific to Rust; a shard in any language joins a ring by following these
-//! rules (label keys derive from the ring name, see [`kube_sharding_api::labels`]):
-//!
-//! 1. **Membership.** Keep a `coordination.k8s.io/v1` Lease, in any namespace, whose name and
-//!    `spec.holderIdentity` are both the shard name, labelled
-//!    `alpha.sharding.timebertt.dev/clusterring: <ring>`. Set `leaseDurationSeconds` (15 by
-//!    default), `acquireTime`, and renew `renewTime` often enough (every 2 s, giving up after 10 s
-//!    without success, by default). Write only with compare-and-swap on `resourceVersion`. If
-//!    the holder is someone else (the sharder writes `shardlease-controller` when it declares a
-//!    silent shard dead, doubling the duration), wait until that Lease has expired
-//!    (`renewTime + leaseDurationSeconds` in the past) before taking it back, counting up
-//!    `leaseTransitions`.
-//! 2. **Work only while holding the Lease.** Start controllers after acquiring it; when a renewal
-//!    fails past the deadline or someone else holds it, stop reconciling immediately (exiting is
-//!    simplest). On graceful shutdown stop the controllers first, then set `holderIdentity` to
-//!    the empty string, which makes the sharder move the objects right away.
-//! 3. **Watch only your objects.** Every watch on a main or controlled resource of the ring
-//!    selects `shard.alpha.sharding.timebertt.dev/<ring suffix>=<shard name>`.
-//! 4. **Acknowledge drains.** When one of your main objects carries
-//!    `drain.alpha.sharding.timebertt.dev/<ring suffix>` (any value), do not reconcile it.
-//!    Remove both labels with one JSON merge patch that also carries the object's
-//!    `resourceVersion`, `{"metadata":{"resourceVersion":"<rv>","labels":{"<shard key>":null,
-//!    "<drain key>":null}}}`, and retry from a fresh read if it conflicts. Event filters must
-//!    always let objects with the drain label through.
-//! 5. **Step out when excluded** (this project's extension). While the Lease carries the
-//!    annotation `alpha.sharding.timebertt.dev/excluded` (value: the reason), the sharder keeps
-//!    it out of the ring: stop reconciling at once, acknowledge no drain, release the Lease, and
-//!    try again after a pause without taking a Lease that still carries the annotation.
+//! The crate logs through `tracing` and never installs a subscriber. The example shard of the
+//! repository, `checksum-controller`, is a package of its own, so this crate carries only
+//! library dependencies.
+
+#![deny(missing_docs)]
 
 pub mod departures;
 pub mod drain;

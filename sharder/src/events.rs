@@ -3,8 +3,8 @@
 //!
 //! A shard that flaps (joins, leaves, joins…) or a ring whose syncs keep failing must not flood
 //! the API server with Events. Two limits apply: one Event per subject (the object, the reason and
-//! what it is about, e.g. the shard) per [`PER_SUBJECT_INTERVAL`], and a budget for all Events of
-//! the process ([`BURST`], refilled at [`REFILL_PER_SECOND`]). Suppressed Events are counted in
+//! what it is about, e.g. the shard) per `PER_SUBJECT_INTERVAL`, and a budget for all Events of
+//! the process (`BURST`, refilled at `REFILL_PER_SECOND`). Suppressed Events are counted in
 //! `controller_sharding_events_suppressed_total` and still logged.
 //!
 //! Every Event is created as a new `events.k8s.io/v1` Event. kube's `Recorder` would fold Events

@@ -6,7 +6,7 @@
 //! sync of a big ring would send one useless write per object, retried every few seconds. So
 //! the first move that does not land marks the ring's webhook unreachable: from then on no move
 //! of that ring goes out, except one probe at a time, a dry run, with backoff from
-//! [`PROBE_INITIAL`] up to [`PROBE_MAX`]. The first probe (or move) that lands marks it reachable
+//! `PROBE_INITIAL` up to `PROBE_MAX`. The first probe (or move) that lands marks it reachable
 //! again. The ring controller reports the state in the ring's `Ready` condition.
 
 use std::collections::HashMap;

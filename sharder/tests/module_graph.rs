@@ -1,7 +1,7 @@
 //! Checks of the sharder's module structure that the compiler does not make: the top-level
 //! modules import each other as a tree (no cycle), the sharder controller's files reach only their
 //! siblings through `super::`, and every module table in the crate docs lists exactly the modules
-//! its file declares (the README points at those tables as the code map).
+//! its file declares (docs/development.md points at those tables as the code map).
 //!
 //! The checks read the source as text: cheap, and enough for `use crate::…` paths written the way
 //! `rustfmt` writes them.

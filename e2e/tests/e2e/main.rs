@@ -2,6 +2,7 @@
 //!
 //! All tests live in this one binary so the control plane starts once per run.
 
+mod book;
 mod cli;
 mod controller_manager;
 mod crd;

@@ -179,7 +179,8 @@ fn for_durations_are_divided_by_sixty() -> anyhow::Result<()> {
 
 /// The shipped alerts pass `promtool check rules`; `promtool test rules` runs the unit tests
 /// against them; each alert has a test case where it fires and one where it does not; each has
-/// a severity, a summary, a description and a runbook, and a row in the README's alert table.
+/// a severity, a summary, a description and a runbook, and a row in the alert table of
+/// docs/monitoring.md, the alerts' runbook.
 #[test]
 fn alert_rules_pass_promtool() -> anyhow::Result<()> {
     let groups = rule_groups()?;
@@ -228,7 +229,7 @@ fn alert_rules_pass_promtool() -> anyhow::Result<()> {
          and where these do not: {untested_silent:?}"
     );
 
-    let readme = std::fs::read_to_string(workspace_root().join("README.md"))?;
+    let runbook = std::fs::read_to_string(workspace_root().join("docs/monitoring.md"))?;
     for rule in rules(&groups).filter(|r| r.get("alert").is_some()) {
         let name = rule["alert"].as_str().unwrap_or_default();
         for annotation in ["summary", "description", "runbook"] {
@@ -247,8 +248,8 @@ fn alert_rules_pass_promtool() -> anyhow::Result<()> {
             "{name} has no severity warning or critical"
         );
         ensure!(
-            readme.contains(&format!("| `{name}` |")),
-            "the README's alert table has no row for {name}"
+            runbook.contains(&format!("| `{name}` |")),
+            "the alert table of docs/monitoring.md has no row for {name}"
         );
     }
     std::fs::remove_dir_all(&dir)?;

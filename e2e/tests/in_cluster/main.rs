@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
 use e2e::IndependentRing;
+use e2e::docs::{DocBlock, EXAMPLE_RING, PINS, UNINSTALL, WITHOUT_CERT_MANAGER, shell_block};
 use e2e::in_cluster::{InCluster, OnFailure, eventually, in_cluster, workspace_root};
 use e2e::metrics_access::METRICS_READER;
 use k8s_openapi::api::core::v1::{Namespace, Pod, Secret};
@@ -40,26 +41,11 @@ pub(crate) const SHARDER_SELECTOR: &str = "app.kubernetes.io/component=sharder";
 /// The example shards' Lease duration (checksum-controller's default).
 const LEASE_DURATION: Duration = Duration::from_secs(15);
 
-/// The shell block that follows `heading` in the README.
-fn readme_block(heading: &str) -> anyhow::Result<String> {
-    let readme = std::fs::read_to_string(workspace_root().join("README.md"))?;
-    let rest = readme
-        .split_once(&format!("\n{heading}\n"))
-        .with_context(|| format!("no heading {heading:?} in the README"))?
-        .1;
-    let block = rest
-        .split_once("```sh\n")
-        .and_then(|(_, b)| b.split_once("\n```"))
-        .with_context(|| format!("no sh block after {heading:?}"))?
-        .0;
-    Ok(block.to_string())
-}
-
-/// The README's block under `heading` as the README says to run it against this cluster: on an
-/// API server older than 1.30 with the `config/overlays/k8s-1.29/` variant of each install (the
-/// README: the same install without the admission policies, which 1.29 cannot serve), saying so.
-fn readme_block_for(c: &InCluster, heading: &str) -> anyhow::Result<String> {
-    let block = readme_block(heading)?;
+/// A documented block as the install page says to run it against this cluster:
+/// on an API server older than 1.30 with the `config/overlays/k8s-1.29/` variant of each install
+/// (the same install without the admission policies, which 1.29 cannot serve), saying so.
+fn doc_block_for(c: &InCluster, (page, heading): DocBlock) -> anyhow::Result<String> {
+    let block = shell_block((page, heading))?;
     if admission_policies_served(c)? {
         return Ok(block);
     }
@@ -105,8 +91,8 @@ pub(crate) fn admission_policies_served(c: &InCluster) -> anyhow::Result<bool> {
     Ok(minor >= e2e::ADMISSION_POLICIES_MIN_SERVER_MINOR)
 }
 
-/// A scratch directory with `config/` and `deploy/` of the checkout, where README commands run
-/// as in a clone without leaving files in it. It lives in the cluster's directory, which goes
+/// A scratch directory with `config/` and `deploy/` of the checkout, where the documented commands
+/// run as in a clone without leaving files in it. It lives in the cluster's directory, which goes
 /// with the cluster when the test process ends, and the CA keys the install writes with it.
 fn scratch_dir(c: &InCluster, name: &str) -> anyhow::Result<std::path::PathBuf> {
     let dir = c.state_dir().join(format!("scratch-{name}"));
@@ -120,12 +106,13 @@ fn scratch_dir(c: &InCluster, name: &str) -> anyhow::Result<std::path::PathBuf> 
     Ok(dir)
 }
 
-/// Installs the sharder with the README's "Without cert-manager" commands, once.
+/// Installs the sharder with the "Without cert-manager" commands of docs/install-kustomize.md,
+/// once.
 fn ensure_installed(c: &InCluster) -> anyhow::Result<()> {
     if INSTALLED.load(Ordering::SeqCst) {
         return Ok(());
     }
-    let script = readme_block_for(c, "### Without cert-manager")?;
+    let script = doc_block_for(c, WITHOUT_CERT_MANAGER)?;
     c.shell(&script, &scratch_dir(c, "install")?)?;
     c.kubectl(&[
         "-n",
@@ -355,9 +342,9 @@ const SERVICE_NAME: &str = "sharder.sharding-system.svc";
 /// The installed sharder's metrics port (config/sharder).
 const METRICS_PORT: u16 = 8080;
 
-/// What scraping the installed sharder's secure metrics takes, set up as the README's "Who may
-/// scrape" says: a ServiceAccount bound to the shipped `sharding:metrics-reader`, a token for it
-/// from `kubectl create token`, and the CA of the serving certificate from its Secret.
+/// What scraping the installed sharder's secure metrics takes, set up as "Who may scrape" in
+/// docs/monitoring.md says: a ServiceAccount bound to the shipped `sharding:metrics-reader`, a
+/// token for it from `kubectl create token`, and the CA of the serving certificate from its Secret.
 struct Scraper {
     token: String,
     ca: std::path::PathBuf,
@@ -540,8 +527,8 @@ async fn install_with_kustomize() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The README's example steps, then 200 Secrets, each labelled in admission by the webhook
-/// reached through its Service, each with its checksum ConfigMap.
+/// The example steps of docs/getting-started.md, then 200 Secrets, each labelled in admission by
+/// the webhook reached through its Service, each with its checksum ConfigMap.
 async fn example_ring(kind: RingKind, readme: bool, count: usize) -> anyhow::Result<()> {
     let c = cluster_or_skip!();
     let _turn = TURN.lock().await;
@@ -561,7 +548,7 @@ async fn example_ring(kind: RingKind, readme: bool, count: usize) -> anyhow::Res
             ])?;
         }
         let dir = scratch_dir(c, "example")?;
-        let out = c.shell(&readme_block("### The example ring")?, &dir)?;
+        let out = c.shell(&shell_block(EXAMPLE_RING)?, &dir)?;
         let shard_label = kind.shard_label(RING);
         let demo = c.kubectl_json(&["-n", "default", "get", "secret", "demo"])?;
         let shard = demo["metadata"]["labels"][&shard_label]
@@ -576,11 +563,11 @@ async fn example_ring(kind: RingKind, readme: bool, count: usize) -> anyhow::Res
         // loop ends by showing the ConfigMap that shard wrote.
         ensure!(
             out.contains(&format!("{shard_label}={shard}")),
-            "the README's steps did not show demo's shard:\n{out}"
+            "the documented steps did not show demo's shard:\n{out}"
         );
         ensure!(
             out.contains("name: checksums-demo"),
-            "the README's steps did not show demo's ConfigMap:\n{out}"
+            "the documented steps did not show demo's ConfigMap:\n{out}"
         );
         if kind == RingKind::ClusterRing {
             readme_pins(c, &dir, &shard_label).await?;
@@ -615,18 +602,15 @@ async fn example_ring(kind: RingKind, readme: bool, count: usize) -> anyhow::Res
     Ok(())
 }
 
-/// The README's pin commands on the example ClusterRing: a new Secret created pinned lands on the
-/// pinned shard, and `demo`, pinned and drained in one write, moves there once its shard
+/// The pin commands of docs/rings.md on the example ClusterRing: a new Secret created pinned lands
+/// on the pinned shard, and `demo`, pinned and drained in one write, moves there once its shard
 /// acknowledges. The namespace pin is removed afterwards, and the pinned Secret deleted.
 async fn readme_pins(
     c: &InCluster,
     dir: &std::path::Path,
     shard_label: &str,
 ) -> anyhow::Result<()> {
-    c.shell(
-        &readme_block("### Pins: an object or a namespace on a chosen shard")?,
-        dir,
-    )?;
+    c.shell(&shell_block(PINS)?, dir)?;
     let pinned = c.kubectl_json(&["-n", "default", "get", "secret", "pinned"])?;
     let shard = pinned["metadata"]["labels"][shard_label]
         .as_str()
@@ -1267,8 +1251,8 @@ async fn pdb_refuses_the_eviction_that_would_leave_no_sharder() -> anyhow::Resul
     Ok(())
 }
 
-/// The README's "Uninstall" as written: rings, their webhook configurations, the sharder, its
-/// namespace and the CRDs gone. The next test installs again.
+/// "Uninstall" of docs/install-kustomize.md as written: rings, their webhook configurations, the
+/// sharder, its namespace and the CRDs gone. The next test installs again.
 #[tokio::test]
 async fn uninstall_with_kustomize() -> anyhow::Result<()> {
     let c = cluster_or_skip!();
@@ -1281,10 +1265,7 @@ async fn uninstall_with_kustomize() -> anyhow::Result<()> {
         "mutatingwebhookconfiguration",
         &RingKind::ClusterRing.webhook_configuration_name(RING),
     ])?;
-    c.shell(
-        &readme_block_for(c, "### Uninstall")?,
-        &scratch_dir(c, "uninstall")?,
-    )?;
+    c.shell(&doc_block_for(c, UNINSTALL)?, &scratch_dir(c, "uninstall")?)?;
     INSTALLED.store(false, Ordering::SeqCst);
     eventually(
         "the ring's webhook configuration to go",
@@ -1314,18 +1295,5 @@ async fn uninstall_with_kustomize() -> anyhow::Result<()> {
         );
     }
     guard.passed();
-    Ok(())
-}
-
-#[test]
-fn readme_blocks_are_found() -> anyhow::Result<()> {
-    for heading in [
-        "### Without cert-manager",
-        "### The example ring",
-        "### Uninstall",
-    ] {
-        let block = readme_block(heading)?;
-        ensure!(block.contains(" -k "), "{heading}: {block}");
-    }
     Ok(())
 }
