@@ -13,6 +13,7 @@ mod monitoring;
 mod observability;
 mod pins;
 mod rebalance;
+mod release;
 mod ring_kinds;
 mod secure_metrics;
 mod shard;

@@ -38,6 +38,8 @@ const KUSTOMIZATIONS: &[&str] = &[
     "config/overlays/k8s-1.29/default",
     "config/overlays/k8s-1.29/no-cert-manager",
     "config/admission-policies",
+    "config/release/install",
+    "config/release/install-cert-manager",
     "deploy/base",
     "deploy",
     "deploy/controllerring",
@@ -97,6 +99,11 @@ pub(crate) fn render(dir: &str) -> anyhow::Result<Vec<Value>> {
         );
     }
     let text = String::from_utf8(out.stdout).context("kustomize printed no UTF-8")?;
+    parse_documents(&text, dir)
+}
+
+/// The objects of a multi-document YAML text as kustomize writes it (`what` names it in errors).
+pub(crate) fn parse_documents(text: &str, what: &str) -> anyhow::Result<Vec<Value>> {
     // kustomize separates documents with `---` lines; block scalars are indented, so a bare `---`
     // line never occurs inside a document.
     let mut documents = vec![String::new()];
@@ -113,24 +120,24 @@ pub(crate) fn render(dir: &str) -> anyhow::Result<Vec<Value>> {
         .filter(|doc| !doc.trim().is_empty())
         .map(|doc| {
             serde_yaml::from_str::<Value>(doc)
-                .with_context(|| format!("{dir} rendered a document that is not YAML:\n{doc}"))
+                .with_context(|| format!("{what} holds a document that is not YAML:\n{doc}"))
         })
         .collect()
 }
 
-fn str_at<'a>(value: &'a Value, pointer: &str) -> &'a str {
+pub(crate) fn str_at<'a>(value: &'a Value, pointer: &str) -> &'a str {
     value.pointer(pointer).and_then(Value::as_str).unwrap_or("")
 }
 
-fn kind(object: &Value) -> &str {
+pub(crate) fn kind(object: &Value) -> &str {
     str_at(object, "/kind")
 }
 
-fn name(object: &Value) -> &str {
+pub(crate) fn name(object: &Value) -> &str {
     str_at(object, "/metadata/name")
 }
 
-fn namespace(object: &Value) -> &str {
+pub(crate) fn namespace(object: &Value) -> &str {
     str_at(object, "/metadata/namespace")
 }
 
@@ -366,7 +373,7 @@ async fn rendered_objects_pass_server_side_dry_run() -> anyhow::Result<()> {
 /// Server-side dry run of `items` with kubectl, as a user's `kubectl apply --server-side` would
 /// send them. Validation is the server's (`--validate=false` only skips kubectl's own schema
 /// download).
-fn dry_run(kubeconfig: &Path, dir: &str, items: Vec<Value>) -> anyhow::Result<()> {
+pub(crate) fn dry_run(kubeconfig: &Path, dir: &str, items: Vec<Value>) -> anyhow::Result<()> {
     let list = json!({"apiVersion": "v1", "kind": "List", "items": items});
     let file = std::env::temp_dir().join(format!("{}.json", e2e::unique_name("manifests")));
     std::fs::write(&file, serde_json::to_vec(&list)?)?;
@@ -399,7 +406,7 @@ fn dry_run(kubeconfig: &Path, dir: &str, items: Vec<Value>) -> anyhow::Result<()
 /// Makes sure the server serves [`FOREIGN_KINDS`]: real CRDs if installed, else (only on the
 /// control plane the tests started, never on a user's cluster) stand-ins accepting any content.
 /// Returns the kinds served.
-async fn install_foreign_crds(
+pub(crate) async fn install_foreign_crds(
     client: &Client,
     may_install: bool,
 ) -> anyhow::Result<BTreeSet<&'static str>> {
@@ -450,7 +457,7 @@ async fn install_foreign_crds(
 
 /// Creates, for real, the namespaces the rendered objects live in that do not exist yet, so the
 /// dry run of their objects can succeed. Returns the names created.
-async fn create_missing_namespaces(
+pub(crate) async fn create_missing_namespaces(
     client: &Client,
     rendered: &[(&str, Vec<Value>)],
 ) -> anyhow::Result<Vec<String>> {
@@ -919,7 +926,7 @@ fn example_grants(objects: &[Value], ring_kind: &str) -> anyhow::Result<()> {
 }
 
 /// Whether `object` is a ValidatingAdmissionPolicy or a binding of one.
-fn is_admission_policy(object: &Value) -> bool {
+pub(crate) fn is_admission_policy(object: &Value) -> bool {
     str_at(object, "/apiVersion") == "admissionregistration.k8s.io/v1"
         && kind(object).starts_with("ValidatingAdmissionPolicy")
 }

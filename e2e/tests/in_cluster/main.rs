@@ -8,6 +8,7 @@
 //! they pass in any order. Without root they print why and pass without checking anything.
 
 mod ownership;
+mod release;
 
 use std::collections::BTreeMap;
 use std::sync::OnceLock;
@@ -29,14 +30,14 @@ use tokio::sync::Mutex;
 use crate::ownership::ShardLogs;
 
 /// One test at a time: they share the installation.
-static TURN: Mutex<()> = Mutex::const_new(());
-static INSTALLED: AtomicBool = AtomicBool::new(false);
+pub(crate) static TURN: Mutex<()> = Mutex::const_new(());
+pub(crate) static INSTALLED: AtomicBool = AtomicBool::new(false);
 
-const SYSTEM: &str = "sharding-system";
-const SHARDS_NAMESPACE: &str = "checksum-controller";
-const RING: &str = "checksum-controller";
+pub(crate) const SYSTEM: &str = "sharding-system";
+pub(crate) const SHARDS_NAMESPACE: &str = "checksum-controller";
+pub(crate) const RING: &str = "checksum-controller";
 const SHARD_SELECTOR: &str = "app.kubernetes.io/name=checksum-controller";
-const SHARDER_SELECTOR: &str = "app.kubernetes.io/component=sharder";
+pub(crate) const SHARDER_SELECTOR: &str = "app.kubernetes.io/component=sharder";
 /// The example shards' Lease duration (checksum-controller's default).
 const LEASE_DURATION: Duration = Duration::from_secs(15);
 
@@ -73,7 +74,7 @@ fn doc_block_for(c: &InCluster, (page, heading): DocBlock) -> anyhow::Result<Str
 
 /// Whether the API server serves what `config/admission-policies` needs (1.30 or newer); asked
 /// once, since a test process has one cluster.
-fn admission_policies_served(c: &InCluster) -> anyhow::Result<bool> {
+pub(crate) fn admission_policies_served(c: &InCluster) -> anyhow::Result<bool> {
     static MINOR: OnceLock<u32> = OnceLock::new();
     let minor = match MINOR.get() {
         Some(minor) => *minor,
@@ -180,7 +181,7 @@ async fn ensure_example(c: &InCluster, kind: RingKind, replicas: u32) -> anyhow:
 
 /// Waits until the ring is Ready with `available` available shards and exactly that many running
 /// shard pods.
-async fn wait_ring(c: &InCluster, kind: RingKind, available: u32) -> anyhow::Result<()> {
+pub(crate) async fn wait_ring(c: &InCluster, kind: RingKind, available: u32) -> anyhow::Result<()> {
     eventually(
         &format!(
             "{} {RING} Ready with {available} available shards",
@@ -207,12 +208,12 @@ async fn wait_ring(c: &InCluster, kind: RingKind, available: u32) -> anyhow::Res
 }
 
 /// Names of the shard pods that run and are not terminating.
-fn shard_pods(c: &InCluster) -> anyhow::Result<Vec<String>> {
+pub(crate) fn shard_pods(c: &InCluster) -> anyhow::Result<Vec<String>> {
     let list = c.kubectl_json(&["-n", SHARDS_NAMESPACE, "get", "pods", "-l", SHARD_SELECTOR])?;
     Ok(pods_running(&list))
 }
 
-fn pods_running(list: &Value) -> Vec<String> {
+pub(crate) fn pods_running(list: &Value) -> Vec<String> {
     list["items"]
         .as_array()
         .map(|items| {
@@ -229,7 +230,7 @@ fn pods_running(list: &Value) -> Vec<String> {
 /// A namespace of the ring (labelled for its selector) with `count` Secrets created through the
 /// API; returns its name and whether every create's response already carried a shard label (set
 /// in admission by the webhook).
-async fn namespace_with_secrets(
+pub(crate) async fn namespace_with_secrets(
     client: &Client,
     kind: RingKind,
     prefix: &str,
@@ -246,7 +247,7 @@ async fn namespace_with_secrets(
 }
 
 /// Creates Secrets `s-<i>` in `namespace`; how many came back from the API server labelled.
-async fn create_secrets(
+pub(crate) async fn create_secrets(
     client: &Client,
     kind: RingKind,
     namespace: &str,
@@ -278,7 +279,7 @@ async fn create_secrets(
 /// Waits until every Secret in `namespace` carries the shard the independent ring of the running
 /// shard pods gives it, no drain label, and its checksum ConfigMap exists on the same shard;
 /// returns the assignment (Secret name to shard).
-async fn wait_converged(
+pub(crate) async fn wait_converged(
     c: &InCluster,
     kind: RingKind,
     namespace: &str,
@@ -325,7 +326,7 @@ async fn wait_converged(
     .await
 }
 
-fn items(list: &Value) -> &[Value] {
+pub(crate) fn items(list: &Value) -> &[Value] {
     list["items"]
         .as_array()
         .map(Vec::as_slice)
