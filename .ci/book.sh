@@ -24,35 +24,15 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 MDBOOK_VERSION=0.5.4
 
-CACHE_DIR=${CONTROLLER_SHARDING_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/controller-sharding}
-ROOT=$CACHE_DIR/tools/mdbook-$MDBOOK_VERSION
-MDBOOK=$ROOT/bin/mdbook
 
 log() { echo "book: $*" >&2; }
 die() { log "error: $*"; exit 1; }
+# tool_root, install_tool.
+source .ci/tools.sh
+MDBOOK=$(tool_root mdbook "$MDBOOK_VERSION")/bin/mdbook
 
 tools() {
-  [ -x "$MDBOOK" ] && return
-  log "building mdbook $MDBOOK_VERSION (once; cached in $ROOT)"
-  local started=$SECONDS jobs=() partial
-  mkdir -p "$(dirname "$ROOT")"
-  # Built beside its final place and moved there when complete, so an interrupted or concurrent
-  # build never leaves a half-installed tool behind.
-  partial=$(mktemp -d "$ROOT.partial.XXXXXX")
-  if [ -n "${CONTROLLER_SHARDING_TOOL_JOBS:-}" ]; then
-    jobs=(-j "$CONTROLLER_SHARDING_TOOL_JOBS")
-  fi
-  # A temporary target directory that cargo removes afterwards, whatever CARGO_TARGET_DIR says;
-  # cargo's default release profile, as for the supply-chain tools.
-  env -u CARGO_TARGET_DIR \
-    CARGO_PROFILE_RELEASE_LTO=false CARGO_PROFILE_RELEASE_CODEGEN_UNITS=16 \
-    cargo install --locked --quiet "${jobs[@]}" --root "$partial" \
-    --no-default-features --features search "mdbook@$MDBOOK_VERSION" >&2 ||
-    { rm -rf "$partial"; die "failed to build mdbook $MDBOOK_VERSION"; }
-  rm -rf "$ROOT"
-  mv -T "$partial" "$ROOT" 2>/dev/null || rm -rf "$partial"
-  [ -x "$MDBOOK" ] || die "mdbook $MDBOOK_VERSION built, but $MDBOOK is missing"
-  log "built mdbook $MDBOOK_VERSION in $((SECONDS - started))s"
+  install_tool mdbook "$MDBOOK_VERSION" --no-default-features --features search
 }
 
 build() {

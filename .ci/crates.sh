@@ -25,8 +25,6 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 CARGO_SEMVER_CHECKS_VERSION=0.51.0
 
-CACHE_DIR=${CONTROLLER_SHARDING_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/controller-sharding}
-TOOLS_DIR=$CACHE_DIR/tools
 
 # Scratch space of this run, removed when it ends.
 SCRATCH=$(mktemp -d)
@@ -34,14 +32,8 @@ trap 'rm -rf "$SCRATCH"' EXIT
 
 log() { echo "crates: $*" >&2; }
 die() { log "error: $*"; exit 1; }
-
-ensure_jq() {
-  command -v jq >/dev/null && return
-  [ "$(id -u)" = 0 ] || die "jq is needed: install it (Debian: apt-get install jq)"
-  log "installing jq"
-  apt-get update -qq >&2
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends jq >&2
-}
+# tool_root, install_tool, ensure_jq.
+source .ci/tools.sh
 
 # The workspace members meant for the registry, one `name kind...` line each (kinds of their
 # targets: lib, bin, ...), from cargo metadata.
@@ -110,32 +102,6 @@ package() {
   log "cargo publish --dry-run ${flags[*]}"
   # The packages were built just above; the dry run adds the registry's own checks.
   cargo publish --dry-run --locked --allow-dirty --no-verify "${flags[@]}"
-}
-
-tool_root() { echo "$TOOLS_DIR/$1-$2"; }
-
-# install_tool NAME VERSION: as in .ci/supply-chain.sh.
-install_tool() {
-  local name=$1 version=$2 root
-  root=$(tool_root "$name" "$version")
-  if [ -x "$root/bin/$name" ]; then
-    return
-  fi
-  log "building $name $version (once; cached in $root)"
-  local started=$SECONDS jobs=() partial
-  mkdir -p "$TOOLS_DIR"
-  partial=$(mktemp -d "$root.partial.XXXXXX")
-  if [ -n "${CONTROLLER_SHARDING_TOOL_JOBS:-}" ]; then
-    jobs=(-j "$CONTROLLER_SHARDING_TOOL_JOBS")
-  fi
-  env -u CARGO_TARGET_DIR \
-    CARGO_PROFILE_RELEASE_LTO=false CARGO_PROFILE_RELEASE_CODEGEN_UNITS=16 \
-    cargo install --locked --quiet "${jobs[@]}" --root "$partial" "$name@$version" >&2 ||
-    { rm -rf "$partial"; die "failed to build $name $version"; }
-  rm -rf "$root"
-  mv -T "$partial" "$root" 2>/dev/null || rm -rf "$partial"
-  [ -x "$root/bin/$name" ] || die "$name $version built, but $root/bin/$name is missing"
-  log "built $name $version in $((SECONDS - started))s"
 }
 
 tools() {
