@@ -45,6 +45,7 @@ pub mod docs;
 pub mod etcd;
 pub mod fixtures;
 pub mod gate;
+pub mod helm;
 pub mod in_cluster;
 mod independent_ring;
 pub mod latency;

@@ -5,9 +5,8 @@
 //! against the real API server. `helm` is built and cached by `e2e/helm.sh`.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
-use std::sync::OnceLock;
 
 use anyhow::{Context, bail, ensure};
 use e2e::cluster;
@@ -179,26 +178,6 @@ fn files_under(dir: &Path) -> anyhow::Result<BTreeMap<String, String>> {
     Ok(out)
 }
 
-/// The cached helm (`e2e/helm.sh provision` builds it the first time).
-fn helm() -> anyhow::Result<PathBuf> {
-    static HELM: OnceLock<PathBuf> = OnceLock::new();
-    if let Some(path) = HELM.get() {
-        return Ok(path.clone());
-    }
-    let out = Command::new("bash")
-        .arg(workspace_root().join("e2e/helm.sh"))
-        .arg("provision")
-        .output()
-        .context("failed to run e2e/helm.sh")?;
-    ensure!(
-        out.status.success(),
-        "e2e/helm.sh provision failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let path = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
-    Ok(HELM.get_or_init(|| path).clone())
-}
-
 /// The Kubernetes version helm renders for: the test control plane's (`KUBE_VERSION` of
 /// e2e/control-plane.sh).
 fn kube_version() -> String {
@@ -207,7 +186,7 @@ fn kube_version() -> String {
 
 /// Runs helm with `args` in the workspace root; its standard output.
 fn run_helm(args: &[&str]) -> anyhow::Result<String> {
-    let out = Command::new(helm()?)
+    let out = Command::new(e2e::helm::binary()?)
         .args(args)
         .current_dir(workspace_root())
         .output()

@@ -95,18 +95,7 @@ fn user_dir(c: &InCluster, name: &str) -> anyhow::Result<PathBuf> {
 
 /// The cached helm's directory (`e2e/helm.sh provision` builds it the first time).
 fn helm_dir() -> anyhow::Result<PathBuf> {
-    let out = Command::new("bash")
-        .arg(workspace_root().join("e2e/helm.sh"))
-        .arg("provision")
-        .output()
-        .context("failed to run e2e/helm.sh")?;
-    ensure!(
-        out.status.success(),
-        "e2e/helm.sh provision failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let helm = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
-    Ok(helm
+    Ok(e2e::helm::binary()?
         .parent()
         .context("helm has no directory")?
         .to_path_buf())
