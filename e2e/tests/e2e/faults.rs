@@ -2453,8 +2453,10 @@ async fn with_namespace_keys_controlled_objects_wait_for_their_controllers() -> 
     let old = IndependentRing::unweighted(shards)
         .shard_for(&namespace_key)
         .to_string();
-    // A joining shard the namespace moves to.
-    let joining = (0..100)
+    // A joining shard the namespace moves to. A new name takes one key only when one of its
+    // virtual nodes lands in the gap before it, which is rare for a key just after a node: 100
+    // names were not always enough (a CI run found none), and trying more costs microseconds.
+    let joining = (0..10_000)
         .map(|i| format!("shard-new-{i}"))
         .find(|name| {
             IndependentRing::unweighted(shards.iter().copied().chain([name.as_str()]))
