@@ -89,6 +89,23 @@ pub fn workspace_root() -> PathBuf {
         .to_path_buf()
 }
 
+/// The directory of the release before this checkout's (`e2e/images.sh previous-release`): its
+/// bundle (`install.yaml`, `admission-policies.yaml`, `example.yaml`), both images as OCI archives,
+/// and `tag`, the tag they carry. Built from the checkout's history the first time (several
+/// minutes) and cached.
+pub fn previous_release() -> anyhow::Result<PathBuf> {
+    let out = Command::new("bash")
+        .arg(workspace_root().join("e2e/images.sh"))
+        .arg("previous-release")
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .context("failed to run e2e/images.sh previous-release")?;
+    if !out.status.success() {
+        bail!("e2e/images.sh previous-release failed with {}", out.status);
+    }
+    Ok(PathBuf::from(String::from_utf8(out.stdout)?.trim()))
+}
+
 impl InCluster {
     fn set_up() -> anyhow::Result<Option<Self>> {
         if skip_reason().is_some() {
@@ -121,16 +138,23 @@ impl InCluster {
             .arg(std::process::id().to_string())
             .arg("--node")
             .env("KUBE_APISERVER_EXTRA_ARGS", audit))?;
-        run(Command::new("bash")
-            .arg(&script)
-            .arg("load-images")
-            .arg(&dir)
-            .arg(images.join("sharder.tar"))
-            .arg(images.join("checksum-controller.tar")))?;
-        Ok(Some(Self {
+        let cluster = Self {
             kubeconfig: dir.join("kubeconfig"),
             dir,
-        }))
+        };
+        cluster.load_images(&images)?;
+        Ok(Some(cluster))
+    }
+
+    /// Imports the two images (`sharder.tar`, `checksum-controller.tar`) of `dir`, as
+    /// `e2e/images.sh` writes them, into the node's containerd under the tags they were built with.
+    pub fn load_images(&self, dir: &Path) -> anyhow::Result<()> {
+        run(Command::new("bash")
+            .arg(control_plane_script())
+            .arg("load-images")
+            .arg(&self.dir)
+            .arg(dir.join("sharder.tar"))
+            .arg(dir.join("checksum-controller.tar")))
     }
 
     /// Path of the kubeconfig (cluster admin).

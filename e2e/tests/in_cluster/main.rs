@@ -9,6 +9,7 @@
 
 mod ownership;
 mod release;
+mod upgrade;
 
 use std::collections::BTreeMap;
 use std::sync::OnceLock;
@@ -37,7 +38,7 @@ pub(crate) static INSTALLED: AtomicBool = AtomicBool::new(false);
 pub(crate) const SYSTEM: &str = "sharding-system";
 pub(crate) const SHARDS_NAMESPACE: &str = "checksum-controller";
 pub(crate) const RING: &str = "checksum-controller";
-const SHARD_SELECTOR: &str = "app.kubernetes.io/name=checksum-controller";
+pub(crate) const SHARD_SELECTOR: &str = "app.kubernetes.io/name=checksum-controller";
 pub(crate) const SHARDER_SELECTOR: &str = "app.kubernetes.io/component=sharder";
 /// The example shards' Lease duration (checksum-controller's default).
 const LEASE_DURATION: Duration = Duration::from_secs(15);

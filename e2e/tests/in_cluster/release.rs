@@ -25,6 +25,7 @@ const RELEASE: &str = "kube-sharding";
 const DOC_BLOCKS: &[&str] = &[
     "### Install from the release bundle",
     "### Uninstall the release bundle",
+    "### Upgrade the release bundle",
     "### Install with Helm",
     "### Upgrade with Helm",
     "### Uninstall with Helm",
@@ -46,7 +47,7 @@ fn doc_block(heading: &str) -> anyhow::Result<String> {
 
 /// The shell block after `heading` in docs/install.md, for this cluster: on an API server
 /// without ValidatingAdmissionPolicy v1 without the admission policies, as the document says.
-fn install_doc_block(c: &InCluster, heading: &str) -> anyhow::Result<String> {
+pub(crate) fn install_doc_block(c: &InCluster, heading: &str) -> anyhow::Result<String> {
     ensure!(
         DOC_BLOCKS.contains(&heading),
         "{heading:?} is not in DOC_BLOCKS"
@@ -73,7 +74,7 @@ fn install_doc_block(c: &InCluster, heading: &str) -> anyhow::Result<String> {
 
 /// A directory laid out as a user has it: the bundle's files (for the bundle's blocks), or a
 /// checkout with `dist/` and `charts/` (for Helm's), and helm on `PATH`.
-fn user_dir(c: &InCluster, name: &str) -> anyhow::Result<PathBuf> {
+pub(crate) fn user_dir(c: &InCluster, name: &str) -> anyhow::Result<PathBuf> {
     let dir = c.state_dir().join(format!("release-{name}"));
     std::fs::create_dir_all(&dir)?;
     for file in [
@@ -137,7 +138,7 @@ fn kubectl_on_files(c: &InCluster, args: &[&str]) -> anyhow::Result<String> {
 }
 
 /// Removes every install an earlier test left, however it was made.
-fn remove_installs(c: &InCluster) -> anyhow::Result<()> {
+pub(crate) fn remove_installs(c: &InCluster) -> anyhow::Result<()> {
     let releases = with_helm(c, "helm list -A -q", c.state_dir())?;
     if releases.lines().any(|l| l.trim() == RELEASE) {
         with_helm(
@@ -185,7 +186,11 @@ fn remove_installs(c: &InCluster) -> anyhow::Result<()> {
 /// The example ring assigns through the Service: `count` Secrets in a new namespace of the ring,
 /// each labelled in its CREATE's response (by the webhook), each on its shard with its
 /// ConfigMap.
-async fn example_assigns(c: &InCluster, prefix: &str, count: usize) -> anyhow::Result<String> {
+pub(crate) async fn example_assigns(
+    c: &InCluster,
+    prefix: &str,
+    count: usize,
+) -> anyhow::Result<String> {
     let kind = RingKind::ClusterRing;
     wait_ring(c, kind, 3).await?;
     let client = c.client().await?;
@@ -201,7 +206,7 @@ async fn example_assigns(c: &InCluster, prefix: &str, count: usize) -> anyhow::R
 /// Nothing of the install is left in the cluster: no object of the bundle (the namespace
 /// `sharding-system` aside when `namespace_may_stay`: Helm does not delete it) and no webhook
 /// configuration of a ring.
-fn nothing_left(c: &InCluster, namespace_may_stay: bool) -> anyhow::Result<()> {
+pub(crate) fn nothing_left(c: &InCluster, namespace_may_stay: bool) -> anyhow::Result<()> {
     let dist = workspace_root().join("dist");
     let mut files = vec!["install.yaml", "example.yaml"];
     if admission_policies_served(c)? {
@@ -259,6 +264,57 @@ async fn install_from_the_release_bundle() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Creates a Secret of the ring every 100 ms in a namespace, from a background task, through an
+/// install or upgrade.
+pub(crate) struct Writer {
+    stop: tokio_util::sync::CancellationToken,
+    task: tokio::task::JoinHandle<(usize, usize, Vec<String>)>,
+}
+
+impl Writer {
+    /// Starts writing Secrets numbered from `first` (the ones before exist already).
+    pub(crate) fn start(
+        client: &kube::Client,
+        kind: RingKind,
+        namespace: &str,
+        first: usize,
+    ) -> Self {
+        let stop = tokio_util::sync::CancellationToken::new();
+        let (client, namespace, stopped) = (client.clone(), namespace.to_string(), stop.clone());
+        let task = tokio::spawn(async move {
+            let (mut next, mut labelled, mut errors) = (first, 0, Vec::new());
+            while !stopped.is_cancelled() {
+                match create_secrets(&client, kind, &namespace, next..next + 1).await {
+                    Ok(n) => labelled += n,
+                    Err(e) => errors.push(format!("{e:#}")),
+                }
+                next += 1;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            (next - first, labelled, errors)
+        });
+        Self { stop, task }
+    }
+
+    /// Stops writing. Fails when a create failed, or when fewer Secrets were created than one per
+    /// second of `during` (the writer stalled); else the number created and the number that came
+    /// back from their CREATE with a shard label.
+    pub(crate) async fn finish(self, during: Duration) -> anyhow::Result<(usize, usize)> {
+        self.stop.cancel();
+        let (created, labelled, errors) = self.task.await?;
+        ensure!(
+            errors.is_empty(),
+            "{} of {created} creates failed: {errors:?}",
+            errors.len()
+        );
+        ensure!(
+            created as f64 >= during.as_secs_f64(),
+            "only {created} creates in the {during:?} the change took"
+        );
+        Ok((created, labelled))
+    }
+}
+
 /// docs/install.md's Helm blocks as written: install, the example ring assigning through the
 /// Service; an upgrade to 3 replicas and another sync period while Secrets are created every
 /// 100 ms (none refused, every one assigned after); uninstall leaving nothing of the chart.
@@ -279,22 +335,7 @@ async fn helm_install_upgrade_under_writes_and_uninstall() -> anyhow::Result<()>
     let client = c.client().await?;
     let old_pods =
         pods_running(&c.kubectl_json(&["-n", SYSTEM, "get", "pods", "-l", SHARDER_SELECTOR])?);
-    let stop = tokio_util::sync::CancellationToken::new();
-    let writer = {
-        let (client, namespace, stop) = (client.clone(), namespace.clone(), stop.clone());
-        tokio::spawn(async move {
-            let (mut created, mut labelled, mut errors) = (50, 0, Vec::new());
-            while !stop.is_cancelled() {
-                match create_secrets(&client, kind, &namespace, created..created + 1).await {
-                    Ok(n) => labelled += n,
-                    Err(e) => errors.push(format!("{e:#}")),
-                }
-                created += 1;
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-            (created - 50, labelled, errors)
-        })
-    };
+    let writer = Writer::start(&client, kind, &namespace, 50);
     tokio::time::sleep(Duration::from_secs(2)).await;
     let upgrading = Instant::now();
     let script = install_doc_block(c, "### Upgrade with Helm")?;
@@ -322,17 +363,7 @@ async fn helm_install_upgrade_under_writes_and_uninstall() -> anyhow::Result<()>
     .await?;
     let took = upgrading.elapsed();
     tokio::time::sleep(Duration::from_secs(3)).await;
-    stop.cancel();
-    let (created, labelled, errors) = writer.await?;
-    ensure!(
-        errors.is_empty(),
-        "{} of {created} creates failed during the upgrade: {errors:?}",
-        errors.len()
-    );
-    ensure!(
-        created as f64 >= took.as_secs_f64(),
-        "only {created} creates in the {took:?} the upgrade and rollout took"
-    );
+    let (created, labelled) = writer.finish(took).await?;
     // Replicas and configuration changed, and the configuration change rolled every pod.
     let deployment = c.kubectl_json(&["-n", SYSTEM, "get", "deployment", "sharder"])?;
     ensure!(
