@@ -15,6 +15,7 @@
 # with --images, also (slow: release builds and podman, several minutes; git-ignored):
 #   dist/images/sharder.tar, dist/images/checksum-controller.tar   OCI archives (e2e/images.sh)
 #   dist/sbom/sharder.cdx.json, dist/sbom/checksum-controller.cdx.json   CycloneDX SBOMs
+#   dist/kube-sharding-VERSION.tgz  the chart packaged by `helm package`
 #
 # The YAML files and the chart are committed and never edited by hand; the e2e test `release`
 # renders them again and fails when the committed copy differs. --out DIR writes everything there
@@ -375,6 +376,10 @@ if $images; then
   bash .ci/supply-chain.sh sbom "$out/sbom"
   written+=(images/sharder.tar images/checksum-controller.tar
     sbom/sharder.cdx.json sbom/checksum-controller.cdx.json)
+  # The chart as a Helm repository serves it (`helm install kube-sharding ./kube-sharding-V.tgz`).
+  helm=$(bash e2e/helm.sh provision)
+  "$helm" package "$chart_dir" --destination "$out" >/dev/null || die "helm package failed"
+  written+=("kube-sharding-$version.tgz")
 fi
 
 (cd "$out" && sha256sum "${written[@]}" >SHA256SUMS)
