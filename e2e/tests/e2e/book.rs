@@ -162,3 +162,37 @@ fn shell_block_stays_in_its_section() {
     assert!(docs::shell_block_in(page, "## Two").is_err());
     assert!(docs::shell_block_in(page, "## Four").is_err());
 }
+
+/// The README's install lines are the documented installs' commands, as written: each command of
+/// its "## Install" block is a line of the install pages' blocks for Helm and the release bundle
+/// (which the in-cluster tests run as written) or of the kustomize install with cert-manager
+/// (rendered and checked by the `manifests` tests; the node has no cert-manager).
+#[test]
+fn readme_install_lines_are_documented_commands() -> anyhow::Result<()> {
+    let readme = std::fs::read_to_string(workspace_root().join("README.md"))?;
+    let block = e2e::docs::shell_block_in(&readme, "## Install")?;
+    let mut documented = Vec::new();
+    for source in [
+        ("docs/install.md", "### Install with Helm"),
+        ("docs/install.md", "### Install from the release bundle"),
+        ("docs/install-kustomize.md", "## With cert-manager"),
+    ] {
+        documented.extend(e2e::docs::shell_block(source)?.lines().map(str::to_owned));
+    }
+    let commands: Vec<&str> = block
+        .lines()
+        .filter(|l| !l.trim().is_empty() && !l.trim_start().starts_with('#'))
+        .collect();
+    ensure!(
+        commands.len() >= 4,
+        "the README's install block has {} commands: {block}",
+        commands.len()
+    );
+    for command in commands {
+        ensure!(
+            documented.iter().any(|l| l == command),
+            "the README's install line {command:?} is in none of the documented install blocks"
+        );
+    }
+    Ok(())
+}
