@@ -20,6 +20,10 @@
 #                                         cgroups) and DIR
 #   control-plane.sh bin-dir              print the directory holding the cached binaries
 #
+# One node per machine: its bridge, addresses and containerd are the machine's. `start --node`
+# takes a lock (CONTROLLER_SHARDING_NODE_LOCK, default node.lock in the cache) that the watchdog
+# holds until the node is stopped, so a second test run on the machine waits for the first.
+#
 # KUBE_APISERVER_EXTRA_ARGS adds flags to kube-apiserver (split on whitespace), for a test that
 # needs a feature gate set otherwise.
 #
@@ -324,11 +328,18 @@ start() {
   [ ! -e "$dir/pids" ] || die "$dir already holds a control plane; stop it first"
   # e2e/test.sh waits for every control plane its test processes started to be stopped.
   if [ -n "${CONTROLLER_SHARDING_STARTED:-}" ]; then echo "$dir" >>"$CONTROLLER_SHARDING_STARTED"; fi
-  local address=127.0.0.1 sans=""
+  local address=127.0.0.1 sans="" node_lock=
   if $node; then
     local reason
     reason=$(node_unsupported_reason)
     [ -z "$reason" ] || die "$reason"
+    local lock_file=${CONTROLLER_SHARDING_NODE_LOCK:-$CACHE_DIR/node.lock}
+    mkdir -p "$(dirname "$lock_file")"
+    exec {node_lock}>"$lock_file"
+    if ! flock -n "$node_lock"; then
+      log "another test run's node is up; waiting until it is stopped (lock $lock_file)"
+      flock -w 3600 "$node_lock" || die "the node lock $lock_file stayed taken for an hour"
+    fi
     address=$NODE_IP
     # The `kubernetes` Service's ClusterIP and names, for pods' in-cluster clients.
     sans="IP:$NODE_IP,IP:${SERVICE_RANGE%.*}.1,DNS:kubernetes,DNS:kubernetes.default"
@@ -343,6 +354,9 @@ start() {
     setsid bash -c 'while kill -0 "$1" 2>/dev/null && [ -e "$2/pids" ]; do sleep 1; done; "$3" stop "$2"' \
       watchdog "$owner" "$dir" "$(cd "$(dirname "$0")" && pwd)/$(basename "$0")" \
       >/dev/null 2>&1 </dev/null &
+    # The watchdog holds the node lock (it inherited it) until the node is stopped; the node's
+    # own processes must not, or one that outlived its stop would keep the next run waiting.
+    if [ -n "$node_lock" ]; then exec {node_lock}>&-; fi
   fi
 
   local etcd_port etcd_peer_port api_port
