@@ -19,7 +19,10 @@
 //! successful list response of the resource and publishes [`ServerFiltering`]
 //! ([`ShardedWatch::server_filtering`], [`ShardedWatch::subscribe`]). When it is
 //! [`ServerFiltering::Ignored`], the caller filters with [`ShardedWatch::accepts`], which
-//! hashes the object's uid or namespace exactly as the server would.
+//! hashes the object's uid or namespace exactly as the server would. A watcher that takes its
+//! initial state from a streaming list (`watcher::Config::streaming_lists`) sends no list, so the
+//! answer stays [`ServerFiltering::Unknown`] there. A list answered after the selector changed
+//! says nothing about the new one.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -63,9 +66,18 @@ struct Inner {
     prefix: String,
     /// The resource's plural name, the collection's last path segment.
     plural: String,
-    /// The selector and its URL-encoded form, encoded once per change rather than per request.
-    selector: RwLock<Option<(ShardSelector, String)>>,
+    selector: RwLock<Selected>,
     filtering: watch::Sender<ServerFiltering>,
+}
+
+/// The selector set now.
+#[derive(Debug, Default)]
+struct Selected {
+    /// The selector and its URL-encoded form, encoded once per change rather than per request.
+    current: Option<(ShardSelector, String)>,
+    /// Counts the changes, so that a list sent with an earlier selector says nothing about this
+    /// one.
+    generation: u64,
 }
 
 /// Whether a request is a list or a watch of the resource.
@@ -89,7 +101,7 @@ impl ShardedWatch {
             inner: Arc::new(Inner {
                 prefix,
                 plural: resource.plural.clone(),
-                selector: RwLock::new(None),
+                selector: RwLock::new(Selected::default()),
                 filtering: watch::Sender::new(ServerFiltering::Unknown),
             }),
         }
@@ -108,11 +120,14 @@ impl ShardedWatch {
             let text = encode_query_value(&s.to_string());
             (s, text)
         });
-        *self
+        let mut selected = self
             .inner
             .selector
             .write()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) = encoded;
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        selected.current = encoded;
+        selected.generation += 1;
+        // Under the lock: a list answered for the previous selector cannot overwrite this.
         self.inner.filtering.send_replace(ServerFiltering::Unknown);
     }
 
@@ -151,7 +166,9 @@ impl ShardedWatch {
 
     /// The tower layer that adds the selector to the resource's lists and watches and reads
     /// the list responses, for a client stack of your own
-    /// (`kube::client::ClientBuilder::with_layer`).
+    /// (`kube::client::ClientBuilder::with_layer`). It matches request paths as kube's typed
+    /// API writes them (`/api/v1/...`), so it belongs outside the layer that prepends the
+    /// cluster's URL, as `with_layer` puts it.
     #[must_use]
     pub fn layer(&self) -> ShardSelectorLayer {
         ShardSelectorLayer {
@@ -179,15 +196,19 @@ impl ShardedWatch {
     }
 
     fn read_selector(&self) -> Option<(ShardSelector, String)> {
+        self.selected().current.clone()
+    }
+
+    fn selected(&self) -> std::sync::RwLockReadGuard<'_, Selected> {
         self.inner
             .selector
             .read()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .clone()
     }
 
-    /// Adds the selector to `request` when it lists or watches the resource; says which.
-    fn rewrite<B>(&self, request: &mut Request<B>) -> Option<Verb> {
+    /// Adds the selector to `request` when it lists or watches the resource; says which, and
+    /// the selector's generation.
+    fn rewrite<B>(&self, request: &mut Request<B>) -> Option<(Verb, u64)> {
         if request.method() != http::Method::GET {
             return None;
         }
@@ -213,7 +234,8 @@ impl ShardedWatch {
                 return None;
             }
         }
-        let (_, encoded) = self.read_selector()?;
+        let selected = self.selected();
+        let (_, encoded) = selected.current.as_ref()?;
         let query = if query.is_empty() {
             format!("{QUERY_PARAMETER}={encoded}")
         } else {
@@ -223,11 +245,12 @@ impl ShardedWatch {
         let mut parts = uri.clone().into_parts();
         parts.path_and_query = Some(path_and_query.parse().ok()?);
         *request.uri_mut() = http::Uri::from_parts(parts).ok()?;
-        Some(verb)
+        Some((verb, selected.generation))
     }
 
-    /// Records what a successful list response's body says about the selector.
-    fn observe_list(&self, body: &[u8]) {
+    /// Records what a successful list response's body, sent with the selector of `generation`,
+    /// says about the selector (nothing, once another selector was set).
+    fn observe_list(&self, generation: u64, body: &[u8]) {
         #[derive(serde::Deserialize)]
         struct List {
             metadata: ListMeta,
@@ -244,6 +267,10 @@ impl ShardedWatch {
             } else {
                 ServerFiltering::Ignored
             };
+            let selected = self.selected();
+            if selected.generation != generation {
+                return;
+            }
             self.inner.filtering.send_if_modified(|state| {
                 let changed = *state != now;
                 *state = now;
@@ -310,19 +337,20 @@ where
     }
 
     fn call(&mut self, mut request: Request<ReqB>) -> Self::Future {
-        let verb = self.handle.rewrite(&mut request);
+        let rewritten = self.handle.rewrite(&mut request);
         let response = self.inner.call(request);
         let handle = self.handle.clone();
         Box::pin(async move {
             let response = response.await.map_err(Into::into)?;
-            if verb != Some(Verb::List) || !response.status().is_success() {
-                return Ok(response.map(Either::Left));
-            }
+            let generation = match rewritten {
+                Some((Verb::List, generation)) if response.status().is_success() => generation,
+                _ => return Ok(response.map(Either::Left)),
+            };
             // kube reads a list response whole anyway; reading it here first costs a second
             // pass over the bytes, not a second copy.
             let (parts, body) = response.into_parts();
             let bytes = body.collect().await.map_err(Into::into)?.to_bytes();
-            handle.observe_list(&bytes);
+            handle.observe_list(generation, &bytes);
             Ok(Response::from_parts(parts, Either::Right(Full::new(bytes))))
         })
     }

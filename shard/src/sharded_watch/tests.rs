@@ -23,7 +23,7 @@ fn handle() -> ShardedWatch {
 /// The URI `handle` makes of `request` (a request kube's typed API builds), and the verb it saw.
 fn rewritten(handle: &ShardedWatch, request: Request<Vec<u8>>) -> (String, Option<Verb>) {
     let mut request = request;
-    let verb = handle.rewrite(&mut request);
+    let verb = handle.rewrite(&mut request).map(|(verb, _)| verb);
     (request.uri().to_string(), verb)
 }
 
@@ -148,27 +148,49 @@ fn encodes_every_reserved_byte() {
     );
 }
 
+/// As kube-apiserver 1.37.2 answers a list with the gate on.
+const APPLIED: &[u8] = br#"{"kind":"SecretList","apiVersion":"v1","metadata":{"resourceVersion":"225","shardInfo":{"selector":"shardRange(object.metadata.uid, '0x0000000000000000', '0x8000000000000000')"}},"items":[]}"#;
+/// As kube-apiserver 1.37.2 answers a list with the gate off.
+const IGNORED: &[u8] = br#"{"kind":"SecretList","apiVersion":"v1","metadata":{"resourceVersion":"212"},"items":[{"metadata":{"name":"s1"}}]}"#;
+
+/// The generation a list of Secrets sent through `handle` now carries.
+fn list_generation(handle: &ShardedWatch) -> u64 {
+    let mut request = http::Request::get("/api/v1/secrets")
+        .body(())
+        .expect("a request");
+    let (verb, generation) = handle
+        .rewrite(&mut request)
+        .expect("a list of the resource");
+    assert_eq!(verb, Verb::List);
+    generation
+}
+
 #[test]
 fn list_metadata_tells_whether_the_server_applied_the_selector() {
     let handle = handle();
     let mut changes = handle.subscribe();
     assert_eq!(handle.server_filtering(), ServerFiltering::Unknown);
-    // As kube-apiserver 1.37.2 answers with the gate on, and with it off.
-    handle.observe_list(br#"{"kind":"SecretList","apiVersion":"v1","metadata":{"resourceVersion":"225","shardInfo":{"selector":"shardRange(object.metadata.uid, '0x0000000000000000', '0x8000000000000000')"}},"items":[]}"#);
+    let generation = list_generation(&handle);
+    handle.observe_list(generation, APPLIED);
     assert_eq!(handle.server_filtering(), ServerFiltering::Applied);
     assert!(changes.has_changed().expect("open"));
     changes.mark_unchanged();
-    handle.observe_list(br#"{"kind":"SecretList","apiVersion":"v1","metadata":{"resourceVersion":"212"},"items":[{"metadata":{"name":"s1"}}]}"#);
+    handle.observe_list(generation, IGNORED);
     assert_eq!(handle.server_filtering(), ServerFiltering::Ignored);
     assert!(changes.has_changed().expect("open"));
     // Not a list: no news.
     changes.mark_unchanged();
-    handle.observe_list(b"\x6b\x38\x73\x00protobuf");
+    handle.observe_list(generation, b"\x6b\x38\x73\x00protobuf");
     assert_eq!(handle.server_filtering(), ServerFiltering::Ignored);
     assert!(!changes.has_changed().expect("open"));
-    // A new selector starts over.
+    // A new selector starts over, and a list sent with the old one, answered late, says nothing
+    // about it.
     handle.set_selector(Some(lower_half()));
     assert_eq!(handle.server_filtering(), ServerFiltering::Unknown);
+    handle.observe_list(generation, APPLIED);
+    assert_eq!(handle.server_filtering(), ServerFiltering::Unknown);
+    handle.observe_list(list_generation(&handle), APPLIED);
+    assert_eq!(handle.server_filtering(), ServerFiltering::Applied);
 }
 
 #[test]
