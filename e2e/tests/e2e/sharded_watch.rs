@@ -17,7 +17,9 @@ use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::runtime::watcher;
 use kube::{Client, Config, ResourceExt};
 use kube_sharding::sharded_watch::{ServerFiltering, ShardedWatch};
-use kube_sharding_api::ranges::{RangeRing, ShardField, ShardSelector, fnv1a64};
+use kube_sharding_api::ranges::{
+    HashRange, RangeRing, RangeSet, ShardField, ShardSelector, fnv1a64,
+};
 use serde_json::Value;
 
 /// Secrets per test: enough that each half of the space gets some (all 50 in one half has odds
@@ -88,10 +90,21 @@ async fn list(
     ns: &str,
     selector: &str,
 ) -> anyhow::Result<(Option<String>, Created)> {
-    let uri = format!(
-        "/api/v1/namespaces/{ns}/secrets?shardSelector={}",
-        encode(selector)
-    );
+    list_path(
+        client,
+        &format!("/api/v1/namespaces/{ns}/secrets"),
+        selector,
+    )
+    .await
+}
+
+/// [`list`] of the collection at `path`.
+async fn list_path(
+    client: &Client,
+    path: &str,
+    selector: &str,
+) -> anyhow::Result<(Option<String>, Created)> {
+    let uri = format!("{path}?shardSelector={}", encode(selector));
     let request = http::Request::get(uri).body(Vec::new())?;
     let list: Value = client.request(request).await?;
     let echo = list["metadata"].get("shardInfo").map(|info| {
@@ -126,7 +139,8 @@ fn subset(created: &Created, keep: impl Fn(u64) -> bool) -> Created {
 /// kube-apiserver keeps exactly the Secrets whose FNV-1a(uid), as `fnv1a64` computes it, lies
 /// in the selected ranges, and echoes the selector as `ShardSelector` writes it: two halves
 /// (the top bound `0x10000000000000000`), a three-shard `RangeRing`'s selectors (several ranges
-/// joined with ` || `; together they list every Secret once), and the namespace field.
+/// joined with ` || `; together they list every Secret once), and the namespace field, with
+/// which cluster-scoped objects hash the empty namespace.
 #[tokio::test]
 async fn the_api_server_lists_only_the_selected_hash_ranges() -> anyhow::Result<()> {
     let cluster = cluster();
@@ -218,6 +232,21 @@ async fn the_api_server_lists_only_the_selected_hash_ranges() -> anyhow::Result<
             .to_string()
     };
     let (echo, listed) = list(&client, &ns, &elsewhere).await?;
+    ensure!(echo.is_some() && listed.is_empty(), "{listed:?}");
+
+    // Cluster-scoped objects hash their empty namespace: every Namespace is in the one-hash
+    // range of fnv1a64(""), none outside it.
+    let empty = fnv1a64("");
+    let selector = ShardSelector::new(
+        ShardField::Namespace,
+        RangeSet::new(HashRange::new(empty, u128::from(empty) + 1)),
+    )
+    .context("not empty")?;
+    let (echo, listed) = list_path(&client, "/api/v1/namespaces", &selector.to_string()).await?;
+    ensure!(echo.is_some() && listed.contains_key(&ns), "{listed:?}");
+    let rest = RangeSet::from_arcs([(empty.wrapping_add(1), empty)]);
+    let selector = ShardSelector::new(ShardField::Namespace, rest).context("not empty")?;
+    let (echo, listed) = list_path(&client, "/api/v1/namespaces", &selector.to_string()).await?;
     ensure!(echo.is_some() && listed.is_empty(), "{listed:?}");
     Ok(())
 }
