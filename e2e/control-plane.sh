@@ -25,7 +25,13 @@
 # holds until the node is stopped, so a second test run on the machine waits for the first.
 #
 # KUBE_APISERVER_EXTRA_ARGS adds flags to kube-apiserver (split on whitespace), for a test that
-# needs a feature gate set otherwise.
+# needs a feature gate set otherwise. They come after the script's own flags, and a later
+# --feature-gates flag adds to the earlier ones (a gate named twice takes the later value): a test
+# turns the gate below off with --feature-gates=ShardedListAndWatch=false.
+#
+# ShardedListAndWatch (server-side sharded list and watch, alpha and off by default where it
+# exists) is turned on whenever the kube-apiserver binary knows it: an unknown gate makes
+# kube-apiserver refuse to start, and the tests also run releases from before the gate.
 #
 # Versions: KUBE_VERSION (default below) and ETCD_VERSION override the pinned releases. Everything
 # is built from Go modules with `go build`, fetched through the Go module proxy the machine's Go is
@@ -382,7 +388,12 @@ start() {
   # Plain HTTP on loopback: tests reach etcd's JSON gateway (/v3/kv/...) with curl.
   echo "http://127.0.0.1:$etcd_port" >"$dir/etcd-endpoint"
 
-  local extra_args=()
+  local gates=() extra_args=() help
+  # The whole help first: with pipefail, `grep -q` closing the pipe early could fail the check.
+  help=$("$BIN_DIR/kube-apiserver" --help 2>&1 || true)
+  if grep -q 'ShardedListAndWatch=' <<<"$help"; then
+    gates+=(--feature-gates=ShardedListAndWatch=true)
+  fi
   read -r -a extra_args <<<"${KUBE_APISERVER_EXTRA_ARGS:-}"
   if $node; then
     # Before the API server: it listens on the node's bridge address.
@@ -418,7 +429,7 @@ start() {
     --service-account-signing-key-file "$dir/sa.key" \
     --service-account-issuer https://kubernetes.default.svc \
     --service-cluster-ip-range "$SERVICE_RANGE" \
-    "${extra_args[@]}" \
+    "${gates[@]}" "${extra_args[@]}" \
     >"$dir/kube-apiserver.log" 2>&1 &
   echo $! >>"$dir/pids"
 

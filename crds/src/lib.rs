@@ -12,6 +12,7 @@
 //! | [`labels`] | well-known labels, identities, the label-key derivation, label syntax checks |
 //! | [`lease`] | the Lease protocol's rules both sides use: expiry, shard states, takeover, timing, shard names |
 //! | [`config`] | `SharderConfig`, the sharder's configuration file, and its validation |
+//! | [`ranges`] | hash ranges for server-side sharded list and watch: FNV-1a, range sets, the `shardSelector` grammar, the range ring |
 //! | [`duration`], [`selector`] | Go-style durations and label selectors as the config and rings use them |
 
 #![deny(missing_docs)]
@@ -23,6 +24,7 @@ pub mod crd;
 pub mod duration;
 pub mod labels;
 pub mod lease;
+pub mod ranges;
 pub mod ring_kind;
 pub mod selector;
 

@@ -36,6 +36,7 @@
 //! | [`webhook_client::WebhookClient`] | admission reviews sent by the thousand to a sharder's webhook over one HTTP/2 connection |
 //! | [`latency::Latencies`] | nearest-rank percentiles of latency samples |
 //! | [`in_cluster::in_cluster`] | a control plane with a node, the product images loaded, for tests that install the product as users do |
+//! | [`sharded_watch`] | whether the API server filters by `shardSelector` (gate `ShardedListAndWatch`); a control plane with the gate off |
 //! | [`apiserver::ApiServer`] | restarting kube-apiserver of a control plane the harness started (a [`dedicated::DedicatedCluster`], never the shared one) |
 
 pub mod apiserver;
@@ -56,6 +57,7 @@ pub mod process;
 pub mod prometheus;
 pub mod renewals;
 pub mod scenario;
+pub mod sharded_watch;
 pub mod sharder_identity;
 pub mod sharder_process;
 pub mod shared_sharder;

@@ -99,6 +99,7 @@
 //! | [`lease`] | the Lease lock, [`LeaseGuard`], [`HeldLease::run_while_held`], and the pure acquire decision it uses |
 //! | [`drain`] | the reconciler wrapper that acknowledges drains and cancels reconciles when the Lease ends |
 //! | [`departures`] | released versus deleted objects |
+//! | [`sharded_watch`] | zero-write rings (groundwork): a `shardSelector` on one resource's lists and watches, whether the server applied it, and the client-side filter |
 //!
 //! The crate logs through `tracing` and never installs a subscriber. The example shard of the
 //! repository, `checksum-controller`, is a package of its own, so this crate carries only
@@ -112,6 +113,7 @@ pub mod lease;
 mod membership;
 mod ownership;
 mod shard;
+pub mod sharded_watch;
 
 pub use crate::departures::{Departure, Departures, ObjectKey, Release};
 pub use crate::drain::{Disposition, DrainPassthrough, ReconcileError};

@@ -17,6 +17,7 @@ mod release;
 mod ring_kinds;
 mod secure_metrics;
 mod shard;
+mod sharded_watch;
 mod sharder;
 mod sync_lists;
 mod trust;
