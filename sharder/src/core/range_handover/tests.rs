@@ -482,3 +482,34 @@ proptest! {
         world.converge(&target(&members.iter().map(|(n, w)| (*n, *w)).collect::<Vec<_>>()));
     }
 }
+
+#[test]
+fn a_shard_that_never_acknowledges_costs_bounded_memory() {
+    let mut world = settled(&["a", "b", "c"]);
+    let three = unweighted(&["a", "b", "c"]);
+    let four = unweighted(&["a", "b", "c", "d"]);
+    world.start("d");
+    // d comes and goes while c never acknowledges: c keeps getting publications, and what the
+    // planner remembers of them stays bounded while every step stays safe (`World::check`).
+    for round in 0..3 * MAX_REMEMBERED {
+        world.step(if round % 2 == 0 { &four } else { &three });
+        for shard in ["a", "b", "d"] {
+            world.ack(shard);
+        }
+    }
+    assert!(world.shards["c"].publications.len() > MAX_REMEMBERED);
+    assert!(world.planner.remembered["c"].len() <= MAX_REMEMBERED);
+    world.converge(&four);
+}
+
+#[test]
+fn publications_beyond_the_limit_are_cut_to_a_subset() {
+    let count = u64::try_from(MAX_PUBLISHED_RANGES).expect("small") + 100;
+    let fragmented = RangeSet::new(
+        (0..count).map(|i| HashRange::new(4 * i, u128::from(4 * i + 1)).expect("a valid range")),
+    );
+    let cut = within_limit(fragmented.clone());
+    assert_eq!(cut.ranges().len(), MAX_PUBLISHED_RANGES);
+    assert!(is_subset(&cut, &fragmented));
+    assert_eq!(within_limit(RangeSet::full()), RangeSet::full());
+}
