@@ -13,6 +13,7 @@
 //! | [`lease`] | the Lease protocol's rules both sides use: expiry, shard states, takeover, timing, shard names |
 //! | [`config`] | `SharderConfig`, the sharder's configuration file, and its validation |
 //! | [`ranges`] | hash ranges for server-side sharded list and watch: FNV-1a, range sets, the `shardSelector` grammar, the range ring |
+//! | [`range_lease`] | the two Lease annotations of a zero-write ring's range handover: the published ranges and their acknowledgement |
 //! | [`duration`], [`selector`] | Go-style durations and label selectors as the config and rings use them |
 
 #![deny(missing_docs)]
@@ -24,6 +25,7 @@ pub mod crd;
 pub mod duration;
 pub mod labels;
 pub mod lease;
+pub mod range_lease;
 pub mod ranges;
 pub mod ring_kind;
 pub mod selector;
