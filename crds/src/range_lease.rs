@@ -32,11 +32,11 @@ use crate::ranges::{HashRange, RangeSet, SPACE_END};
 
 /// Annotation the sharder writes on a shard's Lease with the shard's ranges and their
 /// generation ([`PublishedRanges`]).
-pub const ANNOTATION_RANGES: &str = "ranges.alpha.sharding.timebertt.dev";
+pub const ANNOTATION_RANGES: &str = "alpha.sharding.timebertt.dev/ranges";
 
 /// Annotation a shard writes on its own Lease with the generation of ranges it now runs with
 /// ([`Acknowledgement`]).
-pub const ANNOTATION_ACKNOWLEDGED: &str = "acknowledged.alpha.sharding.timebertt.dev";
+pub const ANNOTATION_ACKNOWLEDGED: &str = "alpha.sharding.timebertt.dev/acknowledged";
 
 /// The most ranges one [`PublishedRanges`] may hold.
 ///
