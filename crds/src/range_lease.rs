@@ -1,5 +1,5 @@
 //! The two Lease annotations of a zero-write ring's range handover (docs/zero-write-rings.md,
-//! "Where the sharder publishes ranges" and "Revoke before grant"; issue 47).
+//! "Where the sharder publishes ranges" and "Revoke before grant").
 //!
 //! - The sharder writes [`ANNOTATION_RANGES`] on a shard's Lease: a generation and the shard's
 //!   ranges of the 64-bit FNV-1a space ([`PublishedRanges`]), for example

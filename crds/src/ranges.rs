@@ -1,4 +1,4 @@
-//! Hash ranges for server-side sharded list and watch (zero-write rings, issue 47).
+//! Hash ranges for server-side sharded list and watch (zero-write rings, docs/zero-write-rings.md).
 //!
 //! Since Kubernetes 1.36 kube-apiserver can filter a list or watch by a hash of one field of each
 //! object (feature gate `ShardedListAndWatch`, alpha and off by default in 1.36 and 1.37): the

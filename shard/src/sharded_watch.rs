@@ -1,4 +1,4 @@
-//! The shard's side of server-side sharded list and watch (zero-write rings, issue 47): a
+//! The shard's side of server-side sharded list and watch (zero-write rings, docs/zero-write-rings.md): a
 //! `shardSelector` on the list and watch requests of one resource, whether the server applied
 //! it, and the same selection on the client for a server that did not.
 //!

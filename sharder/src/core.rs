@@ -30,7 +30,7 @@ pub(crate) mod pin;
     not(test),
     expect(
         dead_code,
-        reason = "pure and tested; the controller that writes its plans is still to be built (issue 47)"
+        reason = "pure and tested; the controller that writes its plans is still to be built (docs/zero-write-rings.md)"
     )
 )]
 pub(crate) mod range_handover;

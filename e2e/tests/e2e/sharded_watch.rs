@@ -1,4 +1,4 @@
-//! Server-side sharded list and watch (the ground for zero-write rings, issue 47) on the real
+//! Server-side sharded list and watch (the ground for zero-write rings) on the real
 //! API server: the `shardSelector` grammar and FNV-1a hash of `kube_sharding_api::ranges`
 //! against kube-apiserver's, and the shard library's selector layer under a kube-rs watcher,
 //! with the gate `ShardedListAndWatch` on and off.

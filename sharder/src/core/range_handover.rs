@@ -1,6 +1,6 @@
 //! Revoke before grant: which range annotations the sharder writes on shard Leases of a
 //! zero-write ring, so that no hash is ever held by two shards (docs/zero-write-rings.md,
-//! "Revoke before grant"; issue 47). Pure: Lease contents and the target assignment in, writes
+//! "Revoke before grant"). Pure: Lease contents and the target assignment in, writes
 //! out. Not wired into a controller yet.
 //!
 //! A shard **holds** a hash from the moment a publication containing it is written to its Lease
