@@ -18,6 +18,7 @@ mod ring_kinds;
 mod secure_metrics;
 mod shard;
 mod sharder;
+mod stable;
 mod sync_lists;
 mod trust;
 mod watch_assignment;
