@@ -9,6 +9,8 @@
 #                                   (config/release/install-cert-manager)
 #   dist/admission-policies.yaml    the admission policies (Kubernetes 1.30 or newer)
 #   dist/example.yaml               the example ring (deploy/)
+#   dist/example-statefulset.yaml   the example ring with its shards as a StatefulSet
+#                                   (deploy/statefulset, the recommended way to run shards)
 #   dist/SHA256SUMS                 over every file this run wrote
 #   charts/kube-sharding/           the Helm chart, generated from the same sources (see
 #                                   chart() below and docs/install.md)
@@ -73,6 +75,7 @@ render config/release/install install.yaml
 render config/release/install-cert-manager install-cert-manager.yaml
 render config/admission-policies admission-policies.yaml
 render deploy example.yaml
+render deploy/statefulset example-statefulset.yaml
 
 # --- The Helm chart -------------------------------------------------------------------------------
 # Made from the same kustomize renders as dist/: every object becomes a template of its own, as

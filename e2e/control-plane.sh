@@ -452,11 +452,12 @@ start() {
 
   # Only the controllers whose effects the tests rely on: the garbage collector (owner references)
   # and namespace lifecycle (deleting a namespace's content); with a node, also what Deployments,
-  # Services, ServiceAccount tokens and PodDisruptionBudgets need. No serving port, no leader
-  # election.
+  # StatefulSets (the example's StatefulSet variant), Services, ServiceAccount tokens and
+  # PodDisruptionBudgets need. No serving port, no leader election.
   local controllers=garbage-collector-controller,namespace-controller
   if $node; then
-    controllers+=,deployment-controller,replicaset-controller,endpointslice-controller
+    controllers+=,deployment-controller,replicaset-controller,statefulset-controller
+    controllers+=,endpointslice-controller
     controllers+=,serviceaccount-controller,root-ca-certificate-publisher-controller
     controllers+=,disruption-controller,node-lifecycle-controller
   fi

@@ -43,7 +43,7 @@ case "$RING_KIND" in
   ClusterRing)
     # The ring's label keys (docs/protocol.md §2); the ring name is short, so nothing is cut.
     SUFFIX="clusterring-$(printf %s "$RING" | sha256sum | cut -c1-8)-$RING"
-    RING_FILE="$ROOT/deploy/clusterring.yaml"
+    RING_FILE="$ROOT/deploy/clusterring/clusterring.yaml"
     ;;
   ControllerRing)
     # docs/protocol.md §15: the ring name itself.
@@ -297,7 +297,7 @@ up() {
   done
   k create -f "$ROOT/config/crds/namespace.yaml" >/dev/null
   k create namespace "$NAMESPACE" >/dev/null
-  # The example ring covers namespaces that opt in with this label (deploy/clusterring.yaml).
+  # The example ring covers namespaces that opt in with this label (deploy/clusterring/clusterring.yaml).
   k label namespace "$NAMESPACE" checksum-controller=enabled >/dev/null
 
   log "starting the sharder"

@@ -144,6 +144,6 @@ async fn main() -> anyhow::Result<()> {
     };
     match shard.run(&lock, &shutdown, term).await? {
         ShardRunEnd::LeaseLost => anyhow::bail!("lost the shard Lease"),
-        ShardRunEnd::Stopped { .. } => Ok(()),
+        ShardRunEnd::Stopped { .. } | ShardRunEnd::Kept => Ok(()),
     }
 }

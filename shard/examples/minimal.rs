@@ -84,6 +84,6 @@ async fn main() -> anyhow::Result<()> {
     match end {
         // Another process may own our Secrets by now: exit, and let the pod restart.
         ShardRunEnd::LeaseLost => anyhow::bail!("lost the shard Lease"),
-        ShardRunEnd::Stopped { .. } => Ok(()),
+        ShardRunEnd::Stopped { .. } | ShardRunEnd::Kept => Ok(()),
     }
 }

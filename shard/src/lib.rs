@@ -40,7 +40,8 @@
 //! ```
 //!
 //! `end` says whether the shard stopped on `shutdown` (the Lease was released, so the sharder
-//! hands the objects to the other shards at once) or lost its Lease (exit: another shard may own
+//! hands the objects to the other shards at once; or, for a StatefulSet pod that comes back,
+//! kept for it, see [`Shard::with_on_shutdown`]) or lost its Lease (exit: another shard may own
 //! the objects already). Complete programs are in the crate's `examples/`: `minimal.rs` (the
 //! above with signal handling and a ring from the environment) and `departures.rs` (controlled
 //! objects, event filters and per-object local state that must follow objects as they move).
@@ -54,7 +55,9 @@
 //!   shard name, labelled with the ring ([`Shard::lease_config`]). The sharder counts the shard
 //!   while the Lease is renewed, and moves its objects away when it is released or expires.
 //!   [`Shard::run`] acquires it before any work, renews it, drops the work at once when it is
-//!   lost, and on shutdown stops the work first and then releases the Lease.
+//!   lost, and on shutdown stops the work first and then releases the Lease, or, for a pod its
+//!   StatefulSet recreates under the same name, leaves it held for the returning pod
+//!   ([`OnShutdown::KeepIfReturning`]): a rollout then moves no object.
 //! - **The sharder judges a returning shard.** After creating or taking over its Lease a shard
 //!   waits until the sharder has labelled the Lease `ready` (it holds that back while objects it
 //!   was moving off the shard are still on their way). While the sharder marks the Lease as
@@ -114,6 +117,7 @@ mod membership;
 mod ownership;
 mod shard;
 pub mod sharded_watch;
+mod shutdown;
 
 pub use crate::departures::{Departure, Departures, ObjectKey, Release};
 pub use crate::drain::{Disposition, DrainPassthrough, ReconcileError};
@@ -121,5 +125,6 @@ pub use crate::lease::{GuardEnd, HeldLease, HeldRunEnd, LeaseGuard, LeaseLock, L
 pub use crate::membership::{EVENT_SHARD_EXCLUDED, EVENT_TERM_STARTED, ShardRunEnd, Term};
 pub use crate::ownership::{Ownership, OwnershipError};
 pub use crate::shard::{DEFAULT_JUDGEMENT_FALLBACK, DEFAULT_REJOIN_PAUSE, Shard};
+pub use crate::shutdown::{EVENT_LEASE_KEPT, OnShutdown, STATEFULSET_READ_TIMEOUT, StatefulSetPod};
 /// The kind of ring a [`Shard`] joins.
 pub use kube_sharding_api::RingKind;

@@ -13,6 +13,7 @@ use tracing::{error, info, warn};
 
 use crate::Shard;
 use crate::lease::{Error, LeaseGuard, LeaseLock, RunEnd};
+use crate::shutdown::{self, OnShutdown, ShutdownDecision};
 
 /// `event` of the record [`Shard::run`] logs, at error level, when the shard stepped out of its
 /// ring because the sharder excluded its Lease.
@@ -124,6 +125,9 @@ pub enum ShardRunEnd {
         /// Whether the release wrote the Lease.
         released: bool,
     },
+    /// Shutdown of a shard whose pod comes back ([`OnShutdown::KeepIfReturning`]): the work
+    /// stopped, then the renewals, and the Lease was left held for the returning pod.
+    Kept,
 }
 
 impl Shard {
@@ -161,6 +165,11 @@ impl Shard {
     /// held (a restart within the Lease duration) needs no judgement: to the sharder the shard
     /// never left.
     ///
+    /// **On shutdown** the work is stopped first, then the Lease is released
+    /// ([`OnShutdown::Release`], the default), or, with [`OnShutdown::KeepIfReturning`] and a
+    /// StatefulSet that recreates this shard's pod, left held for the returning pod, which
+    /// renews it and starts at once ([`ShardRunEnd::Kept`]; see [`Shard::with_on_shutdown`]).
+    ///
     /// [`HeldLease::run_while_held`]: crate::HeldLease::run_while_held
     /// [`ANNOTATION_EXCLUDED`]: kube_sharding_api::labels::ANNOTATION_EXCLUDED
     pub async fn run<W, F>(
@@ -188,6 +197,16 @@ impl Shard {
             // with this name may be another copy's, or still on their way to other shards.
             let probation = held.created() || held.unjudged();
             let fallback = self.judgement_fallback();
+            let keep = || async {
+                match self.on_shutdown() {
+                    OnShutdown::Release => false,
+                    OnShutdown::KeepIfReturning(pod) => {
+                        let decision =
+                            shutdown::check(lock.statefulset_reader(), self.name(), pod).await;
+                        matches!(decision, ShutdownDecision::Keep { .. })
+                    }
+                }
+            };
             let end = held
                 .run(shutdown, |stop| {
                     let judged = probation.then(|| judgement(lock, guard.clone(), fallback));
@@ -222,10 +241,11 @@ impl Shard {
                         );
                         work.await;
                     }
-                })
+                }, keep)
                 .await?;
             match end {
                 RunEnd::Lost => return Ok(ShardRunEnd::LeaseLost),
+                RunEnd::Kept => return Ok(ShardRunEnd::Kept),
                 RunEnd::Ended { released } => return Ok(ShardRunEnd::Stopped { released }),
                 RunEnd::Excluded { reason, released } => {
                     error!(

@@ -10,6 +10,7 @@ use kube_sharding_api::labels;
 
 use crate::drain::{self, Disposition};
 use crate::lease::LeaseLockConfig;
+use crate::shutdown::OnShutdown;
 
 /// A shard: a controller instance that joins the ring `ring` under the name `name`, announcing
 /// its membership with a Lease in `lease_namespace`.
@@ -36,6 +37,7 @@ pub struct Shard {
     leaves_controlled_objects: bool,
     rejoin_pause: Duration,
     judgement_fallback: Duration,
+    on_shutdown: OnShutdown,
 }
 
 /// How long [`Shard::run`] waits by default before rejoining after an exclusion.
@@ -88,6 +90,7 @@ impl Shard {
             leaves_controlled_objects: false,
             rejoin_pause: DEFAULT_REJOIN_PAUSE,
             judgement_fallback: DEFAULT_JUDGEMENT_FALLBACK,
+            on_shutdown: OnShutdown::Release,
         }
     }
 
@@ -146,6 +149,33 @@ impl Shard {
     /// How long [`Shard::run`] waits for a judgement before it concludes that no sharder runs.
     pub fn judgement_fallback(&self) -> Duration {
         self.judgement_fallback
+    }
+
+    /// The shard doing `on_shutdown` with its Lease when [`Shard::run`] stops on shutdown,
+    /// instead of releasing it ([`OnShutdown::Release`], the default).
+    ///
+    /// Shards run by a StatefulSet keep their names over a rollout, so with
+    /// [`OnShutdown::KeepIfReturning`] a rollout moves no object: each stopping pod reads its
+    /// StatefulSet, and when the StatefulSet recreates it (its ordinal is below
+    /// `spec.replicas`) leaves its Lease held; the new pod of the same name renews the Lease and
+    /// carries on with the same objects at once. Scale-in, a deleted StatefulSet or a failed
+    /// read release as before. Needs `get` on the StatefulSet.
+    ///
+    /// ```
+    /// use kube_sharding::{OnShutdown, Shard, StatefulSetPod};
+    /// let shard = Shard::new("my-ring", "my-controller-2", "my-namespace")
+    ///     .with_on_shutdown(OnShutdown::KeepIfReturning(StatefulSetPod::new("my-namespace")));
+    /// assert!(matches!(shard.on_shutdown(), OnShutdown::KeepIfReturning(_)));
+    /// ```
+    #[must_use]
+    pub fn with_on_shutdown(mut self, on_shutdown: OnShutdown) -> Self {
+        self.on_shutdown = on_shutdown;
+        self
+    }
+
+    /// What [`Shard::run`] does with the Lease on shutdown.
+    pub fn on_shutdown(&self) -> &OnShutdown {
+        &self.on_shutdown
     }
 
     /// The kind of the ring.

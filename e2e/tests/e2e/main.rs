@@ -19,6 +19,7 @@ mod secure_metrics;
 mod shard;
 mod sharded_watch;
 mod sharder;
+mod stable;
 mod sync_lists;
 mod trust;
 mod watch_assignment;

@@ -41,8 +41,10 @@ const KUSTOMIZATIONS: &[&str] = &[
     "config/release/install",
     "config/release/install-cert-manager",
     "deploy/base",
+    "deploy/clusterring",
     "deploy",
     "deploy/controllerring",
+    "deploy/statefulset",
 ];
 
 /// Components: rendered only as part of a kustomization that uses them.
@@ -999,5 +1001,83 @@ fn example_rings_take_shards_only_from_their_namespace() -> anyhow::Result<()> {
             "{dir}: spec.leaseNamespaces"
         );
     }
+    Ok(())
+}
+
+/// `deploy/statefulset` is `deploy/` with the shards' Deployment replaced by a StatefulSet of the
+/// same pods, whose shards keep their Leases over a restart (`--on-shutdown=keep-if-returning`)
+/// and may read that StatefulSet (and no other), with a grace period above the shutdown's bounds
+/// (the renew deadline for the work, 5 s for the read).
+#[test]
+fn statefulset_example_is_the_example_with_a_statefulset() -> anyhow::Result<()> {
+    let example = render("deploy")?;
+    let variant = render("deploy/statefulset")?;
+    let deployment = find(&example, "Deployment", "checksum-controller")?;
+    ensure!(
+        !variant.iter().any(|o| kind(o) == "Deployment"),
+        "deploy/statefulset keeps a Deployment"
+    );
+    for object in example.iter().filter(|o| kind(o) != "Deployment") {
+        ensure!(
+            variant.contains(object),
+            "deploy/statefulset lacks or changes {}",
+            describe(object)
+        );
+    }
+    let statefulset = only(&variant, "StatefulSet")?;
+    ensure!(namespace(statefulset) == namespace(deployment), "namespace");
+    ensure!(
+        statefulset["spec"]["selector"] == deployment["spec"]["selector"]
+            && statefulset["spec"]["template"]["metadata"]
+                == deployment["spec"]["template"]["metadata"],
+        "the StatefulSet's pods are not the Deployment's"
+    );
+    ensure!(
+        str_at(statefulset, "/spec/podManagementPolicy") == "Parallel",
+        "podManagementPolicy"
+    );
+    let grace = statefulset["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+        .as_u64()
+        .unwrap_or(30);
+    ensure!(grace > 10 + 5, "terminationGracePeriodSeconds {grace}");
+    let args = container(statefulset, "checksum-controller")?["args"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    let mut expected = container(deployment, "checksum-controller")?["args"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    expected.push(json!("--on-shutdown=keep-if-returning"));
+    let sorted = |mut v: Vec<Value>| {
+        v.sort_by_key(Value::to_string);
+        v
+    };
+    ensure!(
+        sorted(args.clone()) == sorted(expected),
+        "the StatefulSet's shards run with {args:?}"
+    );
+    // `get` on its own StatefulSet, in the shards' namespace, for the shards' ServiceAccount.
+    let account = str_at(statefulset, "/spec/template/spec/serviceAccountName");
+    let roles: Vec<&Value> = variant
+        .iter()
+        .filter(|o| kind(o) == "Role" && namespace(o) == namespace(statefulset))
+        .filter(|role| {
+            role["rules"].as_array().into_iter().flatten().any(|rule| {
+                rule["apiGroups"] == json!(["apps"])
+                    && rule["resources"] == json!(["statefulsets"])
+                    && rule["resourceNames"] == json!([name(statefulset)])
+                    && rule["verbs"] == json!(["get"])
+            })
+        })
+        .collect();
+    ensure!(
+        roles
+            .iter()
+            .any(|role| variant.iter().any(|o| kind(o) == "RoleBinding"
+                && namespace(o) == namespace(statefulset)
+                && binds(o, "Role", name(role), namespace(statefulset), account))),
+        "the shards may not get their StatefulSet"
+    );
     Ok(())
 }

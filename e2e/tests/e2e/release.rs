@@ -33,6 +33,7 @@ const BUNDLE: &[(&str, &str)] = &[
     ),
     ("admission-policies.yaml", "config/admission-policies"),
     ("example.yaml", "deploy"),
+    ("example-statefulset.yaml", "deploy/statefulset"),
 ];
 
 /// Runs `release.sh` with `args` and the tests' kubectl; its standard error.

@@ -9,6 +9,7 @@
 
 mod ownership;
 mod release;
+mod stable;
 mod upgrade;
 
 use std::collections::BTreeMap;
@@ -96,7 +97,7 @@ pub(crate) fn admission_policies_served(c: &InCluster) -> anyhow::Result<bool> {
 /// A scratch directory with `config/` and `deploy/` of the checkout, where the documented commands
 /// run as in a clone without leaving files in it. It lives in the cluster's directory, which goes
 /// with the cluster when the test process ends, and the CA keys the install writes with it.
-fn scratch_dir(c: &InCluster, name: &str) -> anyhow::Result<std::path::PathBuf> {
+pub(crate) fn scratch_dir(c: &InCluster, name: &str) -> anyhow::Result<std::path::PathBuf> {
     let dir = c.state_dir().join(format!("scratch-{name}"));
     std::fs::create_dir_all(&dir)?;
     for sub in ["config", "deploy"] {
@@ -110,7 +111,7 @@ fn scratch_dir(c: &InCluster, name: &str) -> anyhow::Result<std::path::PathBuf> 
 
 /// Installs the sharder with the "Without cert-manager" commands of docs/install-kustomize.md,
 /// once.
-fn ensure_installed(c: &InCluster) -> anyhow::Result<()> {
+pub(crate) fn ensure_installed(c: &InCluster) -> anyhow::Result<()> {
     if INSTALLED.load(Ordering::SeqCst) {
         return Ok(());
     }
@@ -146,11 +147,25 @@ fn ring_resource(kind: RingKind) -> &'static str {
 
 /// The example of `kind` installed with `kubectl apply -k`, the other kind's removed, scaled to
 /// `replicas` shards, all available in the ring.
-async fn ensure_example(c: &InCluster, kind: RingKind, replicas: u32) -> anyhow::Result<()> {
+pub(crate) async fn ensure_example(
+    c: &InCluster,
+    kind: RingKind,
+    replicas: u32,
+) -> anyhow::Result<()> {
     let other = match kind {
         RingKind::ClusterRing => RingKind::ControllerRing,
         RingKind::ControllerRing => RingKind::ClusterRing,
     };
+    // The StatefulSet variant (deploy/statefulset, left by its test) runs the same shards.
+    c.kubectl(&[
+        "-n",
+        SHARDS_NAMESPACE,
+        "delete",
+        "statefulset",
+        "checksum-controller",
+        "--ignore-not-found",
+        "--wait=true",
+    ])?;
     // Both examples share the shards' namespace and Deployment: drop only the other ring, and
     // apply this example (which rolls the shards over to this kind when they ran the other).
     c.kubectl(&[

@@ -98,7 +98,8 @@ impl Drop for ShardLogs {
 
 /// Lists the pods every 300 ms and follows each one from the moment it is bound to a node: its
 /// log can be read from the moment its container starts, which the pod's status may report
-/// only seconds later.
+/// only seconds later. A pod is known by its UID: a StatefulSet's replacement pod has the name of
+/// the pod it replaces, and is followed as a new one.
 async fn follow_pods(
     client: Client,
     namespace: String,
@@ -113,9 +114,11 @@ async fn follow_pods(
         if let Ok(list) = pods.list(&ListParams::default().labels(&selector)).await {
             for pod in list {
                 let name = pod.metadata.name.clone().unwrap_or_default();
+                let uid = pod.metadata.uid.clone().unwrap_or_default();
                 let bound = pod.spec.as_ref().is_some_and(|s| s.node_name.is_some());
-                if bound && followed.insert(name.clone()) {
-                    streams.spawn(stream(pods.clone(), name, records.clone(), stop.clone()));
+                if bound && followed.insert(uid.clone()) {
+                    let follow = stream(pods.clone(), name, uid, records.clone(), stop.clone());
+                    streams.spawn(follow);
                 }
             }
         }
@@ -132,7 +135,7 @@ async fn follow_pods(
 }
 
 /// Follows one pod's log into `records`. Opening the stream is retried every 250 ms until it
-/// opens (the container may still be starting), the pod is gone, or `stop`. A stream that ends
+/// opens (the container may still be starting), the pod (of UID `uid`) is gone, or `stop`. A stream that ends
 /// while the container still runs (an API server or kubelet connection dropped) is opened again,
 /// from the start of the log, and lines already read are skipped: a shard's last records (its
 /// Lease released) are what the scale tests look for, and a lost connection must not lose them.
@@ -141,6 +144,7 @@ async fn follow_pods(
 async fn stream(
     pods: Api<Pod>,
     pod: String,
+    uid: String,
     records: Arc<Mutex<Vec<Record>>>,
     stop: CancellationToken,
 ) {
@@ -150,6 +154,13 @@ async fn stream(
     };
     let mut seen: HashSet<String> = HashSet::new();
     loop {
+        // The log is read by name: once a replacement of the same name exists, it is that
+        // pod's, which a stream of its own follows.
+        match pods.get_opt(&pod).await {
+            Ok(Some(current)) if current.metadata.uid.as_deref() == Some(uid.as_str()) => {}
+            Ok(_) => return,
+            Err(_) => {}
+        }
         let reader = match pods.log_stream(&pod, &params).await {
             Ok(reader) => reader,
             Err(kube::Error::Api(e)) if e.code == 404 => return,

@@ -11,7 +11,8 @@
 //!
 //! Order of life ([`kube_sharding::Shard::run`]): acquire the shard Lease, then run the controller and the
 //! departures watch; exit non-zero the moment the Lease is lost; on SIGTERM/SIGINT stop the
-//! controller, release the Lease, exit 0; when the sharder excludes the shard, stop at once,
+//! controller, release the Lease (or, with `--on-shutdown=keep-if-returning`, keep it when the
+//! shard's StatefulSet recreates its pod), exit 0; when the sharder excludes the shard, stop at once,
 //! release the Lease and rejoin after `--rejoin-pause`.
 //!
 //! Every record that tells what the shard did carries an `event` field; `--log-format=json` prints
@@ -29,7 +30,8 @@
 //! | `deleted` (a Secret of this shard was deleted, [`kube_sharding::Departure::Deleted`]) | `namespace`, `name`, `shard`, `had_state`, `checksums`, `deleted_total` |
 //! | `lease_acquired`, `lease_lost`, `lease_released`, `lease_excluded` (the shard library's) | `lease`, `namespace`, `resource_version` (of the Lease as written), see `kube_sharding::lease` |
 //! | `shard_excluded` (the shard library's: stepped out of the ring, rejoining after a pause) | `shard`, `reason`, `released` |
-//! | `shard_stopped` | `shard`, `reason` (`lease_lost` or `shutdown`) |
+//! | `lease_kept` (the shard library's: on SIGTERM with `--on-shutdown=keep-if-returning`, the StatefulSet recreates this pod, the Lease stays held for it) | `shard`, `statefulset`, `ordinal`, `replicas` |
+//! | `shard_stopped` | `shard`, `reason` (`lease_lost` or `shutdown`), `lease_kept` (with `shutdown`) |
 //!
 //! Its local state is an in-memory record of what it served per Secret (the Secret's UID and
 //! the number of checksums); a record is dropped when the Secret leaves the shard (`released`)
@@ -50,8 +52,8 @@ use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, Resource, ResourceExt};
 use kube_sharding::lease::error_chain;
 use kube_sharding::{
-    Departure, LeaseLock, ObjectKey, Ownership, OwnershipError, ReconcileError, Shard, ShardRunEnd,
-    Term,
+    Departure, LeaseLock, ObjectKey, OnShutdown, Ownership, OwnershipError, ReconcileError, Shard,
+    ShardRunEnd, StatefulSetPod, Term,
 };
 use sha2::{Digest, Sha256};
 use tokio_util::sync::CancellationToken;
@@ -80,6 +82,18 @@ const AWAIT_MOVE: Duration = Duration::from_secs(10);
 enum LogFormat {
     Text,
     Json,
+}
+
+/// What the shard does with its Lease on SIGTERM ([`kube_sharding::OnShutdown`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum ShutdownMode {
+    /// Release it: the sharder moves the Secrets to the other shards at once (a Deployment's
+    /// pods, whose names never come back).
+    Release,
+    /// Keep it when the shard's StatefulSet recreates its pod under the same name (a rollout):
+    /// the returning pod renews it and carries on with the same Secrets, nothing moves. Releases
+    /// on scale-in and when the StatefulSet cannot be read.
+    KeepIfReturning,
 }
 
 /// Example shard of controller-sharding: writes SHA-256 checksums of Secrets into ConfigMaps.
@@ -135,6 +149,16 @@ struct Args {
     /// acknowledged. Without it every write labels the ConfigMap with this shard.
     #[arg(long)]
     leave_children_to_sharder: bool,
+    /// What to do with the shard Lease on SIGTERM. `keep-if-returning` is for shards run by a
+    /// StatefulSet and named after their pod (`<statefulset>-<ordinal>`): the shard reads its
+    /// StatefulSet (in the Lease namespace; needs `get` on it) and keeps its Lease over the
+    /// restart when its ordinal is below `spec.replicas`.
+    #[arg(long, env = "SHARD_ON_SHUTDOWN", value_enum, default_value_t = ShutdownMode::Release)]
+    on_shutdown: ShutdownMode,
+    /// With `--on-shutdown=keep-if-returning`: the StatefulSet running this shard (default: the
+    /// shard name without its `-<ordinal>` suffix).
+    #[arg(long, env = "SHARD_STATEFULSET")]
+    statefulset: Option<String>,
     /// Reconciles (and drain acknowledgements) run at once at most; 0: no bound.
     #[arg(long, default_value_t = 0)]
     max_concurrent_reconciles: u16,
@@ -612,9 +636,20 @@ async fn main() -> anyhow::Result<()> {
         // acknowledged.
         shard = shard.leaving_controlled_objects_to_sharder();
     }
+    let on_shutdown = match args.on_shutdown {
+        ShutdownMode::Release => OnShutdown::Release,
+        ShutdownMode::KeepIfReturning => {
+            let pod = StatefulSetPod::new(shard.lease_namespace());
+            OnShutdown::KeepIfReturning(match &args.statefulset {
+                Some(name) => pod.named(name),
+                None => pod,
+            })
+        }
+    };
     let shard = shard
         .with_rejoin_pause(args.rejoin_pause)
-        .with_judgement_fallback(args.judgement_fallback);
+        .with_judgement_fallback(args.judgement_fallback)
+        .with_on_shutdown(on_shutdown);
     let config = shard
         .lease_config()
         .with_lease_duration(args.lease_duration)
@@ -707,8 +742,9 @@ async fn main() -> anyhow::Result<()> {
 
     // Membership first: nothing is reconciled before the Lease is ours. Stops at once when the
     // Lease is lost; on shutdown the controller stops first, then the Lease is released so our
-    // objects are handed over right away; when the sharder excludes the shard, it steps out and
-    // rejoins after `--rejoin-pause`.
+    // objects are handed over right away (or, with `--on-shutdown=keep-if-returning`, kept for
+    // the pod that comes back under this name); when the sharder excludes the shard, it steps
+    // out and rejoins after `--rejoin-pause`.
     info!(shard = %shard.name(), ring = %shard.ring(), kind = %shard.kind(), namespace = %shard.lease_namespace(), "acquiring shard Lease");
     let ended = shard
         .run(&lock, &shutdown, term)
@@ -727,6 +763,7 @@ async fn main() -> anyhow::Result<()> {
         event = "shard_stopped",
         reason = "shutdown",
         shard = %shard.name(),
+        lease_kept = ended == ShardRunEnd::Kept,
         "stopped"
     );
     Ok(())

@@ -287,6 +287,9 @@ pub(crate) enum RunEnd {
     Excluded { reason: String, released: bool },
     /// As [`HeldRunEnd::WorkEnded`].
     Ended { released: bool },
+    /// Shutdown: the work stopped, then the renewals, and the Lease was left held for the
+    /// process that comes back under the same identity.
+    Kept,
 }
 
 impl HeldLease {
@@ -322,23 +325,30 @@ impl HeldLease {
         W: FnOnce(CancellationToken) -> F,
         F: Future<Output = ()>,
     {
-        Ok(match self.run(shutdown, work).await? {
+        let release = || std::future::ready(false);
+        Ok(match self.run(shutdown, work, release).await? {
             RunEnd::Lost => HeldRunEnd::LeaseLost,
             RunEnd::Excluded { released, .. } | RunEnd::Ended { released } => {
                 HeldRunEnd::WorkEnded { released }
             }
+            // `release` never keeps.
+            RunEnd::Kept => HeldRunEnd::WorkEnded { released: false },
         })
     }
 
-    /// [`HeldLease::run_while_held`], telling exclusion apart.
-    pub(crate) async fn run<F, W>(
+    /// [`HeldLease::run_while_held`], telling exclusion apart; after a graceful stop on
+    /// `shutdown`, `keep()` decides whether the Lease is left held instead of released.
+    pub(crate) async fn run<F, W, K, KF>(
         self,
         shutdown: &CancellationToken,
         work: W,
+        keep: K,
     ) -> Result<RunEnd, Error>
     where
         W: FnOnce(CancellationToken) -> F,
         F: Future<Output = ()>,
+        K: FnOnce() -> KF,
+        KF: Future<Output = bool>,
     {
         let work = work(shutdown.child_token());
         // A graceful stop gets the renew deadline, then the work is dropped: a controller told to
@@ -367,16 +377,32 @@ impl HeldLease {
                 tracing::warn!(grace = ?grace, "work did not stop within the renew deadline after shutdown; dropped it");
             }
         }
+        // Only a stop on shutdown may keep the Lease: work that ended by itself says nothing
+        // about a process coming back. The renewals go on while `keep` looks.
+        let kept = self.guard.check().is_ok() && shutdown.is_cancelled() && keep().await;
         match self.guard.check() {
             Err(GuardEnd::LeaseLost) => Ok(RunEnd::Lost),
             Err(GuardEnd::Excluded(reason)) => {
                 let released = self.release().await?;
                 Ok(RunEnd::Excluded { reason, released })
             }
+            Ok(()) if kept => {
+                self.stop_renewing().await;
+                Ok(RunEnd::Kept)
+            }
             Ok(()) => {
                 let released = self.release().await?;
                 Ok(RunEnd::Ended { released })
             }
+        }
+    }
+
+    /// Stops renewing and waits until the renewer has stopped, writing nothing: the Lease stays
+    /// held until it expires or the same identity renews it.
+    async fn stop_renewing(mut self) {
+        self.stop.cancel();
+        if let Some(renewer) = self.renewer.take() {
+            let _ = renewer.await;
         }
     }
 }

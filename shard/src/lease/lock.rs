@@ -105,6 +105,17 @@ impl LeaseLock {
         self.inner.store.changes()
     }
 
+    /// Where a shard's shutdown check reads its StatefulSet: the API server of this lock.
+    pub(crate) fn statefulset_reader(&self) -> Option<crate::shutdown::Reader> {
+        match &self.inner.store {
+            Store::Api { api, .. } => Some(crate::shutdown::Reader::Api(api.clone().into_client())),
+            #[cfg(test)]
+            Store::Fake(fake) => Some(crate::shutdown::Reader::Fixed(
+                fake.statefulset().map(Box::new),
+            )),
+        }
+    }
+
     /// The configuration.
     pub fn config(&self) -> &LeaseLockConfig {
         &self.inner.config

@@ -115,6 +115,8 @@ pub(crate) mod fake {
         writes: usize,
         /// Tells watchers (`FakeStore::changes`) about every new version.
         versions: tokio::sync::watch::Sender<Option<Lease>>,
+        /// What a shard's shutdown check reads as its StatefulSet (`None`: not found).
+        statefulset: Option<k8s_openapi::api::apps::v1::StatefulSet>,
     }
 
     impl State {
@@ -146,7 +148,21 @@ pub(crate) mod fake {
                 mode: Mode::Normal,
                 writes: 0,
                 versions: tokio::sync::watch::Sender::new(None),
+                statefulset: None,
             })))
+        }
+
+        /// Sets what a shard's shutdown check reads as its StatefulSet.
+        pub(crate) fn set_statefulset(
+            &self,
+            statefulset: Option<k8s_openapi::api::apps::v1::StatefulSet>,
+        ) {
+            self.state().statefulset = statefulset;
+        }
+
+        /// What a shard's shutdown check reads as its StatefulSet.
+        pub(crate) fn statefulset(&self) -> Option<k8s_openapi::api::apps::v1::StatefulSet> {
+            self.state().statefulset.clone()
         }
 
         fn state(&self) -> MutexGuard<'_, State> {

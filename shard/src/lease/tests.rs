@@ -636,9 +636,11 @@ async fn exclusion_seen_at_a_renewal_drops_the_work_and_releases() {
     let reconciles = Arc::new(AtomicUsize::new(0));
     let counter = reconciles.clone();
     let run = tokio::spawn(async move {
-        held.run(&CancellationToken::new(), |stop| {
-            counting_work(counter, stop, Duration::from_secs(5))
-        })
+        held.run(
+            &CancellationToken::new(),
+            |stop| counting_work(counter, stop, Duration::from_secs(5)),
+            || std::future::ready(false),
+        )
         .await
     });
     tokio::time::sleep(Duration::from_millis(2_500)).await;
@@ -1067,4 +1069,124 @@ async fn work_on_a_lease_still_held_starts_at_once() {
     shutdown.cancel();
     let ended = run.await.expect("task ok").expect("no error");
     assert_eq!(ended, crate::ShardRunEnd::Stopped { released: true });
+}
+
+/// A StatefulSet of `replicas` pods, as a shard's shutdown check reads it.
+fn statefulset(replicas: i32) -> k8s_openapi::api::apps::v1::StatefulSet {
+    k8s_openapi::api::apps::v1::StatefulSet {
+        spec: Some(k8s_openapi::api::apps::v1::StatefulSetSpec {
+            replicas: Some(replicas),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_statefulset_shard_keeps_its_lease_for_the_returning_pod_and_releases_on_scale_in() {
+    use crate::{OnShutdown, ShardRunEnd, StatefulSetPod};
+    let shard = crate::Shard::new("r", "web-1", "ns")
+        .with_on_shutdown(OnShutdown::KeepIfReturning(StatefulSetPod::new("ns")));
+    let fake = FakeStore::new();
+    let shard_lock = || {
+        let config = shard
+            .lease_config()
+            .with_lease_duration(DURATION)
+            .with_renew_deadline(DEADLINE)
+            .with_retry_period(RETRY);
+        LeaseLock::with_store(Store::Fake(fake.clone()), config, test_clock()).expect("valid")
+    };
+    fake.set_statefulset(Some(statefulset(3)));
+
+    // First start: a new Lease, judged by the sharder.
+    let shutdown = CancellationToken::new();
+    let (started, run) = spawn_shard_run(&shard, shard_lock(), &shutdown);
+    settle().await;
+    set_state_label(&fake, "ready");
+    settle().await;
+    assert!(started.lock().expect("lock").is_some(), "judged, started");
+    tokio::time::sleep(RETRY * 2).await;
+
+    // A rollout: ordinal 1 of 3 comes back. Nothing is written, and nothing renews any more.
+    shutdown.cancel();
+    let ended = run.await.expect("task ok").expect("no error");
+    assert_eq!(ended, ShardRunEnd::Kept);
+    let writes = fake.writes();
+    let kept = fake.lease().expect("lease");
+    assert_eq!(holder_of(&kept), "web-1", "still held");
+    let annotations = kept.metadata.annotations.clone().unwrap_or_default();
+    assert!(
+        !annotations.contains_key(kube_sharding_api::labels::ANNOTATION_RELEASED_BY),
+        "no release mark"
+    );
+    tokio::time::sleep(RETRY * 3).await;
+    settle().await;
+    assert_eq!(fake.writes(), writes, "no renewal after the stop");
+
+    // The pod returns within the Lease duration: a renewal, no wait for the sharder.
+    let shutdown = CancellationToken::new();
+    let begin = Instant::now();
+    let (started, run) = spawn_shard_run(&shard, shard_lock(), &shutdown);
+    settle().await;
+    assert_eq!(
+        *started.lock().expect("lock"),
+        Some(begin),
+        "started at once"
+    );
+    assert_eq!(state_label(&fake).as_deref(), Some("ready"), "same holding");
+    assert_eq!(
+        spec(&fake).lease_transitions,
+        kept.spec.and_then(|s| s.lease_transitions)
+    );
+
+    // Scale-in to 1: ordinal 1 does not come back, the Lease is released as usual.
+    fake.set_statefulset(Some(statefulset(1)));
+    shutdown.cancel();
+    let ended = run.await.expect("task ok").expect("no error");
+    assert_eq!(ended, ShardRunEnd::Stopped { released: true });
+    assert_eq!(spec(&fake).holder_identity.as_deref(), Some(""));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_statefulset_shard_releases_when_its_statefulset_cannot_be_read_or_it_stops_by_itself() {
+    use crate::{OnShutdown, ShardRunEnd, StatefulSetPod};
+    let shard = crate::Shard::new("r", "web-0", "ns")
+        .with_on_shutdown(OnShutdown::KeepIfReturning(StatefulSetPod::new("ns")));
+    let fake = FakeStore::new();
+    let config = shard
+        .lease_config()
+        .with_lease_duration(DURATION)
+        .with_renew_deadline(DEADLINE)
+        .with_retry_period(RETRY);
+    let shard_lock =
+        || LeaseLock::with_store(Store::Fake(fake.clone()), config.clone(), test_clock());
+    // No StatefulSet to read (deleted, or a read that failed): release.
+    let shutdown = CancellationToken::new();
+    let (_, run) = spawn_shard_run(&shard, shard_lock().expect("valid"), &shutdown);
+    settle().await;
+    shutdown.cancel();
+    let ended = run.await.expect("task ok").expect("no error");
+    assert_eq!(ended, ShardRunEnd::Stopped { released: true });
+    assert_eq!(spec(&fake).holder_identity.as_deref(), Some(""));
+
+    // Work that ends without a shutdown says nothing about a pod coming back: release.
+    fake.set_statefulset(Some(statefulset(3)));
+    let ended = shard
+        .run(
+            &shard_lock().expect("valid"),
+            &CancellationToken::new(),
+            |_| std::future::ready(()),
+        )
+        .await
+        .expect("no error");
+    assert_eq!(ended, ShardRunEnd::Stopped { released: true });
+    assert_eq!(spec(&fake).holder_identity.as_deref(), Some(""));
+}
+
+fn holder_of(lease: &k8s_openapi::api::coordination::v1::Lease) -> &str {
+    lease
+        .spec
+        .as_ref()
+        .and_then(|s| s.holder_identity.as_deref())
+        .unwrap_or_default()
 }
