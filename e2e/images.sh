@@ -92,7 +92,9 @@ build() {
 
   local work
   work=$(mktemp -d)
-  trap 'rm -rf "$work"' RETURN
+  # Expanded now and removed once run: a RETURN trap is global, and would otherwise fire again
+  # when the caller (previous_release) returns, where $work is not set.
+  trap "rm -rf '$work'; trap - RETURN" RETURN
   local binaries=() name
   for name in "${IMAGES[@]}"; do
     mkdir -p "$work/$name/out"
