@@ -90,8 +90,17 @@ msrv() {
 }
 
 package() {
-  local flags
+  local flags name kinds
   mapfile -t flags < <(package_flags)
+  # cargo package verifies a crate against its siblings' packages, unpacked from a temporary
+  # registry in the target directory into CARGO_HOME and compiled like registry crates, which
+  # cargo takes as immutable: an unpacked copy or a build of the same name and version is reused.
+  # With a target directory kept across runs (as .ci/run keeps it), a dependent would be verified
+  # against the previous run's sources. Remove both for the project's own crates first.
+  while read -r name kinds; do
+    rm -rf "${CARGO_HOME:-$HOME/.cargo}"/registry/src/-*/"$name"-[0-9]*
+  done < <(published)
+  cargo clean --locked --quiet "${flags[@]}"
   log "cargo package ${flags[*]}"
   # --allow-dirty: check the tree as it is, also by hand before a commit; the real
   # `cargo publish` of a release refuses uncommitted changes by itself.
