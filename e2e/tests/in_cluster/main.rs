@@ -168,13 +168,30 @@ pub(crate) async fn ensure_example(
     ])?;
     // Both examples share the shards' namespace and Deployment: drop only the other ring, and
     // apply this example (which rolls the shards over to this kind when they ran the other).
+    // Foreground: kubectl returns once the ring's webhook configuration is gone too (it blocks
+    // the ring's deletion), so no CREATE of this test still goes to the deleted ring's webhook
+    // and fails open there.
     c.kubectl(&[
         "delete",
         ring_resource(other),
         RING,
         "--ignore-not-found",
+        "--cascade=foreground",
         "--wait=true",
     ])?;
+    let other_webhooks = format!("sharding-{}-", ring_resource(other));
+    eventually(
+        "the other ring's webhook configuration gone",
+        Duration::from_secs(60),
+        || {
+            let names = c.kubectl(&["get", "mutatingwebhookconfigurations", "-o", "name"])?;
+            Ok((!names.contains(&other_webhooks)).then_some(()))
+        },
+    )
+    .await?;
+    // The API server calls webhooks from its own cache of their configurations, which follows
+    // the deletion a moment later.
+    tokio::time::sleep(Duration::from_secs(2)).await;
     c.kubectl(&["apply", "-k", example_dir(kind)])?;
     c.kubectl(&[
         "-n",
