@@ -25,6 +25,7 @@ pub mod crd;
 pub mod duration;
 pub mod labels;
 pub mod lease;
+pub mod load;
 pub mod range_lease;
 pub mod ranges;
 pub mod ring_kind;

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 use kube_sharding_api::lease::ShardLease;
+use kube_sharding_api::load::ShardLoad;
 use kube_sharding_api::{RingKind, RingRef};
 
 use crate::caches::Caches;
@@ -74,6 +75,8 @@ impl StateSource for CacheState {
                             .renewals()
                             .skew(m.lease.uid().as_deref().unwrap_or_default())
                             .map(|skew| skew.as_secs_f64()),
+                        load: ShardLoad::from_annotations(m.lease.annotations())
+                            .and_then(Result::ok),
                     }
                 }));
             }

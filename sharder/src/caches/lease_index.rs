@@ -31,6 +31,7 @@ use kube::runtime::watcher;
 use kube_sharding_api::RingKind;
 use kube_sharding_api::labels::{ANNOTATION_RELEASED_BY, LABEL_STATE};
 use kube_sharding_api::lease::{ShardLease, ShardState};
+use kube_sharding_api::load::ANNOTATION_LOAD;
 use tokio::sync::broadcast;
 
 use super::Renewals;
@@ -578,11 +579,17 @@ fn remove_from(
 }
 
 /// What a shard Lease's membership depends on: its holder, labels (ring, state) and annotations
-/// (weight); not `renewTime`, so renewals change nothing.
+/// (weight); not `renewTime` nor the load report, so renewals change nothing even when they
+/// carry a new report.
 fn fingerprint(lease: &Lease) -> u64 {
     let mut hasher = std::collections::hash_map::DefaultHasher::new();
     lease.metadata.labels.hash(&mut hasher);
-    lease.metadata.annotations.hash(&mut hasher);
+    if let Some(annotations) = &lease.metadata.annotations {
+        annotations
+            .iter()
+            .filter(|(key, _)| *key != ANNOTATION_LOAD)
+            .for_each(|entry| entry.hash(&mut hasher));
+    }
     lease
         .spec
         .as_ref()
@@ -677,11 +684,16 @@ mod tests {
         assert_eq!(names(f.index.ring_leases("r2")), ["c"]);
         assert_eq!(f.drain().len(), 3);
 
-        // 100 renewals of a ready Lease: no change at all.
+        // 100 renewals of a ready Lease, each with a new load report: no change at all.
         let version = f.index.ring_version("r1");
         for i in 1..=100 {
             let at = Timestamp::from_second(1_000_000 + i).unwrap();
-            assert!(!f.event(watcher::Event::Apply(lease("a", "r1", "ready", at)), at));
+            let mut renewed = lease("a", "r1", "ready", at);
+            renewed.annotations_mut().insert(
+                ANNOTATION_LOAD.into(),
+                format!("objects={i},queue={}", i % 7),
+            );
+            assert!(!f.event(watcher::Event::Apply(renewed), at));
         }
         assert_eq!(f.drain(), []);
         assert_eq!(f.index.ring_version("r1"), version);

@@ -16,6 +16,7 @@ use kube_sharding_api::labels::{
     ANNOTATION_EXCLUDED, ANNOTATION_LEAVES_CONTROLLED_OBJECTS, ANNOTATION_RELEASED_BY,
     ANNOTATION_WEIGHT, LABEL_STATE, is_dns_subdomain, is_valid_label_value,
 };
+use kube_sharding_api::load::{ANNOTATION_LOAD, MAX_LOAD_ANNOTATION_BYTES};
 
 /// Applies `slim` to the object of `event`, if it carries one.
 pub(super) fn for_each_object<K>(event: &mut watcher::Event<K>, slim: impl FnOnce(&mut K)) {
@@ -101,7 +102,7 @@ fn cap_holder(lease: &mut Lease) {
 /// Keeps of a shard Lease only what membership, shard states, Events and metrics read: name,
 /// namespace, UID, resourceVersion, creation time, the spec, the ring labels of both kinds, the
 /// state label, the weight and `leaves-controlled-objects` annotations (a value too long to be
-/// valid as [`INVALID_VALUE`]), the shard's release mark (unless too long to name a shard)
+/// valid as [`INVALID_VALUE`]), the shard's load report (unless too long to be one), the shard's release mark (unless too long to name a shard)
 /// and the exclusion annotation the sharder writes (whose value, if someone else made it long, is
 /// replaced: any value other than a reason is rewritten).
 /// Owner references and finalizers go too.
@@ -124,6 +125,8 @@ pub(super) fn slim_lease(lease: &mut Lease) {
                 key == ANNOTATION_WEIGHT
                     || key == ANNOTATION_EXCLUDED
                     || key == ANNOTATION_LEAVES_CONTROLLED_OBJECTS
+                    // A longer value is no valid report: dropped, as no report.
+                    || (key == ANNOTATION_LOAD && value.len() <= MAX_LOAD_ANNOTATION_BYTES)
                     // Compared with a shard name only: a longer value can never match one.
                     || (key == ANNOTATION_RELEASED_BY && value.len() <= MAX_SHARD_NAME_LEN)
             })
@@ -200,6 +203,32 @@ mod tests {
         assert_eq!(lease.metadata.namespace.as_deref(), Some("team"));
         assert_eq!(lease.metadata.uid.as_deref(), Some("u1"));
         assert_eq!(lease.metadata.resource_version.as_deref(), Some("7"));
+    }
+
+    #[test]
+    fn a_cached_lease_keeps_a_load_report_only_when_it_can_be_one() {
+        let report = "objects=12,queue=3";
+        for (value, kept) in [
+            (report.to_string(), true),
+            ("1".repeat(MAX_LOAD_ANNOTATION_BYTES), true),
+            ("1".repeat(MAX_LOAD_ANNOTATION_BYTES + 1), false),
+        ] {
+            let mut lease = Lease {
+                metadata: ObjectMeta {
+                    name: Some("shard-a".into()),
+                    annotations: Some(BTreeMap::from([(ANNOTATION_LOAD.into(), value.clone())])),
+                    ..Default::default()
+                },
+                spec: None,
+            };
+            slim_lease(&mut lease);
+            assert_eq!(
+                lease.annotations().get(ANNOTATION_LOAD),
+                kept.then_some(&value),
+                "{} bytes",
+                value.len()
+            );
+        }
     }
 
     #[test]

@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use std::sync::atomic::AtomicU64;
 
+use kube_sharding_api::load::ShardLoad;
 use kube_sharding_api::{RingKind, RingRef};
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
 use prometheus_client::metrics::MetricType;
@@ -53,6 +54,8 @@ pub(crate) struct ShardSnapshot {
     /// How far the shard's clock was off the sharder's at its last renewal seen as it happened,
     /// in seconds (its `renewTime` minus when the sharder saw it); `None` before the first.
     pub(crate) clock_skew_seconds: Option<f64>,
+    /// The load the shard reports on its Lease, when it reports a valid one.
+    pub(crate) load: Option<ShardLoad>,
 }
 
 /// Every value of the `state` label of `controller_sharding_shard_state`.
@@ -437,6 +440,7 @@ mod tests {
                     excluded: None,
                     weight: 1,
                     clock_skew_seconds: Some(-40.5),
+                    load: None,
                 },
                 ShardSnapshot {
                     namespace: "default".into(),
@@ -447,6 +451,7 @@ mod tests {
                     excluded: None,
                     weight: 3,
                     clock_skew_seconds: None,
+                    load: None,
                 },
                 ShardSnapshot {
                     namespace: "default".into(),
@@ -457,6 +462,7 @@ mod tests {
                     excluded: Some("InvalidShardName"),
                     weight: 1,
                     clock_skew_seconds: Some(0.25),
+                    load: None,
                 },
             ]
         }
