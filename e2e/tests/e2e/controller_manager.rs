@@ -7,11 +7,12 @@ use anyhow::ensure;
 use e2e::fixtures::{WAIT, create_lease, ring_with_shards, secret, wait_status, wait_webhook};
 use e2e::process::poll_until;
 use e2e::scenario::SharedScenario;
+use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Namespace, Secret};
 use kube::ResourceExt;
-use kube::api::{Api, DeleteParams, ListParams, PostParams};
+use kube::api::{Api, DeleteParams, ListParams, PostParams, WatchEvent, WatchParams};
 use kube_sharding_api::ClusterRing;
 use kube_sharding_api::labels;
 use serde_json::json;
@@ -83,6 +84,73 @@ async fn deleting_a_ring_removes_its_webhook_configuration_and_keeps_labels() ->
     ensure!(
         !created.labels().contains_key(&key),
         "an object was assigned after the ring and its webhook were deleted"
+    );
+    logs.passed();
+    Ok(())
+}
+
+/// A ring deleted in the foreground stays, marked for deletion, until the garbage collector has
+/// deleted its webhook configuration: the sharder must not restore the configuration meanwhile,
+/// or the API server keeps calling a webhook whose ring is about to go (and, once it is gone,
+/// fails open there).
+#[tokio::test]
+async fn a_ring_deleted_in_the_foreground_gets_no_webhook_configuration_back() -> anyhow::Result<()>
+{
+    let SharedScenario {
+        mut logs,
+        cluster,
+        client,
+        ..
+    } = SharedScenario::open().await?;
+    let shards = ["shard-a"];
+    let (ns, ring) = ring_with_shards(cluster, &client, "gc-fg", &shards).await?;
+    wait_status(&client, &ring, 1, 1).await?;
+    wait_webhook(&client, &ns, &ring, &shards).await?;
+    let configs = Api::<MutatingWebhookConfiguration>::all(client.clone());
+    let config_name = labels::webhook_configuration_name(&ring);
+    let version = configs
+        .get(&config_name)
+        .await?
+        .resource_version()
+        .unwrap_or_default();
+    let mut events = configs
+        .watch(
+            &WatchParams::default().fields(&format!("metadata.name={config_name}")),
+            &version,
+        )
+        .await?
+        .boxed();
+
+    let rings = Api::<ClusterRing>::all(client.clone());
+    rings.delete(&ring, &DeleteParams::foreground()).await?;
+    poll_until("the ring to be gone", GC_WAIT, || {
+        let (rings, ring) = (rings.clone(), ring.clone());
+        async move { Ok(rings.get_opt(&ring).await?.is_none().then_some(())) }
+    })
+    .await?;
+    // Whatever the sharder's caches still held of the ring has had time to act.
+    let quiet_until = tokio::time::Instant::now() + Duration::from_secs(5);
+    let (mut deleted, mut restored) = (0, 0);
+    while let Ok(event) = tokio::time::timeout_at(quiet_until, events.try_next()).await {
+        let Some(event) = event? else { break };
+        match event {
+            WatchEvent::Added(_) => restored += 1,
+            WatchEvent::Deleted(_) => deleted += 1,
+            _ => {}
+        }
+    }
+    ensure!(
+        restored == 0,
+        "the sharder restored the webhook configuration of a ring being deleted {restored} times"
+    );
+    ensure!(
+        deleted == 1 && configs.get_opt(&config_name).await?.is_none(),
+        "the webhook configuration was deleted {deleted} times and is {}",
+        if configs.get_opt(&config_name).await?.is_some() {
+            "still there"
+        } else {
+            "gone"
+        }
     );
     logs.passed();
     Ok(())

@@ -272,6 +272,12 @@ async fn apply_webhook_configuration<R: RingObject>(
     if ring.ring_spec().assignment() == Assignment::Watch {
         return remove_webhook_configuration(ring, &api, existing.as_deref()).await;
     }
+    if ring.meta().deletion_timestamp.is_some() {
+        // The ring is going: a configuration the garbage collector deleted (first, in a
+        // foreground deletion) stays deleted, or the API server would keep calling a webhook
+        // whose ring is about to be unknown here and fail open there.
+        return Ok(());
+    }
     let up_to_date = existing.as_ref().is_some_and(|existing| {
         let (desired, existing) = (
             serde_json::to_value(&desired),
