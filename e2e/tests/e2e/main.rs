@@ -9,6 +9,7 @@ mod crd;
 mod faults;
 mod leader;
 mod manifests;
+mod module_graph;
 mod monitoring;
 mod observability;
 mod pins;
