@@ -13,10 +13,10 @@
 //! | [`server`] | the HTTPS server with certificate reload, the metrics server (HTTPS behind TokenReview and SubjectAccessReview, or plain), the health server |
 //! | [`metrics`] | counters, and the state metrics rendered from a `StateSource` |
 //! | `state_source` | the state metrics' source: the caches, what was observed, reachability |
-//! | [`events`] | rate-limited Events and every Event reason |
+//! | `events` | rate-limited Events and every Event reason |
 //! | `observed` | what the leader learned about each ring's objects in its latest sync |
-//! | [`reachability`] | whether the API server reaches each ring's webhook; moves stop while it does not |
-//! | [`client`] | the API clients (controllers, leader election, caches) |
+//! | `reachability` | whether the API server reaches each ring's webhook; moves stop while it does not |
+//! | `client` | the API clients (controllers, leader election, caches) |
 //! | `context` | what the leader's controllers share |
 //! | `direct_moves` | the direct moves in flight off each shard, which hold back a returning shard's `ready` label |
 //! | [`cli`] | the kubectl plugin (`kubectl sharding`): status, explain, simulate |
@@ -27,16 +27,16 @@
 
 mod caches;
 pub mod cli;
-pub mod client;
+mod client;
 mod context;
 pub mod controller;
 pub mod core;
 mod direct_moves;
-pub mod events;
+mod events;
 mod leader_election;
 pub mod metrics;
 mod observed;
-pub mod reachability;
+mod reachability;
 pub mod server;
 mod state_source;
 pub mod views;
