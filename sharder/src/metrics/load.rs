@@ -14,7 +14,8 @@ use super::ShardSnapshot;
 /// Sums and maxima cover the shards with a valid report only; a shard that leaves a signal out
 /// adds nothing to it. Every value stays far below `u64::MAX`: each report's values are at most
 /// [`kube_sharding_api::load::MAX_LOAD_VALUE`].
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
 pub(crate) struct RingLoad {
     /// Available shards with a valid report.
     pub(crate) reporting_shards: u64,
@@ -47,13 +48,25 @@ pub(crate) fn counted_load(shard: &ShardSnapshot) -> Option<&ShardLoad> {
 
 /// The load of ring `ring`, summed from the reports of its available shards among `shards`.
 pub(crate) fn ring_load(shards: &[ShardSnapshot], ring: &RingRef) -> RingLoad {
+    sum_loads(
+        shards
+            .iter()
+            .filter(|s| &s.ring == ring)
+            .map(|s| (is_available(s), s.load.as_ref())),
+    )
+}
+
+/// The load of one ring's shards, given per shard whether it is available and its valid report.
+pub(crate) fn sum_loads<'a>(
+    shards: impl IntoIterator<Item = (bool, Option<&'a ShardLoad>)>,
+) -> RingLoad {
     let mut load = RingLoad::default();
-    for shard in shards.iter().filter(|s| &s.ring == ring) {
-        if !is_available(shard) {
+    for (available, report) in shards {
+        if !available {
             continue;
         }
         load.available_shards += 1;
-        let Some(report) = &shard.load else {
+        let Some(report) = report else {
             continue;
         };
         load.reporting_shards += 1;
