@@ -8,6 +8,7 @@ mod controller_manager;
 mod crd;
 mod faults;
 mod leader;
+mod load;
 mod manifests;
 mod module_graph;
 mod monitoring;

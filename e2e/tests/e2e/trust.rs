@@ -347,7 +347,7 @@ async fn grant_use(client: &kube::Client, ring: &str, user: &str) -> anyhow::Res
 /// (emptied or another), not its duration, not the annotations `excluded`, `weight`,
 /// `leaves-controlled-objects` and `released-by` (set or removed), and she can neither delete it
 /// nor label a Lease with an empty ring value. She may still renew it and write other
-/// annotations. The shard's identity, which may use the ring, does all of it; the ControllerRing
+/// annotations, the load report among them. The shard's identity, which may use the ring, does all of it; the ControllerRing
 /// policy refuses the same. The namespace controller, which has no `use`, may delete a shard
 /// Lease only once its namespace is being deleted.
 #[tokio::test]
@@ -501,6 +501,16 @@ async fn changing_what_a_shard_lease_says_needs_use_on_its_ring() -> anyhow::Res
         .patch("shard-0", &PatchParams::default(), &Patch::Merge(&other))
         .await
         .context("other annotations need no use")?;
+    // Nor does a renewal carrying a load report (docs/protocol.md §23): it steers no ring, and
+    // whoever may renew the Lease may keep its shard available anyway.
+    let reported = json!({
+        "metadata": {"annotations": {kube_sharding_api::load::ANNOTATION_LOAD: "objects=3,queue=0"}},
+        "spec": {"renewTime": MicroTime(Timestamp::now())},
+    });
+    as_alice
+        .patch("shard-0", &PatchParams::default(), &Patch::Merge(&reported))
+        .await
+        .context("a load report needs no use")?;
 
     // The shard's identity may do everything alice may not.
     for change in &changes {
