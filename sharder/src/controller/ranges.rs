@@ -299,3 +299,102 @@ async fn clear_annotations(ctx: &Context, lease: &Lease) -> Result<(), Error> {
         }),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use k8s_openapi::api::coordination::v1::LeaseSpec;
+    use kube::api::ObjectMeta;
+    use kube_sharding_api::RingKind;
+
+    use super::*;
+
+    fn lease(namespace: &str, name: &str, holder: &str, annotations: &[(&str, &str)]) -> Lease {
+        Lease {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                namespace: Some(namespace.into()),
+                labels: Some(
+                    [(RingKind::ClusterRing.lease_label().to_string(), "r".into())].into(),
+                ),
+                annotations: Some(
+                    annotations
+                        .iter()
+                        .map(|(k, v)| ((*k).to_string(), (*v).to_string()))
+                        .collect(),
+                ),
+                ..Default::default()
+            },
+            spec: Some(LeaseSpec {
+                holder_identity: Some(holder.into()),
+                ..Default::default()
+            }),
+        }
+    }
+
+    #[test]
+    fn a_lease_not_held_by_its_shard_is_stopped_whatever_it_says() {
+        let released = lease(
+            "ns",
+            "a",
+            "",
+            &[(ANNOTATION_RANGES, "3"), (ANNOTATION_ACKNOWLEDGED, "3")],
+        );
+        assert_eq!(
+            shard_ranges(&released),
+            ShardRanges {
+                published: None,
+                acknowledged: None,
+                stopped: true,
+            }
+        );
+        assert!(has_range_annotations(&released));
+        let taken = lease("ns", "a", "shardlease-controller", &[]);
+        assert!(shard_ranges(&taken).stopped);
+        assert!(!has_range_annotations(&taken));
+    }
+
+    #[test]
+    fn a_held_lease_says_what_it_was_published_and_acknowledged() {
+        let held = lease(
+            "ns",
+            "a",
+            "a",
+            &[
+                (ANNOTATION_RANGES, "4 0000000000000000-8000000000000000"),
+                (ANNOTATION_ACKNOWLEDGED, "3"),
+            ],
+        );
+        let ranges = shard_ranges(&held);
+        assert!(!ranges.stopped);
+        assert_eq!(ranges.acknowledged, Some(3));
+        let published = ranges.published.expect("published");
+        assert_eq!(published.generation(), 4);
+        assert_eq!(published.ranges().share(), 0.5);
+        // An unreadable publication counts as everything, from no generation of ours.
+        let garbled = lease("ns", "a", "a", &[(ANNOTATION_RANGES, "four")]);
+        let published = shard_ranges(&garbled)
+            .published
+            .expect("counted as published");
+        assert_eq!(
+            (published.generation(), published.ranges()),
+            (0, &RangeSet::full())
+        );
+        // An unreadable acknowledgement acknowledges nothing.
+        let garbled = lease("ns", "a", "a", &[(ANNOTATION_ACKNOWLEDGED, "04")]);
+        assert_eq!(shard_ranges(&garbled).acknowledged, None);
+    }
+
+    #[test]
+    fn each_shard_is_seen_through_its_held_lease_when_its_name_is_taken_twice() {
+        let leases = [
+            lease("old", "a", "", &[]),
+            lease("new", "a", "a", &[(ANNOTATION_ACKNOWLEDGED, "1")]),
+            lease("ns", "b", "b", &[]),
+        ];
+        let members = ring_members(RingKind::ClusterRing, "r", &[], leases.iter());
+        let entries = shard_entries(&members);
+        assert_eq!(entries.keys().collect::<Vec<_>>(), ["a", "b"]);
+        assert_eq!(entries["a"].lease.namespace().as_deref(), Some("new"));
+        assert_eq!(entries["a"].ranges.acknowledged, Some(1));
+    }
+}
