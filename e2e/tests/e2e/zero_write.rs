@@ -8,7 +8,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, ensure};
-use e2e::fixtures::{WAIT, create_lease, create_ring, ring_spec, wait_status};
+use e2e::fixtures::{
+    WAIT, create_annotated_lease, create_lease, create_ring, ring_spec, wait_status,
+};
 use e2e::process::poll_until;
 use e2e::scenario::SharedScenario;
 use futures::{StreamExt, TryStreamExt};
@@ -17,13 +19,14 @@ use k8s_openapi::api::core::v1::{ConfigMap, PodTemplate};
 use kube::api::{Api, ListParams, ObjectMeta, Patch, PostParams};
 use kube::runtime::watcher;
 use kube::{Client, ResourceExt};
-use kube_sharding_api::labels::{ANNOTATION_RELEASED_BY, SHARD_LABEL_PREFIX};
+use kube_sharding_api::labels::{ANNOTATION_RELEASED_BY, ANNOTATION_WEIGHT, SHARD_LABEL_PREFIX};
 use kube_sharding_api::range_lease::{
     ANNOTATION_ACKNOWLEDGED, ANNOTATION_RANGES, Acknowledgement, PublishedRanges,
 };
 use kube_sharding_api::ranges::{RangeRing, RangeSet};
 use kube_sharding_api::{
-    Assignment, ClusterRing, ClusterRingSpec, GroupResource, HashKey, RingKind, RingResource,
+    Assignment, ClusterRing, ClusterRingSpec, GroupResource, HashKey, RingKind, RingRef,
+    RingResource,
 };
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
@@ -211,20 +214,20 @@ fn acknowledge(
     });
 }
 
-/// Waits until `shards` have exactly their share of a [`RangeRing`] of them published and
-/// acknowledged on their Leases; returns the publications.
+/// Waits until `shards` (with their weights) have exactly their share of a [`RangeRing`] of them
+/// published and acknowledged on their Leases; returns the publications.
 async fn wait_settled(
     client: &Client,
     namespace: &str,
-    shards: &[&str],
+    shards: &[(&str, u32)],
 ) -> anyhow::Result<BTreeMap<String, PublishedRanges>> {
-    let target = RangeRing::new(shards).ranges();
+    let target = RangeRing::weighted(shards.iter().copied()).ranges();
     let api = Api::<Lease>::namespaced(client.clone(), namespace);
     poll_until(&format!("ranges of {shards:?} to settle"), WAIT, || {
         let (api, target) = (api.clone(), target.clone());
         async move {
             let mut settled = BTreeMap::new();
-            for shard in shards {
+            for (shard, _) in shards {
                 let version = version_of(&api.get(shard).await?);
                 match version.published {
                     Some(p)
@@ -293,11 +296,31 @@ async fn a_server_side_ring_revokes_before_it_grants_and_writes_no_object() -> a
     let delays = Arc::new(Mutex::new(BTreeMap::new()));
     acknowledge(&client, &ns, Arc::clone(&delays), stop.clone());
 
-    // Three shards: each gets its share, the shares partition the space.
-    for shard in ["shard-a", "shard-b", "shard-c"] {
+    // Three shards, one of weight 2: each gets its share, the shares partition the space.
+    for shard in ["shard-a", "shard-b"] {
         create_lease(&client, &ns, &ring, shard, 3600).await?;
     }
-    let three = wait_settled(&client, &ns, &["shard-a", "shard-b", "shard-c"]).await?;
+    let ring_ref = RingRef::new(RingKind::ClusterRing, &ring);
+    create_annotated_lease(
+        &client,
+        &ns,
+        &ring_ref,
+        "shard-c",
+        3600,
+        [(ANNOTATION_WEIGHT, "2")],
+    )
+    .await?;
+    let three = wait_settled(
+        &client,
+        &ns,
+        &[("shard-a", 1), ("shard-b", 1), ("shard-c", 2)],
+    )
+    .await?;
+    let share = three["shard-c"].ranges().share();
+    ensure!(
+        share > 0.3,
+        "shard-c of weight 2 got {share:.2} of the space, not about half"
+    );
     ensure!(
         is_partition(three.values().map(PublishedRanges::ranges)),
         "the three shards' ranges do not partition the space: {three:?}"
@@ -327,7 +350,12 @@ async fn a_server_side_ring_revokes_before_it_grants_and_writes_no_object() -> a
         .insert("shard-a".to_string(), ACK_DELAY);
     let scale_out = versions.lock().expect("not poisoned").len();
     create_lease(&client, &ns, &ring, "shard-d", 3600).await?;
-    let four = ["shard-a", "shard-b", "shard-c", "shard-d"];
+    let four = [
+        ("shard-a", 1),
+        ("shard-b", 1),
+        ("shard-c", 2),
+        ("shard-d", 1),
+    ];
     let settled = wait_settled(&client, &ns, &four).await?;
     ensure!(
         is_partition(settled.values().map(PublishedRanges::ranges)),
@@ -335,7 +363,7 @@ async fn a_server_side_ring_revokes_before_it_grants_and_writes_no_object() -> a
     );
     let seen = versions.lock().expect("not poisoned").clone();
     let after: Vec<(usize, &Version)> = seen.iter().enumerate().skip(scale_out).collect();
-    let target = RangeRing::new(four).ranges();
+    let target = RangeRing::weighted(four).ranges();
     // shard-a's revoke: its new share, a subset of its old one (consistent hashing only takes
     // from the shards that stay), published before shard-d got anything.
     let (revoke_at, revoke) = after
@@ -392,7 +420,12 @@ async fn a_server_side_ring_revokes_before_it_grants_and_writes_no_object() -> a
             })),
         )
         .await?;
-    let remaining = wait_settled(&client, &ns, &["shard-a", "shard-c", "shard-d"]).await?;
+    let remaining = wait_settled(
+        &client,
+        &ns,
+        &[("shard-a", 1), ("shard-c", 2), ("shard-d", 1)],
+    )
+    .await?;
     ensure!(
         is_partition(remaining.values().map(PublishedRanges::ranges)),
         "the three remaining shards' ranges do not partition the space: {remaining:?}"
