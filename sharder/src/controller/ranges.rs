@@ -127,15 +127,18 @@ impl RangePublisher {
                 };
             }
             let instant = Instant::now();
+            // A write is waited for while its Lease is still there, held, and without it; the
+            // planner ignores what a Lease gone or stopped says anyway.
             planner
                 .pending
                 .retain(|(namespace, name), (value, written)| {
-                    let shown = entries.values().any(|e| {
+                    let unseen = entries.values().any(|e| {
                         e.lease.namespace().as_deref() == Some(namespace.as_str())
                             && e.lease.name_any() == *name
-                            && e.lease.annotations().get(ANNOTATION_RANGES) == Some(&*value)
+                            && !e.ranges.stopped
+                            && e.lease.annotations().get(ANNOTATION_RANGES) != Some(&*value)
                     });
-                    !shown && instant.duration_since(*written) < PENDING_FOR
+                    unseen && instant.duration_since(*written) < PENDING_FOR
                 });
             let generation = recorded.unwrap_or(0);
             if departed || !planner.pending.is_empty() {
@@ -258,17 +261,22 @@ async fn publish(ctx: &Context, lease: &Lease, publication: &PublishedRanges) ->
     let patch = serde_json::json!({
         "metadata": {"annotations": {ANNOTATION_RANGES: publication.to_string()}}
     });
-    api.patch(
-        &lease.name_any(),
-        &super::patch_params(),
-        &Patch::Merge(&patch),
-    )
-    .await
-    .map_err(|source| Error::Api {
-        action: "publish ranges on a shard Lease",
-        source,
-    })?;
-    Ok(())
+    match api
+        .patch(
+            &lease.name_any(),
+            &super::patch_params(),
+            &Patch::Merge(&patch),
+        )
+        .await
+    {
+        // Deleted meanwhile: the next step no longer sees the shard.
+        Err(kube::Error::Api(status)) if status.code == 404 => Ok(()),
+        Err(source) => Err(Error::Api {
+            action: "publish ranges on a shard Lease",
+            source,
+        }),
+        Ok(_) => Ok(()),
+    }
 }
 
 /// Removes both range annotations from the Lease of a shard that can no longer be running,
