@@ -12,7 +12,8 @@ use e2e::fixtures::{
     WAIT, create_annotated_lease, create_lease, create_ring, ring_spec, wait_status,
 };
 use e2e::process::poll_until;
-use e2e::scenario::SharedScenario;
+use e2e::scenario::{DedicatedScenario, SharedScenario};
+use e2e::sharder_process::{SharderFiles, SharderSettings};
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{ConfigMap, PodTemplate};
@@ -33,6 +34,9 @@ use tokio_util::sync::CancellationToken;
 
 /// How long the test holds back one shard's acknowledgement of its revoke.
 const ACK_DELAY: Duration = Duration::from_secs(5);
+
+/// How long a sharder process of its own may take to start.
+const LEADER_STARTUP: Duration = Duration::from_secs(60);
 
 /// Objects created in the ring's resource, none of which the sharder may write.
 const OBJECTS: usize = 1_000;
@@ -615,5 +619,92 @@ async fn a_server_side_ring_hashing_by_object_refuses_controlled_resources() -> 
     wait_status(&client, &allowed, 1, 1).await?;
     api.delete(&allowed, &Default::default()).await?;
     logs.passed();
+    Ok(())
+}
+
+/// A sharder that starts after another led the ring continues the ring's range generations from
+/// its `status.rangeGeneration`, even when no Lease shows them any more: both shards release
+/// their Leases while no sharder runs, a third joins, and the new leader grants it the whole space
+/// under a generation above every earlier one.
+#[tokio::test]
+async fn a_new_sharder_leader_continues_the_range_generations() -> anyhow::Result<()> {
+    let DedicatedScenario {
+        dedicated,
+        client,
+        ns,
+    } = DedicatedScenario::in_namespace("zero-write-leader").await?;
+    let cluster = dedicated.cluster();
+    let ring = e2e::unique_name("zero-write-leader");
+    create_ring(&client, &ring, server_side_spec(&ns, "configmaps")).await?;
+    let stop = CancellationToken::new();
+    let _stop_on_drop = stop.clone().drop_guard();
+    let versions = record(&client, &ns, &ring, stop.clone());
+    acknowledge(&client, &ns, Arc::default(), stop.clone());
+    for shard in ["shard-a", "shard-b"] {
+        create_lease(&client, &ns, &ring, shard, 3600).await?;
+    }
+
+    let settings = SharderSettings::default();
+    let first = SharderFiles::create(cluster.kubeconfig(), &settings)?;
+    let mut process = first.start_process()?;
+    first.wait_ready(LEADER_STARTUP).await?;
+    let two = wait_settled(&client, &ns, &[("shard-a", 1), ("shard-b", 1)]).await?;
+    let before = two
+        .values()
+        .map(PublishedRanges::generation)
+        .max()
+        .unwrap_or(0);
+    poll_until("status.rangeGeneration", WAIT, || async {
+        Ok((range_generation(&client, &ring).await? == Some(before)).then_some(()))
+    })
+    .await?;
+    process.terminate()?;
+    ensure!(
+        process.wait(LEADER_STARTUP).await?.success(),
+        "the first sharder exits 0 on SIGTERM"
+    );
+    process.passed();
+
+    // With no sharder running, both shards stop and a third joins: only the ring's status
+    // remembers the generations.
+    let leases = Api::<Lease>::namespaced(client.clone(), &ns);
+    for shard in ["shard-a", "shard-b"] {
+        let release = json!({
+            "metadata": {"annotations": {ANNOTATION_RELEASED_BY: shard}},
+            "spec": {"holderIdentity": ""},
+        });
+        leases
+            .patch(shard, &e2e::patch_params(), &Patch::Merge(&release))
+            .await?;
+    }
+    create_lease(&client, &ns, &ring, "shard-c", 3600).await?;
+    let second = SharderFiles::create(cluster.kubeconfig(), &settings)?;
+    let mut process = second.start_process()?;
+    second.wait_ready(LEADER_STARTUP).await?;
+    let one = wait_settled(&client, &ns, &[("shard-c", 1)]).await?;
+    let after = one["shard-c"].generation();
+    ensure!(
+        one["shard-c"].ranges() == &RangeSet::full(),
+        "shard-c alone does not hold the whole space"
+    );
+    ensure!(
+        after > before,
+        "the new leader granted shard-c generation {after}, not above {before}"
+    );
+    poll_until("status.rangeGeneration after the restart", WAIT, || async {
+        Ok((range_generation(&client, &ring).await? == Some(after)).then_some(()))
+    })
+    .await?;
+    stop.cancel();
+    let seen = versions.lock().expect("not poisoned").clone();
+    let violations = overlaps(&seen);
+    ensure!(
+        violations.is_empty(),
+        "{} points where two shards held the same hash, first: {:?}",
+        violations.len(),
+        violations.first()
+    );
+    println!("generation {before} before the restart, {after} after");
+    process.passed();
     Ok(())
 }
