@@ -26,3 +26,4 @@ mod sync_lists;
 mod trust;
 mod watch_assignment;
 mod webhook_server;
+mod zero_write;

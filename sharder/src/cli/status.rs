@@ -390,6 +390,7 @@ pub(crate) fn assignment_name(assignment: Assignment) -> &'static str {
     match assignment {
         Assignment::Webhook => "Webhook",
         Assignment::Watch => "Watch",
+        Assignment::ServerSide => "ServerSide",
     }
 }
 
