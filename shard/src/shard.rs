@@ -10,6 +10,7 @@ use kube_sharding_api::labels;
 
 use crate::drain::{self, Disposition};
 use crate::lease::LeaseLockConfig;
+use crate::load::LoadMeter;
 use crate::shutdown::OnShutdown;
 
 /// A shard: a controller instance that joins the ring `ring` under the name `name`, announcing
@@ -38,6 +39,7 @@ pub struct Shard {
     rejoin_pause: Duration,
     judgement_fallback: Duration,
     on_shutdown: OnShutdown,
+    load_meter: Option<LoadMeter>,
 }
 
 /// How long [`Shard::run`] waits by default before rejoining after an exclusion.
@@ -91,6 +93,7 @@ impl Shard {
             rejoin_pause: DEFAULT_REJOIN_PAUSE,
             judgement_fallback: DEFAULT_JUDGEMENT_FALLBACK,
             on_shutdown: OnShutdown::Release,
+            load_meter: None,
         }
     }
 
@@ -173,6 +176,21 @@ impl Shard {
         self
     }
 
+    /// The shard reporting its load (docs/protocol.md §23) from `meter` on its Lease
+    /// ([`Shard::lease_config`] writes the report with every renewal), and measuring every
+    /// reconcile of [`Shard::reconciler`] with it. See [`crate::load`] for counting objects
+    /// and the queue.
+    #[must_use]
+    pub fn with_load_meter(mut self, meter: LoadMeter) -> Self {
+        self.load_meter = Some(meter);
+        self
+    }
+
+    /// The meter the shard reports its load from, if any (see [`Shard::with_load_meter`]).
+    pub fn load_meter(&self) -> Option<&LoadMeter> {
+        self.load_meter.as_ref()
+    }
+
     /// What [`Shard::run`] does with the Lease on shutdown.
     pub fn on_shutdown(&self) -> &OnShutdown {
         &self.on_shutdown
@@ -230,7 +248,8 @@ impl Shard {
     /// before), watching the sharder's exclusion annotation
     /// ([`labels::ANNOTATION_EXCLUDED`], see [`LeaseLockConfig::with_exclusion_annotation`]), and
     /// marking its releases ([`labels::ANNOTATION_RELEASED_BY`], see
-    /// [`LeaseLockConfig::with_release_mark`]).
+    /// [`LeaseLockConfig::with_release_mark`]), and with the load report of its
+    /// [meter](Shard::with_load_meter), if it has one ([`LeaseLockConfig::with_load_report`]).
     /// Default timing; adjust it with the `with_*` methods.
     pub fn lease_config(&self) -> LeaseLockConfig {
         // Dropping the other kind's ring label lets a shard move between kinds on the same Lease:
@@ -245,6 +264,10 @@ impl Shard {
             config.with_annotation(labels::ANNOTATION_LEAVES_CONTROLLED_OBJECTS, "true")
         } else {
             config.without_annotation(labels::ANNOTATION_LEAVES_CONTROLLED_OBJECTS)
+        };
+        let config = match &self.load_meter {
+            Some(meter) => config.with_load_report(meter.clone()),
+            None => config,
         };
         match self.weight {
             Some(weight) => config.with_annotation(labels::ANNOTATION_WEIGHT, weight.to_string()),
