@@ -14,7 +14,7 @@
 //!
 //! | metric | value |
 //! |---|---|
-//! | `sharding-ring-objects` | objects held by the ring's available shards, summed |
+//! | `sharding-ring-objects` | objects held by the ring's available shards, summed (`metrics::load`) |
 //! | `sharding-ring-queue-depth` | objects waiting in their work queues, summed |
 //! | `sharding-ring-p99-milliseconds` | the highest p99 reconcile duration among them |
 //!
@@ -38,7 +38,6 @@ use k8s_openapi::api::authorization::v1::{
     ResourceAttributes, SubjectAccessReview, SubjectAccessReviewSpec,
 };
 use kube::Api;
-use kube_sharding_api::load::{LoadKey, ShardLoad};
 use kube_sharding_api::{RingKind, RingRef};
 
 use self::front_proxy::FrontProxy;
@@ -47,7 +46,8 @@ use super::metrics_auth::cache::ExpiringCache;
 use super::metrics_auth::{
     ALLOWED_TTL, DENIED_TTL, Lane, MAX_ENTRIES, REVIEW_TIMEOUT, User, lock, now, review_in,
 };
-use crate::metrics::{ShardSnapshot, StateSource};
+use crate::metrics::StateSource;
+use crate::metrics::load::{RingLoad, ring_load};
 
 /// The API group.
 pub(crate) const GROUP: &str = "external.metrics.k8s.io";
@@ -87,31 +87,18 @@ impl RingMetric {
         Self::ALL.into_iter().find(|m| m.name() == name)
     }
 
-    /// The metric's value for the reports of a ring's available shards, `None` when none of
-    /// them reports the signal.
-    pub(crate) fn value(self, loads: &[ShardLoad]) -> Option<u64> {
-        let values = loads.iter().filter_map(|l| {
-            l.get(match self {
-                Self::Objects => LoadKey::Objects,
-                Self::QueueDepth => LoadKey::Queue,
-                Self::P99Milliseconds => LoadKey::P99Millis,
-            })
-        });
+    /// The metric's value for a ring's load, `None` when none of its available shards reports
+    /// (the latency: reports it).
+    pub(crate) fn value(self, load: &RingLoad) -> Option<u64> {
+        if load.reporting_shards == 0 {
+            return None;
+        }
         match self {
-            // Each value is at most 10^12: a sum over any number of shards a ring has fits.
-            Self::Objects | Self::QueueDepth => values.reduce(u64::saturating_add),
-            Self::P99Milliseconds => values.max(),
+            Self::Objects => Some(load.objects),
+            Self::QueueDepth => Some(load.queue_depth),
+            Self::P99Milliseconds => load.max_p99_ms,
         }
     }
-}
-
-/// The valid load reports of `ring`'s available shards (ready, not kept out of the ring).
-pub(crate) fn available_loads(shards: &[ShardSnapshot], ring: &RingRef) -> Vec<ShardLoad> {
-    shards
-        .iter()
-        .filter(|s| &s.ring == ring && s.state == "ready" && s.excluded.is_none())
-        .filter_map(|s| s.load)
-        .collect()
 }
 
 /// The ring a label selector names: exactly one requirement `clusterring=<name>` or
@@ -398,11 +385,11 @@ async fn metric_value(
     };
     let source = metrics.source.clone();
     // The snapshot walks every Lease of the cache: off the async workers.
-    let (known, loads) = tokio::task::spawn_blocking({
+    let (known, load) = tokio::task::spawn_blocking({
         let ring = ring.clone();
         move || {
             let known = source.rings().iter().any(|r| r.ring == ring);
-            (known, available_loads(&source.shards(), &ring))
+            (known, ring_load(&source.shards(), &ring))
         }
     })
     .await
@@ -414,7 +401,7 @@ async fn metric_value(
             &format!("{} {:?} not found", ring.kind.kind(), ring.name),
         );
     }
-    let Some(value) = metric.value(&loads) else {
+    let Some(value) = metric.value(&load) else {
         return status(
             StatusCode::SERVICE_UNAVAILABLE,
             "ServiceUnavailable",
@@ -496,17 +483,32 @@ mod tests {
     }
 
     #[test]
-    fn sums_and_maxima_count_only_what_shards_report() {
-        let load = |objects: u64, p99: Option<u64>| {
-            let mut l = ShardLoad::default().with(LoadKey::Objects, objects);
-            l.set(LoadKey::P99Millis, p99);
-            l
+    fn no_report_is_no_value_not_zero() {
+        let load = RingLoad {
+            reporting_shards: 2,
+            available_shards: 3,
+            objects: 25,
+            queue_depth: 0,
+            max_p99_ms: Some(120),
+            errors: 0,
         };
-        let loads = [load(10, Some(80)), load(15, None), load(0, Some(120))];
-        assert_eq!(RingMetric::Objects.value(&loads), Some(25));
-        assert_eq!(RingMetric::P99Milliseconds.value(&loads), Some(120));
-        // Nobody reports its queue: no value, not 0.
-        assert_eq!(RingMetric::QueueDepth.value(&loads), None);
-        assert_eq!(RingMetric::Objects.value(&[]), None);
+        assert_eq!(RingMetric::Objects.value(&load), Some(25));
+        assert_eq!(RingMetric::QueueDepth.value(&load), Some(0));
+        assert_eq!(RingMetric::P99Milliseconds.value(&load), Some(120));
+        let none_report_latency = RingLoad {
+            max_p99_ms: None,
+            ..load
+        };
+        assert_eq!(
+            RingMetric::P99Milliseconds.value(&none_report_latency),
+            None
+        );
+        let nobody = RingLoad {
+            reporting_shards: 0,
+            ..RingLoad::default()
+        };
+        for metric in RingMetric::ALL {
+            assert_eq!(metric.value(&nobody), None, "{metric:?}");
+        }
     }
 }
