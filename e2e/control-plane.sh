@@ -285,9 +285,11 @@ gen_certs() {
   openssl rsa -in "$d/sa.key" -pubout -out "$d/sa.pub" 2>/dev/null
   # The aggregation layer: a CA of its own for the front proxy (as kubeadm sets it up), and the
   # API server's client certificate towards aggregated APIs (the sharder's external metrics).
-  openssl req -x509 -newkey rsa:2048 -nodes -days 3650 -subj "/CN=front-proxy-ca" \
+  # P-256 keys: made in milliseconds, where an RSA key takes a fifth of a second.
+  local ec=(-newkey ec -pkeyopt ec_paramgen_curve:prime256v1)
+  openssl req -x509 "${ec[@]}" -nodes -days 3650 -subj "/CN=front-proxy-ca" \
     -keyout "$d/front-proxy-ca.key" -out "$d/front-proxy-ca.crt" 2>/dev/null
-  openssl req -newkey rsa:2048 -nodes -subj "/CN=front-proxy-client" \
+  openssl req "${ec[@]}" -nodes -subj "/CN=front-proxy-client" \
     -keyout "$d/front-proxy-client.key" -out "$d/front-proxy-client.csr" 2>/dev/null
   openssl x509 -req -in "$d/front-proxy-client.csr" -CA "$d/front-proxy-ca.crt" \
     -CAkey "$d/front-proxy-ca.key" -CAcreateserial -days 3650 -extfile "$d/client.ext" \
