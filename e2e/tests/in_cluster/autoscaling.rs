@@ -27,7 +27,8 @@ fn objects_path() -> String {
 
 /// The ring's objects as the API server's aggregation layer returns them from the sharder.
 fn ring_objects(c: &InCluster) -> anyhow::Result<u64> {
-    let answer = c.kubectl_json(&["get", "--raw", &objects_path()])?;
+    let answer: serde_json::Value =
+        serde_json::from_str(&c.kubectl(&["get", "--raw", &objects_path()])?)?;
     answer["items"][0]["value"]
         .as_str()
         .and_then(|v| v.parse().ok())

@@ -226,7 +226,22 @@ pub(crate) fn external_metrics_router(metrics: Arc<ExternalMetrics>) -> Router {
             metrics.clone(),
             authenticate,
         ))
+        // The aggregation layer downloads every aggregated API's OpenAPI document (and logs an
+        // error every minute when there is none); ours describes no schema, which is all an
+        // HPA needs. Static, so served without authentication.
+        .route("/openapi/v2", get(openapi_v2))
         .with_state(metrics)
+}
+
+async fn openapi_v2() -> Response {
+    json(
+        StatusCode::OK,
+        &serde_json::json!({
+            "swagger": "2.0",
+            "info": {"title": "controller-sharding external metrics", "version": VERSION},
+            "paths": {},
+        }),
+    )
 }
 
 /// Middleware: passes on requests of an authenticated front-proxy user (in the extensions),
