@@ -189,8 +189,8 @@ async fn scale_with_the_hpa(c: &'static InCluster) -> anyhow::Result<()> {
         .to_string(),
     ])?;
     eprintln!("autoscaling: {objects} objects on 2 shards, target {target} per shard");
-    // Still 2 after a few syncs.
-    tokio::time::sleep(Duration::from_secs(15)).await;
+    // Still 2 after two syncs (every 5 s on the test control plane).
+    tokio::time::sleep(Duration::from_secs(10)).await;
     ensure!(
         hpa_replicas(c)? == (2, 2),
         "the HPA left 2 replicas before the load grew"
@@ -212,8 +212,8 @@ async fn scale_with_the_hpa(c: &'static InCluster) -> anyhow::Result<()> {
         "autoscaling: 2→4 with {after_out} objects: HPA at 4 and shards available {scaled_out:?} \
          after the second batch began, every Secret on its shard after {converged_out:?}"
     );
-    // Stays at 4 while the load holds.
-    tokio::time::sleep(Duration::from_secs(15)).await;
+    // Stays at 4 while the load holds (two more syncs).
+    tokio::time::sleep(Duration::from_secs(10)).await;
     ensure!(
         hpa_replicas(c)? == (4, 4),
         "the HPA left 4 replicas while the load held"
