@@ -154,6 +154,12 @@ pub async fn run(
         readiness.clone(),
         shutdown.clone(),
     ));
+    // What the state metrics and the external metrics API read, on every replica.
+    let state = Arc::new(CacheState {
+        caches: ctx.caches.clone(),
+        observed: ctx.observed.clone(),
+        reachability: ctx.reachability.clone(),
+    });
     webhook::serve(
         &config,
         webhook::WebhookState {
@@ -161,6 +167,10 @@ pub async fn run(
             metrics: ctx.metrics.clone(),
             client: Some(client.clone()),
         },
+        server::external_metrics_router(Arc::new(server::ExternalMetrics::new(
+            state.clone(),
+            clients.external_metrics,
+        ))),
         &certificate,
         &mut tasks,
         &shutdown,
@@ -171,11 +181,7 @@ pub async fn run(
     // through the main client unless `metrics.secure` is off) and health probes.
     let mut registry = Registry::default();
     ctx.metrics.register(&mut registry);
-    registry.register_collector(Box::new(StateCollector(Arc::new(CacheState {
-        caches: ctx.caches.clone(),
-        observed: ctx.observed.clone(),
-        reachability: ctx.reachability.clone(),
-    }))));
+    registry.register_collector(Box::new(StateCollector(state.clone())));
     server::serve_admin(
         &config,
         registry,

@@ -6,6 +6,7 @@ mod book;
 mod cli;
 mod controller_manager;
 mod crd;
+mod external_metrics;
 mod faults;
 mod leader;
 mod load;
