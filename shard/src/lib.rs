@@ -115,6 +115,7 @@ pub mod drain;
 pub mod lease;
 mod membership;
 mod ownership;
+mod server_side;
 mod shard;
 pub mod sharded_watch;
 mod shutdown;
@@ -124,7 +125,10 @@ pub use crate::drain::{Disposition, DrainPassthrough, ReconcileError};
 pub use crate::lease::{GuardEnd, HeldLease, HeldRunEnd, LeaseGuard, LeaseLock, LeaseLockConfig};
 pub use crate::membership::{EVENT_SHARD_EXCLUDED, EVENT_TERM_STARTED, ShardRunEnd, Term};
 pub use crate::ownership::{Ownership, OwnershipError};
+pub use crate::server_side::{EVENT_RANGES_ACKNOWLEDGED, EVENT_RANGES_APPLIED};
 pub use crate::shard::{DEFAULT_JUDGEMENT_FALLBACK, DEFAULT_REJOIN_PAUSE, Shard};
 pub use crate::shutdown::{EVENT_LEASE_KEPT, OnShutdown, STATEFULSET_READ_TIMEOUT, StatefulSetPod};
 /// The kind of ring a [`Shard`] joins.
 pub use kube_sharding_api::RingKind;
+/// The field a zero-write ring's selectors hash ([`Shard::server_side`]).
+pub use kube_sharding_api::ranges::ShardField;

@@ -363,6 +363,11 @@ impl Inner {
         {
             labels.remove(key);
         }
+        if fresh && let Some(annotations) = lease.metadata.annotations.as_mut() {
+            for key in &self.config.holding_annotations {
+                annotations.remove(key);
+            }
+        }
         let written = if creating {
             self.store.create(&lease).await
         } else {
