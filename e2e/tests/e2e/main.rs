@@ -24,3 +24,4 @@ mod sync_lists;
 mod trust;
 mod watch_assignment;
 mod webhook_server;
+mod zero_write_shard;
