@@ -33,6 +33,9 @@ const REMEMBERED_VERSIONS: usize = 1024;
 const GONE_EVENT: &[u8] = br#"{"type":"ERROR","object":{"kind":"Status","apiVersion":"v1","metadata":{},"status":"Failure","message":"the shard's ranges changed: list again","reason":"Expired","code":410}}
 "#;
 
+/// The answer to a list continued under another selection than its first page's.
+const GONE_STATUS: &[u8] = br#"{"kind":"Status","apiVersion":"v1","metadata":{},"status":"Failure","message":"the shard's ranges changed during a paged list: list again","reason":"Expired","code":410}"#;
+
 /// The list the layer answers while the shard has no ranges.
 const EMPTY_LIST: &[u8] =
     br#"{"kind":"List","apiVersion":"v1","metadata":{"resourceVersion":"0"},"items":[]}"#;
@@ -335,6 +338,7 @@ impl ShardedWatch {
             list.metadata.resource_version.as_deref(),
             snapshot.generation,
         );
+        enforce.remember(list.metadata.continue_token.as_deref(), snapshot.generation);
         let mut held = lock(&enforce.held);
         if held.generation != snapshot.generation {
             return body;
@@ -434,6 +438,31 @@ fn query_value<'a>(query: &'a str, name: &str) -> Option<&'a str> {
         let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
         (key == name).then_some(value)
     })
+}
+
+/// `value` with its `%XX` escapes decoded (a query value as kube's typed API encodes it).
+fn percent_decode(value: &str) -> String {
+    let bytes = value.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let escaped = (bytes[i] == b'%')
+            .then(|| bytes.get(i + 1..i + 3))
+            .flatten()
+            .and_then(|hex| std::str::from_utf8(hex).ok())
+            .and_then(|hex| u8::from_str_radix(hex, 16).ok());
+        match escaped {
+            Some(byte) => {
+                out.push(byte);
+                i += 3;
+            }
+            None => {
+                out.push(bytes[i]);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// The body of a watch response of the enforcing layer: the server's events filtered and
@@ -599,7 +628,23 @@ impl<S> ShardSelectorService<S> {
                 })
             }
             Verb::List => {
-                let continued = query_value(&query, "continue").is_some_and(|c| !c.is_empty());
+                let token = query_value(&query, "continue").filter(|c| !c.is_empty());
+                let continued = token.is_some();
+                // A page of a list begun under another selection: the whole list again.
+                if let Some(token) = token
+                    && !handle
+                        .enforce()
+                        .delivered(&percent_decode(token), snapshot.generation)
+                {
+                    let response = Response::builder()
+                        .status(http::StatusCode::GONE)
+                        .header(http::header::CONTENT_TYPE, "application/json")
+                        .body(Either::Right(Either::Left(Full::new(Bytes::from_static(
+                            GONE_STATUS,
+                        )))))
+                        .map_err(BoxError::from);
+                    return Box::pin(std::future::ready(response));
+                }
                 if snapshot.nothing {
                     let body =
                         handle.enforce_list(&snapshot, continued, Bytes::from_static(EMPTY_LIST));

@@ -69,11 +69,15 @@ fn server(
     let counter = Arc::clone(&requests);
     let service = tower::service_fn(move |request: Request<Full<Bytes>>| {
         counter.fetch_add(1, Ordering::SeqCst);
-        let watch = request
-            .uri()
-            .query()
-            .is_some_and(|q| q.contains("watch=true"));
-        let list = list.clone();
+        let query = request.uri().query().unwrap_or_default().to_string();
+        let watch = query.contains("watch=true");
+        let mut list = list.clone();
+        // The first page names a continue token, the second (the same items) ends the list.
+        if query.contains("continue=")
+            && let Some(meta) = list["metadata"].as_object_mut()
+        {
+            meta.remove("continue");
+        }
         let watch_tx = watch_tx.clone();
         async move {
             let body: Scripted = if watch {
@@ -138,7 +142,7 @@ async fn the_layer_filters_restarts_and_keeps_what_it_delivered() {
     let mut all: Vec<serde_json::Value> = lower.iter().chain(&upper).map(|u| item(u)).collect();
     all.rotate_left(2);
     // A server that ignores the selector: every object, no shardInfo.
-    let list = serde_json::json!({"kind": "SecretList", "apiVersion": "v1", "metadata": {"resourceVersion": "10"}, "items": all});
+    let list = serde_json::json!({"kind": "SecretList", "apiVersion": "v1", "metadata": {"resourceVersion": "10", "continue": "tok=="}, "items": all});
     let (mut server, inner) = server(list);
     let handle = ShardedWatch::enforcing_for_resource::<Secret>();
     let mut service = handle.layer().layer(inner);
@@ -155,8 +159,15 @@ async fn the_layer_filters_restarts_and_keeps_what_it_delivered() {
     assert_eq!(server.requests.load(Ordering::SeqCst), 0);
 
     assert_eq!(handle.revoke_to(Some(half(true))), Vec::new());
-    let listed = whole(
+    let first = whole(
         send(&mut service, "/api/v1/secrets?limit=500")
+            .await
+            .into_body(),
+    )
+    .await;
+    assert_eq!(item_uids(&first).len(), lower.len());
+    let listed = whole(
+        send(&mut service, "/api/v1/secrets?limit=500&continue=tok%3D%3D")
             .await
             .into_body(),
     )
@@ -167,7 +178,7 @@ async fn the_layer_filters_restarts_and_keeps_what_it_delivered() {
     got.sort();
     assert_eq!(got, expected, "only the lower half passes");
     assert_eq!(handle.server_filtering(), ServerFiltering::Ignored);
-    assert_eq!(handle.ignored_lists(), 1);
+    assert_eq!(handle.ignored_lists(), 2, "both pages");
 
     // A watch from an unknown resource version: told to list again, without the server.
     let before = server.requests.load(Ordering::SeqCst);
@@ -274,6 +285,10 @@ async fn the_layer_filters_restarts_and_keeps_what_it_delivered() {
             .expect("an event")
             .contains("\"code\":410")
     );
+
+    // A page of a list begun under the previous selection: the whole list again.
+    let stale = send(&mut service, "/api/v1/secrets?limit=2&continue=tok%3D%3D").await;
+    assert_eq!(stale.status(), http::StatusCode::GONE);
 
     // No ranges: an open silent watch ends when ranges come.
     handle.revoke_to(None);
