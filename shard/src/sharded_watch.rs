@@ -401,7 +401,7 @@ impl Service<Request<kube::client::Body>> for ClientService {
 
 mod enforce;
 use enforce::Snapshot;
-pub use enforce::{EVENT_SELECTOR_IGNORED, WatchBody};
+pub use enforce::{EVENT_SELECTOR_APPLIED, EVENT_SELECTOR_IGNORED, WatchBody};
 
 /// The selection of `selector` (`None`: nothing), for tests of the pure parts.
 #[cfg(test)]

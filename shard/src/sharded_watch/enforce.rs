@@ -25,6 +25,10 @@ use crate::departures::{Departure, ObjectKey};
 /// ignored the selector.
 pub const EVENT_SELECTOR_IGNORED: &str = "shard_selector_ignored";
 
+/// `event` of the record logged once per handle, at info level, when a list response showed
+/// that the server applied the selector (it carried `metadata.shardInfo`).
+pub const EVENT_SELECTOR_APPLIED: &str = "shard_selector_applied";
+
 /// How many delivered resource versions the layer remembers: a resuming watch names the last
 /// one its watcher saw, which is among the most recent ones.
 const REMEMBERED_VERSIONS: usize = 1024;
@@ -88,6 +92,7 @@ pub(crate) struct Enforce {
     departures: broadcast::Sender<Departure>,
     ignored_lists: AtomicU64,
     warned: AtomicBool,
+    applied_logged: AtomicBool,
 }
 
 /// The objects the layer delivered under the current selection, by uid (or name without one).
@@ -129,6 +134,7 @@ impl Enforce {
             departures: broadcast::Sender::new(4096),
             ignored_lists: AtomicU64::new(0),
             warned: AtomicBool::new(false),
+            applied_logged: AtomicBool::new(false),
         }
     }
 
@@ -312,6 +318,15 @@ impl ShardedWatch {
         };
         if snapshot.selector.is_some() {
             self.observe_list(snapshot.generation, &body);
+            if list.metadata.shard_info.is_some()
+                && !enforce.applied_logged.swap(true, Ordering::Relaxed)
+            {
+                tracing::info!(
+                    event = EVENT_SELECTOR_APPLIED,
+                    resource = %self.inner.plural,
+                    "the API server applies the shard selector"
+                );
+            }
             if list.metadata.shard_info.is_none() {
                 enforce.ignored_lists.fetch_add(1, Ordering::Relaxed);
                 if !enforce.warned.swap(true, Ordering::Relaxed) {
