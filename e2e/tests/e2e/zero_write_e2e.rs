@@ -71,7 +71,10 @@ fn mark(shard: &str, record: &Value) -> anyhow::Result<Mark> {
             .context("a record without timestamp")?
             .parse()?,
         shard: shard.to_string(),
-        name: record["name"].as_str().context("a record without name")?.into(),
+        name: record["name"]
+            .as_str()
+            .context("a record without name")?
+            .into(),
         event: record["event"].as_str().unwrap_or_default().into(),
     })
 }
@@ -211,21 +214,25 @@ async fn wait_config_maps(
 ) -> anyhow::Result<()> {
     let api = Api::<ConfigMap>::namespaced(client.clone(), ns);
     let key = shard_label(ring);
-    poll_until("every ConfigMap written by its Secret's owner", RECONCILED, || {
-        let (api, key) = (api.clone(), key.clone());
-        async move {
-            let labelled: BTreeMap<String, String> = api
-                .list(&ListParams::default())
-                .await?
-                .into_iter()
-                .filter_map(|cm| {
-                    let secret = cm.name_any().strip_prefix("checksums-")?.to_string();
-                    Some((secret, cm.labels().get(&key)?.clone()))
-                })
-                .collect();
-            Ok((labelled == *owners).then_some(()))
-        }
-    })
+    poll_until(
+        "every ConfigMap written by its Secret's owner",
+        RECONCILED,
+        || {
+            let (api, key) = (api.clone(), key.clone());
+            async move {
+                let labelled: BTreeMap<String, String> = api
+                    .list(&ListParams::default())
+                    .await?
+                    .into_iter()
+                    .filter_map(|cm| {
+                        let secret = cm.name_any().strip_prefix("checksums-")?.to_string();
+                        Some((secret, cm.labels().get(&key)?.clone()))
+                    })
+                    .collect();
+                Ok((labelled == *owners).then_some(()))
+            }
+        },
+    )
     .await
 }
 
@@ -252,11 +259,7 @@ async fn real_shards_follow_the_sharders_ranges_without_a_write_to_their_objects
             &ns,
             shard,
             ShardTiming::RELAXED,
-            &[
-                "--server-side",
-                "--testing-reconcile-delay",
-                SLOW_RECONCILE,
-            ],
+            &["--server-side", "--testing-reconcile-delay", SLOW_RECONCILE],
         )
     };
     let mut shards: BTreeMap<&str, Process> = BTreeMap::new();
@@ -282,7 +285,12 @@ async fn real_shards_follow_the_sharders_ranges_without_a_write_to_their_objects
         .await?;
     let hashes: BTreeMap<String, u64> = made
         .iter()
-        .map(|s| Ok((s.name_any(), fnv1a64(&s.uid().context("a Secret without uid")?))))
+        .map(|s| {
+            Ok((
+                s.name_any(),
+                fnv1a64(&s.uid().context("a Secret without uid")?),
+            ))
+        })
         .collect::<anyhow::Result<_>>()?;
     let created: BTreeMap<String, Option<String>> = made
         .iter()
@@ -308,7 +316,10 @@ async fn real_shards_follow_the_sharders_ranges_without_a_write_to_their_objects
         .filter(|(name, _)| name.starts_with("slow-") && newcomer_target.contains(hashes[*name]))
         .map(|(name, owner)| (name.clone(), owner.clone()))
         .collect();
-    ensure!(!slow_moving.is_empty(), "no slow Secret moves to {NEWCOMER}");
+    ensure!(
+        !slow_moving.is_empty(),
+        "no slow Secret moves to {NEWCOMER}"
+    );
     let deleted = Timestamp::now();
     let config_maps = Api::<ConfigMap>::namespaced(client.clone(), &ns);
     for name in slow_moving.keys() {
@@ -396,7 +407,9 @@ async fn real_shards_follow_the_sharders_ranges_without_a_write_to_their_objects
     ensure!(status.success(), "{LEAVING} exits 0 on SIGTERM: {status}");
     let stayed = [FIRST[0], FIRST[2], NEWCOMER].map(|s| (s, 1));
     let three_again = wait_settled(&client, &ns, &stayed).await?;
-    ensure!(is_partition(three_again.values().map(PublishedRanges::ranges)));
+    ensure!(is_partition(
+        three_again.values().map(PublishedRanges::ranges)
+    ));
     let last_owners = owners(&hashes, &three_again)?;
     let orphaned: BTreeMap<String, String> = last_owners
         .iter()
