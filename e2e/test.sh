@@ -74,7 +74,7 @@ fi
 cargo build --workspace --bins
 cargo test --workspace "$@"
 if [ $# -eq 0 ] && [ -z "${KUBECONFIG:-}" ]; then
-  chaos=(cargo run -q -p sharding-e2e --bin chaos --
+  chaos=(cargo run -q -p sharding-loadtest --bin chaos --
     --duration 50s --fault-interval 3s --lease-duration 8s --settle 5s)
   "${chaos[@]}" --seed 20
   "${chaos[@]}" --leave-children-to-sharder

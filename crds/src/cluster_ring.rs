@@ -21,6 +21,12 @@ pub const MAX_NAME_LEN: usize = 63;
 pub const NAME_LENGTH_RULE: &str = "size(self.metadata.name) <= 63";
 /// Message of [`NAME_LENGTH_RULE`].
 pub const NAME_LENGTH_MESSAGE: &str = "ClusterRing name must not be longer than 63 characters";
+/// CEL rule refusing controlled resources in a ring with `assignment: ServerSide` that hashes by
+/// object: a controlled object's uid hashes independently of its controller's, so the server's
+/// shard selector cannot keep the two on one shard (docs/zero-write-rings.md).
+pub const SERVER_SIDE_CONTROLLED_RULE: &str = "!has(self.spec.assignment) || self.spec.assignment != 'ServerSide' || (has(self.spec.hashKey) && self.spec.hashKey == 'Namespace') || !has(self.spec.resources) || self.spec.resources.all(r, !has(r.controlledResources) || size(r.controlledResources) == 0)";
+/// Message of [`SERVER_SIDE_CONTROLLED_RULE`].
+pub const SERVER_SIDE_CONTROLLED_MESSAGE: &str = "assignment ServerSide with hashKey Object cannot have controlledResources: a controlled object's uid hashes independently of its controller's (use hashKey Namespace, or list the controlled objects unsharded)";
 
 /// Desired state of a ClusterRing: which resources it shards, and in which namespaces.
 ///
@@ -76,7 +82,10 @@ pub struct ClusterRingSpec {
     /// already; `Watch` installs no webhook: the sharder watches the ring's unassigned objects
     /// and labels each with a patch right after it is created. `Watch` suits clusters whose API
     /// server cannot reach the sharder; a shard then sees a new object only after that patch,
-    /// and new objects stay unassigned while no sharder runs. Our extension.
+    /// and new objects stay unassigned while no sharder runs. `ServerSide` writes no object at
+    /// all: the sharder publishes each shard's ranges of the hash space on its Lease and shards
+    /// list and watch with the API server's shard selector (docs/zero-write-rings.md); it refuses
+    /// controlled resources with `hashKey: Object`. Our extension.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub assignment: Option<Assignment>,
 }
@@ -94,6 +103,10 @@ pub enum Assignment {
     Webhook,
     /// No webhook: the sharder labels each new object from its watch of unassigned objects.
     Watch,
+    /// No labels at all: the sharder publishes hash ranges on the shards' Leases, and each shard
+    /// lists and watches only its ranges through the API server's shard selector
+    /// (docs/zero-write-rings.md). The sharder neither lists nor watches the ring's objects.
+    ServerSide,
 }
 
 /// What a ring hashes objects by (docs/protocol.md §16).
@@ -203,6 +216,11 @@ pub struct ClusterRingStatus {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["name"]))]
     pub departed_shards: Vec<DepartedShard>,
+    /// The latest generation of ranges the sharder published on the ring's shard Leases
+    /// (`assignment: ServerSide` only, docs/zero-write-rings.md), so that a new sharder leader
+    /// continues the count.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub range_generation: Option<u64>,
 }
 
 /// A shard whose Lease left its ring while the shard may still be running.

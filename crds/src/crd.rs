@@ -6,7 +6,9 @@ use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::JSON;
 use kube::CustomResourceExt;
 
 use crate::RingKind;
-use crate::cluster_ring::{ClusterRing, NAME_LENGTH_RULE};
+use crate::cluster_ring::{
+    ClusterRing, NAME_LENGTH_RULE, SERVER_SIDE_CONTROLLED_MESSAGE, SERVER_SIDE_CONTROLLED_RULE,
+};
 
 /// Path of the committed ClusterRing CRD YAML, relative to the repository root.
 pub const CRD_PATH: &str = "config/crds/sharding.timebertt.dev_clusterrings.yaml";
@@ -39,12 +41,12 @@ pub fn cluster_ring_crd() -> CustomResourceDefinition {
     ring_crd(RingKind::ClusterRing)
 }
 
-/// The CRD of `kind`, including the CEL rule on the name length.
+/// The CRD of `kind`, including the CEL rules on the name length and on `assignment: ServerSide`.
 ///
 /// Both kinds have one schema: the ControllerRing CRD is the ClusterRing one with the names
 /// changed, so the two can never drift apart. The derive macro does not reach the root schema, so
-/// three things are set here: the CEL rule (API servers older than 1.25 drop it silently; the
-/// sharder checks the name at runtime as well), an optional `spec` defaulted to `{}` by the server
+/// three things are set here: the CEL rules (API servers older than 1.25 drop them silently; the
+/// sharder checks them at runtime as well), an optional `spec` defaulted to `{}` by the server
 /// (so a ring without one still deserializes), and the description.
 pub fn ring_crd(kind: RingKind) -> CustomResourceDefinition {
     let mut crd = ClusterRing::crd();
@@ -71,6 +73,11 @@ pub fn ring_crd(kind: RingKind) -> CustomResourceDefinition {
                 k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::ValidationRule {
                     rule: NAME_LENGTH_RULE.into(),
                     message: Some(name_length_message(kind)),
+                    ..Default::default()
+                },
+                k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::ValidationRule {
+                    rule: SERVER_SIDE_CONTROLLED_RULE.into(),
+                    message: Some(SERVER_SIDE_CONTROLLED_MESSAGE.into()),
                     ..Default::default()
                 },
             ]);

@@ -1,7 +1,7 @@
 //! A consistent-hash ring computed from the protocol's description only (docs/protocol.md §5, §17):
 //! XXH64 tokens `XXH64(name + i)`, 100 per unit of weight, and a key on the first token at or after
 //! its hash. It shares no code with the sharder's ring, so tests that compare the two check both;
-//! it is the one placement prediction of the harness, the tests and the tools under `src/bin`.
+//! it is the one placement prediction of the harness, the tests and the tools under `e2e/loadtest`.
 
 use xxhash_rust::xxh64::xxh64;
 

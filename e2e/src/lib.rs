@@ -10,7 +10,7 @@
 //! Each test works in its own namespace ([`Cluster::namespace`]) with unique names
 //! ([`unique_name`]), so tests in one process can run in parallel.
 //!
-//! Helpers the tests and the tools under `src/bin` share, each written once:
+//! Helpers the tests and the tools under `e2e/loadtest` share, each written once:
 //!
 //! | helper | what |
 //! |---|---|

@@ -335,7 +335,12 @@ where
             );
             // Calling an `async fn` only builds its future; its body starts at the first poll,
             // after the check below.
+            let measured = Arc::clone(&object);
             let reconcile = inner(object, context, ownership);
+            let reconcile = match shard.load_meter() {
+                Some(meter) => meter.measure(measured.meta(), reconcile).boxed(),
+                None => reconcile.boxed(),
+            };
             async move {
                 guard
                     .check()

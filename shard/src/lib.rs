@@ -102,6 +102,7 @@
 //! | [`lease`] | the Lease lock, [`LeaseGuard`], [`HeldLease::run_while_held`], and the pure acquire decision it uses |
 //! | [`drain`] | the reconciler wrapper that acknowledges drains and cancels reconciles when the Lease ends |
 //! | [`departures`] | released versus deleted objects |
+//! | [`load`] | [`LoadMeter`]: the load the shard reports on its Lease (objects, queue depth, reconcile latency and errors) |
 //! | [`sharded_watch`] | zero-write rings: a `shardSelector` on one resource's lists and watches, whether the server applied it, the client-side filter, and the restarts on new ranges |
 //!
 //! # Zero-write rings
@@ -156,6 +157,7 @@
 pub mod departures;
 pub mod drain;
 pub mod lease;
+pub mod load;
 mod membership;
 mod ownership;
 mod server_side;
@@ -166,6 +168,7 @@ mod shutdown;
 pub use crate::departures::{Departure, Departures, ObjectKey, Release};
 pub use crate::drain::{Disposition, DrainPassthrough, ReconcileError};
 pub use crate::lease::{GuardEnd, HeldLease, HeldRunEnd, LeaseGuard, LeaseLock, LeaseLockConfig};
+pub use crate::load::{DEFAULT_LOAD_WINDOW, LoadMeter};
 pub use crate::membership::{EVENT_SHARD_EXCLUDED, EVENT_TERM_STARTED, ShardRunEnd, Term};
 pub use crate::ownership::{Ownership, OwnershipError};
 pub use crate::server_side::{EVENT_RANGES_ACKNOWLEDGED, EVENT_RANGES_APPLIED, RestartBackoff};

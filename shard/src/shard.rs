@@ -13,6 +13,7 @@ use kube_sharding_api::ranges::ShardField;
 
 use crate::drain::{self, Disposition};
 use crate::lease::LeaseLockConfig;
+use crate::load::LoadMeter;
 use crate::server_side::{InFlightGuard, ServerSide};
 use crate::sharded_watch::ShardedWatch;
 use crate::shutdown::OnShutdown;
@@ -44,6 +45,7 @@ pub struct Shard {
     judgement_fallback: Duration,
     on_shutdown: OnShutdown,
     server_side: Option<ServerSide>,
+    load_meter: Option<LoadMeter>,
 }
 
 /// How long [`Shard::run`] waits by default before rejoining after an exclusion.
@@ -98,6 +100,7 @@ impl Shard {
             judgement_fallback: DEFAULT_JUDGEMENT_FALLBACK,
             on_shutdown: OnShutdown::Release,
             server_side: None,
+            load_meter: None,
         }
     }
 
@@ -255,6 +258,21 @@ impl Shard {
         self
     }
 
+    /// The shard reporting its load (docs/protocol.md §23) from `meter` on its Lease
+    /// ([`Shard::lease_config`] writes the report with every renewal), and measuring every
+    /// reconcile of [`Shard::reconciler`] with it. See [`crate::load`] for counting objects
+    /// and the queue.
+    #[must_use]
+    pub fn with_load_meter(mut self, meter: LoadMeter) -> Self {
+        self.load_meter = Some(meter);
+        self
+    }
+
+    /// The meter the shard reports its load from, if any (see [`Shard::with_load_meter`]).
+    pub fn load_meter(&self) -> Option<&LoadMeter> {
+        self.load_meter.as_ref()
+    }
+
     /// What [`Shard::run`] does with the Lease on shutdown.
     pub fn on_shutdown(&self) -> &OnShutdown {
         &self.on_shutdown
@@ -318,7 +336,8 @@ impl Shard {
     /// before), watching the sharder's exclusion annotation
     /// ([`labels::ANNOTATION_EXCLUDED`], see [`LeaseLockConfig::with_exclusion_annotation`]), and
     /// marking its releases ([`labels::ANNOTATION_RELEASED_BY`], see
-    /// [`LeaseLockConfig::with_release_mark`]).
+    /// [`LeaseLockConfig::with_release_mark`]), and with the load report of its
+    /// [meter](Shard::with_load_meter), if it has one ([`LeaseLockConfig::with_load_report`]).
     /// Default timing; adjust it with the `with_*` methods.
     pub fn lease_config(&self) -> LeaseLockConfig {
         // Dropping the other kind's ring label lets a shard move between kinds on the same Lease:
@@ -337,6 +356,10 @@ impl Shard {
             config.with_annotation(labels::ANNOTATION_LEAVES_CONTROLLED_OBJECTS, "true")
         } else {
             config.without_annotation(labels::ANNOTATION_LEAVES_CONTROLLED_OBJECTS)
+        };
+        let config = match &self.load_meter {
+            Some(meter) => config.with_load_report(meter.clone()),
+            None => config,
         };
         match self.weight {
             Some(weight) => config.with_annotation(labels::ANNOTATION_WEIGHT, weight.to_string()),

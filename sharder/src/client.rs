@@ -28,6 +28,9 @@ pub(crate) struct Clients {
     /// Reviews of tokens accepted before, and of what their users may do; throttled on its own,
     /// so random tokens cannot delay a known scraper's review.
     pub(crate) metrics_auth_known: Client,
+    /// The external metrics API's reads of the request-header settings and its
+    /// SubjectAccessReviews; throttled on its own like the metrics reviews.
+    pub(crate) external_metrics: Client,
 }
 
 /// Requests per second (and burst) of each metrics-authentication client: a few scrapers need a
@@ -60,6 +63,7 @@ pub(crate) async fn build_clients(
     };
     let metrics_auth_new = metrics_auth("metrics_auth")?;
     let metrics_auth_known = metrics_auth("metrics_auth")?;
+    let external_metrics = metrics_auth("external_metrics")?;
     let builder = kube::client::ClientBuilder::try_from(kube_config)
         .context("failed to build API client")?
         .with_layer(&CountLayer::new(requests.clone(), "main"));
@@ -82,6 +86,7 @@ pub(crate) async fn build_clients(
         caches,
         metrics_auth_new,
         metrics_auth_known,
+        external_metrics,
     })
 }
 

@@ -26,13 +26,6 @@ pub mod list_scope;
 pub(crate) mod membership;
 pub(crate) mod owner_wait;
 pub(crate) mod pin;
-#[cfg_attr(
-    not(test),
-    expect(
-        dead_code,
-        reason = "pure and tested; the controller that writes its plans is still to be built (docs/zero-write-rings.md)"
-    )
-)]
 pub(crate) mod range_handover;
 pub(crate) mod rebalance;
 pub(crate) mod sync_schedule;

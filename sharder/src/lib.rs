@@ -13,10 +13,10 @@
 //! | [`server`] | the HTTPS server with certificate reload, the metrics server (HTTPS behind TokenReview and SubjectAccessReview, or plain), the health server |
 //! | [`metrics`] | counters, and the state metrics rendered from a `StateSource` |
 //! | `state_source` | the state metrics' source: the caches, what was observed, reachability |
-//! | [`events`] | rate-limited Events and every Event reason |
+//! | `events` | rate-limited Events and every Event reason |
 //! | `observed` | what the leader learned about each ring's objects in its latest sync |
-//! | [`reachability`] | whether the API server reaches each ring's webhook; moves stop while it does not |
-//! | [`client`] | the API clients (controllers, leader election, caches) |
+//! | `reachability` | whether the API server reaches each ring's webhook; moves stop while it does not |
+//! | `client` | the API clients (controllers, leader election, caches) |
 //! | `context` | what the leader's controllers share |
 //! | `direct_moves` | the direct moves in flight off each shard, which hold back a returning shard's `ready` label |
 //! | [`cli`] | the kubectl plugin (`kubectl sharding`): status, explain, simulate |
@@ -27,16 +27,16 @@
 
 mod caches;
 pub mod cli;
-pub mod client;
+mod client;
 mod context;
 pub mod controller;
 pub mod core;
 mod direct_moves;
-pub mod events;
+mod events;
 mod leader_election;
 pub mod metrics;
 mod observed;
-pub mod reachability;
+mod reachability;
 pub mod server;
 mod state_source;
 pub mod views;
@@ -154,6 +154,12 @@ pub async fn run(
         readiness.clone(),
         shutdown.clone(),
     ));
+    // What the state metrics and the external metrics API read, on every replica.
+    let state = Arc::new(CacheState {
+        caches: ctx.caches.clone(),
+        observed: ctx.observed.clone(),
+        reachability: ctx.reachability.clone(),
+    });
     webhook::serve(
         &config,
         webhook::WebhookState {
@@ -161,6 +167,10 @@ pub async fn run(
             metrics: ctx.metrics.clone(),
             client: Some(client.clone()),
         },
+        server::external_metrics_router(Arc::new(server::ExternalMetrics::new(
+            state.clone(),
+            clients.external_metrics,
+        ))),
         &certificate,
         &mut tasks,
         &shutdown,
@@ -171,11 +181,7 @@ pub async fn run(
     // through the main client unless `metrics.secure` is off) and health probes.
     let mut registry = Registry::default();
     ctx.metrics.register(&mut registry);
-    registry.register_collector(Box::new(StateCollector(Arc::new(CacheState {
-        caches: ctx.caches.clone(),
-        observed: ctx.observed.clone(),
-        reachability: ctx.reachability.clone(),
-    }))));
+    registry.register_collector(Box::new(StateCollector(state.clone())));
     server::serve_admin(
         &config,
         registry,

@@ -6,6 +6,7 @@
 
 use kube_sharding_api::RingRef;
 
+pub(crate) mod load;
 mod state;
 
 pub(crate) use self::state::{

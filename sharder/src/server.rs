@@ -2,7 +2,10 @@
 //! their certificate reloaded by [`tls`]), the metrics' authentication and authorization
 //! (`metrics_auth`), and the plain health server.
 
+mod external_metrics;
 mod metrics_auth;
+
+pub(crate) use self::external_metrics::{ExternalMetrics, external_metrics_router};
 
 pub(crate) use self::metrics_auth::ReviewClients;
 pub mod tls;
@@ -121,6 +124,12 @@ pub const METRICS_LIMITS: ConnectionLimits = ConnectionLimits {
     max_handshakes: 100,
     ..HEALTH_LIMITS
 };
+
+/// The certificates a TLS client sent (end entity first; empty when it sent none), in each
+/// request's extensions. The TLS layer checked only that the client holds the first one's key
+/// ([`tls::CertReloader::server_config_asking_client_certs`]); a handler verifies the chain.
+#[derive(Clone, Debug, Default)]
+pub struct PeerCertificates(pub Arc<[rustls::pki_types::CertificateDer<'static>]>);
 
 /// Readiness of the process: ready once caches synced and the certificate is loaded, and never
 /// again once shutdown began.
@@ -321,9 +330,9 @@ pub async fn serve(
         if let Err(error) = stream.set_nodelay(true) {
             tracing::debug!(%error, %peer, "failed to set TCP_NODELAY");
         }
-        let service = TowerToHyperService::new(app.clone());
         let watcher = graceful.watcher();
         let Some(tls) = tls.clone() else {
+            let service = TowerToHyperService::new(app.clone());
             let Some(slot) = Slots::take(&slots, peer.ip()) else {
                 tracing::debug!(%peer, ?local, "too many connections; closing the new one");
                 continue;
@@ -347,6 +356,7 @@ pub async fn serve(
             continue;
         };
         let slots = slots.clone();
+        let app = app.clone();
         tokio::spawn(async move {
             let stream =
                 match tokio::time::timeout(limits.handshake_timeout, tls.accept(stream)).await {
@@ -369,6 +379,20 @@ pub async fn serve(
             // client's first bytes to tell the protocols apart, and a client that sends nothing
             // would never meet a timeout.
             let http2 = stream.get_ref().1.alpn_protocol() == Some(b"h2");
+            let peer_certificates = PeerCertificates(
+                stream
+                    .get_ref()
+                    .1
+                    .peer_certificates()
+                    .unwrap_or_default()
+                    .iter()
+                    .map(|c| c.clone().into_owned())
+                    .collect(),
+            );
+            let service = TowerToHyperService::new(tower::Layer::layer(
+                &axum::Extension(peer_certificates),
+                app,
+            ));
             let builder = builder(&limits, http2);
             let conn = builder.serve_connection(TokioIo::new(stream), service);
             if let Err(error) = watcher.watch(conn.into_owned()).await {

@@ -63,6 +63,7 @@ impl StateSource for CacheState {
                     .unwrap_or_default();
                 let members = ring_members(kind, &ring, &allowed, leases.iter().map(AsRef::as_ref));
                 snapshots.extend(members.into_iter().map(|m| {
+                    let load = ShardLoad::from_annotations(m.lease.annotations());
                     ShardSnapshot {
                         namespace: m.lease.namespace().unwrap_or_default(),
                         shard: m.lease.name_any(),
@@ -75,8 +76,8 @@ impl StateSource for CacheState {
                             .renewals()
                             .skew(m.lease.uid().as_deref().unwrap_or_default())
                             .map(|skew| skew.as_secs_f64()),
-                        load: ShardLoad::from_annotations(m.lease.annotations())
-                            .and_then(Result::ok),
+                        load_invalid: matches!(load, Some(Err(_))),
+                        load: load.and_then(Result::ok),
                     }
                 }));
             }

@@ -41,10 +41,12 @@ use crate::views::{ControllerLookup, RingView, Views, controller_shard};
 
 /// Starts the webhook's TLS server on the configured address, with the serving certificate of
 /// `reloader` (kept loaded by [`server::tls::watch_certificate`]); it stops on `shutdown` and lets
-/// open requests finish within `gracefulShutdown`.
+/// open requests finish within `gracefulShutdown`. The server also serves `extra`'s routes (the
+/// external metrics API), and asks clients for a certificate, which they may leave out.
 pub(crate) async fn serve(
     config: &SharderConfig,
     state: WebhookState,
+    extra: Router,
     reloader: &Arc<CertReloader>,
     tasks: &mut JoinSet<()>,
     shutdown: &CancellationToken,
@@ -52,7 +54,7 @@ pub(crate) async fn serve(
     let server_config = &config.webhook.server;
     let tls = tokio_rustls::TlsAcceptor::from(Arc::new(
         reloader
-            .server_config()
+            .server_config_asking_client_certs()
             .context("failed to build TLS config")?,
     ));
     let addr = kube_sharding_api::config::parse_bind_address(&server_config.bind_address)?
@@ -62,7 +64,7 @@ pub(crate) async fn serve(
     tasks.spawn(server::serve_tls(
         listener,
         tls,
-        router(state),
+        router(state).merge(extra),
         server::ConnectionLimits::default(),
         shutdown.clone(),
         config.graceful_shutdown.0,

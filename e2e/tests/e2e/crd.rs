@@ -86,6 +86,7 @@ async fn valid_ring_round_trips_with_status() -> anyhow::Result<()> {
             name: "shard-a".into(),
             until: Time(k8s_openapi::jiff::Timestamp::from_second(1_700_000_030)?),
         }],
+        range_generation: Some(7),
     };
     // A running sharder writes this ring's status too, so each check reads the answer to its own
     // write rather than a later GET.

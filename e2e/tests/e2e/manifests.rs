@@ -40,11 +40,13 @@ const KUSTOMIZATIONS: &[&str] = &[
     "config/admission-policies",
     "config/release/install",
     "config/release/install-cert-manager",
+    "config/external-metrics",
     "deploy/base",
     "deploy/clusterring",
     "deploy",
     "deploy/controllerring",
     "deploy/statefulset",
+    "deploy/autoscaling",
 ];
 
 /// Components: rendered only as part of a kustomization that uses them.

@@ -34,6 +34,8 @@ const BUNDLE: &[(&str, &str)] = &[
     ("admission-policies.yaml", "config/admission-policies"),
     ("example.yaml", "deploy"),
     ("example-statefulset.yaml", "deploy/statefulset"),
+    ("external-metrics.yaml", "config/external-metrics"),
+    ("example-autoscaling.yaml", "deploy/autoscaling"),
 ];
 
 /// Runs `release.sh` with `args` and the tests' kubectl; its standard error.
@@ -350,19 +352,51 @@ const MATRIX: &[Case] = &[
             ensure!(count(objects, "NetworkPolicy") == 1, "network policy");
             ensure!(count(objects, "Certificate") == 0, "certificate");
             ensure!(count(objects, "ServiceMonitor") == 0, "service monitor");
+            ensure!(
+                count(objects, "APIService") == 0,
+                "external metrics on by default"
+            );
             let (config, _) = chart_config(objects)?;
             ensure!(config.metrics.secure, "metrics not secure by default");
             Ok(())
         },
     },
-    // cert-manager, a ServiceMonitor and the alerts on; everything else the defaults.
+    // The external metrics API with the self-signed certificate: the APIService trusts its CA.
+    Case {
+        sets: &["externalMetrics.enabled=true"],
+        check: |objects| {
+            let api = object(objects, "APIService", "v1beta1.external.metrics.k8s.io")?;
+            let secret = object(objects, "Secret", "sharder-webhook-tls")?;
+            ensure!(
+                str_at(api, "/spec/caBundle") == str_at(secret, "/data/ca.crt"),
+                "the APIService's CA bundle is not the self-signed CA"
+            );
+            object(objects, "ClusterRole", "sharding:external-metrics-reader")?;
+            object(
+                objects,
+                "RoleBinding",
+                "sharding:sharder:extension-apiserver-authentication-reader",
+            )?;
+            Ok(())
+        },
+    },
+    // cert-manager, a ServiceMonitor, the alerts and the external metrics on; everything else the
+    // defaults.
     Case {
         sets: &[
             "certManager.enabled=true",
             "serviceMonitor.enabled=true",
             "prometheusRule.enabled=true",
+            "externalMetrics.enabled=true",
         ],
         check: |objects| {
+            let api = object(objects, "APIService", "v1beta1.external.metrics.k8s.io")?;
+            ensure!(
+                api["spec"]["caBundle"].is_null()
+                    && api["metadata"]["annotations"]["cert-manager.io/inject-ca-from"]
+                        == "sharding-system/sharder-webhook",
+                "the APIService's CA is not cert-manager's: {api}"
+            );
             ensure!(
                 count(objects, "Secret") == 0,
                 "a Secret beside cert-manager"

@@ -154,6 +154,22 @@ fn config_file(path: &str) -> anyhow::Result<String> {
     std::fs::read_to_string(&file).with_context(|| format!("failed to read {}", file.display()))
 }
 
+/// Applies the shipped shard Lease policies to `cluster`. Tests running at once apply the same
+/// file: the loser of a race to create a policy is told it exists, and applies again.
+async fn apply_shard_lease_policies(cluster: &e2e::Cluster) -> anyhow::Result<()> {
+    let policies = config_file("admission-policies/shard_lease_policies.yaml")?;
+    let mut attempts = 0;
+    loop {
+        match cluster.apply_yaml(&policies) {
+            Err(error) if attempts < 3 && error.to_string().contains("AlreadyExists") => {
+                attempts += 1;
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            result => return result,
+        }
+    }
+}
+
 /// A Lease `name` in `namespace`, labelled for ClusterRing `ring` when given.
 fn lease(namespace: &str, name: &str, label: Option<(&str, &str)>) -> Lease {
     Lease {
@@ -222,9 +238,7 @@ async fn only_identities_that_may_use_a_ring_put_leases_into_it() -> anyhow::Res
         ns,
         ..
     } = SharedScenario::in_namespace("join").await?;
-    cluster.apply_yaml(&config_file(
-        "admission-policies/shard_lease_policies.yaml",
-    )?)?;
+    apply_shard_lease_policies(cluster).await?;
     let ring = unique_name("join");
     create_ring(&client, &ring, ring_spec(&ns)).await?;
     let (alice, shard) = (unique_name("alice"), unique_name("shard"));
@@ -342,12 +356,172 @@ async fn grant_use(client: &kube::Client, ring: &str, user: &str) -> anyhow::Res
     Ok(())
 }
 
+/// With the shipped shard Lease policies, a zero-write ring's handover annotations
+/// (docs/zero-write-rings.md) are written only by whom they belong to: `ranges` only by an
+/// identity that may patch the ring's status (the sharder), not by its shard, even though the
+/// shard may use the ring (on create, change or removal); `acknowledged` only by an identity that
+/// may use the ring (the shard), not by someone with mere Lease rights.
+#[tokio::test]
+async fn only_the_sharder_publishes_ranges_and_only_a_ring_user_acknowledges() -> anyhow::Result<()>
+{
+    if !serves_admission_policies(
+        e2e::cluster(),
+        "only_the_sharder_publishes_ranges_and_only_a_ring_user_acknowledges",
+    )? {
+        return Ok(());
+    }
+    let SharedScenario {
+        mut logs,
+        cluster,
+        client,
+        ns,
+        ..
+    } = SharedScenario::in_namespace("ranges-policy").await?;
+    apply_shard_lease_policies(cluster).await?;
+    // No ring object: the policy asks the authorizer about the name, and the shared sharder
+    // leaves Leases of unknown rings alone.
+    let ring = unique_name("ranges-policy");
+    let (alice, shard, publisher) = (
+        unique_name("alice"),
+        unique_name("shard"),
+        unique_name("publisher"),
+    );
+    for user in [&alice, &shard, &publisher] {
+        grant_lease_rights(&client, &ns, user).await?;
+    }
+    grant_use(&client, &ring, &shard).await?;
+    grant_use(&client, &ring, &publisher).await?;
+    let name = format!("status-{ring}-{publisher}");
+    let role: ClusterRole = serde_json::from_value(json!({
+        "metadata": {"name": name},
+        "rules": [{"apiGroups": ["sharding.timebertt.dev"], "resources": ["clusterrings/status"],
+                   "resourceNames": [ring], "verbs": ["patch"]}],
+    }))?;
+    Api::<ClusterRole>::all(client.clone())
+        .create(&PostParams::default(), &role)
+        .await?;
+    let binding: ClusterRoleBinding = serde_json::from_value(json!({
+        "metadata": {"name": name},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": name},
+        "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": publisher}],
+    }))?;
+    Api::<ClusterRoleBinding>::all(client.clone())
+        .create(&PostParams::default(), &binding)
+        .await?;
+    let as_alice = Api::<Lease>::namespaced(cluster.client_as(&alice, &[]).await?, &ns);
+    let as_shard = Api::<Lease>::namespaced(cluster.client_as(&shard, &[]).await?, &ns);
+    let as_publisher = Api::<Lease>::namespaced(cluster.client_as(&publisher, &[]).await?, &ns);
+    let label = RingKind::ClusterRing.lease_label();
+    as_shard
+        .create(
+            &PostParams::default(),
+            &lease(&ns, "shard-0", Some((label, &ring))),
+        )
+        .await?;
+    let ranges = kube_sharding_api::range_lease::ANNOTATION_RANGES;
+    let acknowledged = kube_sharding_api::range_lease::ANNOTATION_ACKNOWLEDGED;
+    let publish = |value: Option<&str>| json!({"metadata": {"annotations": {ranges: value}}});
+    let only_sharder = "only the sharder writes it";
+    // Another test may have loaded an older version of the file: wait for this one.
+    poll_until(
+        "the policy to refuse a shard's own ranges",
+        WAIT,
+        || async {
+            let result = as_shard
+                .patch(
+                    "shard-0",
+                    &PatchParams::default(),
+                    &Patch::Merge(publish(Some("1"))),
+                )
+                .await;
+            if result.is_ok() {
+                client_remove(&client, &ns, ranges).await?;
+            }
+            Ok(forbidden(result, only_sharder).ok())
+        },
+    )
+    .await?;
+    as_publisher
+        .patch(
+            "shard-0",
+            &PatchParams::default(),
+            &Patch::Merge(publish(Some("1"))),
+        )
+        .await
+        .context("the ring's status writer publishes ranges")?;
+    forbidden(
+        as_shard
+            .patch(
+                "shard-0",
+                &PatchParams::default(),
+                &Patch::Merge(publish(Some("2"))),
+            )
+            .await,
+        only_sharder,
+    )
+    .context("the shard changes its ranges")?;
+    forbidden(
+        as_shard
+            .patch(
+                "shard-0",
+                &PatchParams::default(),
+                &Patch::Merge(publish(None)),
+            )
+            .await,
+        only_sharder,
+    )
+    .context("the shard removes its ranges")?;
+    let mut with_ranges = lease(&ns, "shard-1", Some((label, &ring)));
+    with_ranges.metadata.annotations =
+        Some(BTreeMap::from([(ranges.to_string(), "1".to_string())]));
+    forbidden(
+        as_shard.create(&PostParams::default(), &with_ranges).await,
+        only_sharder,
+    )
+    .context("the shard creates its Lease with ranges")?;
+
+    let acknowledge = json!({"metadata": {"annotations": {acknowledged: "1"}}});
+    forbidden(
+        as_alice
+            .patch(
+                "shard-0",
+                &PatchParams::default(),
+                &Patch::Merge(&acknowledge),
+            )
+            .await,
+        &format!("steers that ring: this needs the verb use on clusterrings/{ring}"),
+    )
+    .context("alice acknowledges")?;
+    as_shard
+        .patch(
+            "shard-0",
+            &PatchParams::default(),
+            &Patch::Merge(&acknowledge),
+        )
+        .await
+        .context("the shard acknowledges")?;
+    logs.passed();
+    Ok(())
+}
+
+/// Removes annotation `key` from Lease `shard-0` in `namespace` as the admin.
+async fn client_remove(client: &kube::Client, namespace: &str, key: &str) -> anyhow::Result<()> {
+    Api::<Lease>::namespaced(client.clone(), namespace)
+        .patch(
+            "shard-0",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"annotations": {key: null}}})),
+        )
+        .await?;
+    Ok(())
+}
+
 /// With the shipped shard Lease policies, a user who may update Leases in a shard's namespace but
 /// may not `use` its ring can change nothing the sharder reads from a shard Lease: not its holder
 /// (emptied or another), not its duration, not the annotations `excluded`, `weight`,
 /// `leaves-controlled-objects` and `released-by` (set or removed), and she can neither delete it
 /// nor label a Lease with an empty ring value. She may still renew it and write other
-/// annotations. The shard's identity, which may use the ring, does all of it; the ControllerRing
+/// annotations, the load report among them. The shard's identity, which may use the ring, does all of it; the ControllerRing
 /// policy refuses the same. The namespace controller, which has no `use`, may delete a shard
 /// Lease only once its namespace is being deleted.
 #[tokio::test]
@@ -365,9 +539,7 @@ async fn changing_what_a_shard_lease_says_needs_use_on_its_ring() -> anyhow::Res
         ns,
         ..
     } = SharedScenario::in_namespace("steer").await?;
-    cluster.apply_yaml(&config_file(
-        "admission-policies/shard_lease_policies.yaml",
-    )?)?;
+    apply_shard_lease_policies(cluster).await?;
     // No ring object is needed: the policy asks the authorizer about the name. Without one, the
     // shared sharder leaves these Leases alone.
     let ring = unique_name("steer");
@@ -501,6 +673,16 @@ async fn changing_what_a_shard_lease_says_needs_use_on_its_ring() -> anyhow::Res
         .patch("shard-0", &PatchParams::default(), &Patch::Merge(&other))
         .await
         .context("other annotations need no use")?;
+    // Nor does a renewal carrying a load report (docs/protocol.md §23): it steers no ring, and
+    // whoever may renew the Lease may keep its shard available anyway.
+    let reported = json!({
+        "metadata": {"annotations": {kube_sharding_api::load::ANNOTATION_LOAD: "objects=3,queue=0"}},
+        "spec": {"renewTime": MicroTime(Timestamp::now())},
+    });
+    as_alice
+        .patch("shard-0", &PatchParams::default(), &Patch::Merge(&reported))
+        .await
+        .context("a load report needs no use")?;
 
     // The shard's identity may do everything alice may not.
     for change in &changes {
@@ -1040,9 +1222,7 @@ async fn the_sharder_works_with_the_shipped_admission_policies() -> anyhow::Resu
     let example = "checksum-controller";
     cluster.apply_yaml(&deploy_file("base/namespace.yaml")?)?;
     cluster.apply_yaml(&deploy_file("base/rbac.yaml")?)?;
-    cluster.apply_yaml(&config_file(
-        "admission-policies/shard_lease_policies.yaml",
-    )?)?;
+    apply_shard_lease_policies(cluster).await?;
     let settings = SharderSettings {
         sync_period: "20s".into(),
         ..Default::default()

@@ -7,6 +7,7 @@
 //! the state it starts from (installed, the example ring of a kind with a number of shards), so
 //! they pass in any order. Without root they print why and pass without checking anything.
 
+mod autoscaling;
 mod ownership;
 mod release;
 mod stable;

@@ -33,6 +33,10 @@
 //! | `lease_kept` (the shard library's: on SIGTERM with `--on-shutdown=keep-if-returning`, the StatefulSet recreates this pod, the Lease stays held for it) | `shard`, `statefulset`, `ordinal`, `replicas` |
 //! | `shard_stopped` | `shard`, `reason` (`lease_lost` or `shutdown`), `lease_kept` (with `shutdown`) |
 //!
+//! Its Lease reports the shard's load (docs/protocol.md §23, [`kube_sharding::LoadMeter`]): the
+//! Secrets it holds, those changed since their last successful reconcile, and the reconciles'
+//! p50/p99 and errors over the last 60 s.
+//!
 //! Its local state is an in-memory record of what it served per Secret (the Secret's UID and
 //! the number of checksums); a record is dropped when the Secret leaves the shard (`released`)
 //! or is deleted (`deleted`), and counted by which, and survives a rejoin after an exclusion
@@ -52,8 +56,8 @@ use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, Resource, ResourceExt};
 use kube_sharding::lease::error_chain;
 use kube_sharding::{
-    Departure, LeaseLock, ObjectKey, OnShutdown, Ownership, OwnershipError, ReconcileError,
-    RestartBackoff, Shard, ShardField, ShardRunEnd, StatefulSetPod, Term,
+    Departure, LeaseLock, LoadMeter, ObjectKey, OnShutdown, Ownership, OwnershipError,
+    ReconcileError, RestartBackoff, Shard, ShardField, ShardRunEnd, StatefulSetPod, Term,
 };
 use sha2::{Digest, Sha256};
 use tokio_util::sync::CancellationToken;
@@ -677,7 +681,11 @@ async fn main() -> anyhow::Result<()> {
             })
         }
     };
+    // The load the Lease reports (docs/protocol.md §23): the Secrets held and waiting, from the
+    // Secret watch; reconcile latency and errors, from the reconciler wrapper.
+    let meter = LoadMeter::new();
     let shard = shard
+        .with_load_meter(meter.clone())
         .with_rejoin_pause(args.rejoin_pause)
         .with_judgement_fallback(args.judgement_fallback)
         .with_on_shutdown(on_shutdown);
@@ -751,7 +759,14 @@ async fn main() -> anyhow::Result<()> {
             });
         // The wrapper starts no reconcile and no drain acknowledgement once the term's guard
         // ended, and cancels those in flight.
-        let controller = Controller::new(secrets.clone(), shard.watcher_config())
+        // The meter sees each Secret event before the controller's cache does, so a reconcile
+        // never runs ahead of what the queue depth counts.
+        let (secret_cache, secret_writer) = reflector::store();
+        let secret_events = meter
+            .track(watcher(secrets.clone(), shard.watcher_config()).default_backoff())
+            .reflect(secret_writer)
+            .applied_objects();
+        let controller = Controller::for_stream(secret_events, secret_cache)
             .with_config(controller::Config::default().concurrency(args.max_concurrent_reconciles))
             .owns_stream(config_map_events)
             // A zero-write ring's new ranges restart the watch through an error: list again

@@ -571,3 +571,64 @@ async fn nothing_is_acknowledged_once_excluded() {
         assert!(probe.patches().is_empty(), "no drain acknowledged");
     }
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_shard_with_a_load_meter_measures_its_reconciles_but_not_its_drains() {
+    use kube_sharding_api::load::LoadKey;
+    let meter = crate::LoadMeter::new();
+    let shard = Shard::new(RING, "shard-a", "default").with_load_meter(meter.clone());
+    let guard = LeaseGuard::from_token(CancellationToken::new());
+    // Tracked: the Secret is waiting for its reconcile.
+    let mut tracked = (*secret(&[(SHARD_KEY, "shard-a")])).clone();
+    meter.observe(&kube::runtime::watcher::Event::Apply(tracked.clone()));
+    let failing = std::sync::atomic::AtomicBool::new(true);
+    let mut inner = |_: Arc<Secret>, _: Arc<()>, _: Ownership| {
+        let fail = failing.swap(false, Ordering::SeqCst);
+        async move {
+            if fail {
+                Err(InnerError)
+            } else {
+                Ok(Action::await_change())
+            }
+        }
+    };
+    let reconcile = |object: Secret, inner: &mut _| {
+        let object = Arc::new(object);
+        let fetch = fetch_of(Some(Arc::clone(&object)), Arc::new(AtomicUsize::new(0)));
+        dispatch(
+            &shard,
+            &guard,
+            object,
+            Arc::new(()),
+            inner,
+            fetch,
+            // A slow acknowledgement: measured, it would show in the p99.
+            |_, _| async {
+                tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+                Ok(())
+            },
+        )
+    };
+    assert!(reconcile(tracked.clone(), &mut inner).await.is_err());
+    let load = meter.report();
+    assert_eq!(load.get(LoadKey::Errors), Some(1));
+    assert_eq!(
+        load.get(LoadKey::Queue),
+        Some(1),
+        "a failed reconcile leaves it queued"
+    );
+    assert!(reconcile(tracked.clone(), &mut inner).await.is_ok());
+    let load = meter.report();
+    assert_eq!(load.get(LoadKey::Errors), Some(1));
+    assert_eq!(load.get(LoadKey::Queue), Some(0));
+    assert!(load.get(LoadKey::P99Millis).is_some());
+
+    // A drain acknowledgement is not a reconcile: nothing more is measured.
+    tracked
+        .metadata
+        .labels
+        .get_or_insert_default()
+        .insert(DRAIN_KEY.into(), "true".into());
+    assert!(reconcile(tracked, &mut inner).await.is_ok());
+    assert_eq!(meter.report(), load);
+}

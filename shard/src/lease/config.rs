@@ -7,6 +7,7 @@ use std::time::Duration;
 #[cfg(doc)]
 use super::LeaseLock;
 use super::{Error, LeaseTiming};
+use crate::load::LoadMeter;
 
 /// What a [`LeaseLock`] locks, under which identity, and how fast.
 ///
@@ -31,6 +32,7 @@ pub struct LeaseLockConfig {
     /// Annotations about one holding, removed by the write that starts a new one.
     pub(super) holding_annotations: Vec<String>,
     pub(super) release_mark: Option<String>,
+    pub(super) load: Option<LoadMeter>,
     pub(super) timing: LeaseTiming,
 }
 
@@ -57,6 +59,7 @@ impl LeaseLockConfig {
             verdict_label: None,
             holding_annotations: Vec::new(),
             release_mark: None,
+            load: None,
             timing: LeaseTiming::default(),
         }
     }
@@ -213,6 +216,24 @@ impl LeaseLockConfig {
     /// The annotation with which the lock marks its own releases, if any.
     pub fn release_mark(&self) -> Option<&str> {
         self.release_mark.as_deref()
+    }
+
+    /// Makes the lock report the shard's load from `meter` (docs/protocol.md §23): every write
+    /// that acquires or renews the Lease sets the annotation
+    /// [`ANNOTATION_LOAD`](kube_sharding_api::load::ANNOTATION_LOAD) to the meter's current
+    /// [report](LoadMeter::report), or removes it while the report is empty; the release
+    /// removes it. No request is sent for a report alone. A renewal the API server refuses
+    /// with the report (an admission policy, say) is sent again without a new one, and the
+    /// lock reports nothing more: the report never costs the Lease.
+    #[must_use]
+    pub fn with_load_report(mut self, meter: LoadMeter) -> Self {
+        self.load = Some(meter);
+        self
+    }
+
+    /// The meter whose report the lock writes, if any.
+    pub fn load_meter(&self) -> Option<&LoadMeter> {
+        self.load.as_ref()
     }
 
     /// Annotations the lock keeps on the Lease.

@@ -12,7 +12,7 @@ use tracing::{debug, error, info, warn};
 use super::decision::{AcquireDecision, RenewDeadline, desired_spec, is_held_by};
 use super::guard::{GuardEnd, LeaseGuard};
 use super::lock::Inner;
-use super::store::{is_conflict, is_not_found};
+use super::store::{is_conflict, is_not_found, is_refusal};
 use super::{
     EVENT_EXCLUDED, EVENT_LOST, EVENT_RELEASED, Error, LeaseLockConfig, error_chain,
     resource_version,
@@ -47,8 +47,17 @@ impl Inner {
             ) else {
                 return Ok(Renewal::Lost(spec.holder_identity));
             };
-            let lease = self.with_spec(Some(current), desired);
-            match self.store.replace(&lease).await {
+            let mut lease = self.with_spec(Some(current), desired);
+            let reported = self.report_load(&mut lease);
+            let written = match (self.store.replace(&lease).await, reported) {
+                // Refused for the report: renew without it.
+                (Err(e), Some(before)) if is_refusal(&e) => {
+                    self.unreport(&mut lease, before, &e);
+                    self.store.replace(&lease).await
+                }
+                (written, _) => written,
+            };
+            match written {
                 Ok(lease) => {
                     return Ok(match self.exclusion(&lease) {
                         Some(reason) => Renewal::Excluded(Box::new(lease), reason),

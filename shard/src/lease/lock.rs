@@ -1,6 +1,7 @@
 //! The lock itself: acquiring the Lease, and the writes shared by renewal and release.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
@@ -14,11 +15,12 @@ use super::decision::{
     AcquireDecision, decide, desired_spec, is_held_by, merge_labels, released_spec,
 };
 use super::guard::LeaseGuard;
-use super::store::{Store, is_conflict, is_not_found};
+use super::store::{Store, is_conflict, is_not_found, is_refusal};
 use super::{
     EVENT_ACQUIRED, EVENT_EXCLUDED, EVENT_RELEASED, Error, HeldLease, LeaseLockConfig, error_chain,
     resource_version,
 };
+use kube_sharding_api::load::ANNOTATION_LOAD;
 
 /// The wall clock written into Leases. Injected so unit tests can run it on tokio's paused time.
 pub(super) type Clock = Arc<dyn Fn() -> Timestamp + Send + Sync>;
@@ -43,6 +45,8 @@ pub(super) struct Inner {
     pub(super) store: Store,
     pub(super) config: LeaseLockConfig,
     pub(super) clock: Clock,
+    /// Set once the API server refused a write for its load report: no more reports.
+    pub(super) load_refused: AtomicBool,
 }
 
 impl std::fmt::Debug for LeaseLock {
@@ -96,6 +100,7 @@ impl LeaseLock {
                 store,
                 config,
                 clock,
+                load_refused: AtomicBool::new(false),
             }),
         })
     }
@@ -304,6 +309,44 @@ impl Inner {
         lease
     }
 
+    /// Sets the load annotation of `lease`, about to be written as held, to the current report of
+    /// the lock's meter (docs/protocol.md §23), or removes it while the report is empty. Returns
+    /// the value the annotation had before when this changed it, for [`Inner::unreport`]; `None`
+    /// when the lock reports nothing (no meter, or reports refused) or the value stays.
+    pub(super) fn report_load(&self, lease: &mut Lease) -> Option<Option<String>> {
+        let meter = self.config.load.as_ref()?;
+        if self.load_refused.load(Ordering::Relaxed) {
+            return None;
+        }
+        let report = meter.report();
+        let annotations = lease.metadata.annotations.get_or_insert_default();
+        let before = if report.is_empty() {
+            annotations.remove(ANNOTATION_LOAD)
+        } else {
+            annotations.insert(ANNOTATION_LOAD.to_string(), report.to_string())
+        };
+        let after = annotations.get(ANNOTATION_LOAD);
+        (before.as_ref() != after).then_some(before)
+    }
+
+    /// Puts back the load annotation `before` on `lease` after the API server refused a write
+    /// that changed it with `error`, and stops reporting: the report must never cost the Lease.
+    pub(super) fn unreport(&self, lease: &mut Lease, before: Option<String>, error: &kube::Error) {
+        let annotations = lease.metadata.annotations.get_or_insert_default();
+        match before {
+            Some(value) => annotations.insert(ANNOTATION_LOAD.to_string(), value),
+            None => annotations.remove(ANNOTATION_LOAD),
+        };
+        if !self.load_refused.swap(true, Ordering::Relaxed) {
+            warn!(
+                error = %error_chain(error),
+                lease = %self.config.name,
+                namespace = %self.config.namespace,
+                "the API server refused the Lease with its load report; writing it without, and reporting no more load"
+            );
+        }
+    }
+
     /// The exclusion reason `lease` carries, if this lock watches an exclusion annotation.
     pub(super) fn exclusion(&self, lease: &Lease) -> Option<String> {
         let key = self.config.exclusion_annotation.as_ref()?;
@@ -368,10 +411,20 @@ impl Inner {
                 annotations.remove(key);
             }
         }
-        let written = if creating {
-            self.store.create(&lease).await
-        } else {
-            self.store.replace(&lease).await
+        let reported = self.report_load(&mut lease);
+        let write = |lease: Lease| async move {
+            if creating {
+                self.store.create(&lease).await
+            } else {
+                self.store.replace(&lease).await
+            }
+        };
+        let written = match (write(lease.clone()).await, reported) {
+            (Err(e), Some(before)) if is_refusal(&e) => {
+                self.unreport(&mut lease, before, &e);
+                write(lease).await
+            }
+            (written, _) => written,
         };
         match written {
             // Only a concurrent writer could have put the annotation there; give it up at once.
@@ -406,6 +459,14 @@ impl Inner {
                 return Ok(None);
             }
             let mut released = self.with_spec(Some(lease), released_spec(&spec));
+            // A released shard counts toward no ring: its last report goes (unless the API
+            // server refused reports, which then leaves the annotation alone).
+            if self.config.load.is_some()
+                && !self.load_refused.load(Ordering::Relaxed)
+                && let Some(annotations) = released.metadata.annotations.as_mut()
+            {
+                annotations.remove(ANNOTATION_LOAD);
+            }
             if let Some(key) = &self.config.release_mark {
                 released
                     .metadata

@@ -82,6 +82,12 @@ pub(crate) fn is_conflict(error: &kube::Error) -> bool {
     matches!(error, kube::Error::Api(status) if status.code == 409)
 }
 
+/// Whether the API server refused the write for its content (invalid, or forbidden by an
+/// admission policy), as opposed to a race or an outage.
+pub(crate) fn is_refusal(error: &kube::Error) -> bool {
+    matches!(error, kube::Error::Api(status) if matches!(status.code, 400 | 403 | 422))
+}
+
 /// Whether the object does not exist.
 pub(crate) fn is_not_found(error: &kube::Error) -> bool {
     matches!(error, kube::Error::Api(status) if status.code == 404)
@@ -117,6 +123,9 @@ pub(crate) mod fake {
         versions: tokio::sync::watch::Sender<Option<Lease>>,
         /// What a shard's shutdown check reads as its StatefulSet (`None`: not found).
         statefulset: Option<k8s_openapi::api::apps::v1::StatefulSet>,
+        /// An annotation whose new value the fake refuses with 422, as an admission policy
+        /// would.
+        refused_annotation: Option<String>,
     }
 
     impl State {
@@ -149,6 +158,7 @@ pub(crate) mod fake {
                 writes: 0,
                 versions: tokio::sync::watch::Sender::new(None),
                 statefulset: None,
+                refused_annotation: None,
             })))
         }
 
@@ -167,6 +177,26 @@ pub(crate) mod fake {
 
         fn state(&self) -> MutexGuard<'_, State> {
             self.0.lock().expect("fake store lock")
+        }
+
+        /// Refuses every write that changes the annotation `key` (`None`: none).
+        pub(crate) fn refuse_annotation(&self, key: Option<&str>) {
+            self.state().refused_annotation = key.map(str::to_string);
+        }
+
+        /// The refusal of a write of `lease` over `current`, if its annotations are refused.
+        fn refusal(state: &State, lease: &Lease) -> Result<(), kube::Error> {
+            let Some(key) = state.refused_annotation.as_ref() else {
+                return Ok(());
+            };
+            let value = |l: Option<&Lease>| {
+                l.and_then(|l| l.metadata.annotations.as_ref()?.get(key).cloned())
+            };
+            if value(Some(lease)) == value(state.lease.as_ref()) {
+                Ok(())
+            } else {
+                Err(status(422, "Invalid"))
+            }
         }
 
         pub(crate) fn set_mode(&self, mode: Mode) {
@@ -241,6 +271,7 @@ pub(crate) mod fake {
             if state.lease.is_some() {
                 return Err(status(409, "AlreadyExists"));
             }
+            Self::refusal(&state, lease)?;
             Ok(state.store(lease))
         }
 
@@ -256,6 +287,7 @@ pub(crate) mod fake {
             if current.metadata.resource_version != lease.metadata.resource_version {
                 return Err(status(409, "Conflict"));
             }
+            Self::refusal(&state, lease)?;
             Ok(state.store(lease))
         }
     }

@@ -326,6 +326,83 @@ async fn second_identity_waits_while_the_first_renews_and_gets_it_on_release() {
     assert!(!held.is_lost());
 }
 
+/// A lock reporting the load of `meter`, with the test timing.
+fn reporting_lock(fake: &FakeStore, meter: &crate::LoadMeter) -> LeaseLock {
+    let config = LeaseLockConfig::new("ns", "shard-a", "shard-a")
+        .with_load_report(meter.clone())
+        .with_lease_duration(DURATION)
+        .with_renew_deadline(DEADLINE)
+        .with_retry_period(RETRY);
+    LeaseLock::with_store(Store::Fake(fake.clone()), config, test_clock()).expect("valid")
+}
+
+fn load_annotation(fake: &FakeStore) -> Option<String> {
+    fake.lease()
+        .and_then(|l| l.metadata.annotations)
+        .and_then(|a| a.get(kube_sharding_api::load::ANNOTATION_LOAD).cloned())
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_load_report_goes_with_the_renewals_and_the_release_removes_it() {
+    let fake = FakeStore::new();
+    let meter = crate::LoadMeter::new();
+    let held = reporting_lock(&fake, &meter).acquire().await;
+    // Nothing measured yet: nothing reported.
+    assert_eq!(load_annotation(&fake), None);
+    meter.set_objects(5);
+    meter.set_queue_depth(1);
+    // Only the renewal writes it: no request of its own.
+    settle().await;
+    assert_eq!((fake.writes(), load_annotation(&fake)), (1, None));
+    tokio::time::sleep(RETRY + Duration::from_millis(1)).await;
+    settle().await;
+    assert_eq!(fake.writes(), 2);
+    assert_eq!(load_annotation(&fake).as_deref(), Some("objects=5,queue=1"));
+    meter.set_queue_depth(0);
+    tokio::time::sleep(RETRY).await;
+    settle().await;
+    assert_eq!(fake.writes(), 3);
+    assert_eq!(load_annotation(&fake).as_deref(), Some("objects=5,queue=0"));
+    assert!(held.release().await.expect("release"));
+    assert_eq!(load_annotation(&fake), None);
+    // Acquiring again reports at once: the write is sent anyway.
+    let again = reporting_lock(&fake, &meter).acquire().await;
+    assert_eq!(load_annotation(&fake).as_deref(), Some("objects=5,queue=0"));
+    drop(again);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_refused_load_report_never_costs_the_lease() {
+    let fake = FakeStore::new();
+    let meter = crate::LoadMeter::new();
+    meter.set_objects(5);
+    let held = reporting_lock(&fake, &meter).acquire().await;
+    assert_eq!(load_annotation(&fake).as_deref(), Some("objects=5"));
+    let renewed = |fake: &FakeStore| spec(fake).renew_time;
+    let before = renewed(&fake);
+    // An admission policy now refuses any change of the report.
+    fake.refuse_annotation(Some(kube_sharding_api::load::ANNOTATION_LOAD));
+    meter.set_objects(6);
+    tokio::time::sleep(RETRY + Duration::from_millis(1)).await;
+    settle().await;
+    // Renewed, with the report as it was; and no report is tried again.
+    assert!(!held.is_lost());
+    assert!(renewed(&fake) > before);
+    assert_eq!(load_annotation(&fake).as_deref(), Some("objects=5"));
+    let writes = fake.writes();
+    meter.set_objects(7);
+    for _ in 0..10 {
+        tokio::time::sleep(RETRY).await;
+        settle().await;
+    }
+    assert!(!held.is_lost());
+    assert_eq!(fake.writes(), writes + 10, "one write per renewal");
+    assert_eq!(load_annotation(&fake).as_deref(), Some("objects=5"));
+    // The release leaves the refused annotation alone, too.
+    assert!(held.release().await.expect("release"));
+    assert_eq!(spec(&fake).holder_identity.as_deref(), Some(""));
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_release_is_marked_in_the_same_write_and_acquiring_removes_the_mark() {
     const MARK: &str = "released-by";

@@ -740,6 +740,29 @@ mod tests {
     }
 
     #[test]
+    fn a_zero_write_handover_annotation_is_a_change_of_its_ring() {
+        use kube_sharding_api::range_lease::{ANNOTATION_ACKNOWLEDGED, ANNOTATION_RANGES};
+        let t0 = Timestamp::from_second(1_500_000).unwrap();
+        let mut f = Fixture::new();
+        let mut current = lease("a", "r1", "ready", t0);
+        assert!(f.event(watcher::Event::Apply(current.clone()), t0));
+        f.drain();
+        // The sharder publishes, the shard acknowledges: each reconciles the ring at once.
+        for (key, value) in [(ANNOTATION_RANGES, "1"), (ANNOTATION_ACKNOWLEDGED, "1")] {
+            current.annotations_mut().insert(key.into(), value.into());
+            assert!(f.event(watcher::Event::Apply(current.clone()), t0), "{key}");
+            assert_eq!(
+                f.drain(),
+                [LeaseChange::Membership {
+                    lease: ObjectRef::new("a").within("ns"),
+                    rings: vec!["r1".into()],
+                }],
+                "{key}"
+            );
+        }
+    }
+
+    #[test]
     fn a_held_lease_that_leaves_its_ring_leaves_a_shard_that_may_still_run() {
         let t0 = Timestamp::from_second(3_000_000).unwrap();
         let at = |s: i64| t0.checked_add(SignedDuration::from_secs(s)).unwrap();

@@ -17,6 +17,9 @@ use kube_sharding_api::labels::{
     ANNOTATION_WEIGHT, LABEL_STATE, is_dns_subdomain, is_valid_label_value,
 };
 use kube_sharding_api::load::{ANNOTATION_LOAD, MAX_LOAD_ANNOTATION_BYTES};
+use kube_sharding_api::range_lease::{
+    ANNOTATION_ACKNOWLEDGED, ANNOTATION_RANGES, MAX_ACKNOWLEDGED_BYTES, MAX_RANGES_ANNOTATION_BYTES,
+};
 
 /// Applies `slim` to the object of `event`, if it carries one.
 pub(super) fn for_each_object<K>(event: &mut watcher::Event<K>, slim: impl FnOnce(&mut K)) {
@@ -102,7 +105,8 @@ fn cap_holder(lease: &mut Lease) {
 /// Keeps of a shard Lease only what membership, shard states, Events and metrics read: name,
 /// namespace, UID, resourceVersion, creation time, the spec, the ring labels of both kinds, the
 /// state label, the weight and `leaves-controlled-objects` annotations (a value too long to be
-/// valid as [`INVALID_VALUE`]), the shard's load report (unless too long to be one), the shard's release mark (unless too long to name a shard)
+/// valid as [`INVALID_VALUE`]), the shard's load report (unless too long to be one), the shard's release mark (unless too long to name a shard),
+/// a zero-write ring's range publication and acknowledgement (unless too long to parse)
 /// and the exclusion annotation the sharder writes (whose value, if someone else made it long, is
 /// replaced: any value other than a reason is rewritten).
 /// Owner references and finalizers go too.
@@ -129,6 +133,9 @@ pub(super) fn slim_lease(lease: &mut Lease) {
                     || (key == ANNOTATION_LOAD && value.len() <= MAX_LOAD_ANNOTATION_BYTES)
                     // Compared with a shard name only: a longer value can never match one.
                     || (key == ANNOTATION_RELEASED_BY && value.len() <= MAX_SHARD_NAME_LEN)
+                    // A zero-write ring's handover; longer values cannot parse (dropped, as none).
+                    || (key == ANNOTATION_RANGES && value.len() <= MAX_RANGES_ANNOTATION_BYTES)
+                    || (key == ANNOTATION_ACKNOWLEDGED && value.len() <= MAX_ACKNOWLEDGED_BYTES)
             })
             .map(|(key, mut value)| {
                 if key == ANNOTATION_EXCLUDED && value.len() > MAX_EXCLUSION_REASON_LEN {
@@ -227,6 +234,39 @@ mod tests {
                 kept.then_some(&value),
                 "{} bytes",
                 value.len()
+            );
+        }
+    }
+
+    #[test]
+    fn a_cached_lease_keeps_range_annotations_only_when_they_can_parse() {
+        for (ranges, acknowledged, kept) in [
+            ("7".to_string(), "7".to_string(), true),
+            (
+                "1".repeat(MAX_RANGES_ANNOTATION_BYTES + 1),
+                "1".repeat(MAX_ACKNOWLEDGED_BYTES + 1),
+                false,
+            ),
+        ] {
+            let mut lease = Lease {
+                metadata: ObjectMeta {
+                    name: Some("shard-a".into()),
+                    annotations: Some(BTreeMap::from([
+                        (ANNOTATION_RANGES.into(), ranges.clone()),
+                        (ANNOTATION_ACKNOWLEDGED.into(), acknowledged.clone()),
+                    ])),
+                    ..Default::default()
+                },
+                spec: None,
+            };
+            slim_lease(&mut lease);
+            assert_eq!(
+                lease.annotations().get(ANNOTATION_RANGES),
+                kept.then_some(&ranges)
+            );
+            assert_eq!(
+                lease.annotations().get(ANNOTATION_ACKNOWLEDGED),
+                kept.then_some(&acknowledged)
             );
         }
     }

@@ -18,7 +18,9 @@ use super::resources::Catalog;
 use super::{Error, ring_not_found};
 use crate::core::key::KeyOutcome;
 use crate::core::membership::{ring_members, shards_of};
+use crate::metrics::load::{RingLoad, sum_loads};
 use crate::views::RingView;
+use kube_sharding_api::load::{LoadKey, ShardLoad};
 
 /// What `status` prints.
 #[derive(Debug, Serialize)]
@@ -78,6 +80,8 @@ pub(crate) struct RingStatus {
     pub(crate) totals: Totals,
     /// `max / mean` of the objects per available shard.
     pub(crate) imbalance: Option<f64>,
+    /// The load its available shards report on their Leases, summed (docs/protocol.md §23).
+    pub(crate) load: RingLoad,
 }
 
 /// One shard of a ring.
@@ -117,6 +121,43 @@ pub(crate) struct ShardStatus {
     pub(crate) draining: usize,
     /// Objects the ring wants on this shard now.
     pub(crate) wanted: usize,
+    /// The load its Lease reports, when valid (docs/protocol.md §23).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) load: Option<LoadReport>,
+    /// What is wrong with its load report, if anything (it counts as none).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) load_error: Option<String>,
+}
+
+/// A shard's load report, each signal only when the shard reports it.
+#[derive(Debug, Default, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub(crate) struct LoadReport {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) objects: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) queue: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) p50_ms: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) p99_ms: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) errors: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) window_seconds: Option<u64>,
+}
+
+impl From<&ShardLoad> for LoadReport {
+    fn from(load: &ShardLoad) -> Self {
+        Self {
+            objects: load.get(LoadKey::Objects),
+            queue: load.get(LoadKey::Queue),
+            p50_ms: load.get(LoadKey::P50Millis),
+            p99_ms: load.get(LoadKey::P99Millis),
+            errors: load.get(LoadKey::Errors),
+            window_seconds: load.get(LoadKey::WindowSeconds),
+        }
+    }
 }
 
 /// The ring's objects without a shard label.
@@ -227,11 +268,15 @@ pub(crate) fn ring_status(ring: &LoadedRing, tally: Tally, now: Timestamp) -> Ri
         .values()
         .any(|r| !r.is_main())
         .then(|| shards_of(&ring_members).leave_controlled_objects);
+    let mut loads = Vec::new();
     let mut members: Vec<ShardStatus> = ring_members
         .into_iter()
         .map(|member| {
             let lease = ShardLease::from_lease(member.lease);
             let shard = member.lease.name_any();
+            let load = ShardLoad::from_annotations(member.lease.annotations());
+            let valid_load = load.as_ref().and_then(|l| l.as_ref().ok());
+            loads.push((member.is_available(), valid_load.copied()));
             let (objects, total, draining, wanted) = tally.shard(&shard);
             ShardStatus {
                 namespace: member.lease.namespace(),
@@ -248,6 +293,8 @@ pub(crate) fn ring_status(ring: &LoadedRing, tally: Tally, now: Timestamp) -> Ri
                 total,
                 draining,
                 wanted,
+                load: valid_load.map(LoadReport::from),
+                load_error: load.and_then(Result::err).map(|e| e.to_string()),
                 name: shard,
             }
         })
@@ -274,8 +321,11 @@ pub(crate) fn ring_status(ring: &LoadedRing, tally: Tally, now: Timestamp) -> Ri
             total,
             draining,
             wanted,
+            load: None,
+            load_error: None,
         });
     }
+    let load = sum_loads(loads.iter().map(|(available, l)| (*available, l.as_ref())));
     members.sort_by(|a, b| (&a.name, &a.namespace).cmp(&(&b.name, &b.namespace)));
 
     let available: Vec<usize> = view
@@ -323,6 +373,7 @@ pub(crate) fn ring_status(ring: &LoadedRing, tally: Tally, now: Timestamp) -> Ri
             misplaced: tally.misplaced,
         },
         unassigned: tally.unassigned,
+        load,
     }
 }
 
@@ -339,6 +390,7 @@ pub(crate) fn assignment_name(assignment: Assignment) -> &'static str {
     match assignment {
         Assignment::Webhook => "Webhook",
         Assignment::Watch => "Watch",
+        Assignment::ServerSide => "ServerSide",
     }
 }
 
@@ -504,6 +556,61 @@ fn ring_table(ring: &RingStatus, now: Timestamp) -> String {
         "  imbalance (max/mean objects per available shard): {}\n",
         ratio(ring.imbalance)
     ));
+    text.push_str(&load_table(ring));
+    text
+}
+
+/// What the shards report about their load (docs/protocol.md §23): the ring's sums and a row
+/// per shard with a report; nothing when no shard reports.
+fn load_table(ring: &RingStatus) -> String {
+    let reporting: Vec<&ShardStatus> = ring
+        .members
+        .iter()
+        .filter(|m| m.load.is_some() || m.load_error.is_some())
+        .collect();
+    if reporting.is_empty() {
+        return String::new();
+    }
+    let l = &ring.load;
+    let millis = |ms: Option<u64>| or_dash(ms.map(|ms| format!("{ms}ms")));
+    let mut text = format!(
+        "  load reported by {} of {} available shards: {} objects, {} queued, max p99 {}, {} errors\n",
+        l.reporting_shards,
+        l.available_shards,
+        l.objects,
+        l.queue_depth,
+        millis(l.max_p99_ms),
+        l.errors,
+    );
+    let mut table = Table::new(vec![
+        "SHARD", "OBJECTS", "QUEUE", "P50", "P99", "ERRORS", "WINDOW", "NOTE",
+    ]);
+    for shard in reporting {
+        let report = shard.load.as_ref();
+        let value = |f: fn(&LoadReport) -> Option<u64>| or_dash(report.and_then(f));
+        let mut notes = Vec::new();
+        if let Some(error) = &shard.load_error {
+            notes.push(format!("invalid report, counts as none: {error}"));
+        }
+        if !shard.available {
+            notes.push("not available, not counted".to_string());
+        }
+        table.row(vec![
+            shard.name.clone(),
+            value(|r| r.objects),
+            value(|r| r.queue),
+            millis(report.and_then(|r| r.p50_ms)),
+            millis(report.and_then(|r| r.p99_ms)),
+            value(|r| r.errors),
+            or_dash(
+                report
+                    .and_then(|r| r.window_seconds)
+                    .map(|s| format!("{s}s")),
+            ),
+            notes.join("; "),
+        ]);
+    }
+    text.push_str(&table.render("  "));
     text
 }
 
@@ -748,5 +855,82 @@ ClusterRing r: Ready=Unknown, 0 shards, 0 available, hashKey Object, assignment 
   imbalance (max/mean objects per available shard): 2.00
 ";
         assert_eq!(text, expected);
+    }
+
+    /// `lease` with the load annotation `value`.
+    fn reporting(
+        mut lease: k8s_openapi::api::coordination::v1::Lease,
+        value: &str,
+    ) -> k8s_openapi::api::coordination::v1::Lease {
+        lease.metadata.annotations.get_or_insert_default().insert(
+            kube_sharding_api::load::ANNOTATION_LOAD.to_string(),
+            value.to_string(),
+        );
+        lease
+    }
+
+    #[test]
+    fn shows_the_load_shards_report_and_the_ring_sums_of_available_ones() {
+        let ring = loaded(vec![
+            reporting(
+                lease("a", "a", 3, None),
+                "objects=30,queue=2,p50ms=4,p99ms=25,errors=1,window=60",
+            ),
+            reporting(lease("b", "b", 3, None), "objects=12,p99ms=80"),
+            // Released: its report does not count.
+            reporting(lease("c", "", 3, None), "objects=500,queue=500"),
+            reporting(lease("d", "d", 3, None), "objects=01"),
+            lease("e", "e", 3, None),
+        ]);
+        let status = ring_status(&ring, Tally::default(), now());
+        assert_eq!(
+            status.load,
+            RingLoad {
+                reporting_shards: 2,
+                available_shards: 4,
+                objects: 42,
+                queue_depth: 2,
+                max_p99_ms: Some(80),
+                errors: 1,
+            }
+        );
+        let json = serde_json::to_value(&status).expect("serializes");
+        assert_eq!(
+            json["load"],
+            serde_json::json!({"reportingShards": 2, "availableShards": 4, "objects": 42,
+                "queueDepth": 2, "maxP99Ms": 80, "errors": 1})
+        );
+        assert_eq!(
+            json["members"][1]["load"],
+            serde_json::json!({"objects": 12, "p99Ms": 80})
+        );
+        assert!(json["members"][3]["loadError"].is_string(), "{json}");
+        assert!(json["members"][4].get("load").is_none(), "{json}");
+
+        let report = StatusReport {
+            namespace: None,
+            rings: vec![status],
+        };
+        let text = table_at(&report, now());
+        let load = &text[text.find("  load reported").expect("load section")..];
+        let expected = "  load reported by 2 of 4 available shards: 42 objects, 2 queued, max p99 80ms, 1 errors
+  SHARD   OBJECTS   QUEUE   P50   P99    ERRORS   WINDOW   NOTE
+  a       30        2       4ms   25ms   1        60s
+  b       12        -       -     80ms   -        -
+  c       500       500     -     -      -        -        not available, not counted
+  d       -         -       -     -      -        -        invalid report, counts as none: load report value \"01\" of objects is not an integer from 0 to 999999999999
+";
+        assert_eq!(load, expected);
+
+        // No shard reports: no load section.
+        let quiet = StatusReport {
+            namespace: None,
+            rings: vec![ring_status(
+                &loaded(vec![lease("a", "a", 3, None)]),
+                Tally::default(),
+                now(),
+            )],
+        };
+        assert!(!table_at(&quiet, now()).contains("load reported"));
     }
 }

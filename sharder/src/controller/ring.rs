@@ -1,7 +1,8 @@
 //! The ring controller (docs/protocol.md §10), run once per ring kind: validates each ring, keeps
 //! its MutatingWebhookConfiguration applied (restoring it within seconds after deletion or edits)
-//! or, for a ring with `assignment: Watch`, absent (docs/protocol.md §20), and writes the ring's
-//! status.
+//! or, for a ring with `assignment: Watch` or `ServerSide`, absent (docs/protocol.md §20),
+//! publishes the ranges of a `ServerSide` ring on its shards' Leases (`super::ranges`), and writes
+//! the ring's status.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -24,6 +25,7 @@ use kube_sharding_api::{Assignment, ClusterRingStatus, DepartedShard, RingObject
 use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 
+use super::ranges::{RangePublisher, Step};
 use crate::context::Context;
 use crate::core::membership::ring_members;
 use crate::core::validation::validate_ring;
@@ -95,6 +97,7 @@ pub(crate) async fn run<R: RingObject>(ctx: Context, shutdown: CancellationToken
     let state = Arc::new(State {
         ctx,
         configs: config_store,
+        ranges: RangePublisher::default(),
     });
     let controller = Controller::new(rings, watcher::Config::default())
         // Deleting or editing the webhook configuration triggers its ring, which restores it.
@@ -157,6 +160,8 @@ const WEBHOOK_UNREACHABLE_MESSAGE: &str = "The API server does not reach the rin
 struct State {
     ctx: Context,
     configs: Store<MutatingWebhookConfiguration>,
+    /// The range planners of the `ServerSide` rings.
+    ranges: RangePublisher,
 }
 
 fn error_policy<R: RingObject>(ring: Arc<R>, error: &Error, _state: Arc<State>) -> Action {
@@ -174,6 +179,20 @@ fn error_policy<R: RingObject>(ring: Arc<R>, error: &Error, _state: Arc<State>) 
 async fn reconcile<R: RingObject>(ring: Arc<R>, state: Arc<State>) -> Result<Action, Error> {
     let ctx = &state.ctx;
     let result = apply_webhook_configuration(ring.as_ref(), ctx, &state.configs).await;
+    let server_side = ring.ring_spec().assignment() == Assignment::ServerSide;
+    if !server_side {
+        state.ranges.forget(&ring.ring_ref());
+    }
+    let (result, step) = match result {
+        Ok(()) if server_side => match state.ranges.step(ring.as_ref(), ctx).await {
+            Ok(step) => (Ok(()), Some(step)),
+            Err(error) => (Err(error), None),
+        },
+        other => (other, None),
+    };
+    let range_generation = step
+        .map(|s| s.generation)
+        .or_else(|| ring.ring_status().and_then(|s| s.range_generation));
     let name = ring.name_any();
     let leases = ctx.caches.ring_leases(&ring.ring_ref());
     let members = ring_members(
@@ -213,6 +232,10 @@ async fn reconcile<R: RingObject>(ring: Arc<R>, state: Arc<State>) -> Result<Act
         departed,
         now,
     );
+    let status = ClusterRingStatus {
+        range_generation,
+        ..status
+    };
     if ring.ring_status() != Some(&status) {
         let api: Api<R> = Api::all(ctx.client.clone());
         let mut patch = serde_json::json!({"status": status});
@@ -240,8 +263,20 @@ async fn reconcile<R: RingObject>(ring: Arc<R>, state: Arc<State>) -> Result<Act
                 .await;
         }
     }
-    result.map(|()| Action::await_change())
+    result.map(|()| match step {
+        Some(Step { retry: true, .. }) => Action::requeue(RANGE_RETRY),
+        // Acknowledgements and stops arrive as Lease changes; the period only bounds a missed one.
+        Some(Step { retry: false, .. }) => Action::requeue(RANGE_RESYNC),
+        None => Action::await_change(),
+    })
 }
+
+/// How soon a `ServerSide` ring's step that waited (for the Lease cache to show its writes, or
+/// for a departed shard) runs again.
+const RANGE_RETRY: Duration = Duration::from_millis(500);
+
+/// How often a settled `ServerSide` ring's step runs without a Lease change.
+const RANGE_RESYNC: Duration = Duration::from_secs(30);
 
 async fn apply_webhook_configuration<R: RingObject>(
     ring: &R,
@@ -269,7 +304,7 @@ async fn apply_webhook_configuration<R: RingObject>(
     let name = desired.name_any();
     let api: Api<MutatingWebhookConfiguration> = Api::all(ctx.client.clone());
     let existing = cache.get(&ObjectRef::new(&name));
-    if ring.ring_spec().assignment() == Assignment::Watch {
+    if ring.ring_spec().assignment() != Assignment::Webhook {
         return remove_webhook_configuration(ring, &api, existing.as_deref()).await;
     }
     if ring.meta().deletion_timestamp.is_some() {
@@ -315,7 +350,7 @@ async fn apply_webhook_configuration<R: RingObject>(
 }
 
 /// Deletes the webhook configuration of a ring whose sharder assigns new objects itself
-/// (`assignment: Watch`), if the sharder wrote it for this ring; someone else's configuration of
+/// (`assignment: Watch`) or that places none (`ServerSide`), if the sharder wrote it for this ring; someone else's configuration of
 /// that name is left alone.
 ///
 /// Deleting it while objects are being created loses none of them: the API server stops calling
@@ -463,6 +498,8 @@ fn desired_status<R: RingObject>(
                 until: Time(until),
             })
             .collect(),
+        // The caller sets it for ServerSide rings; kept as it was otherwise.
+        range_generation: ring.ring_status().and_then(|s| s.range_generation),
     }
 }
 

@@ -1,7 +1,8 @@
 //! Revoke before grant: which range annotations the sharder writes on shard Leases of a
 //! zero-write ring, so that no hash is ever held by two shards (docs/zero-write-rings.md,
 //! "Revoke before grant"). Pure: Lease contents and the target assignment in, writes
-//! out. Not wired into a controller yet.
+//! out. The ring controller runs it for each `assignment: ServerSide` ring
+//! (`controller::ranges`).
 //!
 //! A shard **holds** a hash from the moment a publication containing it is written to its Lease
 //! until it acknowledges a generation without it: it may already run with a publication it has

@@ -9,7 +9,7 @@ use std::collections::HashSet;
 use kube_sharding_api::cluster_ring::MAX_NAME_LEN;
 use kube_sharding_api::crd::name_length_message;
 use kube_sharding_api::selector::validate_label_selector;
-use kube_sharding_api::{GroupResource, RingKind, RingObject};
+use kube_sharding_api::{Assignment, GroupResource, HashKey, RingKind, RingObject};
 
 /// API groups none of whose resources a ring may cover unless the sharder's configuration allows
 /// them (`webhook.config.allowedProtectedResources`): a mutating webhook in front of them, or
@@ -132,6 +132,23 @@ pub fn validate_ring<R: RingObject>(
             }
         }
     }
+    // The CRD's CEL rule says the same; API servers before 1.25 drop it.
+    if spec.assignment() == Assignment::ServerSide
+        && spec.hash_key() == HashKey::Object
+        && let Some(resource) = spec
+            .resources
+            .iter()
+            .find(|r| !r.controlled_resources.is_empty())
+    {
+        return Err(format!(
+            "Resource {} has controlledResources, which assignment ServerSide refuses with \
+             hashKey Object: a controlled object's uid hashes independently of its \
+             controller's, so the API server's shard selector cannot keep them on one shard; \
+             use hashKey Namespace, or let the controller list them unsharded",
+            resource.group_resource()
+        )
+        .into());
+    }
     for (i, namespace) in spec.lease_namespaces.iter().enumerate() {
         if !is_namespace_name(namespace) {
             return Err(format!(
@@ -187,6 +204,24 @@ mod tests {
                 .map(|(g, r)| GroupResource::new(*g, *r))
                 .collect(),
         }
+    }
+
+    #[test]
+    fn server_side_rings_refuse_controlled_resources_only_when_hashing_by_object() {
+        let mut r = ring("a", vec![res("", "secrets", &[("", "configmaps")])]);
+        r.spec.assignment = Some(Assignment::ServerSide);
+        let refused = validate_ring(&r, &[]).expect_err("controlled resources with uid hashing");
+        assert!(
+            refused
+                .to_string()
+                .contains("Resource secrets has controlledResources"),
+            "{refused}"
+        );
+        r.spec.hash_key = Some(HashKey::Namespace);
+        assert_eq!(validate_ring(&r, &[]), Ok(()));
+        let mut plain = ring("b", vec![res("", "secrets", &[])]);
+        plain.spec.assignment = Some(Assignment::ServerSide);
+        assert_eq!(validate_ring(&plain, &[]), Ok(()));
     }
 
     #[test]

@@ -5,13 +5,14 @@ use std::sync::Arc;
 
 use std::sync::atomic::AtomicU64;
 
-use kube_sharding_api::load::ShardLoad;
+use kube_sharding_api::load::{LoadKey, ShardLoad};
 use kube_sharding_api::{RingKind, RingRef};
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
 use prometheus_client::metrics::MetricType;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 
+use super::load::{RingLoad, counted_load, ring_load};
 use super::{ResourceLabels, RingLabel};
 use crate::observed::{PendingDrains, RingObjects};
 
@@ -56,6 +57,8 @@ pub(crate) struct ShardSnapshot {
     pub(crate) clock_skew_seconds: Option<f64>,
     /// The load the shard reports on its Lease, when it reports a valid one.
     pub(crate) load: Option<ShardLoad>,
+    /// Whether the Lease carries a load annotation that is no valid report (counted as none).
+    pub(crate) load_invalid: bool,
 }
 
 /// Every value of the `state` label of `controller_sharding_shard_state`.
@@ -314,6 +317,8 @@ impl<S: StateSource> prometheus_client::collector::Collector for StateCollector<
             }),
         )?;
 
+        encode_load(&mut encoder, &rings, &shards)?;
+
         let objects = self.0.objects();
         encode_gauges(
             &mut encoder,
@@ -396,6 +401,126 @@ impl<S: StateSource> prometheus_client::collector::Collector for StateCollector<
     }
 }
 
+/// The load reports (docs/protocol.md §23): per available shard with a valid report, and per ring
+/// summed by [`ring_load`].
+fn encode_load(
+    encoder: &mut DescriptorEncoder,
+    rings: &[RingSnapshot],
+    shards: &[ShardSnapshot],
+) -> Result<(), std::fmt::Error> {
+    let shard_labels = |s: &ShardSnapshot| ShardWeightLabels {
+        namespace: s.namespace.clone(),
+        shard: s.shard.clone(),
+        ring: RingLabel(s.ring.clone()),
+    };
+    let shard_value = |key: LoadKey| {
+        shards.iter().filter_map(move |s| {
+            let value = counted_load(s)?.get(key)?;
+            Some((shard_labels(s), saturating_i64(value)))
+        })
+    };
+    let shard_seconds = |key: LoadKey| {
+        shards.iter().filter_map(move |s| {
+            let millis = counted_load(s)?.get(key)?;
+            Some((shard_labels(s), seconds(millis)))
+        })
+    };
+    encode_gauges(
+        encoder,
+        "controller_sharding_shard_reported_objects",
+        "Objects an available shard reports holding on its Lease",
+        shard_value(LoadKey::Objects),
+    )?;
+    encode_gauges(
+        encoder,
+        "controller_sharding_shard_reported_queue_depth",
+        "Objects an available shard reports waiting for a reconcile (changed since their last one)",
+        shard_value(LoadKey::Queue),
+    )?;
+    encode_float_gauges(
+        encoder,
+        "controller_sharding_shard_reported_reconcile_p50_seconds",
+        "Median reconcile duration an available shard reports over its window",
+        shard_seconds(LoadKey::P50Millis),
+    )?;
+    encode_float_gauges(
+        encoder,
+        "controller_sharding_shard_reported_reconcile_p99_seconds",
+        "99th percentile reconcile duration an available shard reports over its window",
+        shard_seconds(LoadKey::P99Millis),
+    )?;
+    encode_gauges(
+        encoder,
+        "controller_sharding_shard_reported_reconcile_errors",
+        "Failed reconciles an available shard reports over its window",
+        shard_value(LoadKey::Errors),
+    )?;
+    encode_gauges(
+        encoder,
+        "controller_sharding_shard_load_report_invalid",
+        "1 for a shard Lease whose load annotation is no valid report (it counts as none)",
+        shards
+            .iter()
+            .filter(|s| s.load_invalid)
+            .map(|s| (shard_labels(s), 1)),
+    )?;
+
+    let loads: Vec<_> = rings
+        .iter()
+        .map(|r| (RingLabel(r.ring.clone()), ring_load(shards, &r.ring)))
+        .collect();
+    // Sums only for rings with a report: a ring nobody reports for has no load, not zero.
+    let ring_value = |f: fn(&RingLoad) -> u64| {
+        loads
+            .iter()
+            .filter(|(_, l)| l.reporting_shards > 0)
+            .map(move |(ring, l)| (ring.clone(), saturating_i64(f(l))))
+    };
+    encode_gauges(
+        encoder,
+        "controller_sharding_ring_reporting_shards",
+        "Available shards of a ring with a valid load report",
+        loads
+            .iter()
+            .map(|(ring, l)| (ring.clone(), saturating_i64(l.reporting_shards))),
+    )?;
+    encode_gauges(
+        encoder,
+        "controller_sharding_ring_reported_objects",
+        "Objects the available shards of a ring report holding, summed",
+        ring_value(|l| l.objects),
+    )?;
+    encode_gauges(
+        encoder,
+        "controller_sharding_ring_reported_queue_depth",
+        "Objects waiting for a reconcile on the available shards of a ring, summed from their reports",
+        ring_value(|l| l.queue_depth),
+    )?;
+    encode_gauges(
+        encoder,
+        "controller_sharding_ring_reported_reconcile_errors",
+        "Failed reconciles the available shards of a ring report over their windows, summed",
+        ring_value(|l| l.errors),
+    )?;
+    encode_float_gauges(
+        encoder,
+        "controller_sharding_ring_reported_reconcile_p99_max_seconds",
+        "The highest 99th percentile reconcile duration the available shards of a ring report",
+        loads
+            .iter()
+            .filter_map(|(ring, l)| Some((ring.clone(), seconds(l.max_p99_ms?)))),
+    )
+}
+
+/// Milliseconds as seconds; reports hold at most 10^12, which an `f64` holds exactly.
+fn seconds(millis: u64) -> f64 {
+    millis as f64 / 1000.0
+}
+
+fn saturating_i64(value: u64) -> i64 {
+    i64::try_from(value).unwrap_or(i64::MAX)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -441,6 +566,7 @@ mod tests {
                     weight: 1,
                     clock_skew_seconds: Some(-40.5),
                     load: None,
+                    load_invalid: true,
                 },
                 ShardSnapshot {
                     namespace: "default".into(),
@@ -451,7 +577,12 @@ mod tests {
                     excluded: None,
                     weight: 3,
                     clock_skew_seconds: None,
-                    load: None,
+                    load: Some(
+                        "objects=12,queue=3,p50ms=5,p99ms=1250,errors=2,window=60"
+                            .parse()
+                            .expect("valid"),
+                    ),
+                    load_invalid: false,
                 },
                 ShardSnapshot {
                     namespace: "default".into(),
@@ -462,7 +593,9 @@ mod tests {
                     excluded: Some("InvalidShardName"),
                     weight: 1,
                     clock_skew_seconds: Some(0.25),
-                    load: None,
+                    // Kept out of the ring: its report does not count.
+                    load: Some("objects=99".parse().expect("valid")),
+                    load_invalid: false,
                 },
             ]
         }
@@ -561,8 +694,32 @@ mod tests {
                 r#"controller_sharding_shard_excluded{{namespace="default",shard="{}",clusterring="example",reason="InvalidShardName"}} 1"#,
                 "x".repeat(64)
             ),
+            r#"controller_sharding_shard_reported_objects{namespace="default",shard="shard-c",controllerring="example"} 12"#,
+            r#"controller_sharding_shard_reported_queue_depth{namespace="default",shard="shard-c",controllerring="example"} 3"#,
+            r#"controller_sharding_shard_reported_reconcile_p50_seconds{namespace="default",shard="shard-c",controllerring="example"} 0.005"#,
+            r#"controller_sharding_shard_reported_reconcile_p99_seconds{namespace="default",shard="shard-c",controllerring="example"} 1.25"#,
+            r#"controller_sharding_shard_reported_reconcile_errors{namespace="default",shard="shard-c",controllerring="example"} 2"#,
+            r#"controller_sharding_shard_load_report_invalid{namespace="default",shard="shard-a",clusterring="example"} 1"#,
+            r#"controller_sharding_ring_reporting_shards{controllerring="example"} 1"#,
+            r#"controller_sharding_ring_reporting_shards{clusterring="example"} 0"#,
+            r#"controller_sharding_ring_reported_objects{controllerring="example"} 12"#,
+            r#"controller_sharding_ring_reported_queue_depth{controllerring="example"} 3"#,
+            r#"controller_sharding_ring_reported_reconcile_errors{controllerring="example"} 2"#,
+            r#"controller_sharding_ring_reported_reconcile_p99_max_seconds{controllerring="example"} 1.25"#,
         ] {
             assert!(text.lines().any(|l| l == line), "missing {line}\n{text}");
         }
+        // No sums for a ring nobody reports for, and no report of a Lease kept out.
+        assert!(
+            !text.contains(r#"controller_sharding_ring_reported_objects{clusterring="example"}"#),
+            "{text}"
+        );
+        assert!(
+            !text.contains(&format!(
+                r#"reported_objects{{namespace="default",shard="{}""#,
+                "x".repeat(64)
+            )),
+            "{text}"
+        );
     }
 }

@@ -21,7 +21,7 @@
 //! With `metrics.tokenAudiences` set, the TokenReview asks for those audiences: a token issued
 //! for the API server (which a sharder could replay) is refused.
 
-mod cache;
+pub(super) mod cache;
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -72,7 +72,7 @@ const MAX_REVIEWS_IN_FLIGHT: usize = 4;
 
 /// How long a request waits for its reviews in the known lane (a turn and the API call) before
 /// it is refused.
-const REVIEW_TIMEOUT: Duration = Duration::from_secs(10);
+pub(super) const REVIEW_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// How long a new token waits for its review: a flood's requests are answered 503 soon rather
 /// than holding connections of the metrics server.
@@ -111,11 +111,11 @@ pub(crate) enum ReviewError {
 /// The user a token stands for, as the TokenReview named it: what the SubjectAccessReview asks
 /// about, and the key of the authorization cache.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
-struct User {
-    name: String,
-    uid: String,
-    groups: Vec<String>,
-    extra: BTreeMap<String, Vec<String>>,
+pub(super) struct User {
+    pub(super) name: String,
+    pub(super) uid: String,
+    pub(super) groups: Vec<String>,
+    pub(super) extra: BTreeMap<String, Vec<String>>,
 }
 
 impl From<UserInfo> for User {
@@ -149,14 +149,14 @@ pub(crate) struct ReviewClients {
 }
 
 /// One lane of reviews: its client, turns and timeout.
-struct Lane {
-    client: Client,
+pub(super) struct Lane {
+    pub(super) client: Client,
     turns: Semaphore,
     timeout: Duration,
 }
 
 impl Lane {
-    fn new(client: Client, timeout: Duration) -> Self {
+    pub(super) fn new(client: Client, timeout: Duration) -> Self {
         Self {
             client,
             turns: Semaphore::new(MAX_REVIEWS_IN_FLIGHT),
@@ -303,7 +303,7 @@ impl MetricsAuth {
 }
 
 /// Creates `review` in `lane` and returns the API server's answer, waiting for a turn first.
-async fn review_in<K>(
+pub(super) async fn review_in<K>(
     lane: &Lane,
     api: Api<K>,
     review: K,
@@ -332,14 +332,14 @@ fn bearer_token(headers: &HeaderMap) -> Option<&str> {
         .then_some(token)
 }
 
-fn now() -> std::time::Instant {
+pub(super) fn now() -> std::time::Instant {
     // tokio's clock, so that tests with paused time control expiry.
     tokio::time::Instant::now().into_std()
 }
 
 /// Locks a cache; a panic while it was held left it consistent (every operation is one map
 /// call), so the poison is ignored.
-fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+pub(super) fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)

@@ -96,6 +96,83 @@ impl CertReloader {
         config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
         Ok(config)
     }
+
+    /// Like [`CertReloader::server_config`], also asking clients for a certificate, which they
+    /// may leave out. A certificate sent is accepted when the client proves it holds its key; its
+    /// chain is verified later, by the handler that relies on it (the external metrics API,
+    /// against the front-proxy CA, read at run time): the webhook's callers send none and lose
+    /// nothing.
+    pub fn server_config_asking_client_certs(
+        self: &Arc<Self>,
+    ) -> Result<rustls::ServerConfig, rustls::Error> {
+        let provider = CryptoProvider::get_default()
+            .cloned()
+            .unwrap_or_else(|| Arc::new(rustls::crypto::ring::default_provider()));
+        let mut config = rustls::ServerConfig::builder_with_provider(provider.clone())
+            .with_safe_default_protocol_versions()?
+            .with_client_cert_verifier(Arc::new(OptionalClientCert(provider)))
+            .with_cert_resolver(self.clone());
+        config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+        Ok(config)
+    }
+}
+
+/// Asks for a client certificate without requiring one, and checks only that the client holds
+/// the key of the certificate it sent (the handshake signature); whom the certificate's chain
+/// leads to is for the handler to decide ([`PeerCertificates`](super::PeerCertificates)).
+#[derive(Debug)]
+struct OptionalClientCert(Arc<CryptoProvider>);
+
+impl rustls::server::danger::ClientCertVerifier for OptionalClientCert {
+    fn client_auth_mandatory(&self) -> bool {
+        false
+    }
+
+    fn root_hint_subjects(&self) -> &[rustls::DistinguishedName] {
+        // No hints: Go's clients (the aggregator's proxy) then send the certificate they have.
+        &[]
+    }
+
+    fn verify_client_cert(
+        &self,
+        _end_entity: &CertificateDer<'_>,
+        _intermediates: &[CertificateDer<'_>],
+        _now: rustls::pki_types::UnixTime,
+    ) -> Result<rustls::server::danger::ClientCertVerified, rustls::Error> {
+        Ok(rustls::server::danger::ClientCertVerified::assertion())
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls12_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+        self.0.signature_verification_algorithms.supported_schemes()
+    }
 }
 
 impl ResolvesServerCert for CertReloader {

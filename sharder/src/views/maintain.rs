@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use k8s_openapi::jiff::Timestamp;
-use kube_sharding_api::{GroupResource, RingKind, RingRef};
+use kube_sharding_api::{Assignment, GroupResource, RingKind, RingRef};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use tokio::sync::watch;
@@ -163,6 +163,12 @@ pub(crate) async fn refresh(sources: &ViewSources, scope: Scope) {
         let ring_ref = ring.ring_ref();
         if ring.validate(&sources.allowed_protected).is_err() {
             // A broken ring is not acted on; the ring controller reports why.
+            continue;
+        }
+        if ring.spec().assignment() == Assignment::ServerSide {
+            // No view, so no sync, no watch of unassigned objects and no webhook answers: the
+            // ring controller publishes its ranges from the Leases alone, and the sharder's
+            // memory does not grow with the ring's objects (docs/zero-write-rings.md).
             continue;
         }
         keep.insert(ring_ref.clone());

@@ -1,7 +1,8 @@
-//! Checks of the sharder's module structure that the compiler does not make: the top-level
-//! modules import each other as a tree (no cycle), the sharder controller's files reach only their
-//! siblings through `super::`, and every module table in the crate docs lists exactly the modules
-//! its file declares (docs/development.md points at those tables as the code map).
+//! Checks of the workspace's module structure that the compiler does not make: in every crate and
+//! tool the top-level modules import each other as a tree (no cycle); in the sharder, its
+//! controller's files reach only their siblings through `super::`, and every module table in the
+//! crate docs lists exactly the modules its file declares (docs/development.md points at those
+//! tables as the code map).
 //!
 //! The checks read the source as text: cheap, and enough for `use crate::…` paths written the way
 //! `rustfmt` writes them.
@@ -10,8 +11,17 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
 use std::path::{Path, PathBuf};
 
+/// The workspace's root folder.
+fn workspace() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("e2e/ is in the workspace")
+        .to_path_buf()
+}
+
+/// The sharder's sources.
 fn src() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("src")
+    workspace().join("sharder/src")
 }
 
 /// Every `.rs` file under `dir`, recursively.
@@ -98,64 +108,103 @@ fn names_after(text: &str, prefix: &str) -> BTreeSet<String> {
     names
 }
 
-/// The files of top-level module `name`: `name.rs` and everything under `name/`.
-fn module_files(name: &str) -> Vec<PathBuf> {
-    let mut files = vec![src().join(format!("{name}.rs"))];
-    let dir = src().join(name);
-    if dir.is_dir() {
-        files.extend(rust_files(&dir));
+/// The files of top-level module `name` of the crate rooted in `dir`: `name.rs` and everything
+/// under `name/`.
+fn module_files_in(dir: &Path, name: &str) -> Vec<PathBuf> {
+    let mut files = vec![dir.join(format!("{name}.rs"))];
+    let sub = dir.join(name);
+    if sub.is_dir() {
+        files.extend(rust_files(&sub));
     }
     files.retain(|f| f.exists());
     files
 }
 
-#[test]
-fn top_level_modules_import_each_other_without_a_cycle() {
-    let modules = declared_modules(&src().join("lib.rs"));
-    assert!(
-        modules.len() >= 10,
-        "lib.rs declares too few modules: {modules:?}"
-    );
-    let imports: BTreeMap<String, BTreeSet<String>> = modules
+/// The files of the sharder's top-level module `name`.
+fn module_files(name: &str) -> Vec<PathBuf> {
+    module_files_in(&src(), name)
+}
+
+/// Which top-level modules of the crate whose root file is `root` (`lib.rs` or a binary's
+/// `main.rs`, its modules beside it) each module imports through `crate::`.
+fn imports_of(root: &Path) -> BTreeMap<String, BTreeSet<String>> {
+    let dir = root.parent().expect("a root file is in a folder");
+    let modules = declared_modules(root);
+    modules
         .iter()
         .map(|m| {
-            let used = module_files(m)
+            let used = module_files_in(dir, m)
                 .iter()
                 .flat_map(|f| names_after(&code(f), "crate::"))
                 .filter(|x| x != m && modules.contains(x))
                 .collect();
             (m.clone(), used)
         })
-        .collect();
-    // The check can fail only if the modules import each other at all.
-    assert!(imports.values().map(BTreeSet::len).sum::<usize>() >= 10);
+        .collect()
+}
 
+/// An import cycle among `imports`, as the path that closes it, if there is one.
+fn cycle(imports: &BTreeMap<String, BTreeSet<String>>) -> Option<String> {
     // Depth-first search; a module met again while still on the path closes a cycle.
     fn visit(
         m: &str,
         imports: &BTreeMap<String, BTreeSet<String>>,
         path: &mut Vec<String>,
         done: &mut BTreeSet<String>,
-    ) {
+    ) -> Option<String> {
         if done.contains(m) {
-            return;
+            return None;
         }
         if let Some(at) = path.iter().position(|p| p == m) {
-            panic!(
-                "import cycle among sharder modules: {} -> {m}",
-                path[at..].join(" -> ")
-            );
+            return Some(format!("{} -> {m}", path[at..].join(" -> ")));
         }
         path.push(m.into());
         for next in &imports[m] {
-            visit(next, imports, path, done);
+            if let Some(found) = visit(next, imports, path, done) {
+                return Some(found);
+            }
         }
         path.pop();
         done.insert(m.into());
+        None
     }
     let mut done = BTreeSet::new();
-    for m in imports.keys() {
-        visit(m, &imports, &mut Vec::new(), &mut done);
+    imports
+        .keys()
+        .find_map(|m| visit(m, imports, &mut Vec::new(), &mut done))
+}
+
+#[test]
+fn top_level_modules_import_each_other_without_a_cycle() {
+    let imports = imports_of(&src().join("lib.rs"));
+    assert!(
+        imports.len() >= 10,
+        "lib.rs declares too few modules: {:?}",
+        imports.keys()
+    );
+    // The check can fail only if the modules import each other at all.
+    assert!(imports.values().map(BTreeSet::len).sum::<usize>() >= 10);
+    if let Some(found) = cycle(&imports) {
+        panic!("import cycle among sharder modules: {found}");
+    }
+}
+
+/// The crates and tools of more than one file other than the sharder, by root file.
+const OTHER_ROOTS: [&str; 4] = [
+    "crds/src/lib.rs",
+    "e2e/loadtest/src/bin/chaos/main.rs",
+    "e2e/loadtest/src/bin/rebalance-load/main.rs",
+    "e2e/loadtest/src/bin/scale-load/main.rs",
+];
+
+#[test]
+fn every_crate_and_tool_imports_its_modules_without_a_cycle() {
+    for root in OTHER_ROOTS {
+        let imports = imports_of(&workspace().join(root));
+        assert!(imports.len() >= 3, "{root} declares too few modules");
+        if let Some(found) = cycle(&imports) {
+            panic!("import cycle among the modules of {root}: {found}");
+        }
     }
 }
 
@@ -269,6 +318,11 @@ fn the_text_parsers_see_what_they_should() {
     )
     .unwrap();
     assert_eq!(declared_modules(&file), ["a", "b"].map(String::from).into());
+    let imports: BTreeMap<String, BTreeSet<String>> = [("a", "b"), ("b", "c"), ("c", "a")]
+        .into_iter()
+        .map(|(m, next)| (m.to_string(), [next.to_string()].into()))
+        .collect();
+    assert_eq!(cycle(&imports).as_deref(), Some("a -> b -> c -> a"));
     assert_eq!(
         table_modules(&file),
         Some(["a", "b"].map(String::from).into())

@@ -2,11 +2,11 @@
 
 use std::fmt::Debug;
 use std::fmt::Write as _;
-use std::time::Duration;
 
 use serde::Serialize;
 
 use crate::handover::{Handover, Percentiles};
+use crate::placement::Transitions;
 use crate::pulse::PulseReport;
 
 /// Everything measured in one run.
@@ -177,29 +177,6 @@ impl Counters {
     pub(crate) fn total(&self) -> u64 {
         self.secret_drains + self.secret_moves + self.configmap_drains + self.configmap_moves
     }
-}
-
-/// Label changes the watches saw after the 4th shard started.
-#[derive(Debug, Default, Clone, Copy, Serialize)]
-pub(crate) struct Transitions {
-    /// Secrets that gained the drain label.
-    pub(crate) drains_seen: u64,
-    /// Shard-label changes of Secrets.
-    pub(crate) secret_relabels: u64,
-    /// Shard-label changes of ConfigMaps.
-    pub(crate) configmap_relabels: u64,
-    /// Shard-label changes to a shard other than the 4-shard ring's (e.g. a shard re-applying a
-    /// ConfigMap the sharder had just moved away from it).
-    pub(crate) wrong_relabels: u64,
-    /// Seconds after the target was set until the first drain label was seen.
-    pub(crate) first_drain_seconds: Option<f64>,
-    /// Seconds after the target was set until the first ConfigMap changed its shard label.
-    pub(crate) first_configmap_relabel_seconds: Option<f64>,
-    /// Seconds after the target was set until the last drain label was seen (about when the
-    /// sharder's drain pass ended).
-    pub(crate) last_drain_seconds: Option<f64>,
-    /// Seconds after the target was set until the last ConfigMap changed its shard label.
-    pub(crate) last_configmap_relabel_seconds: Option<f64>,
 }
 
 /// The floor: plain label patches on the moved objects.
@@ -562,9 +539,4 @@ impl Report {
 /// An optional number of seconds as text.
 pub(crate) fn seconds(value: Option<f64>) -> String {
     value.map_or_else(|| "-".to_string(), |s| format!("{s:.2} s"))
-}
-
-/// Seconds with millisecond precision, for the report.
-pub(crate) fn secs(d: Duration) -> f64 {
-    (d.as_secs_f64() * 1000.0).round() / 1000.0
 }

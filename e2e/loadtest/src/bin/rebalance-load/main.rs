@@ -84,8 +84,9 @@ use crate::probes::{
     wait_sync,
 };
 use crate::pulse::{Pulse, PulseReport};
-use crate::report::{Counters, Duplicates, Floor, Goals, Phase, Report, ScaleOut, Writes, secs};
+use crate::report::{Counters, Duplicates, Floor, Goals, Phase, Report, ScaleOut, Writes};
 use crate::timeline::Timeline;
+use crate::timeline::secs;
 
 /// Shards before the scale-out; the last one joins for it.
 const SHARDS: [&str; 4] = ["shard-0", "shard-1", "shard-2", "shard-3"];

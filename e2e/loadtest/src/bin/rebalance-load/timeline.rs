@@ -2,6 +2,7 @@
 //! written as CSV and drawn as an SVG line chart (hand-written SVG: no plotting dependency).
 
 use std::fmt::Write as _;
+use std::time::Duration;
 
 /// Counts of one sample, `secs` after the 4th shard was started.
 #[derive(Debug, Clone, PartialEq)]
@@ -265,6 +266,11 @@ fn group(n: usize) -> String {
         out.push(c);
     }
     out
+}
+
+/// Seconds with millisecond precision, for the report.
+pub(crate) fn secs(d: Duration) -> f64 {
+    (d.as_secs_f64() * 1000.0).round() / 1000.0
 }
 
 #[cfg(test)]

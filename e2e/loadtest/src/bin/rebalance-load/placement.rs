@@ -16,11 +16,12 @@ use kube::core::PartialObjectMeta;
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, Resource, ResourceExt};
 use kube_sharding_api::labels;
+use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tokio::task::JoinHandle;
 
-use crate::report::{Transitions, secs};
 use crate::timeline::Sample;
+use crate::timeline::secs;
 use crate::{CONFIG_MAP_PREFIX, PROGRESS_EVERY, SECRET_PREFIX, progress};
 
 /// Which kind of object a watch follows.
@@ -494,4 +495,27 @@ where
             }
         }
     }
+}
+
+/// Label changes the watches saw after the 4th shard started.
+#[derive(Debug, Default, Clone, Copy, Serialize)]
+pub(crate) struct Transitions {
+    /// Secrets that gained the drain label.
+    pub(crate) drains_seen: u64,
+    /// Shard-label changes of Secrets.
+    pub(crate) secret_relabels: u64,
+    /// Shard-label changes of ConfigMaps.
+    pub(crate) configmap_relabels: u64,
+    /// Shard-label changes to a shard other than the 4-shard ring's (e.g. a shard re-applying a
+    /// ConfigMap the sharder had just moved away from it).
+    pub(crate) wrong_relabels: u64,
+    /// Seconds after the target was set until the first drain label was seen.
+    pub(crate) first_drain_seconds: Option<f64>,
+    /// Seconds after the target was set until the first ConfigMap changed its shard label.
+    pub(crate) first_configmap_relabel_seconds: Option<f64>,
+    /// Seconds after the target was set until the last drain label was seen (about when the
+    /// sharder's drain pass ended).
+    pub(crate) last_drain_seconds: Option<f64>,
+    /// Seconds after the target was set until the last ConfigMap changed its shard label.
+    pub(crate) last_configmap_relabel_seconds: Option<f64>,
 }
