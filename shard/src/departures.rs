@@ -84,6 +84,9 @@ pub enum Release {
     /// It was missing when the shard listed its objects: it left while the shard was not
     /// watching (not a member, or its watch restarting).
     FoundMoved,
+    /// Zero-write rings: its hash range was revoked from this shard (a new generation of
+    /// ranges without it, or a new membership term, which starts with no ranges).
+    RangeRevoked,
 }
 
 impl Release {
@@ -93,6 +96,7 @@ impl Release {
             Self::Drained => "drained",
             Self::Reassigned => "reassigned",
             Self::FoundMoved => "found_moved",
+            Self::RangeRevoked => "range_revoked",
         }
     }
 }
@@ -310,7 +314,31 @@ where
     /// object cannot race it on a drain (the drain is acknowledged by the wrapper, after which
     /// nothing of it runs) but can on a direct reassignment after a Lease loss, which only
     /// happens once this shard stopped.
+    ///
+    /// On a zero-write ring ([`Shard::server_side`]) it opens no watch: the departures come
+    /// from the shard's own selector layer, which reports the objects of revoked ranges as
+    /// [`Release::RangeRevoked`] before the revocation is acknowledged, and objects deleted
+    /// while the shard held them; `with_known` has no effect there. Subscribe (call this)
+    /// before the term's work runs: departures before that are not kept.
     pub fn stream(self) -> impl Stream<Item = Departure> + Send + 'static {
+        if let Some(receiver) = self
+            .shard
+            .sharded_watch()
+            .and_then(|watch| watch.subscribe_departures())
+        {
+            return futures::stream::unfold(receiver, |mut receiver| async move {
+                loop {
+                    match receiver.recv().await {
+                        Ok(departure) => return Some((departure, receiver)),
+                        Err(tokio::sync::broadcast::error::RecvError::Lagged(missed)) => {
+                            warn!(missed, "departures consumer too slow, some were dropped");
+                        }
+                        Err(tokio::sync::broadcast::error::RecvError::Closed) => return None,
+                    }
+                }
+            })
+            .left_stream();
+        }
         let Self { shard, api, known } = self;
         let mut tracker = Tracker::new(shard.drain_label_key(), known);
         let client = api.clone().into_client();
@@ -335,6 +363,7 @@ where
                 }
             })
             .filter_map(futures::future::ready)
+            .right_stream()
     }
 }
 

@@ -101,6 +101,14 @@ pub enum ReconcileError<E: std::error::Error + 'static> {
         /// The exclusion reason the sharder gave.
         reason: String,
     },
+    /// Zero-write rings: the object's hash range was revoked from this shard while the
+    /// reconcile ran; it was cancelled (dropped at whatever `.await` it waited) before the
+    /// shard acknowledged the revocation. Nothing is left to do: another shard gets the object.
+    #[error("cancelled work on {object}: its hash range was revoked from this shard")]
+    Revoked {
+        /// `namespace/name` (or `name` when cluster-scoped) of the object.
+        object: String,
+    },
     /// The wrapped reconciler failed.
     #[error(transparent)]
     Reconcile(E),
@@ -305,6 +313,9 @@ where
         return futures::future::ready(Err(ReconcileError::from_end(end, object_name))).boxed();
     }
     let guard = guard.clone();
+    // Registered before the object is judged: a revocation that changes the ranges after the
+    // judgement finds the registration and waits for it.
+    let in_flight = shard.register_in_flight(meta);
     match shard.classify(meta) {
         Disposition::Ignore => {
             debug!(
@@ -334,14 +345,27 @@ where
                 guard
                     .check()
                     .map_err(|end| ReconcileError::from_end(end, object_name.clone()))?;
-                tokio::select! {
+                let revoked = async {
+                    match &in_flight {
+                        Some(in_flight) => in_flight.token.cancelled().await,
+                        None => std::future::pending().await,
+                    }
+                };
+                let result = tokio::select! {
                     biased;
                     end = guard.ended() => {
                         debug!(object = %object_name, ?end, "cancelled a reconcile in flight: the shard Lease ended");
                         Err(ReconcileError::from_end(end, object_name))
                     }
+                    () = revoked => {
+                        debug!(object = %object_name, "cancelled a reconcile in flight: its range was revoked");
+                        Err(ReconcileError::Revoked { object: object_name })
+                    }
                     result = reconcile => result.map_err(ReconcileError::Reconcile),
-                }
+                };
+                // Ended: the revocation waiting for it may go on.
+                drop(in_flight);
+                result
             }
             .boxed()
         }

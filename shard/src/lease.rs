@@ -49,6 +49,7 @@
 //! Lease. The loss is recorded right after [`HeldLease::lost_token`] fired, so anything that
 //! checks the token after the record's timestamp sees the loss.
 
+mod annotate;
 mod config;
 mod decision;
 mod guard;
@@ -57,6 +58,8 @@ mod lock;
 mod store;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_ranges;
 
 use k8s_openapi::api::coordination::v1::Lease;
 

@@ -103,7 +103,50 @@
 //! | [`drain`] | the reconciler wrapper that acknowledges drains and cancels reconciles when the Lease ends |
 //! | [`departures`] | released versus deleted objects |
 //! | [`load`] | [`LoadMeter`]: the load the shard reports on its Lease (objects, queue depth, reconcile latency and errors) |
-//! | [`sharded_watch`] | zero-write rings (groundwork): a `shardSelector` on one resource's lists and watches, whether the server applied it, and the client-side filter |
+//! | [`sharded_watch`] | zero-write rings: a `shardSelector` on one resource's lists and watches, whether the server applied it, the client-side filter, and the restarts on new ranges |
+//!
+//! # Zero-write rings
+//!
+//! A ring with `spec.assignment: ServerSide` writes nothing to its objects: the sharder
+//! publishes hash ranges on each shard's Lease, and the API server's sharded list and watch
+//! (`shardSelector`) sends each shard only its ranges. [`Shard::server_side`] makes such a
+//! shard; the controller's client comes from [`Shard::client`], everything else is as above:
+//!
+//! ```no_run
+//! # use std::{sync::Arc, time::Duration};
+//! # use futures::StreamExt;
+//! # use k8s_openapi::api::core::v1::Secret;
+//! # use kube::{Api, Client, runtime::controller::{Action, Controller}};
+//! # use kube_sharding::{LeaseLock, Ownership, OwnershipError, RestartBackoff, Shard, ShardField, Term};
+//! # use tokio_util::sync::CancellationToken;
+//! # async fn reconcile(_: Arc<Secret>, _: Arc<()>, _: Ownership) -> Result<Action, OwnershipError> {
+//! #     Ok(Action::await_change())
+//! # }
+//! # async fn run() -> anyhow::Result<()> {
+//! let client = Client::try_default().await?;
+//! let shard = Shard::new("my-ring", "my-controller-0", "default")
+//!     .server_side::<Secret>(ShardField::Uid); // the ring's hashKey: Object
+//! let lock = LeaseLock::new(client.clone(), shard.lease_config())?;
+//! let shutdown = CancellationToken::new();
+//! shard.run(&lock, &shutdown, |term: Term| {
+//!     // Lists and watches of Secrets through this client carry the shard's ranges.
+//!     Controller::new(Api::<Secret>::all(shard.client(client.clone())), shard.watcher_config())
+//!         // New ranges restart the watch through an error: list again at once.
+//!         .trigger_backoff(RestartBackoff::default())
+//!         .graceful_shutdown_on(term.stop.cancelled_owned())
+//!         .run(shard.reconciler(client.clone(), term.guard, reconcile),
+//!              |_, _, _| Action::requeue(Duration::from_secs(5)), Arc::new(()))
+//!         .for_each(|_| async {})
+//! }).await?;
+//! # Ok(()) }
+//! ```
+//!
+//! Each term starts with no ranges; on every newer generation the library restarts the watches
+//! with the new selector, reports the objects of revoked ranges as [`Departure::Released`]
+//! ([`Release::RangeRevoked`]), cancels their reconciles in flight and waits for them, and then
+//! acknowledges the generation on the Lease. Where the API server ignores the selector, the
+//! client filters with the same hash and says so once in its log. See
+//! `docs/zero-write-rings.md`.
 //!
 //! The crate logs through `tracing` and never installs a subscriber. The example shard of the
 //! repository, `checksum-controller`, is a package of its own, so this crate carries only
@@ -117,6 +160,7 @@ pub mod lease;
 pub mod load;
 mod membership;
 mod ownership;
+mod server_side;
 mod shard;
 pub mod sharded_watch;
 mod shutdown;
@@ -127,7 +171,10 @@ pub use crate::lease::{GuardEnd, HeldLease, HeldRunEnd, LeaseGuard, LeaseLock, L
 pub use crate::load::{DEFAULT_LOAD_WINDOW, LoadMeter};
 pub use crate::membership::{EVENT_SHARD_EXCLUDED, EVENT_TERM_STARTED, ShardRunEnd, Term};
 pub use crate::ownership::{Ownership, OwnershipError};
+pub use crate::server_side::{EVENT_RANGES_ACKNOWLEDGED, EVENT_RANGES_APPLIED, RestartBackoff};
 pub use crate::shard::{DEFAULT_JUDGEMENT_FALLBACK, DEFAULT_REJOIN_PAUSE, Shard};
 pub use crate::shutdown::{EVENT_LEASE_KEPT, OnShutdown, STATEFULSET_READ_TIMEOUT, StatefulSetPod};
 /// The kind of ring a [`Shard`] joins.
 pub use kube_sharding_api::RingKind;
+/// The field a zero-write ring's selectors hash ([`Shard::server_side`]).
+pub use kube_sharding_api::ranges::ShardField;

@@ -197,6 +197,12 @@ impl Shard {
             // with this name may be another copy's, or still on their way to other shards.
             let probation = held.created() || held.unjudged();
             let fallback = self.judgement_fallback();
+            // Zero-write rings: a term starts with no ranges, and follows the Lease's from the
+            // sharder's judgement on.
+            let follow = self.server_side_part().map(|server_side| {
+                server_side.reset();
+                server_side.follow(lock, guard.clone(), self.name().to_string())
+            });
             let keep = || async {
                 match self.on_shutdown() {
                     OnShutdown::Release => false,
@@ -239,7 +245,15 @@ impl Shard {
                             judged = judgement == Judgement::Admitted,
                             "starting work"
                         );
-                        work.await;
+                        match follow {
+                            Some(follow) => {
+                                tokio::select! {
+                                    () = work => {}
+                                    () = follow => {}
+                                }
+                            }
+                            None => work.await,
+                        }
                     }
                 }, keep)
                 .await?;

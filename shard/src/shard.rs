@@ -4,13 +4,18 @@
 use std::time::Duration;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::core::{ApiResource, Resource};
 use kube::runtime::watcher;
 use kube_sharding_api::RingKind;
 use kube_sharding_api::labels;
+use kube_sharding_api::range_lease::{ANNOTATION_ACKNOWLEDGED, ANNOTATION_RANGES};
+use kube_sharding_api::ranges::ShardField;
 
 use crate::drain::{self, Disposition};
 use crate::lease::LeaseLockConfig;
 use crate::load::LoadMeter;
+use crate::server_side::{InFlightGuard, ServerSide};
+use crate::sharded_watch::ShardedWatch;
 use crate::shutdown::OnShutdown;
 
 /// A shard: a controller instance that joins the ring `ring` under the name `name`, announcing
@@ -39,6 +44,7 @@ pub struct Shard {
     rejoin_pause: Duration,
     judgement_fallback: Duration,
     on_shutdown: OnShutdown,
+    server_side: Option<ServerSide>,
     load_meter: Option<LoadMeter>,
 }
 
@@ -93,8 +99,84 @@ impl Shard {
             rejoin_pause: DEFAULT_REJOIN_PAUSE,
             judgement_fallback: DEFAULT_JUDGEMENT_FALLBACK,
             on_shutdown: OnShutdown::Release,
+            server_side: None,
             load_meter: None,
         }
+    }
+
+    /// The shard of a **zero-write ring** (`spec.assignment: ServerSide`,
+    /// docs/zero-write-rings.md) whose main resource is `K` and whose selectors hash `field`
+    /// (`ShardField::Uid` for `hashKey: Object`, `ShardField::Namespace` for
+    /// `hashKey: Namespace`; the shard cannot tell without reading the ring).
+    ///
+    /// The API stays the one of a label ring, with one addition: the controller's client comes
+    /// from [`Shard::client`], whose lists and watches of `K` carry the shard's current
+    /// `shardSelector`. Then
+    ///
+    /// - [`Shard::watcher_config`] selects no label (the selector does the selecting);
+    /// - [`Shard::run`] follows the ranges the sharder publishes on the shard's Lease: a term
+    ///   starts with none (lists are empty, watches silent), and on every newer generation the
+    ///   watches of `K` restart with the new selector (kube's watcher lists again), the objects
+    ///   of revoked ranges are reported as [`Departure::Released`] with
+    ///   [`Release::RangeRevoked`] ([`Shard::departures`]), their reconciles in flight are
+    ///   cancelled ([`ReconcileError::Revoked`]) and waited for, and then the generation is
+    ///   acknowledged on the Lease, at once;
+    /// - [`Shard::classify`], and so [`Shard::reconciler`] and [`Ownership::confirm`], judge an
+    ///   object by whether its hash is in the current ranges; nothing is ever drained;
+    /// - when the API server ignores the selector (feature gate `ShardedListAndWatch` off, or a
+    ///   release before 1.36), the client drops every object outside the ranges itself, logs it
+    ///   once and counts it ([`ShardedWatch::ignored_lists`]); BOOKMARK and ERROR events always
+    ///   pass.
+    ///
+    /// Watches of other resources (controlled objects of a namespace-hashed ring, say) go
+    /// through a client of their own: only `K` is selected.
+    ///
+    /// [`Departure::Released`]: crate::Departure::Released
+    /// [`Release::RangeRevoked`]: crate::Release::RangeRevoked
+    /// [`ReconcileError::Revoked`]: crate::ReconcileError::Revoked
+    /// [`Ownership::confirm`]: crate::Ownership::confirm
+    /// [`ShardedWatch::ignored_lists`]: crate::sharded_watch::ShardedWatch::ignored_lists
+    /// [`Shard::departures`]: crate::Shard::departures
+    #[must_use]
+    pub fn server_side<K: Resource<DynamicType = ()>>(self, field: ShardField) -> Self {
+        self.server_side_with(&ApiResource::erase::<K>(&()), field)
+    }
+
+    /// [`Shard::server_side`] for a resource known at runtime.
+    #[must_use]
+    pub fn server_side_with(mut self, resource: &ApiResource, field: ShardField) -> Self {
+        self.server_side = Some(ServerSide::new(field, ShardedWatch::enforcing(resource)));
+        self
+    }
+
+    /// Whether the shard is one of a zero-write ring ([`Shard::server_side`]).
+    pub fn is_server_side(&self) -> bool {
+        self.server_side.is_some()
+    }
+
+    /// The shard selector handle of a zero-write ring's shard: its current selector, what the
+    /// server made of it, the count of ignored selectors.
+    pub fn sharded_watch(&self) -> Option<&ShardedWatch> {
+        self.server_side.as_ref().map(|s| &s.watch)
+    }
+
+    /// The client the controller of a zero-write ring's shard lists and watches with: `client`
+    /// with the shard selector layer in front (see [`Shard::server_side`]). For a label ring's
+    /// shard, `client` itself.
+    pub fn client(&self, client: kube::Client) -> kube::Client {
+        match &self.server_side {
+            Some(server_side) => server_side.watch.wrap(client),
+            None => client,
+        }
+    }
+
+    pub(crate) fn server_side_part(&self) -> Option<&ServerSide> {
+        self.server_side.as_ref()
+    }
+
+    /// Registers a reconcile of `meta` about to start on a zero-write ring.
+    pub(crate) fn register_in_flight(&self, meta: &ObjectMeta) -> Option<InFlightGuard> {
+        self.server_side.as_ref().map(|s| s.register(meta))
     }
 
     /// The shard with weight `weight` (docs/protocol.md §17): it receives about `weight` times the
@@ -237,7 +319,13 @@ impl Shard {
     /// kube 5 uses the same [`watcher::Config`] for metadata-only watches
     /// (`Api<PartialObjectMeta<K>>`), so this serves those too. When an object's shard label
     /// changes away, the API server sends the watch a deletion: the object leaves the cache.
+    ///
+    /// On a zero-write ring ([`Shard::server_side`]) no label is selected: the shard selector on
+    /// the shard's [client](Shard::client) does the selecting.
     pub fn watcher_config(&self) -> watcher::Config {
+        if self.server_side.is_some() {
+            return watcher::Config::default();
+        }
         watcher::Config::default().labels(&self.label_selector())
     }
 
@@ -254,7 +342,11 @@ impl Shard {
     pub fn lease_config(&self) -> LeaseLockConfig {
         // Dropping the other kind's ring label lets a shard move between kinds on the same Lease:
         // a Lease carrying both is used by neither ring.
+        // The ranges and their acknowledgement are about one holding: a shard that takes its
+        // Lease again starts with none (docs/zero-write-rings.md).
         let config = LeaseLockConfig::new(&self.lease_namespace, &self.name, &self.name)
+            .with_holding_annotation(ANNOTATION_RANGES)
+            .with_holding_annotation(ANNOTATION_ACKNOWLEDGED)
             .with_label(self.kind.lease_label(), &self.ring)
             .without_label(self.kind.other().lease_label())
             .with_exclusion_annotation(labels::ANNOTATION_EXCLUDED)
@@ -280,7 +372,17 @@ impl Shard {
     /// Only objects whose shard label names this shard belong to it; among those, the mere
     /// presence of the drain label (any value) means "drain". A drain label on an object owned by
     /// someone else is none of this shard's business.
+    ///
+    /// On a zero-write ring ([`Shard::server_side`]) an object belongs to the shard while its
+    /// hash is in the shard's current ranges, and is never drained.
     pub fn classify(&self, meta: &ObjectMeta) -> Disposition {
+        if let Some(server_side) = &self.server_side {
+            return if server_side.watch.selects(meta) {
+                Disposition::Reconcile
+            } else {
+                Disposition::Ignore
+            };
+        }
         let Some(labels) = meta.labels.as_ref() else {
             return Disposition::Ignore;
         };

@@ -10,7 +10,9 @@
 //! `shardSelector=<the URL-encoded selector>`. Everything else, and every request while no
 //! selector is set, passes unchanged. The selector is read per request from the shared
 //! [`ShardedWatch`] handle, so a new one ([`ShardedWatch::set_selector`]) takes effect with the
-//! next list or watch (a watch open at that moment keeps the selector it started with).
+//! next list or watch (a watch open at that moment keeps the selector it started with; the
+//! handle the shard library uses on a zero-write ring, [`ShardedWatch::enforcing`], ends such
+//! watches so that they list again with the new selector, and filters on the client).
 //!
 //! A server that applied the selector says so in every list response
 //! (`metadata.shardInfo.selector`); one that ignores it (the `ShardedListAndWatch` gate off,
@@ -68,6 +70,8 @@ struct Inner {
     plural: String,
     selector: RwLock<Selected>,
     filtering: watch::Sender<ServerFiltering>,
+    /// The shard library's mode ([`ShardedWatch::enforcing`]); `None` for the plain layer.
+    enforce: Option<enforce::Enforce>,
 }
 
 /// The selector set now.
@@ -75,6 +79,8 @@ struct Inner {
 struct Selected {
     /// The selector and its URL-encoded form, encoded once per change rather than per request.
     current: Option<(ShardSelector, String)>,
+    /// No object at all ([`ShardedWatch::select_nothing`]): answered by the layer itself.
+    nothing: bool,
     /// Counts the changes, so that a list sent with an earlier selector says nothing about this
     /// one.
     generation: u64,
@@ -92,6 +98,10 @@ impl ShardedWatch {
     /// selector yet.
     #[must_use]
     pub fn new(resource: &ApiResource) -> Self {
+        Self::build(resource, None)
+    }
+
+    fn build(resource: &ApiResource, enforce: Option<enforce::Enforce>) -> Self {
         let prefix = if resource.group.is_empty() {
             format!("/api/{}", resource.version)
         } else {
@@ -103,6 +113,7 @@ impl ShardedWatch {
                 plural: resource.plural.clone(),
                 selector: RwLock::new(Selected::default()),
                 filtering: watch::Sender::new(ServerFiltering::Unknown),
+                enforce,
             }),
         }
     }
@@ -126,7 +137,9 @@ impl ShardedWatch {
             .write()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         selected.current = encoded;
+        selected.nothing = false;
         selected.generation += 1;
+        self.changed(selected.generation);
         // Under the lock: a list answered for the previous selector cannot overwrite this.
         self.inner.filtering.send_replace(ServerFiltering::Unknown);
     }
@@ -207,8 +220,9 @@ impl ShardedWatch {
     }
 
     /// Adds the selector to `request` when it lists or watches the resource; says which, and
-    /// the selector's generation.
-    fn rewrite<B>(&self, request: &mut Request<B>) -> Option<(Verb, u64)> {
+    /// the selection it was sent with (in "nothing" mode the request is left as it is: the
+    /// layer answers it).
+    fn rewrite<B>(&self, request: &mut Request<B>) -> Option<(Verb, Snapshot)> {
         if request.method() != http::Method::GET {
             return None;
         }
@@ -235,6 +249,9 @@ impl ShardedWatch {
             }
         }
         let selected = self.selected();
+        if selected.nothing {
+            return Some((verb, Snapshot::of(&selected)));
+        }
         let (_, encoded) = selected.current.as_ref()?;
         let query = if query.is_empty() {
             format!("{QUERY_PARAMETER}={encoded}")
@@ -245,7 +262,7 @@ impl ShardedWatch {
         let mut parts = uri.clone().into_parts();
         parts.path_and_query = Some(path_and_query.parse().ok()?);
         *request.uri_mut() = http::Uri::from_parts(parts).ok()?;
-        Some((verb, selected.generation))
+        Some((verb, Snapshot::of(&selected)))
     }
 
     /// Records what a successful list response's body, sent with the selector of `generation`,
@@ -328,7 +345,7 @@ where
     B: http_body::Body<Data = Bytes> + Send + 'static,
     B::Error: Into<BoxError>,
 {
-    type Response = Response<Either<B, Full<Bytes>>>;
+    type Response = Response<Either<B, Either<Full<Bytes>, enforce::WatchBody<B>>>>;
     type Error = BoxError;
     type Future = BoxFuture<Result<Self::Response, BoxError>>;
 
@@ -337,13 +354,18 @@ where
     }
 
     fn call(&mut self, mut request: Request<ReqB>) -> Self::Future {
+        if self.handle.inner.enforce.is_some() {
+            return self.call_enforcing(request);
+        }
         let rewritten = self.handle.rewrite(&mut request);
         let response = self.inner.call(request);
         let handle = self.handle.clone();
         Box::pin(async move {
             let response = response.await.map_err(Into::into)?;
             let generation = match rewritten {
-                Some((Verb::List, generation)) if response.status().is_success() => generation,
+                Some((Verb::List, snapshot)) if response.status().is_success() => {
+                    snapshot.generation
+                }
                 _ => return Ok(response.map(Either::Left)),
             };
             // kube reads a list response whole anyway; reading it here first costs a second
@@ -351,7 +373,10 @@ where
             let (parts, body) = response.into_parts();
             let bytes = body.collect().await.map_err(Into::into)?.to_bytes();
             handle.observe_list(generation, &bytes);
-            Ok(Response::from_parts(parts, Either::Right(Full::new(bytes))))
+            Ok(Response::from_parts(
+                parts,
+                Either::Right(Either::Left(Full::new(bytes))),
+            ))
         })
     }
 }
@@ -374,6 +399,33 @@ impl Service<Request<kube::client::Body>> for ClientService {
         let client = self.0.clone();
         Box::pin(async move { client.send(request).await })
     }
+}
+
+mod enforce;
+use enforce::Snapshot;
+pub use enforce::{EVENT_SELECTOR_APPLIED, EVENT_SELECTOR_IGNORED, WatchBody};
+
+/// The selection of `selector` (`None`: nothing), for tests of the pure parts.
+#[cfg(test)]
+pub(crate) fn enforce_snapshot(selector: Option<ShardSelector>) -> Snapshot {
+    let mut selected = Selected::default();
+    match selector {
+        Some(selector) => {
+            let encoded = encode_query_value(&selector.to_string());
+            selected.current = Some((selector, encoded));
+        }
+        None => selected.nothing = true,
+    }
+    Snapshot::of(&selected)
+}
+
+/// Which of `held` `selection` no longer selects (see [`ShardedWatch::revoke_to`]).
+#[cfg(test)]
+pub(crate) fn revoked_of(
+    held: &[crate::departures::ObjectKey],
+    selection: &Snapshot,
+) -> Vec<crate::departures::ObjectKey> {
+    enforce::revoked(held, selection)
 }
 
 #[cfg(test)]

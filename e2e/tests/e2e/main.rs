@@ -28,3 +28,4 @@ mod trust;
 mod watch_assignment;
 mod webhook_server;
 mod zero_write;
+mod zero_write_shard;

@@ -57,7 +57,7 @@ use kube::{Client, Resource, ResourceExt};
 use kube_sharding::lease::error_chain;
 use kube_sharding::{
     Departure, LeaseLock, LoadMeter, ObjectKey, OnShutdown, Ownership, OwnershipError,
-    ReconcileError, Shard, ShardRunEnd, StatefulSetPod, Term,
+    ReconcileError, RestartBackoff, Shard, ShardField, ShardRunEnd, StatefulSetPod, Term,
 };
 use sha2::{Digest, Sha256};
 use tokio_util::sync::CancellationToken;
@@ -98,6 +98,15 @@ enum ShutdownMode {
     /// the returning pod renews it and carries on with the same Secrets, nothing moves. Releases
     /// on scale-in and when the StatefulSet cannot be read.
     KeepIfReturning,
+}
+
+/// The field a zero-write ring hashes (`spec.hashKey` of the ring).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum ServerSideHashKey {
+    /// `hashKey: Object`: the Secret's uid.
+    Object,
+    /// `hashKey: Namespace`: the Secret's namespace.
+    Namespace,
 }
 
 /// Example shard of controller-sharding: writes SHA-256 checksums of Secrets into ConfigMaps.
@@ -153,6 +162,12 @@ struct Args {
     /// acknowledged. Without it every write labels the ConfigMap with this shard.
     #[arg(long)]
     leave_children_to_sharder: bool,
+    /// Join a zero-write ring (`spec.assignment: ServerSide`): list and watch only the Secrets
+    /// in the hash ranges the sharder publishes on this shard's Lease, hashing the Secret's uid
+    /// (`object`, the default) or its namespace as the ring's `hashKey` says. The ConfigMaps
+    /// stay selected by this shard's label, which every write puts on them.
+    #[arg(long, value_enum, num_args = 0..=1, default_missing_value = "object")]
+    server_side: Option<ServerSideHashKey>,
     /// What to do with the shard Lease on SIGTERM. `keep-if-returning` is for shards run by a
     /// StatefulSet and named after their pod (`<statefulset>-<ordinal>`): the shard reads its
     /// StatefulSet (in the Lease namespace; needs `get` on it) and keeps its Lease over the
@@ -533,6 +548,16 @@ fn error_policy(
         );
         return Action::await_change();
     }
+    if let ReconcileError::Revoked { object } = error {
+        // Zero-write ring: the Secret's range went to another shard while this ran.
+        info!(
+            event = "reconcile_revoked",
+            %object,
+            shard = %context.shard.name(),
+            "reconcile cancelled, the Secret's range was revoked"
+        );
+        return Action::await_change();
+    }
     if let Some(Error::Ownership(refused)) = error.inner()
         && refused.is_final()
     {
@@ -640,6 +665,12 @@ async fn main() -> anyhow::Result<()> {
         // acknowledged.
         shard = shard.leaving_controlled_objects_to_sharder();
     }
+    if let Some(hash_key) = args.server_side {
+        shard = shard.server_side::<Secret>(match hash_key {
+            ServerSideHashKey::Object => ShardField::Uid,
+            ServerSideHashKey::Namespace => ShardField::Namespace,
+        });
+    }
     let on_shutdown = match args.on_shutdown {
         ShutdownMode::Release => OnShutdown::Release,
         ShutdownMode::KeepIfReturning => {
@@ -678,12 +709,14 @@ async fn main() -> anyhow::Result<()> {
         None => LeaseLock::new(client.clone(), config)?,
     };
 
+    // On a zero-write ring the Secrets' lists and watches carry the shard's selector.
+    let secrets_client = shard.client(client.clone());
     let (secrets, config_maps): (Api<Secret>, Api<ConfigMap>) = match &args.namespace {
         Some(namespace) => (
-            Api::namespaced(client.clone(), namespace),
+            Api::namespaced(secrets_client, namespace),
             Api::namespaced(client.clone(), namespace),
         ),
-        None => (Api::all(client.clone()), Api::all(client.clone())),
+        None => (Api::all(secrets_client), Api::all(client.clone())),
     };
     // Outlives the terms: a rejoin after an exclusion reports what left meanwhile.
     let state = Arc::new(Mutex::new(LocalState::default()));
@@ -691,10 +724,14 @@ async fn main() -> anyhow::Result<()> {
         // The ConfigMaps trigger their Secret's reconcile, as `owns` would, and fill the cache
         // that spares writes which would change nothing.
         let (config_map_cache, writer) = reflector::store();
-        let config_map_events = watcher(config_maps.clone(), shard.watcher_config())
-            .default_backoff()
-            .reflect(writer)
-            .touched_objects();
+        // Selected by the shard label on any ring: this shard labels every ConfigMap it writes.
+        let config_map_events = watcher(
+            config_maps.clone(),
+            watcher::Config::default().labels(&shard.label_selector()),
+        )
+        .default_backoff()
+        .reflect(writer)
+        .touched_objects();
         let context = Arc::new(Context {
             client: client.clone(),
             shard: shard.clone(),
@@ -732,6 +769,9 @@ async fn main() -> anyhow::Result<()> {
         let controller = Controller::for_stream(secret_events, secret_cache)
             .with_config(controller::Config::default().concurrency(args.max_concurrent_reconciles))
             .owns_stream(config_map_events)
+            // A zero-write ring's new ranges restart the watch through an error: list again
+            // at once rather than after kube's 0.8 s (same as the default otherwise).
+            .trigger_backoff(RestartBackoff::default())
             .graceful_shutdown_on(term.stop.cancelled_owned())
             .run(
                 shard.reconciler(client.clone(), term.guard, reconcile),
@@ -743,6 +783,13 @@ async fn main() -> anyhow::Result<()> {
                     // Reconcile errors are logged by the error policy.
                     Ok(_) | Err(controller::Error::ReconcilerFailed(..)) => {}
                     Err(controller::Error::ObjectNotFound(_)) => {}
+                    // On a zero-write ring every new generation of ranges ends the watch this
+                    // way, so that it lists again with the new selector: not worth a warning.
+                    Err(controller::Error::QueueError(watcher::Error::WatchError(status)))
+                        if status.code == 410 =>
+                    {
+                        debug!(reason = %status.message, "watch restarted, listing again");
+                    }
                     Err(error) => warn!(error = %error_chain(&error), "controller error"),
                 }
             });

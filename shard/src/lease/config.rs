@@ -29,6 +29,8 @@ pub struct LeaseLockConfig {
     pub(super) removed_annotations: Vec<String>,
     pub(super) exclusion_annotation: Option<String>,
     pub(super) verdict_label: Option<String>,
+    /// Annotations about one holding, removed by the write that starts a new one.
+    pub(super) holding_annotations: Vec<String>,
     pub(super) release_mark: Option<String>,
     pub(super) load: Option<LoadMeter>,
     pub(super) timing: LeaseTiming,
@@ -55,6 +57,7 @@ impl LeaseLockConfig {
             removed_annotations: Vec::new(),
             exclusion_annotation: None,
             verdict_label: None,
+            holding_annotations: Vec::new(),
             release_mark: None,
             load: None,
             timing: LeaseTiming::default(),
@@ -180,6 +183,22 @@ impl LeaseLockConfig {
     /// The label the lock treats as an observer's verdict on the holder, if any.
     pub fn verdict_label(&self) -> Option<&str> {
         self.verdict_label.as_deref()
+    }
+
+    /// Makes the lock treat the annotation `key` as being about one holding (the ranges a
+    /// sharder published to a shard of a zero-write ring and the shard's acknowledgement,
+    /// docs/zero-write-rings.md): the write that starts a new holding removes it, like a
+    /// [verdict label](Self::with_verdict_label), so a value seen after that write was written
+    /// during this holding. Renewals keep it.
+    #[must_use]
+    pub fn with_holding_annotation(mut self, key: impl Into<String>) -> Self {
+        self.holding_annotations.push(key.into());
+        self
+    }
+
+    /// The annotations the write starting a new holding removes.
+    pub fn holding_annotations(&self) -> &[String] {
+        &self.holding_annotations
     }
 
     /// Makes the lock mark its own releases: the write that empties the holder also sets the

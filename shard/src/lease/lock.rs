@@ -406,6 +406,11 @@ impl Inner {
         {
             labels.remove(key);
         }
+        if fresh && let Some(annotations) = lease.metadata.annotations.as_mut() {
+            for key in &self.config.holding_annotations {
+                annotations.remove(key);
+            }
+        }
         let reported = self.report_load(&mut lease);
         let write = |lease: Lease| async move {
             if creating {

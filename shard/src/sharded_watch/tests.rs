@@ -162,7 +162,7 @@ fn list_generation(handle: &ShardedWatch) -> u64 {
         .rewrite(&mut request)
         .expect("a list of the resource");
     assert_eq!(verb, Verb::List);
-    generation
+    generation.generation
 }
 
 #[test]
