@@ -117,7 +117,7 @@
 //! # use futures::StreamExt;
 //! # use k8s_openapi::api::core::v1::Secret;
 //! # use kube::{Api, Client, runtime::controller::{Action, Controller}};
-//! # use kube_sharding::{LeaseLock, Ownership, OwnershipError, Shard, ShardField, Term};
+//! # use kube_sharding::{LeaseLock, Ownership, OwnershipError, RestartBackoff, Shard, ShardField, Term};
 //! # use tokio_util::sync::CancellationToken;
 //! # async fn reconcile(_: Arc<Secret>, _: Arc<()>, _: Ownership) -> Result<Action, OwnershipError> {
 //! #     Ok(Action::await_change())
@@ -131,6 +131,8 @@
 //! shard.run(&lock, &shutdown, |term: Term| {
 //!     // Lists and watches of Secrets through this client carry the shard's ranges.
 //!     Controller::new(Api::<Secret>::all(shard.client(client.clone())), shard.watcher_config())
+//!         // New ranges restart the watch through an error: list again at once.
+//!         .trigger_backoff(RestartBackoff::default())
 //!         .graceful_shutdown_on(term.stop.cancelled_owned())
 //!         .run(shard.reconciler(client.clone(), term.guard, reconcile),
 //!              |_, _, _| Action::requeue(Duration::from_secs(5)), Arc::new(()))
@@ -169,7 +171,7 @@ pub use crate::lease::{GuardEnd, HeldLease, HeldRunEnd, LeaseGuard, LeaseLock, L
 pub use crate::load::{DEFAULT_LOAD_WINDOW, LoadMeter};
 pub use crate::membership::{EVENT_SHARD_EXCLUDED, EVENT_TERM_STARTED, ShardRunEnd, Term};
 pub use crate::ownership::{Ownership, OwnershipError};
-pub use crate::server_side::{EVENT_RANGES_ACKNOWLEDGED, EVENT_RANGES_APPLIED};
+pub use crate::server_side::{EVENT_RANGES_ACKNOWLEDGED, EVENT_RANGES_APPLIED, RestartBackoff};
 pub use crate::shard::{DEFAULT_JUDGEMENT_FALLBACK, DEFAULT_REJOIN_PAUSE, Shard};
 pub use crate::shutdown::{EVENT_LEASE_KEPT, OnShutdown, STATEFULSET_READ_TIMEOUT, StatefulSetPod};
 /// The kind of ring a [`Shard`] joins.

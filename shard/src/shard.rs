@@ -44,8 +44,8 @@ pub struct Shard {
     rejoin_pause: Duration,
     judgement_fallback: Duration,
     on_shutdown: OnShutdown,
-    load_meter: Option<LoadMeter>,
     server_side: Option<ServerSide>,
+    load_meter: Option<LoadMeter>,
 }
 
 /// How long [`Shard::run`] waits by default before rejoining after an exclusion.
@@ -99,8 +99,8 @@ impl Shard {
             rejoin_pause: DEFAULT_REJOIN_PAUSE,
             judgement_fallback: DEFAULT_JUDGEMENT_FALLBACK,
             on_shutdown: OnShutdown::Release,
-            load_meter: None,
             server_side: None,
+            load_meter: None,
         }
     }
 

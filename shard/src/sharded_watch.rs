@@ -10,7 +10,9 @@
 //! `shardSelector=<the URL-encoded selector>`. Everything else, and every request while no
 //! selector is set, passes unchanged. The selector is read per request from the shared
 //! [`ShardedWatch`] handle, so a new one ([`ShardedWatch::set_selector`]) takes effect with the
-//! next list or watch (a watch open at that moment keeps the selector it started with).
+//! next list or watch (a watch open at that moment keeps the selector it started with; the
+//! handle the shard library uses on a zero-write ring, [`ShardedWatch::enforcing`], ends such
+//! watches so that they list again with the new selector, and filters on the client).
 //!
 //! A server that applied the selector says so in every list response
 //! (`metadata.shardInfo.selector`); one that ignores it (the `ShardedListAndWatch` gate off,

@@ -500,6 +500,49 @@ async fn only_the_sharder_publishes_ranges_and_only_a_ring_user_acknowledges() -
         )
         .await
         .context("the shard acknowledges")?;
+
+    // A shard that takes its Lease again drops the earlier holding's ranges in the taking write:
+    // refused while it holds the Lease (above), allowed when the write makes it the holder.
+    as_shard
+        .patch(
+            "shard-0",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"holderIdentity": null}})),
+        )
+        .await
+        .context("the shard releases its Lease")?;
+    let take = json!({
+        "metadata": {"annotations": {ranges: null, acknowledged: null}},
+        "spec": {"holderIdentity": "shard-0"},
+    });
+    forbidden(
+        as_alice
+            .patch("shard-0", &PatchParams::default(), &Patch::Merge(&take))
+            .await,
+        &format!("this needs the verb use on clusterrings/{ring}"),
+    )
+    .context("alice takes the Lease dropping its ranges")?;
+    forbidden(
+        as_shard
+            .patch(
+                "shard-0",
+                &PatchParams::default(),
+                &Patch::Merge(json!({"spec": {"holderIdentity": "shard-0"},
+                    "metadata": {"annotations": {ranges: "2"}}})),
+            )
+            .await,
+        only_sharder,
+    )
+    .context("the shard takes its Lease with ranges of its own")?;
+    let taken = as_shard
+        .patch("shard-0", &PatchParams::default(), &Patch::Merge(&take))
+        .await
+        .context("the shard takes its Lease dropping the earlier holding's ranges")?;
+    ensure!(
+        !taken.annotations().contains_key(ranges) && !taken.annotations().contains_key(acknowledged),
+        "the taking write left {:?}",
+        taken.annotations()
+    );
     logs.passed();
     Ok(())
 }

@@ -287,3 +287,172 @@ async fn with_the_gate_off_a_zero_write_shard_filters_on_the_client() -> anyhow:
     );
     scenario(cluster, false).await
 }
+
+/// The shard label value of each ConfigMap of checksums, by its Secret's name.
+async fn config_map_shards(
+    client: &Client,
+    ns: &str,
+    ring: &str,
+) -> anyhow::Result<BTreeMap<String, String>> {
+    let key = kube_sharding_api::labels::shard_label(ring);
+    Ok(Api::<ConfigMap>::namespaced(client.clone(), ns)
+        .list(&Default::default())
+        .await?
+        .into_iter()
+        .filter_map(|cm| {
+            let secret = cm.name_any().strip_prefix("checksums-")?.to_string();
+            let shard = cm.labels().get(&key)?.clone();
+            Some((secret, shard))
+        })
+        .collect())
+}
+
+/// With the real sharder: two example shards on a `ServerSide` ring. The first gets the whole
+/// space; when the second joins, every Secret that moves is released by the first (its log)
+/// before the second's first reconcile of it, and each ConfigMap ends up written by the shard
+/// whose published ranges hold its Secret's uid.
+#[tokio::test]
+async fn with_the_real_sharder_a_secret_moves_only_after_its_old_shard_released_it()
+-> anyhow::Result<()> {
+    use e2e::fixtures::{ShardTiming, create_ring, ring_spec, start_checksum_shard_with};
+    use kube_sharding_api::{Assignment, ClusterRingSpec, RingKind, RingRef, RingResource};
+    let client = cluster().client().await?;
+    if gate(&client).await? != Some(true) {
+        println!("skipped: the API server does not filter by shardSelector");
+        return Ok(());
+    }
+    let e2e::scenario::SharedScenario {
+        mut logs,
+        client,
+        ns,
+        ..
+    } = e2e::scenario::SharedScenario::in_namespace("zw-sharder").await?;
+    let ring = unique_name("zw-ring");
+    create_ring(
+        &client,
+        &ring,
+        ClusterRingSpec {
+            resources: vec![RingResource::new("", "secrets")],
+            assignment: Some(Assignment::ServerSide),
+            ..ring_spec(&ns)
+        },
+    )
+    .await?;
+    let halves = create_secrets(&client, &ns).await?;
+    let secrets: BTreeMap<String, u64> = {
+        let api = Api::<Secret>::namespaced(client.clone(), &ns);
+        api.list(&Default::default())
+            .await?
+            .into_iter()
+            .map(|s| (s.name_any(), fnv1a64(&s.uid().unwrap_or_default())))
+            .collect()
+    };
+    ensure!(secrets.len() == halves.values().map(BTreeSet::len).sum::<usize>());
+    let ring_ref = RingRef::new(RingKind::ClusterRing, &ring);
+    let (a, b) = (unique_name("zw-a"), unique_name("zw-b"));
+    let mut first =
+        start_checksum_shard_with(&ring_ref, &ns, &a, ShardTiming::RELAXED, &["--server-side"])?;
+    poll_until("every Secret on the first shard", WAIT, || async {
+        let shards = config_map_shards(&client, &ns, &ring).await?;
+        Ok((shards.len() == COUNT && shards.values().all(|s| *s == a)).then_some(()))
+    })
+    .await?;
+    let mut second =
+        start_checksum_shard_with(&ring_ref, &ns, &b, ShardTiming::RELAXED, &["--server-side"])?;
+    let leases = Api::<Lease>::namespaced(client.clone(), &ns);
+    // Settled: both shards acknowledged their latest publication, which partition the space.
+    let published = poll_until("both shards settled", WAIT, || async {
+        let mut sets = BTreeMap::new();
+        for shard in [&a, &b] {
+            let Some(lease) = leases.get_opt(shard).await? else {
+                return Ok(None);
+            };
+            let annotations = lease.annotations();
+            let Some(published) = annotations.get(ANNOTATION_RANGES).and_then(|r| {
+                r.parse::<kube_sharding_api::range_lease::PublishedRanges>()
+                    .ok()
+            }) else {
+                return Ok(None);
+            };
+            if annotations.get(ANNOTATION_ACKNOWLEDGED) != Some(&published.generation().to_string())
+                || published.ranges().is_empty()
+            {
+                return Ok(None);
+            }
+            sets.insert(shard.clone(), published.ranges().clone());
+        }
+        Ok(Some(sets))
+    })
+    .await?;
+    let owner = |hash: u64| {
+        published
+            .iter()
+            .find(|(_, set)| set.contains(hash))
+            .map(|(shard, _)| shard.clone())
+    };
+    let expected: BTreeMap<String, String> = secrets
+        .iter()
+        .map(|(name, hash)| (name.clone(), owner(*hash).unwrap_or_default()))
+        .collect();
+    ensure!(
+        expected.values().all(|s| !s.is_empty()),
+        "a hash owned by no shard"
+    );
+    poll_until(
+        "each ConfigMap written by its Secret's shard",
+        WAIT,
+        || async { Ok((config_map_shards(&client, &ns, &ring).await? == expected).then_some(())) },
+    )
+    .await?;
+    // Revoke before grant: the first shard released each moved Secret before the second
+    // reconciled it.
+    let moved: BTreeSet<&String> = expected
+        .iter()
+        .filter(|(_, s)| **s == b)
+        .map(|(n, _)| n)
+        .collect();
+    ensure!(!moved.is_empty(), "nothing moved to the second shard");
+    let released: BTreeMap<String, String> = first
+        .records()
+        .into_iter()
+        .filter(|r| r["event"] == "released" && r["how"] == "range_revoked")
+        .filter_map(|r| {
+            Some((
+                r["name"].as_str()?.to_string(),
+                r["timestamp"].as_str()?.to_string(),
+            ))
+        })
+        .collect();
+    let mut first_reconcile: BTreeMap<String, String> = BTreeMap::new();
+    for r in second.records() {
+        if r["event"] == "reconcile"
+            && let (Some(name), Some(at)) = (r["name"].as_str(), r["timestamp"].as_str())
+        {
+            first_reconcile
+                .entry(name.to_string())
+                .or_insert_with(|| at.to_string());
+        }
+    }
+    for name in &moved {
+        let released_at = released
+            .get(*name)
+            .with_context(|| format!("the first shard never released {name}"))?;
+        let reconciled_at = first_reconcile
+            .get(*name)
+            .with_context(|| format!("the second shard never reconciled {name}"))?;
+        // RFC 3339 timestamps of one machine's clock.
+        let parse = |at: &str| at.parse::<k8s_openapi::jiff::Timestamp>();
+        ensure!(
+            parse(released_at)? < parse(reconciled_at)?,
+            "{name} reconciled by the second shard at {reconciled_at}, released by the first at {released_at}"
+        );
+    }
+    println!(
+        "real sharder: {} of {COUNT} Secrets moved to the second shard, each released by the first before",
+        moved.len()
+    );
+    first.passed();
+    second.passed();
+    logs.passed();
+    Ok(())
+}

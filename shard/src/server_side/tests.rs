@@ -96,3 +96,14 @@ fn the_held_objects_outside_the_new_ranges_are_released() {
         assert_eq!(crate::sharded_watch::revoked_of(&held, &nothing), held);
     }
 }
+
+#[test]
+fn the_restart_backoff_retries_at_once_after_a_success_then_as_kube_does() {
+    use kube::runtime::utils::Backoff;
+    let mut backoff = RestartBackoff::default();
+    assert_eq!(backoff.next(), Some(Duration::ZERO));
+    let second = backoff.next().expect("more");
+    assert!(second >= Duration::from_millis(800), "{second:?}");
+    backoff.reset();
+    assert_eq!(backoff.next(), Some(Duration::ZERO));
+}

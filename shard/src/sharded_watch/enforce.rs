@@ -622,7 +622,10 @@ impl<S> ShardSelectorService<S> {
         match verb {
             Verb::Watch => {
                 let version = query_value(&query, "resourceVersion").unwrap_or_default();
-                if !handle.enforce().delivered(version, snapshot.generation) {
+                // A streaming list (`sendInitialEvents`) starts from the whole current state:
+                // nothing of an earlier selection to continue.
+                let streaming = query_value(&query, "sendInitialEvents") == Some("true");
+                if !streaming && !handle.enforce().delivered(version, snapshot.generation) {
                     return synthetic(Either::Right(Either::Left(Full::new(Bytes::from_static(
                         GONE_EVENT,
                     )))));

@@ -286,6 +286,15 @@ async fn the_layer_filters_restarts_and_keeps_what_it_delivered() {
             .contains("\"code\":410")
     );
 
+    // A streaming list starts from scratch: it reaches the server.
+    let requests = server.requests.load(Ordering::SeqCst);
+    let _streaming = send(
+        &mut service,
+        "/api/v1/secrets?watch=true&sendInitialEvents=true&resourceVersionMatch=NotOlderThan",
+    )
+    .await;
+    assert_eq!(server.requests.load(Ordering::SeqCst), requests + 1);
+
     // A page of a list begun under the previous selection: the whole list again.
     let stale = send(&mut service, "/api/v1/secrets?limit=2&continue=tok%3D%3D").await;
     assert_eq!(stale.status(), http::StatusCode::GONE);
