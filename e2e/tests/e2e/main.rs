@@ -28,4 +28,5 @@ mod trust;
 mod watch_assignment;
 mod webhook_server;
 mod zero_write;
+mod zero_write_e2e;
 mod zero_write_shard;

@@ -539,7 +539,8 @@ async fn only_the_sharder_publishes_ranges_and_only_a_ring_user_acknowledges() -
         .await
         .context("the shard takes its Lease dropping the earlier holding's ranges")?;
     ensure!(
-        !taken.annotations().contains_key(ranges) && !taken.annotations().contains_key(acknowledged),
+        !taken.annotations().contains_key(ranges)
+            && !taken.annotations().contains_key(acknowledged),
         "the taking write left {:?}",
         taken.annotations()
     );

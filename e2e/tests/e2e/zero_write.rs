@@ -43,7 +43,7 @@ const OBJECTS: usize = 1_000;
 
 /// One version of a shard Lease, as the test's watch saw it (in the API server's order).
 #[derive(Clone, Debug)]
-struct Version {
+pub(crate) struct Version {
     at: Instant,
     shard: String,
     /// The holder is the shard itself.
@@ -84,7 +84,7 @@ fn overlap(a: &RangeSet, b: &RangeSet) -> bool {
 }
 
 /// Whether `sets` are disjoint and cover the whole 64-bit space.
-fn is_partition<'a>(sets: impl IntoIterator<Item = &'a RangeSet>) -> bool {
+pub(crate) fn is_partition<'a>(sets: impl IntoIterator<Item = &'a RangeSet>) -> bool {
     let sets: Vec<&RangeSet> = sets.into_iter().collect();
     let disjoint = sets
         .iter()
@@ -97,7 +97,7 @@ fn is_partition<'a>(sets: impl IntoIterator<Item = &'a RangeSet>) -> bool {
 /// Replays `versions` as the design defines holding: a shard holds a hash from the publication
 /// that contains it until it acknowledges a generation without it, and nothing once its Lease is
 /// no longer held by it. Returns every point at which two shards held the same hash.
-fn overlaps(versions: &[Version]) -> Vec<String> {
+pub(crate) fn overlaps(versions: &[Version]) -> Vec<String> {
     let mut publications: BTreeMap<&str, Vec<(u64, RangeSet)>> = BTreeMap::new();
     let mut found = Vec::new();
     for (i, version) in versions.iter().enumerate() {
@@ -138,7 +138,7 @@ fn overlaps(versions: &[Version]) -> Vec<String> {
 }
 
 /// Records every version of the ring's shard Leases in `namespace` until `stop`.
-fn record(
+pub(crate) fn record(
     client: &Client,
     namespace: &str,
     ring: &str,
@@ -220,7 +220,7 @@ fn acknowledge(
 
 /// Waits until `shards` (with their weights) have exactly their share of a [`RangeRing`] of them
 /// published and acknowledged on their Leases; returns the publications.
-async fn wait_settled(
+pub(crate) async fn wait_settled(
     client: &Client,
     namespace: &str,
     shards: &[(&str, u32)],
@@ -249,12 +249,12 @@ async fn wait_settled(
     .await
 }
 
-async fn range_generation(client: &Client, ring: &str) -> anyhow::Result<Option<u64>> {
+pub(crate) async fn range_generation(client: &Client, ring: &str) -> anyhow::Result<Option<u64>> {
     let ring = Api::<ClusterRing>::all(client.clone()).get(ring).await?;
     Ok(ring.status.and_then(|s| s.range_generation))
 }
 
-fn server_side_spec(namespace: &str, resource: &str) -> ClusterRingSpec {
+pub(crate) fn server_side_spec(namespace: &str, resource: &str) -> ClusterRingSpec {
     ClusterRingSpec {
         resources: vec![RingResource::new("", resource)],
         assignment: Some(Assignment::ServerSide),
