@@ -1,6 +1,11 @@
-//! HTTP servers of the sharder process: the TLS server of the webhook and of the metrics (with
-//! their certificate reloaded by [`tls`]), the metrics' authentication and authorization
-//! (`metrics_auth`), and the plain health server.
+//! HTTP servers of the sharder process: the TLS server of the webhook and of the metrics, the
+//! external metrics API beside the webhook, and the plain health server.
+//!
+//! | module | what |
+//! |---|---|
+//! | [`tls`] | the TLS configuration, its certificate reloaded from disk |
+//! | `metrics_auth` | who may read the metrics: TokenReview and SubjectAccessReview, cached in lanes |
+//! | `external_metrics` | the external metrics API (`external.metrics.k8s.io`) the HorizontalPodAutoscaler reads ring load from, behind the aggregator's front-proxy certificate |
 
 mod external_metrics;
 mod metrics_auth;
