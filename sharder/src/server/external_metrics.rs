@@ -34,18 +34,13 @@ use axum::http::{StatusCode, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
-use k8s_openapi::api::authorization::v1::{
-    ResourceAttributes, SubjectAccessReview, SubjectAccessReviewSpec,
-};
-use kube::Api;
+use k8s_openapi::api::authorization::v1::ResourceAttributes;
 use kube_sharding_api::{RingKind, RingRef};
 
 use self::front_proxy::FrontProxy;
 use super::PeerCertificates;
 use super::metrics_auth::cache::ExpiringCache;
-use super::metrics_auth::{
-    ALLOWED_TTL, DENIED_TTL, Lane, MAX_ENTRIES, REVIEW_TIMEOUT, User, lock, now, review_in,
-};
+use super::metrics_auth::{Attributes, Lane, MAX_ENTRIES, REVIEW_TIMEOUT, User, access_review};
 use crate::metrics::StateSource;
 use crate::metrics::load::{RingLoad, ring_load};
 
@@ -176,39 +171,15 @@ impl ExternalMetrics {
         metric: RingMetric,
     ) -> Result<bool, super::metrics_auth::ReviewError> {
         let key = (user.clone(), namespace.to_owned(), metric.name());
-        if let Some(known) = lock(&self.access).get(&key, now()) {
-            return Ok(known);
-        }
-        let review = SubjectAccessReview {
-            spec: SubjectAccessReviewSpec {
-                user: Some(user.name.clone()),
-                uid: Some(user.uid.clone()).filter(|u| !u.is_empty()),
-                groups: Some(user.groups.clone()),
-                extra: Some(user.extra.clone()),
-                resource_attributes: Some(ResourceAttributes {
-                    group: Some(GROUP.into()),
-                    version: Some(VERSION.into()),
-                    resource: Some(metric.name().into()),
-                    namespace: Some(namespace.into()),
-                    verb: Some("list".into()),
-                    ..ResourceAttributes::default()
-                }),
-                non_resource_attributes: None,
-            },
-            ..SubjectAccessReview::default()
-        };
-        let answer = review_in(
-            &self.reviews,
-            Api::<SubjectAccessReview>::all(self.reviews.client.clone()),
-            review,
-            "SubjectAccessReview",
-        )
-        .await?;
-        let allowed = answer.status.is_some_and(|s| s.allowed);
-        let ttl = if allowed { ALLOWED_TTL } else { DENIED_TTL };
-        let now = now();
-        lock(&self.access).insert(key, allowed, now + ttl, now);
-        Ok(allowed)
+        let attributes = Attributes::Resource(Box::new(ResourceAttributes {
+            group: Some(GROUP.into()),
+            version: Some(VERSION.into()),
+            resource: Some(metric.name().into()),
+            namespace: Some(namespace.into()),
+            verb: Some("list".into()),
+            ..ResourceAttributes::default()
+        }));
+        access_review(&self.reviews, &self.access, key, user, attributes).await
     }
 }
 

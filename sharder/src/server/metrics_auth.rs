@@ -33,7 +33,7 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use k8s_openapi::api::authentication::v1::{TokenReview, TokenReviewSpec, UserInfo};
 use k8s_openapi::api::authorization::v1::{
-    NonResourceAttributes, SubjectAccessReview, SubjectAccessReviewSpec,
+    NonResourceAttributes, ResourceAttributes, SubjectAccessReview, SubjectAccessReviewSpec,
 };
 use kube::Client;
 use kube::api::{Api, PostParams};
@@ -270,36 +270,61 @@ impl MetricsAuth {
 
     /// Whether `user` may `get` the non-resource URL `/metrics`.
     async fn authorize(&self, user: &User) -> Result<bool, ReviewError> {
-        if let Some(known) = lock(&self.access).get(user, now()) {
-            return Ok(known);
-        }
-        let review = SubjectAccessReview {
-            spec: SubjectAccessReviewSpec {
-                user: Some(user.name.clone()),
-                uid: Some(user.uid.clone()).filter(|u| !u.is_empty()),
-                groups: Some(user.groups.clone()),
-                extra: Some(user.extra.clone()),
-                non_resource_attributes: Some(NonResourceAttributes {
-                    path: Some(METRICS_PATH.into()),
-                    verb: Some("get".into()),
-                }),
-                resource_attributes: None,
-            },
-            ..SubjectAccessReview::default()
-        };
-        let answer = review_in(
-            &self.known,
-            Api::<SubjectAccessReview>::all(self.known.client.clone()),
-            review,
-            "SubjectAccessReview",
-        )
-        .await?;
-        let allowed = answer.status.is_some_and(|s| s.allowed);
-        let ttl = if allowed { ALLOWED_TTL } else { DENIED_TTL };
-        let now = now();
-        lock(&self.access).insert(user.clone(), allowed, now + ttl, now);
-        Ok(allowed)
+        let attributes = Attributes::NonResource(NonResourceAttributes {
+            path: Some(METRICS_PATH.into()),
+            verb: Some("get".into()),
+        });
+        access_review(&self.known, &self.access, user.clone(), user, attributes).await
     }
+}
+
+/// What a SubjectAccessReview asks about: a non-resource URL or a resource.
+pub(super) enum Attributes {
+    /// A non-resource URL, such as `/metrics`.
+    NonResource(NonResourceAttributes),
+    /// A resource, such as an external metric.
+    Resource(Box<ResourceAttributes>),
+}
+
+/// Whether `user` may do what `attributes` say: remembered in `cache` under `key` (allowed for
+/// [`ALLOWED_TTL`], refused for [`DENIED_TTL`]), else asked with a SubjectAccessReview in `lane`.
+pub(super) async fn access_review<K: Eq + std::hash::Hash + Clone>(
+    lane: &Lane,
+    cache: &Mutex<ExpiringCache<K, bool>>,
+    key: K,
+    user: &User,
+    attributes: Attributes,
+) -> Result<bool, ReviewError> {
+    if let Some(known) = lock(cache).get(&key, now()) {
+        return Ok(known);
+    }
+    let (non_resource_attributes, resource_attributes) = match attributes {
+        Attributes::NonResource(a) => (Some(a), None),
+        Attributes::Resource(a) => (None, Some(*a)),
+    };
+    let review = SubjectAccessReview {
+        spec: SubjectAccessReviewSpec {
+            user: Some(user.name.clone()),
+            uid: Some(user.uid.clone()).filter(|u| !u.is_empty()),
+            groups: Some(user.groups.clone()),
+            extra: Some(user.extra.clone()),
+            non_resource_attributes,
+            resource_attributes,
+        },
+        ..SubjectAccessReview::default()
+    };
+    let answer = review_in(
+        lane,
+        Api::<SubjectAccessReview>::all(lane.client.clone()),
+        review,
+        "SubjectAccessReview",
+    )
+    .await?;
+    let allowed = answer.status.is_some_and(|s| s.allowed);
+    let ttl = if allowed { ALLOWED_TTL } else { DENIED_TTL };
+    let now = now();
+    lock(cache).insert(key, allowed, now + ttl, now);
+    Ok(allowed)
 }
 
 /// Creates `review` in `lane` and returns the API server's answer, waiting for a turn first.
