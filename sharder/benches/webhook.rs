@@ -34,17 +34,11 @@ fn state(shards: usize) -> WebhookState {
             generation: Some(1),
             ..Default::default()
         },
-        spec: ClusterRingSpec {
-            resources: vec![RingResource {
-                group: String::new(),
-                resource: "secrets".into(),
-                controlled_resources: vec![GroupResource::new("", "configmaps")],
-            }],
-            namespace_selector: None,
-            hash_key: None,
-            lease_namespaces: Vec::new(),
-            assignment: None,
-        },
+        spec: ClusterRingSpec::new([RingResource::controlling(
+            "",
+            "secrets",
+            [GroupResource::new("", "configmaps")],
+        )]),
         status: None,
     };
     let info = ResourceInfo::core_namespaced;

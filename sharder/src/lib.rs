@@ -39,6 +39,8 @@ mod observed;
 mod reachability;
 pub mod server;
 mod state_source;
+#[cfg(test)]
+mod test_rings;
 pub mod views;
 pub mod webhook;
 

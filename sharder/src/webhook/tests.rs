@@ -5,9 +5,7 @@ use axum::http::{Request as HttpRequest, StatusCode};
 use http_body_util::BodyExt;
 use k8s_openapi::ByteString;
 use kube::api::ObjectMeta;
-use kube_sharding_api::{
-    ClusterRing, ClusterRingSpec, ControllerRing, GroupResource, HashKey, RingResource,
-};
+use kube_sharding_api::{ClusterRing, ClusterRingSpec, ControllerRing, GroupResource, HashKey};
 use serde_json::{Value, json};
 use tower::ServiceExt;
 
@@ -37,17 +35,7 @@ fn state(shards: &[&str]) -> WebhookState {
             name: Some("example".into()),
             ..Default::default()
         },
-        spec: ClusterRingSpec {
-            resources: vec![RingResource::controlling(
-                "",
-                "secrets",
-                vec![GroupResource::new("", "configmaps")],
-            )],
-            namespace_selector: None,
-            hash_key: None,
-            lease_namespaces: Vec::new(),
-            assignment: None,
-        },
+        spec: ClusterRingSpec::new([crate::test_rings::secrets_controlling_config_maps()]),
         status: None,
     };
     let info = ResourceInfo::core_namespaced;
@@ -478,17 +466,7 @@ fn a_child_of_a_controller_that_may_be_moving_asks_for_its_controller() {
         ("shard-c".to_string(), 1),
     ]);
     let mut view = build_view(
-        &ClusterRing::new(
-            "example",
-            ClusterRingSpec {
-                resources: vec![RingResource::controlling(
-                    "",
-                    "secrets",
-                    vec![GroupResource::new("", "configmaps")],
-                )],
-                ..Default::default()
-            },
-        ),
+        &crate::test_rings::secrets_ring("example"),
         &shards,
         &HashMap::from([
             (
