@@ -47,10 +47,10 @@ fn state(shards: usize) -> WebhookState {
         (GroupResource::new("", "configmaps"), info("ConfigMap")),
     ]);
     let shards: BTreeMap<String, u32> = (0..shards).map(|i| (format!("shard-{i}"), 1)).collect();
-    let rings = Arc::new(Views::default());
-    rings.insert(build_view(&ring, &shards, &discovered, &Default::default()));
+    let views = Arc::new(Views::default());
+    views.insert(build_view(&ring, &shards, &discovered, &Default::default()));
     WebhookState {
-        rings,
+        views,
         metrics: Metrics::default(),
         client: None,
     }

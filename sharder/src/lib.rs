@@ -165,7 +165,7 @@ pub async fn run(
     webhook::serve(
         &config,
         webhook::WebhookState {
-            rings: ctx.views.clone(),
+            views: ctx.views.clone(),
             metrics: ctx.metrics.clone(),
             client: Some(client.clone()),
         },

@@ -44,21 +44,21 @@ fn state(shards: &[&str]) -> WebhookState {
         (GroupResource::new("", "configmaps"), info("ConfigMap")),
     ]);
     let shards: BTreeMap<String, u32> = shards.iter().map(|s| (s.to_string(), 1)).collect();
-    let rings = Arc::new(Views::default());
+    let views = Arc::new(Views::default());
     let selector = Default::default();
     // A ControllerRing of the same name, hashing by namespace, beside the ClusterRing.
     let mut controller_spec = ring.spec.clone();
     controller_spec.hash_key = Some(HashKey::Namespace);
     let controller_ring = ControllerRing::new("example", controller_spec.into());
-    rings.insert(build_view(&ring, &shards, &discovered, &selector));
-    rings.insert(build_view(
+    views.insert(build_view(&ring, &shards, &discovered, &selector));
+    views.insert(build_view(
         &controller_ring,
         &shards,
         &discovered,
         &selector,
     ));
     WebhookState {
-        rings,
+        views,
         metrics: Metrics::default(),
         client: None,
     }
@@ -481,7 +481,7 @@ fn a_child_of_a_controller_that_may_be_moving_asks_for_its_controller() {
         &Default::default(),
     );
     view.earlier = vec![(HashRing::new(["shard-a"]), std::time::Instant::now())];
-    state.rings.insert(view);
+    state.views.insert(view);
     let (decision, lookup, _) = decide(&state, &ring, &child(&moved));
     assert!(matches!(decision, AdmissionDecision::Assign { .. }));
     let lookup = lookup.expect("the controller is read");
