@@ -12,14 +12,12 @@
 //! | [`webhook`] | the admission webhook that assigns objects, and its TLS server |
 //! | [`server`] | the HTTPS server with certificate reload, the metrics server (HTTPS behind TokenReview and SubjectAccessReview, or plain), the health server |
 //! | [`metrics`] | counters, and the state metrics rendered from a `StateSource` |
+//! | `leader` | what the leader keeps: each ring's observed objects, webhook reachability, direct moves in flight, Events |
 //! | `state_source` | the state metrics' source: the caches, what was observed, reachability |
-//! | `events` | rate-limited Events and every Event reason |
-//! | `observed` | what the leader learned about each ring's objects in its latest sync |
-//! | `reachability` | whether the API server reaches each ring's webhook; moves stop while it does not |
 //! | `client` | the API clients (controllers, leader election, caches) |
 //! | `context` | what the leader's controllers share |
-//! | `direct_moves` | the direct moves in flight off each shard, which hold back a returning shard's `ready` label |
 //! | [`cli`] | the kubectl plugin (`kubectl sharding`): status, explain, simulate |
+//! | `test_rings` | ring fixtures of the unit tests |
 //!
 //! [`run`] lists the tasks of the process and stops them all on one shutdown signal. The Lease
 //! rules (shard states, expiry, takeover, timing) are shared with the shard library in
@@ -31,12 +29,9 @@ mod client;
 mod context;
 pub mod controller;
 pub mod core;
-mod direct_moves;
-mod events;
+mod leader;
 mod leader_election;
 pub mod metrics;
-mod observed;
-mod reachability;
 pub mod server;
 mod state_source;
 #[cfg(test)]
@@ -56,7 +51,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::caches::{CacheThread, Caches, Changes};
 use crate::context::Context;
-use crate::events::Events;
+use crate::leader::events::Events;
 use crate::metrics::{Metrics, StateCollector};
 use crate::server::Readiness;
 use crate::state_source::CacheState;

@@ -25,7 +25,7 @@ use crate::caches::{LeaseChange, LeaseIndex, SKEW_WARNING, state_label_is_stale}
 use crate::context::Context;
 use crate::core::any_ring::AnyRing;
 use crate::core::membership::{Exclusion, ring_members};
-use crate::events::{
+use crate::leader::events::{
     REASON_CLOCK_SKEW, REASON_INVALID_LEAVES_CONTROLLED_OBJECTS, REASON_INVALID_WEIGHT,
     REASON_SHARD_DEAD,
 };
