@@ -5,7 +5,8 @@
 //! | module | what |
 //! |---|---|
 //! | [`core`] | the pure core: hash ring, hash keys, rebalance decision, owner wait, sync schedule, ring validation, desired webhook configuration |
-//! | `caches` | the caches of rings and shard Leases: reflectors, batching, the Lease index, the thread their watches run on, and the `Changes` hub the views and controllers subscribe to |
+//! | `caches` | the caches of rings and shard Leases: reflectors, batching, the Lease index, the thread their watches run on |
+//! | `changes` | the change hub: every change a controller or the ring views can wake on, announced in one place |
 //! | [`views`] | the ring views the webhook and the sync read, and the task that keeps them current |
 //! | [`controller`] | the leader's controllers, one module each: rings, shard Leases, the sharder's sync |
 //! | `leader_election` | runs the controllers on the elected leader only; the process's identity |
@@ -24,6 +25,7 @@
 //! [`kube_sharding_api::lease`].
 
 mod caches;
+mod changes;
 pub mod cli;
 mod client;
 mod context;
@@ -49,9 +51,12 @@ use prometheus_client::registry::Registry;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use crate::caches::{CacheThread, Caches, Changes};
+use crate::caches::{CacheThread, Caches};
+use crate::changes::Changes;
 use crate::context::Context;
+use crate::leader::direct_moves::DirectMoves;
 use crate::leader::events::Events;
+use crate::leader::reachability::Reachability;
 use crate::metrics::{Metrics, StateCollector};
 use crate::server::Readiness;
 use crate::state_source::CacheState;
@@ -86,7 +91,7 @@ pub async fn run(
     let caches = Caches::start(
         clients.caches,
         &cache_thread,
-        changes,
+        changes.clone(),
         &mut tasks,
         &shutdown,
     );
@@ -102,8 +107,8 @@ pub async fn run(
             metrics.events_suppressed.clone(),
         )),
         observed: Arc::default(),
-        reachability: Arc::default(),
-        direct_moves: Arc::default(),
+        reachability: Arc::new(Reachability::new(changes.clone())),
+        direct_moves: Arc::new(DirectMoves::new(changes)),
         metrics,
     };
     // Refused leader-election settings stop the process here, before it serves anything.

@@ -141,7 +141,7 @@ fn lease_changes(ctx: &Context) -> impl futures::Stream<Item = ()> + Send + 'sta
 fn reachability_flips<R: RingObject>(
     ctx: &Context,
 ) -> impl futures::Stream<Item = ()> + Send + 'static {
-    let receiver = ctx.reachability.subscribe();
+    let receiver = ctx.caches.changes.reachability_flips();
     futures::stream::unfold(receiver, |mut receiver| async move {
         loop {
             match receiver.recv().await {
