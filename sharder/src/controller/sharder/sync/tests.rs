@@ -40,11 +40,21 @@ type Answer = Option<(u16, Value)>;
 fn mock(
     answer: impl Fn(&Seen) -> Answer + Send + Sync + 'static,
 ) -> (kube::Client, Arc<Mutex<Vec<Seen>>>) {
+    mock_slow(answer, |_| false)
+}
+
+/// [`mock`], answering the requests `slow` picks only after [`SLOW`], and recording each such
+/// answer as a request with method `ANSWERED` once it is sent.
+fn mock_slow(
+    answer: impl Fn(&Seen) -> Answer + Send + Sync + 'static,
+    slow: impl Fn(&Seen) -> bool + Send + Sync + 'static,
+) -> (kube::Client, Arc<Mutex<Vec<Seen>>>) {
     let answer = Arc::new(answer);
+    let slow = Arc::new(slow);
     let seen = Arc::new(Mutex::new(Vec::new()));
     let log = seen.clone();
     let service = tower::service_fn(move |request: Request<Body>| {
-        let (answer, log) = (answer.clone(), log.clone());
+        let (answer, slow, log) = (answer.clone(), slow.clone(), log.clone());
         async move {
             let (parts, body) = request.into_parts();
             let bytes = body.collect().await.expect("request body").to_bytes();
@@ -64,6 +74,14 @@ fn mock(
             let Some((code, body)) = answer(&request) else {
                 return std::future::pending().await;
             };
+            if slow(&request) {
+                tokio::time::sleep(SLOW).await;
+                let answered = Seen {
+                    method: "ANSWERED".into(),
+                    ..request
+                };
+                log.lock().expect("log").push(answered);
+            }
             Response::builder()
                 .status(code)
                 .body(Body::from(serde_json::to_vec(&body).expect("json")))
@@ -71,6 +89,10 @@ fn mock(
     });
     (kube::Client::new(service, "default"), seen)
 }
+
+/// How long [`mock_slow`] takes to answer a slow request: far longer than the sync takes to
+/// walk a page without waiting.
+const SLOW: std::time::Duration = std::time::Duration::from_millis(300);
 
 /// Ring `r` over Secrets in namespace `a` (controlling ConfigMaps when `controlled`), with the
 /// available shards `a` and `b`.
@@ -528,4 +550,127 @@ async fn a_child_waits_for_its_controllers_drain_instead_of_moving() {
         )]
     );
     assert_eq!(syncs(&ctx, "waiting"), 1);
+}
+
+#[tokio::test]
+async fn children_go_first_and_drains_wait_for_the_watch_of_drained_controllers() {
+    let view = view(true);
+    let (shard, drain) = (view.shard_label.clone(), view.drain_label.clone());
+    let owner = names_on(&view, "b", 1).remove(0);
+    let secrets = Mutex::new(VecDeque::from([page(
+        vec![object(&owner, &[(&shard, "a")], None)],
+        None,
+    )]));
+    let configmaps = Mutex::new(VecDeque::from([page(
+        vec![object("child", &[(&shard, "a")], Some(&owner))],
+        None,
+    )]));
+    let answering = view.clone();
+    let watch_list = |request: &Seen| {
+        request.query.contains("labelSelector") && !request.query.contains("watch=true")
+    };
+    let answer = move |request: &Seen| match request.method.as_str() {
+        "GET" if request.query.contains("watch=true") => None,
+        "GET" if request.query.contains("labelSelector") => page(Vec::new(), None),
+        "GET" if request.path.ends_with("/secrets") => {
+            secrets.lock().expect("pages").pop_front().flatten()
+        }
+        "GET" if request.path.ends_with("/configmaps") => {
+            configmaps.lock().expect("pages").pop_front().flatten()
+        }
+        "PATCH" => patched(&answering, request.object(), &request.body),
+        _ => status(404, "NotFound", json!({})),
+    };
+    // The watch of drained controllers lists slowly: the drains must wait for it.
+    let (client, seen) = mock_slow(answer, watch_list);
+    // The shards leave their controlled objects to the sharder: children are walked first.
+    let ctx = Context::for_tests(
+        client,
+        |config| {
+            config.controller.sharder.shards_leave_controlled_objects = true;
+        },
+        &["a"],
+    );
+    let patcher = Patcher::new(ctx.clone());
+    let result = tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        sync_ring(&patcher, &view, CancellationToken::new()),
+    )
+    .await
+    .expect("the sync ends");
+    match result {
+        Err(Error::WaitingForOwners { waiting, following }) => {
+            assert_eq!(waiting, 1);
+            assert!(following.is_some(), "the child is handed to the following");
+        }
+        other => panic!("expected a child waiting for its controller, got {other:?}"),
+    }
+    // The order of the requests: the children's list, and only once the watch has listed the
+    // controllers' list and their drain, so that the watch sees every drain leave.
+    let order: Vec<String> = seen
+        .lock()
+        .expect("log")
+        .iter()
+        .filter(|r| !r.query.contains("watch=true"))
+        .map(
+            |r| match (r.method.as_str(), r.query.contains("labelSelector")) {
+                ("ANSWERED", _) => "watch listed".to_string(),
+                ("GET", true) => "watch list".to_string(),
+                ("GET", false) => format!("list {}", r.path.rsplit('/').next().unwrap_or_default()),
+                (method, _) => format!("{method} {}", r.object()),
+            },
+        )
+        .collect();
+    let at = |request: &str| {
+        order
+            .iter()
+            .position(|r| r == request)
+            .unwrap_or_else(|| panic!("no {request} in {order:?}"))
+    };
+    let drained = at(&format!("PATCH {owner}"));
+    assert!(
+        at("list configmaps") < at("list secrets")
+            && at("watch listed") < drained
+            && at("list secrets") < drained,
+        "{order:?}"
+    );
+    // Only the controller was patched: its drain.
+    let sent = patches(&seen);
+    assert_eq!(sent.len(), 1, "{order:?}");
+    assert_eq!(sent[0].body["metadata"]["labels"][&drain], "true");
+}
+
+#[tokio::test]
+async fn a_move_the_webhook_did_not_assign_holds_back_the_rings_other_moves() {
+    let view = view(false);
+    let unassigned = names_on(&view, "a", 3);
+    let items = unassigned
+        .iter()
+        .map(|name| object(name, &[], None))
+        .collect();
+    let pages = Mutex::new(VecDeque::from([page(items, None)]));
+    let (client, seen) = mock(move |request| match request.method.as_str() {
+        "GET" => pages.lock().expect("pages").pop_front().flatten(),
+        // The webhook did not run: the object comes back without a shard label.
+        "PATCH" => Some((
+            200,
+            json!({"apiVersion": "meta.k8s.io/v1", "kind": "PartialObjectMetadata",
+                   "metadata": {"name": request.object(), "namespace": "a", "resourceVersion": "8"}}),
+        )),
+        _ => status(404, "NotFound", json!({})),
+    });
+    // One move at a time, so that the first one's answer is in before the next goes.
+    let (result, ctx) = sync(client, &view, 1, CancellationToken::new()).await;
+    match result {
+        Err(Error::Patches { failed, attempted }) => assert_eq!((failed, attempted), (1, 1)),
+        other => panic!("expected a failed move, got {other:?}"),
+    }
+    // The other two were held back without a request: moves wait for a probe to land.
+    assert_eq!(patches(&seen).len(), 1);
+    assert_eq!(syncs(&ctx, "failure"), 1);
+    assert_eq!(
+        ctx.reachability
+            .gate(&view.ring_ref(), std::time::Instant::now()),
+        crate::leader::reachability::MoveGate::Closed
+    );
 }
