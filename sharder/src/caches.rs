@@ -158,6 +158,36 @@ impl Caches {
         }
     }
 
+    /// Caches that no watch fills, holding only the Namespaces named in `namespaces` (no
+    /// labels), for unit tests that drive a controller against a mock API server.
+    #[cfg(test)]
+    pub(crate) fn for_tests(namespaces: &[&str]) -> Self {
+        let (namespace_store, mut writer) = kube::runtime::reflector::store();
+        for name in namespaces {
+            let namespace = Namespace {
+                metadata: kube::api::ObjectMeta {
+                    name: Some((*name).to_string()),
+                    ..Default::default()
+                },
+                ..Default::default()
+            };
+            writer.apply_watcher_event(&watcher::Event::Apply(namespace));
+        }
+        let changes = Arc::new(Changes::default());
+        let [cluster_ring_leases, controller_ring_leases] = RingKind::ALL.map(|kind| {
+            let (store, _) = kube::runtime::reflector::store();
+            LeaseIndex::new(kind, store, Arc::default(), changes.clone())
+        });
+        Self {
+            cluster_rings: kube::runtime::reflector::store().0,
+            controller_rings: kube::runtime::reflector::store().0,
+            cluster_ring_leases,
+            controller_ring_leases,
+            namespaces: namespace_store,
+            changes,
+        }
+    }
+
     /// Waits until every cache has its first listing.
     pub(crate) async fn wait_until_ready(
         &self,

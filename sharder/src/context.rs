@@ -39,6 +39,40 @@ pub(crate) struct Context {
     pub(crate) direct_moves: Arc<DirectMoves>,
 }
 
+impl Context {
+    /// A context whose client is `client` (a mock API server's, say), with the default
+    /// configuration changed by `configure`, empty caches but for the Namespaces `namespaces`,
+    /// and fresh views, metrics, Events and leader state: for unit tests of the controllers'
+    /// I/O.
+    #[cfg(test)]
+    pub(crate) fn for_tests(
+        client: Client,
+        configure: impl FnOnce(&mut SharderConfig),
+        namespaces: &[&str],
+    ) -> Self {
+        let mut config = SharderConfig::default();
+        configure(&mut config);
+        let metrics = Metrics::default();
+        let caches = Caches::for_tests(namespaces);
+        Self {
+            config: Arc::new(config),
+            views: Arc::default(),
+            discovery: Arc::new(Discovery::new(client.clone())),
+            events: Arc::new(Events::new(
+                client.clone(),
+                "test".into(),
+                metrics.events_suppressed.clone(),
+            )),
+            observed: Arc::default(),
+            reachability: Arc::new(Reachability::new(caches.changes.clone())),
+            direct_moves: Arc::new(DirectMoves::new(caches.changes.clone())),
+            caches,
+            metrics,
+            client,
+        }
+    }
+}
+
 impl std::fmt::Debug for Context {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Context").finish_non_exhaustive()

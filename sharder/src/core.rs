@@ -12,6 +12,7 @@
 //! | `membership` | which shard Leases put their shard into the ring, and why others are kept out (docs/protocol.md §4, §18) |
 //! | `range_handover` | which range annotations a zero-write ring's shard Leases get, revoke before grant, so no hash is held by two shards (docs/zero-write-rings.md) |
 //! | `rebalance` | keep, drain or move one object (docs/protocol.md §9) |
+//! | `sync_rules` | one sync's order of resources, what each listed object counts for, which controlled objects wait, the sync's outcome (docs/protocol.md §9) |
 //! | `sync_schedule` | when each ring is synced: on change, periodically, with backoff (docs/protocol.md §9) |
 //! | `validation` | whether a ring is acted on at all (docs/protocol.md §1) |
 //! | `webhook_config` | the desired MutatingWebhookConfiguration of a ring (docs/protocol.md §8) |
@@ -28,6 +29,7 @@ pub(crate) mod owner_wait;
 pub(crate) mod pin;
 pub(crate) mod range_handover;
 pub(crate) mod rebalance;
+pub(crate) mod sync_rules;
 pub(crate) mod sync_schedule;
 pub(crate) mod validation;
 pub mod webhook_config;

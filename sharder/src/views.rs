@@ -26,5 +26,6 @@ pub(crate) use self::discovery::Discovery;
 pub(crate) use self::maintain::{Scope, ViewSources, maintain, refresh};
 pub use self::pins::Pins;
 pub use self::registry::Views;
-pub(crate) use self::view::{Placement, ResolvedResource};
+pub(crate) use self::view::ResolvedResource;
 pub use self::view::{ResourceInfo, RingView, build_view};
+pub(crate) use crate::core::rebalance::Placement;

@@ -1,6 +1,9 @@
 //! The rebalancing decision of the sharder controller (docs/protocol.md §9): what to do with one
 //! object given its labels and the ring's current assignment. Pure: no I/O, no time.
 
+use crate::core::key::{KeyError, KeyOutcome};
+use crate::core::pin::PinOutcome;
+
 /// What the sharder does with an object.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum RebalanceDecision {
@@ -64,6 +67,21 @@ pub(crate) fn waits_for_owner(
         Some(current) => owner_on_current && desired != Some(current) && is_available(current),
         None => false,
     }
+}
+
+/// One object's standing in a ring, as the ring's view places it (`RingView::placement`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Placement<'a> {
+    /// Its hash key, or why it has none.
+    pub(crate) key: Result<KeyOutcome, KeyError>,
+    /// The shard the ring wants it on now: `None` without a key or without available shards.
+    pub(crate) desired: Option<&'a str>,
+    /// Its shard label (non-empty values only), drain label and role.
+    pub(crate) object: ObjectState<'a>,
+    /// What the sharder's sync does with it.
+    pub(crate) decision: RebalanceDecision,
+    /// Whether a pin decided `desired`, or why not.
+    pub(crate) pin: PinOutcome,
 }
 
 #[cfg(test)]

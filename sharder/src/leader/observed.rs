@@ -8,19 +8,9 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use kube_sharding_api::{GroupResource, RingRef};
+use kube_sharding_api::RingRef;
 
-/// Counts of one ring's objects from its latest complete listing.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub(crate) struct RingObjects {
-    /// Objects carrying each shard's label, by shard and resource.
-    pub(crate) per_shard: BTreeMap<(String, GroupResource), u64>,
-    /// Objects the ring should assign that carry no shard label, by resource.
-    pub(crate) unassigned: BTreeMap<GroupResource, u64>,
-    /// Objects a pin applies to, by what it did: `honoured`, `unavailable` (its shard is not
-    /// available) or `invalid` (its value names no shard).
-    pub(crate) pins: BTreeMap<&'static str, u64>,
-}
+pub(crate) use crate::core::sync_rules::RingObjects;
 
 /// One object waiting for its shard to acknowledge a drain.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -10,7 +10,7 @@ use super::pins::Pins;
 use crate::core::hash_ring::HashRing;
 use crate::core::key::{self, ControllerKind, KeyError, KeyOutcome, ObjectInfo, ResourceRole};
 use crate::core::pin::{self, PinInputs, PinOutcome};
-use crate::core::rebalance::{ObjectState, RebalanceDecision, decide};
+use crate::core::rebalance::{ObjectState, Placement, decide};
 
 /// Kind and scope of a resource, from API discovery.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -254,21 +254,6 @@ fn key_in_namespace(key: &str) -> bool {
     key.split('/').nth(2).is_some_and(|ns| !ns.is_empty())
 }
 
-/// One object's standing in a ring, from [`RingView::placement`].
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) struct Placement<'a> {
-    /// Its hash key, or why it has none.
-    pub(crate) key: Result<KeyOutcome, KeyError>,
-    /// The shard the ring wants it on now: `None` without a key or without available shards.
-    pub(crate) desired: Option<&'a str>,
-    /// Its shard label (non-empty values only), drain label and role.
-    pub(crate) object: ObjectState<'a>,
-    /// What the sharder's sync does with it.
-    pub(crate) decision: RebalanceDecision,
-    /// Whether a pin decided `desired`, or why not.
-    pub(crate) pin: PinOutcome,
-}
-
 /// Builds a view from a ring, its available shards with their weights, discovery results and the
 /// configured default namespace selector.
 pub fn build_view<R: RingObject>(
@@ -351,6 +336,7 @@ pub fn build_view<R: RingObject>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::core::rebalance::RebalanceDecision;
     use kube_sharding_api::{ClusterRing, ClusterRingSpec, ControllerRing, RingResource};
 
     fn info(kind: &str, namespaced: bool) -> ResourceInfo {

@@ -1,6 +1,9 @@
 //! Controlled objects that a sync held back move the moment their controller's drain is
 //! acknowledged (docs/protocol.md §9), not at the next sync.
 //!
+//! The sync's side of it is one [`Handover`]: it starts the following, tells the sync when its
+//! drains may go, hands over the children the sync held (counted by `core::sync_rules`, held by
+//! `core::owner_wait`) and gives them up to the next sync when patches failed.
 //! When a sync holds its first child back it starts one task for the ring ([`Following`]) that
 //! watches the ring's main objects that carry its drain label, metadata-only (a handful of
 //! objects: those being drained), and hands it each page's held children as it goes. An object
@@ -65,10 +68,10 @@ enum Handed {
     MainListed(OwnerWait),
 }
 
-/// The following of one sync's held-back children, started by the sync; dropping it stops the
-/// task.
+/// The following of one sync's held-back children, started by its [`Handover`]; dropping it
+/// stops the task.
 #[derive(Debug)]
-pub(super) struct Following {
+struct Following {
     handed: mpsc::UnboundedSender<Handed>,
     listed: watch::Receiver<bool>,
     task: FollowTask,
@@ -78,7 +81,7 @@ impl Following {
     /// Starts following for the sync of `view` that `stop` stops: the task stops with it.
     /// `before_drains`: the sync starts it before its first drain and holds children back before
     /// it has listed the main objects (see [`Waiting::evidence_only`]).
-    pub(super) fn start(
+    fn start(
         patcher: &Patcher,
         view: Arc<RingView>,
         stop: CancellationToken,
@@ -103,7 +106,7 @@ impl Following {
     }
 
     /// Hands over children the sync just held back.
-    pub(super) fn hand_over(&self, children: Vec<HeldChild>) {
+    fn hand_over(&self, children: Vec<HeldChild>) {
         if !children.is_empty() {
             // The task only ends before the sync does when it gave up, and then counts nothing
             // more: these wait for the next sync.
@@ -112,19 +115,145 @@ impl Following {
     }
 
     /// Tells the task where the sync found the main objects, once it listed all of them.
-    pub(super) fn main_listed(&self, owners: OwnerWait) {
+    fn main_listed(&self, owners: OwnerWait) {
         let _ = self.handed.send(Handed::MainListed(owners));
     }
 
     /// Waits until every watch of drained main objects has listed, or the task gave up and moves
     /// nothing more: from then on the sync may drain. `false` when the task ended before.
-    pub(super) async fn listed(&mut self) -> bool {
+    async fn listed(&mut self) -> bool {
         self.listed.wait_for(|listed| *listed).await.is_ok()
     }
 
     /// Tells the task that the sync held nothing more; it ends once every child moved.
-    pub(super) fn finish(self) -> FollowTask {
+    fn finish(self) -> FollowTask {
         self.task
+    }
+}
+
+/// Longest a sync's first drain waits for the watch of drained controllers to list; after that
+/// the sync drains without it and leaves the held objects to the next sync, so that a watch that
+/// cannot list does not hold up the drains.
+const DRAINS_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// One sync's handover of the controlled objects it holds back to its [`Following`]: when the
+/// following starts, when the sync's drains may go, what it is handed, and when the held objects
+/// are left to the next sync instead. The sync only counts and holds (in its
+/// [`OwnerWait`]); every decision about following is made here.
+#[derive(Debug)]
+pub(super) struct Handover {
+    patcher: Patcher,
+    view: Arc<RingView>,
+    /// Fires when a newer view supersedes the sync; stops the following too.
+    stop: CancellationToken,
+    /// The following, from the first child held on (from the start when `children_first`).
+    following: Option<Following>,
+    /// Whether the sync walks the controlled objects before the main ones
+    /// (`core::sync_rules::children_first`).
+    children_first: bool,
+    /// Whether the held objects are left to the next sync instead: some of the sync's patches
+    /// failed (a controller whose drain failed must not be taken for one that left), it held
+    /// more than it remembers, or the watch did not list in time.
+    given_up: bool,
+}
+
+impl Handover {
+    /// The handover of a sync of `view` that `stop` stops; with `children_first` the following
+    /// starts at once, to have listed before the sync's first drain.
+    pub(super) fn start(
+        patcher: &Patcher,
+        view: &Arc<RingView>,
+        stop: CancellationToken,
+        children_first: bool,
+    ) -> Self {
+        Self {
+            following: children_first
+                .then(|| Following::start(patcher, Arc::clone(view), stop.clone(), true)),
+            patcher: patcher.clone(),
+            view: Arc::clone(view),
+            stop,
+            children_first,
+            given_up: false,
+        }
+    }
+
+    /// Before the sync's first drain: waits until the watch of drained controllers has listed,
+    /// when the sync walked the controlled objects first, so that every drain reaches the watch
+    /// as an event. A watch that ended or did not list within [`DRAINS_WAIT`] leaves the held
+    /// objects to the next sync. Returns early when the sync is superseded (its caller checks).
+    pub(super) async fn drains_may_go(&mut self) {
+        let Some(following) = &mut self.following else {
+            return;
+        };
+        let listed = tokio::select! {
+            () = self.stop.cancelled() => return,
+            listed = tokio::time::timeout(DRAINS_WAIT, following.listed()) => listed.unwrap_or(false),
+        };
+        if !listed {
+            let ring = self.view.ring_ref();
+            tracing::warn!(%ring, "the watch of drained controllers did not list in time; the held objects wait for the next sync");
+            self.give_up();
+        }
+    }
+
+    /// Hands the controlled objects held back in `owner_wait` since the last call to the
+    /// following, starting it with the first of them; `failed`: some of the sync's patches
+    /// failed or were held, which leaves the held objects to the next sync.
+    ///
+    /// With the controlled objects walked first the following runs from the start of the sync;
+    /// otherwise it starts here, once every patch of the ring's main resources was answered
+    /// (controlled objects are looked at after them), so its watch lists after all of the
+    /// sync's drains.
+    pub(super) fn hand_over(&mut self, owner_wait: &mut OwnerWait, failed: bool) {
+        if self.given_up {
+            return;
+        }
+        if failed {
+            self.give_up();
+            return;
+        }
+        let Some(children) = owner_wait.take_held() else {
+            // Held more than it remembers: the next sync moves them.
+            self.give_up();
+            return;
+        };
+        if children.is_empty() {
+            return;
+        }
+        if self.following.is_none() && !self.children_first {
+            self.following = Some(Following::start(
+                &self.patcher,
+                Arc::clone(&self.view),
+                self.stop.clone(),
+                false,
+            ));
+        }
+        if let Some(following) = &self.following {
+            following.hand_over(children);
+        }
+    }
+
+    /// Tells the following where the sync found the main objects, once it listed all of them:
+    /// only a complete listing may free a child whose controller it did not show on the
+    /// child's shard. Needed only when the controlled objects were walked first.
+    pub(super) fn main_listed(&self, owner_wait: &mut OwnerWait) {
+        if self.children_first
+            && let Some(following) = &self.following
+        {
+            following.main_listed(std::mem::take(owner_wait));
+        }
+    }
+
+    /// The following, to go on after the sync ended (`None` when there is none or it was given
+    /// up).
+    pub(super) fn finish(&mut self) -> Option<FollowTask> {
+        self.following.take().map(Following::finish)
+    }
+
+    /// Leaves the held objects to the next sync and stops the following.
+    fn give_up(&mut self) {
+        self.given_up = true;
+        self.following = None;
     }
 }
 

@@ -11,21 +11,21 @@ use futures::StreamExt;
 use kube::api::{Api, DynamicObject};
 use kube::core::PartialObjectMeta;
 use kube::{Resource, ResourceExt};
-use kube_sharding_api::{GroupResource, HashKey};
+use kube_sharding_api::GroupResource;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::owner_moves::{FollowTask, Following};
+use super::owner_moves::{FollowTask, Handover};
 use super::pager::{Pager, PagerError};
 use super::patch::{PatchError, Patcher, api_resource};
-use crate::core::key::KeyOutcome;
 use crate::core::list_scope::{ListScope, list_scope};
-use crate::core::owner_wait::OwnerWait;
 use crate::core::rebalance::RebalanceDecision;
+pub(super) use crate::core::sync_rules::SyncStats;
+use crate::core::sync_rules::{ObjectTally, Outcome, children_first, outcome, sync_order};
 use crate::leader::events::{
     REASON_PIN_UNSATISFIED, REASON_REBALANCE_FINISHED, REASON_REBALANCE_STARTED, REASON_SYNC_FAILED,
 };
-use crate::leader::observed::{DrainsSeen, RingObjects, uid_hash};
+use crate::leader::observed::{DrainsSeen, uid_hash};
 use crate::metrics::{Metrics, OutcomeLabels, RingLabel};
 use crate::views::{ResolvedResource, RingView};
 
@@ -94,26 +94,12 @@ pub(super) enum Error {
     },
 }
 
-/// Counts of one sync.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub(super) struct SyncStats {
-    /// Objects listed.
-    pub(crate) listed: usize,
-    /// Drain patches sent.
-    pub(crate) drained: usize,
-    /// Move patches sent.
-    pub(crate) moved: usize,
-    /// Patches that failed.
-    pub(crate) failed: usize,
-    /// Moves not sent because the ring's webhook is unreachable.
-    pub(crate) held: usize,
-}
-
 /// What became of one patch of a sync: the object's UID, the decision and the result (`None`:
 /// not sent, the sync was superseded first).
 type PatchOutcome = (String, RebalanceDecision, Option<Result<(), PatchError>>);
 
-/// Counts one listed object of `view` into `tally` and returns its decision.
+/// Counts one listed object of `view` into `tally` and returns its decision (the rules are
+/// [`ObjectTally::count`]'s); notes its drain label and a pin that did not decide its shard.
 fn tally_object(
     view: &RingView,
     gr: &GroupResource,
@@ -122,10 +108,6 @@ fn tally_object(
     tally: &mut Tally,
 ) -> RebalanceDecision {
     let placement = view.placement(&gr.group, resource, meta);
-    let current = placement.object.current;
-    if let Some(state) = placement.pin.state() {
-        *tally.objects.pins.entry(state).or_default() += 1;
-    }
     if let Some(problem) = placement.pin.problem()
         && tally.pin_problems.len() < MAX_PIN_EVENTS
     {
@@ -133,59 +115,22 @@ fn tally_object(
             .pin_problems
             .push((object_reference(gr, resource, meta), problem));
     }
-    match current {
-        Some(shard) => {
-            *tally
-                .objects
-                .per_shard
-                .entry((shard.to_string(), gr.clone()))
-                .or_default() += 1;
-        }
-        None if matches!(placement.key, Ok(KeyOutcome::Key(_))) => {
-            *tally.objects.unassigned.entry(gr.clone()).or_default() += 1;
-        }
-        None => {}
-    }
     if placement.object.draining {
         tally.draining.insert(
             meta.uid.as_deref().unwrap_or_default(),
-            current.unwrap_or_default(),
+            placement.object.current.unwrap_or_default(),
         );
     }
-    // A controlled object's key is its controller's key (with namespace keys, its namespace's):
-    // main resources are synced first, so the controller was seen already if it is listed.
-    if let Ok(KeyOutcome::Key(key)) = &placement.key {
-        let available = |shard: &str| view.may_be_running(shard);
-        if resource.is_main() {
-            let leaving =
-                placement.object.draining || placement.decision == RebalanceDecision::Drain;
-            tally
-                .owner_wait
-                .main_listed(key, current, placement.desired, leaving);
-        } else if placement.decision == RebalanceDecision::Move
-            && if tally.children_first {
-                tally
-                    .owner_wait
-                    .holds_back_unseen(current, placement.desired, available)
-            } else {
-                tally
-                    .owner_wait
-                    .holds_back(key, current, placement.desired, available)
-            }
-        {
-            if let (Some(shard), Some(desired)) = (current, placement.desired) {
-                tally.owner_wait.remember(
-                    key,
-                    gr,
-                    meta.namespace.as_deref(),
-                    meta.name.as_deref().unwrap_or_default(),
-                    (shard, desired),
-                );
-            }
-            return RebalanceDecision::Keep;
-        }
-    }
-    placement.decision
+    tally.counts.count(
+        gr,
+        resource.is_main(),
+        (
+            meta.namespace.as_deref(),
+            meta.name.as_deref().unwrap_or_default(),
+        ),
+        &placement,
+        |shard| view.may_be_running(shard),
+    )
 }
 
 /// Most Warning Events about unsatisfied pins one sync publishes (the process's Event budget
@@ -213,66 +158,21 @@ fn object_reference(
     }
 }
 
-/// The ring's resources in the order a sync walks them: main resources first, then controlled
-/// ones, each by group and name; controlled ones first when `children_first`.
-///
-/// Main objects must start draining before their controlled objects move: a controlled object
-/// moved while its owner still sits on the old shard is written back by that shard. Walked first,
-/// controlled objects on available shards are all held back, to move as the watch of drained
-/// controllers sees theirs leave (see [`children_first`]).
-fn sync_order(view: &RingView, children_first: bool) -> Vec<(&GroupResource, &ResolvedResource)> {
-    let mut resources: Vec<_> = view.resources.iter().collect();
-    resources.sort_by_key(|(gr, resource)| {
-        (
-            resource.is_main() == children_first,
-            gr.group.as_str(),
-            gr.resource.as_str(),
-        )
-    });
-    resources
-}
-
-/// Whether a sync of `view` walks the controlled resources first and hands each held child to
-/// the watch of drained controllers as it goes, so that children move as their controllers'
-/// drains are acknowledged, while the sync still drains others: only where the shards leave
-/// their controlled objects to the sharder (every available shard's Lease says so, or
-/// `controller.sharder.shardsLeaveControlledObjects` is set; shards that relabel them would race
-/// these moves), and in rings hashed by object, where a key
-/// names one controller, so that seeing it leave the child's shard frees the child. In rings
-/// hashed by namespace several main objects share a key, and children are handed over only after
-/// every drain was answered.
-fn children_first(ctx: &Context, view: &RingView) -> bool {
-    (view.shards_leave_controlled_objects
-        || ctx
-            .config
-            .controller
-            .sharder
-            .shards_leave_controlled_objects)
-        && view.hash_key == HashKey::Object
-        && view.resources.values().any(|r| !r.is_main())
-}
-
 /// What one sync learned besides its counts: objects per shard, unassigned and draining
 /// objects, drains sent, and whether a rebalance began.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Tally {
-    objects: RingObjects,
+    /// Objects per shard, unassigned and pinned, and the controlled objects held back.
+    counts: ObjectTally,
     /// Every listed object carrying the drain label, with its shard.
     draining: DrainsSeen,
     /// [`uid_hash`]es of the objects this sync drained.
     drained_now: HashSet<u64>,
     /// Whether the "rebalance started" Event went out.
     announced: bool,
-    /// Controlled objects held back because their controller has not left their shard yet.
-    owner_wait: OwnerWait,
-    /// The task moving them as their controllers leave, from the first one held on.
-    following: Option<Following>,
-    /// Whether controlled objects are walked before the main ones ([`children_first`]).
-    children_first: bool,
-    /// Whether the held objects are left to the next sync instead: some of the sync's patches
-    /// failed (a controller whose drain failed must not be taken for one that left), or it held
-    /// more than it remembers.
-    no_following: bool,
+    /// The handover of the held controlled objects to the task that moves them as their
+    /// controllers leave.
+    handover: Handover,
     /// Moves that did not land where the ring's current view wants them (counted as failed):
     /// when the view changed meanwhile, what a stopped sync reports (see
     /// [`Error::Superseded`]).
@@ -303,26 +203,40 @@ pub(super) async fn sync_ring(
     let ctx = &patcher.ctx;
     let ring = view.ring_ref();
     let started = Instant::now();
-    let children_first = children_first(ctx, view);
+    let children_first = children_first(
+        view.shards_leave_controlled_objects
+            || ctx
+                .config
+                .controller
+                .sharder
+                .shards_leave_controlled_objects,
+        view.hash_key,
+        view.resources.values().any(|r| !r.is_main()),
+    );
     tracing::info!(%ring, shards = view.hash_ring.len(), children_first, "{SYNC_STARTED}");
     let mut stats = SyncStats::default();
     let mut tally = Tally {
-        following: children_first
-            .then(|| Following::start(patcher, Arc::clone(view), stop.clone(), true)),
+        counts: ObjectTally::new(view.hash_key, children_first),
+        draining: DrainsSeen::default(),
+        drained_now: HashSet::new(),
+        announced: false,
+        handover: Handover::start(patcher, view, stop.clone(), children_first),
+        unsettled: 0,
+        pin_problems: Vec::new(),
         stop,
-        owner_wait: OwnerWait::new(view.hash_key),
-        children_first,
-        ..Tally::default()
     };
     let mut first_error = None;
     let mut main_failed = false;
     let mut draining = false;
-    for (gr, resource) in sync_order(view, children_first) {
+    for (gr, resource) in sync_order(&view.resources, ResolvedResource::is_main, children_first) {
         if tally.stop.is_cancelled() {
             return Err(tally.superseded());
         }
         if resource.is_main() && !std::mem::replace(&mut draining, true) {
-            drains_may_go(&mut tally, &ring).await?;
+            tally.handover.drains_may_go().await;
+            if tally.stop.is_cancelled() {
+                return Err(tally.superseded());
+            }
         }
         if main_failed && !resource.is_main() {
             // Controllers not listed may still sit on their old shards: moving their controlled
@@ -339,15 +253,10 @@ pub(super) async fn sync_ring(
     if tally.stop.is_cancelled() {
         return Err(tally.superseded());
     }
-    hand_over_held(patcher, view, &stats, &mut tally);
-    let waiting = tally.owner_wait.waiting;
-    // Only a complete listing of the main objects may free a child whose controller it did not
-    // show on the child's shard.
-    if tally.children_first
-        && first_error.is_none()
-        && let Some(following) = &tally.following
-    {
-        following.main_listed(std::mem::take(&mut tally.owner_wait));
+    hand_over_held(&stats, &mut tally);
+    let waiting = tally.counts.owner_wait.waiting;
+    if first_error.is_none() {
+        tally.handover.main_listed(&mut tally.counts.owner_wait);
     }
     let duration = started.elapsed();
     tracing::info!(
@@ -372,7 +281,7 @@ pub(super) async fn sync_ring(
         // Every resource was listed to the end: the counts are complete.
         ctx.observed.sync_finished(
             &ring,
-            std::mem::take(&mut tally.objects),
+            std::mem::take(&mut tally.counts.objects),
             std::mem::take(&mut tally.draining),
             &tally.drained_now,
             std::time::Instant::now(),
@@ -399,16 +308,17 @@ pub(super) async fn sync_ring(
     }
     let result = match first_error {
         Some(error) => Err(error),
-        None if stats.failed > 0 => Err(Error::Patches {
-            failed: stats.failed,
-            attempted: stats.drained + stats.moved + stats.failed,
-        }),
-        None if stats.held > 0 => Err(Error::WebhookUnreachable { held: stats.held }),
-        None if waiting > 0 => Err(Error::WaitingForOwners {
-            waiting,
-            following: tally.following.take().map(Following::finish),
-        }),
-        None => Ok(stats),
+        None => match outcome(&stats, waiting) {
+            Outcome::Synced => Ok(stats),
+            Outcome::PatchesFailed { failed, attempted } => {
+                Err(Error::Patches { failed, attempted })
+            }
+            Outcome::Held { held } => Err(Error::WebhookUnreachable { held }),
+            Outcome::Waiting { waiting } => Err(Error::WaitingForOwners {
+                waiting,
+                following: tally.handover.finish(),
+            }),
+        },
     };
     let outcome = match &result {
         Ok(_) => "success",
@@ -430,67 +340,13 @@ pub(super) async fn sync_ring(
     result
 }
 
-/// Longest a sync's first drain waits for the watch of drained controllers to list; after that
-/// the sync drains without it and leaves the held objects to the next sync, so that a watch that
-/// cannot list does not hold up the drains.
-const DRAINS_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
-
-/// Before the sync's first drain: waits until the watch of drained controllers has listed, when
-/// it walked the controlled objects first, so that every drain reaches the watch as an event. A
-/// watch that ended or did not list within [`DRAINS_WAIT`] leaves the held objects to the next
-/// sync.
-async fn drains_may_go(tally: &mut Tally, ring: &kube_sharding_api::RingRef) -> Result<(), Error> {
-    let Some(following) = &mut tally.following else {
-        return Ok(());
-    };
-    let listed = tokio::select! {
-        () = tally.stop.cancelled() => return Err(tally.superseded()),
-        listed = tokio::time::timeout(DRAINS_WAIT, following.listed()) => listed.unwrap_or(false),
-    };
-    if !listed {
-        tracing::warn!(%ring, "the watch of drained controllers did not list in time; the held objects wait for the next sync");
-        tally.no_following = true;
-        tally.following = None;
-    }
-    Ok(())
-}
-
-/// Hands the controlled objects held back since the last call to the task that moves them as
-/// their controllers leave, starting it with the first of them.
-///
-/// With the controlled objects walked first the task runs from the start of the sync; otherwise
-/// it starts here, once every patch of the ring's main resources was answered (controlled
-/// objects are looked at after them), so its watch lists after all of the sync's drains.
-fn hand_over_held(patcher: &Patcher, view: &Arc<RingView>, stats: &SyncStats, tally: &mut Tally) {
-    if tally.no_following {
-        return;
-    }
-    if stats.failed > 0 || stats.held > 0 {
-        // The result is a failure, which leaves the held objects to the next sync.
-        tally.no_following = true;
-        tally.following = None;
-        return;
-    }
-    let Some(children) = tally.owner_wait.take_held() else {
-        // Held more than it remembers: the next sync moves them.
-        tally.no_following = true;
-        tally.following = None;
-        return;
-    };
-    if children.is_empty() {
-        return;
-    }
-    if tally.following.is_none() && !tally.children_first {
-        tally.following = Some(Following::start(
-            patcher,
-            Arc::clone(view),
-            tally.stop.clone(),
-            false,
-        ));
-    }
-    if let Some(following) = &tally.following {
-        following.hand_over(children);
-    }
+/// Hands the controlled objects held back since the last call over (see
+/// [`Handover::hand_over`]); a sync with failed or held patches leaves them to the next sync.
+fn hand_over_held(stats: &SyncStats, tally: &mut Tally) {
+    tally.handover.hand_over(
+        &mut tally.counts.owner_wait,
+        stats.failed > 0 || stats.held > 0,
+    );
 }
 
 /// Syncs every object of one resource of a ring, listed page by page; each page's objects are
@@ -551,12 +407,7 @@ async fn sync_list(
         .unwrap_or(1)
         .max(1);
     // What this list has counted is counted again when it starts over from the first page.
-    let checkpoint = (
-        stats.listed,
-        tally.objects.clone(),
-        tally.owner_wait.waiting,
-        tally.owner_wait.held_len(),
-    );
+    let checkpoint = (stats.listed, tally.counts.checkpoint());
     let mut pager = Pager::new(api);
     let mut next = tokio::select! {
         () = tally.stop.cancelled() => return Err(tally.superseded()),
@@ -592,9 +443,7 @@ async fn sync_list(
             ctx.metrics.list_restarts.get_or_create(&labels).inc();
             tracing::info!(%ring, resource = %gr, "{LIST_RESTARTED}");
             stats.listed = checkpoint.0;
-            tally.objects = checkpoint.1.clone();
-            tally.owner_wait.waiting = checkpoint.2;
-            tally.owner_wait.truncate_held(checkpoint.3);
+            tally.counts.rewind(&checkpoint.1);
         }
         stats.listed += page.items.len();
         let actions: Vec<(PartialObjectMeta<DynamicObject>, RebalanceDecision)> = page
@@ -614,7 +463,7 @@ async fn sync_list(
             .collect();
         if !resource.is_main() {
             // Each held child may move as soon as its controller left, while the sync goes on.
-            hand_over_held(patcher, view, stats, tally);
+            hand_over_held(stats, tally);
         }
         if !actions.is_empty() && !tally.announced {
             tally.announced = true;
@@ -696,67 +545,4 @@ async fn sync_list(
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn main_resources_sync_before_controlled_ones() {
-        use crate::views::{ResourceInfo, build_view};
-        use kube_sharding_api::{ClusterRing, ClusterRingSpec, RingResource};
-        use std::collections::BTreeMap;
-        use std::collections::HashMap;
-
-        let info = |kind: &str| ResourceInfo {
-            kind: kind.into(),
-            version: "v1".into(),
-            namespaced: true,
-        };
-        let ring = ClusterRing::new(
-            "r",
-            ClusterRingSpec {
-                resources: vec![
-                    RingResource::controlling(
-                        "",
-                        "secrets",
-                        vec![GroupResource::new("", "configmaps")],
-                    ),
-                    RingResource::controlling(
-                        "apps",
-                        "deployments",
-                        vec![GroupResource::new("apps", "replicasets")],
-                    ),
-                ],
-                namespace_selector: None,
-                hash_key: None,
-                lease_namespaces: Vec::new(),
-                assignment: None,
-            },
-        );
-        let discovered = HashMap::from([
-            (GroupResource::new("", "secrets"), info("Secret")),
-            (GroupResource::new("", "configmaps"), info("ConfigMap")),
-            (
-                GroupResource::new("apps", "deployments"),
-                info("Deployment"),
-            ),
-            (
-                GroupResource::new("apps", "replicasets"),
-                info("ReplicaSet"),
-            ),
-        ]);
-        let view = build_view(&ring, &BTreeMap::new(), &discovered, &Default::default());
-        let order: Vec<String> = sync_order(&view, false)
-            .into_iter()
-            .map(|(gr, _)| gr.to_string())
-            .collect();
-        assert_eq!(
-            order,
-            [
-                "secrets",
-                "deployments.apps",
-                "configmaps",
-                "replicasets.apps"
-            ]
-        );
-    }
-}
+mod tests;
