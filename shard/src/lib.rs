@@ -171,7 +171,9 @@ pub use crate::lease::{GuardEnd, HeldLease, HeldRunEnd, LeaseGuard, LeaseLock, L
 pub use crate::load::{DEFAULT_LOAD_WINDOW, LoadMeter};
 pub use crate::membership::{EVENT_SHARD_EXCLUDED, EVENT_TERM_STARTED, ShardRunEnd, Term};
 pub use crate::ownership::{Ownership, OwnershipError};
-pub use crate::server_side::{EVENT_RANGES_ACKNOWLEDGED, EVENT_RANGES_APPLIED, RestartBackoff};
+pub use crate::server_side::{
+    EVENT_RANGES_ACKNOWLEDGED, EVENT_RANGES_APPLIED, KeptUnchanged, RestartBackoff,
+};
 pub use crate::shard::{DEFAULT_JUDGEMENT_FALLBACK, DEFAULT_REJOIN_PAUSE, Shard};
 pub use crate::shutdown::{EVENT_LEASE_KEPT, OnShutdown, STATEFULSET_READ_TIMEOUT, StatefulSetPod};
 /// The kind of ring a [`Shard`] joins.

@@ -26,6 +26,7 @@ const COUNT: usize = 300;
 const WAIT: Duration = Duration::from_secs(60);
 const LOWER: &str = "0000000000000000-8000000000000000";
 const UPPER: &str = "8000000000000000-10000000000000000";
+const WHOLE: &str = "0000000000000000-10000000000000000";
 
 /// Names of the Secrets whose uid hashes into the lower half (`true`) and the upper one.
 type Halves = BTreeMap<bool, BTreeSet<String>>;
@@ -226,6 +227,48 @@ async fn scenario(cluster: &Cluster, gate_on: bool) -> anyhow::Result<()> {
     let reconciled_after = named(&process, "reconcile", None);
     ensure!(reconciled_after == everything);
 
+    // Generation 3: the whole space. The upper half is kept unchanged: the new list holds it
+    // again, and the controller must not reconcile it again (`Shard::kept_unchanged`); the
+    // lower half comes back and must be reconciled again, unchanged as it is (the other shard
+    // may have acted on it meanwhile).
+    let reconciles = |names: &BTreeSet<String>| {
+        process
+            .records()
+            .into_iter()
+            .filter(|r| {
+                r["event"] == "reconcile" && r["name"].as_str().is_some_and(|n| names.contains(n))
+            })
+            .count()
+    };
+    // The shard's own ConfigMap writes trigger one more reconcile each: let them pass.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let (upper_before, lower_before) = (reconciles(upper), reconciles(lower));
+    patch_lease(
+        &leases,
+        &shard,
+        json!({"metadata": {"annotations": {ANNOTATION_RANGES: format!("3 {WHOLE}")}}}),
+    )
+    .await?;
+    wait_acknowledged(&leases, &shard, "3").await?;
+    poll_until("the lower half reconciled again", WAIT, || async {
+        let again = process
+            .records()
+            .into_iter()
+            .filter(|r| r["event"] == "reconcile")
+            .filter_map(|r| r["name"].as_str().map(str::to_string))
+            .filter(|n| lower.contains(n))
+            .count();
+        Ok((again >= lower_before + lower.len()).then_some(()))
+    })
+    .await?;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let kept_reconciled = reconciles(upper) - upper_before;
+    ensure!(
+        kept_reconciled == 0,
+        "{kept_reconciled} reconciles of the {} kept, unchanged Secrets after generation 3",
+        upper.len()
+    );
+
     let count = |event: &str| {
         process
             .records()
@@ -245,7 +288,7 @@ async fn scenario(cluster: &Cluster, gate_on: bool) -> anyhow::Result<()> {
     );
     let acknowledged = record(&process, "ranges_acknowledged", 2).context("no record")?;
     println!(
-        "zero-write shard (gate {}): {} + {} Secrets, generation 2 applied in {} ms (released {}), acknowledged {} ms after it was seen",
+        "zero-write shard (gate {}): {} + {} Secrets, generation 2 applied in {} ms (released {}), acknowledged {} ms after it was seen; generation 3: {kept_reconciled} reconciles of the kept half",
         if gate_on { "on" } else { "off" },
         lower.len(),
         upper.len(),

@@ -100,6 +100,10 @@ pub(crate) struct Enforce {
 struct Held {
     generation: u64,
     objects: BTreeMap<String, ObjectKey>,
+    /// For each of `objects`, the generation of the selection under which the layer delivered
+    /// it first without a break since (its range kept all along): see
+    /// [`ShardedWatch::held_since`].
+    since: BTreeMap<String, u64>,
     /// Filled page by page while a list runs.
     listing: Option<BTreeMap<String, ObjectKey>>,
 }
@@ -246,8 +250,24 @@ impl ShardedWatch {
         let gone = revoked(held.objects.values(), &snapshot);
         for key in &gone {
             held.objects.remove(&held_id(key));
+            held.since.remove(&held_id(key));
         }
         gone
+    }
+
+    /// The generation of the selection since which the layer has delivered the object with key
+    /// `key` without a break (its range kept through every change since), or the current one
+    /// for an object not delivered yet: what tells an object kept across new ranges from one
+    /// that arrives, or comes back, with them. 0 for the plain layer.
+    pub(crate) fn held_since(&self, key: &ObjectKey) -> u64 {
+        let Some(enforce) = &self.inner.enforce else {
+            return 0;
+        };
+        let held = lock(&enforce.held);
+        held.since
+            .get(&held_id(key))
+            .copied()
+            .unwrap_or(held.generation)
     }
 
     /// A receiver of the departures the layer itself sees: objects deleted while delivered
@@ -377,7 +397,13 @@ impl ShardedWatch {
             held.listing = Some(listing);
             return body;
         }
+        let generation = held.generation;
         let before = std::mem::replace(&mut held.objects, listing);
+        let Held { objects, since, .. } = &mut *held;
+        since.retain(|id, _| objects.contains_key(id));
+        for id in objects.keys() {
+            since.entry(id.clone()).or_insert(generation);
+        }
         for (id, key) in before {
             // Selected but not listed: deleted while nobody watched. (Revoked objects were
             // forgotten when their ranges went.)
@@ -419,12 +445,16 @@ impl ShardedWatch {
         }
         let mut held = lock(&enforce.held);
         if held.generation == snapshot.generation {
+            let id = held_id(&key);
             if deleted {
-                if held.objects.remove(&held_id(&key)).is_some() {
+                held.since.remove(&id);
+                if held.objects.remove(&id).is_some() {
                     enforce.deleted(key);
                 }
             } else {
-                held.objects.insert(held_id(&key), key);
+                let generation = held.generation;
+                held.since.entry(id.clone()).or_insert(generation);
+                held.objects.insert(id, key);
             }
         }
         true
