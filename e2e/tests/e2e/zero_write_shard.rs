@@ -203,6 +203,44 @@ async fn scenario(cluster: &Cluster, gate_on: bool) -> anyhow::Result<()> {
         reconciled.difference(lower).count()
     );
 
+    // The API server's own count of watch events its shard selectors kept from a watcher: a
+    // change to each upper Secret, outside the shard's range, moves it with the gate on (other
+    // tests' sharded watches may add to it, never take from it); with it off (a control plane
+    // of this test's own) nothing is filtered on the server.
+    let filtered = || {
+        cluster.apiserver_metric(
+            "apiserver_watch_filtered_events_total",
+            &[("group", ""), ("resource", "secrets")],
+        )
+    };
+    let filtered_before = filtered()?;
+    let secrets = Api::<Secret>::namespaced(client.clone(), &ns);
+    for name in upper {
+        let patch = json!({"metadata": {"annotations": {"touched": "outside-the-range"}}});
+        secrets
+            .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await?;
+    }
+    let filtered_moved = if gate_on {
+        poll_until("the server to filter watch events", WAIT, || async {
+            let now = filtered()?;
+            Ok((now > filtered_before).then_some(now - filtered_before))
+        })
+        .await?
+    } else {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let moved = filtered()?.saturating_sub(filtered_before);
+        ensure!(
+            moved == 0,
+            "{moved} watch events filtered with the gate off"
+        );
+        moved
+    };
+    ensure!(
+        named(&process, "reconcile", None) == *lower,
+        "a change outside the range reached the controller"
+    );
+
     // Generation 2: the upper half. The lower half is released before the acknowledgement.
     patch_lease(
         &leases,
@@ -288,13 +326,14 @@ async fn scenario(cluster: &Cluster, gate_on: bool) -> anyhow::Result<()> {
     );
     let acknowledged = record(&process, "ranges_acknowledged", 2).context("no record")?;
     println!(
-        "zero-write shard (gate {}): {} + {} Secrets, generation 2 applied in {} ms (released {}), acknowledged {} ms after it was seen; generation 3: {kept_reconciled} reconciles of the kept half",
+        "zero-write shard (gate {}): {} + {} Secrets, generation 2 applied in {} ms (released {}), acknowledged {} ms after it was seen; generation 3: {kept_reconciled} reconciles of the kept half; {filtered_moved} watch events filtered by the server for {} changes outside the range",
         if gate_on { "on" } else { "off" },
         lower.len(),
         upper.len(),
         applied["took_ms"],
         applied["released"],
         acknowledged["took_ms"],
+        upper.len(),
     );
     process.passed();
     Ok(())
