@@ -59,9 +59,10 @@ pub(crate) const SLOW_PREFIX: &str = "slow-";
 
 /// How long the zero-write ring's shards take over each reconcile of a churned Secret: long
 /// enough that new ranges usually find reconciles of revoked Secrets in flight, which the shard
-/// library must cancel and wait for before it acknowledges (the ownership check sees one that
-/// runs on); short against the convergence bound.
-const SLOW_RECONCILE: &str = "0.5";
+/// library must cancel and wait for before it acknowledges, and longer than a handover takes,
+/// so that one it failed to cancel is still running when the new owner starts (which the
+/// ownership check reports); short against the convergence bound.
+const SLOW_RECONCILE: &str = "4";
 
 /// A ring whose shards the fleet runs.
 #[derive(Clone, Debug)]
