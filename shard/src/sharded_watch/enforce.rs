@@ -11,7 +11,7 @@
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use http_body::Frame;
 use kube_sharding_api::ranges::ShardField;
@@ -90,7 +90,7 @@ pub(crate) struct Enforce {
     versions: Mutex<VecDeque<(String, u64)>>,
     held: Mutex<Held>,
     departures: broadcast::Sender<Departure>,
-    ignored_lists: AtomicU64,
+    ignored_lists: prometheus_client::metrics::counter::Counter,
     warned: AtomicBool,
     applied_logged: AtomicBool,
 }
@@ -136,7 +136,7 @@ impl Enforce {
             versions: Mutex::new(VecDeque::new()),
             held: Mutex::new(Held::default()),
             departures: broadcast::Sender::new(4096),
-            ignored_lists: AtomicU64::new(0),
+            ignored_lists: prometheus_client::metrics::counter::Counter::default(),
             warned: AtomicBool::new(false),
             applied_logged: AtomicBool::new(false),
         }
@@ -226,7 +226,28 @@ impl ShardedWatch {
         self.inner
             .enforce
             .as_ref()
-            .map_or(0, |e| e.ignored_lists.load(Ordering::Relaxed))
+            .map_or(0, |e| e.ignored_lists.get())
+    }
+
+    /// Registers the count of [`ShardedWatch::ignored_lists`] in `registry` (prometheus-client)
+    /// as the counter `kube_sharding_shard_selector_ignored_lists_total`, labelled with the
+    /// resource's plural name (`resource`): above 0, the API server ignores the shard selector
+    /// and every object crosses the network (docs/metrics.md). Only an enforcing handle counts;
+    /// the plain layer's registers nothing.
+    pub fn register_metrics(&self, registry: &mut prometheus_client::registry::Registry) {
+        let Some(enforce) = &self.inner.enforce else {
+            return;
+        };
+        registry
+            .sub_registry_with_label((
+                std::borrow::Cow::Borrowed("resource"),
+                std::borrow::Cow::Owned(self.inner.plural.clone()),
+            ))
+            .register(
+                "kube_sharding_shard_selector_ignored_lists",
+                "List responses without shardInfo although they carried the shard selector: the API server ignored it and the shard filtered on the client",
+                enforce.ignored_lists.clone(),
+            );
     }
 
     /// Sets the selection (`None`: nothing) and returns the objects delivered before that the
@@ -348,7 +369,7 @@ impl ShardedWatch {
                 );
             }
             if list.metadata.shard_info.is_none() {
-                enforce.ignored_lists.fetch_add(1, Ordering::Relaxed);
+                enforce.ignored_lists.inc();
                 if !enforce.warned.swap(true, Ordering::Relaxed) {
                     warn!(
                         event = EVENT_SELECTOR_IGNORED,
