@@ -176,7 +176,7 @@ pub use crate::lease::{
 pub use crate::load::{DEFAULT_LOAD_WINDOW, LoadMeter};
 pub use crate::membership::{ShardRunEnd, Term};
 pub use crate::ownership::{Ownership, OwnershipError};
-pub use crate::server_side::RestartBackoff;
+pub use crate::server_side::{KeptUnchanged, RestartBackoff};
 pub use crate::shard::{DEFAULT_JUDGEMENT_FALLBACK, DEFAULT_REJOIN_PAUSE, Disposition, Shard};
 pub use crate::shutdown::{OnShutdown, STATEFULSET_READ_TIMEOUT, StatefulSetPod};
 /// The kind of ring a [`Shard`] joins.

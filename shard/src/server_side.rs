@@ -250,6 +250,32 @@ impl kube::runtime::utils::Backoff for RestartBackoff {
     }
 }
 
+/// A predicate (`WatchStreamExt::predicate_filter`) for the controller's stream of a zero-write
+/// ring's main resource that hides the objects a new generation of ranges lists again unchanged:
+/// made by [`Shard::kept_unchanged`](crate::Shard::kept_unchanged).
+///
+/// Every new generation restarts the watch, and the new list holds the objects the shard keeps
+/// as well as those it gains; without a filter the controller reconciles them all again. An
+/// object passes when its `resourceVersion` changed, or when it is new to the shard: first
+/// delivered, or delivered again after its range was revoked meanwhile (the other shard may
+/// have acted on it), or in a new term. For a label ring's shard it lets everything pass.
+#[derive(Clone, Debug)]
+pub struct KeptUnchanged {
+    pub(crate) watch: Option<ShardedWatch>,
+}
+
+impl<K: kube::Resource> kube::runtime::Predicate<K> for KeptUnchanged {
+    fn hash_property(&self, object: &K) -> Option<u64> {
+        use std::hash::{Hash, Hasher};
+        let watch = self.watch.as_ref()?;
+        let meta = object.meta();
+        let since = watch.held_since(&ObjectKey::of(meta));
+        let mut hasher = std::collections::hash_map::DefaultHasher::new();
+        (&meta.uid, &meta.resource_version, since).hash(&mut hasher);
+        Some(hasher.finish())
+    }
+}
+
 /// The reconciles in flight on a zero-write ring.
 #[derive(Debug, Default)]
 struct InFlight {

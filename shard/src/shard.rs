@@ -13,7 +13,7 @@ use kube_sharding_api::ranges::ShardField;
 
 use crate::lease::LeaseLockConfig;
 use crate::load::LoadMeter;
-use crate::server_side::{InFlightGuard, ServerSide};
+use crate::server_side::{InFlightGuard, KeptUnchanged, ServerSide};
 use crate::sharded_watch::ShardedWatch;
 use crate::shutdown::OnShutdown;
 
@@ -130,7 +130,8 @@ impl Shard {
     ///   of revoked ranges are reported as [`Departure::Released`] with
     ///   [`Release::RangeRevoked`] ([`Shard::departures`]), their reconciles in flight are
     ///   cancelled ([`ReconcileError::Revoked`]) and waited for, and then the generation is
-    ///   acknowledged on the Lease, at once;
+    ///   acknowledged on the Lease, at once; the new list holds the objects the shard keeps
+    ///   as well, which [`Shard::kept_unchanged`] spares a second reconcile when unchanged;
     /// - [`Shard::classify`], and so [`Shard::reconciler`] and [`Ownership::confirm`], judge an
     ///   object by whether its hash is in the current ranges; nothing is ever drained;
     /// - when the API server ignores the selector (feature gate `ShardedListAndWatch` off, or a
@@ -177,6 +178,16 @@ impl Shard {
         match &self.server_side {
             Some(server_side) => server_side.watch.wrap(client),
             None => client,
+        }
+    }
+
+    /// The predicate that spares the controller of a zero-write ring's shard reconciling, after
+    /// every new generation of ranges, each object it keeps unchanged (see [`KeptUnchanged`]):
+    /// `watcher(..).reflect(..).applied_objects().predicate_filter(shard.kept_unchanged(), ..)`
+    /// into `Controller::for_stream`. For a label ring's shard it filters nothing.
+    pub fn kept_unchanged(&self) -> KeptUnchanged {
+        KeptUnchanged {
+            watch: self.server_side.as_ref().map(|s| s.watch.clone()),
         }
     }
 

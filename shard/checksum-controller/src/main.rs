@@ -773,10 +773,13 @@ async fn main() -> anyhow::Result<()> {
         // The meter sees each Secret event before the controller's cache does, so a reconcile
         // never runs ahead of what the queue depth counts.
         let (secret_cache, secret_writer) = reflector::store();
+        // On a zero-write ring, new ranges list every kept Secret again: unchanged, they need
+        // no second reconcile (on a label ring the filter passes everything).
         let secret_events = meter
             .track(watcher(secrets.clone(), shard.watcher_config()).default_backoff())
             .reflect(secret_writer)
-            .applied_objects();
+            .applied_objects()
+            .predicate_filter(shard.kept_unchanged(), Default::default());
         let controller = Controller::for_stream(secret_events, secret_cache)
             .with_config(controller::Config::default().concurrency(args.max_concurrent_reconciles))
             .owns_stream(config_map_events)

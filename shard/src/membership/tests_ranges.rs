@@ -2,6 +2,7 @@
 //! an earlier holding are dropped by the take, generations are applied in order and
 //! acknowledged, and only after the reconciles of revoked ranges ended.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Secret;
@@ -173,6 +174,177 @@ async fn a_taken_lease_starts_without_ranges_and_acknowledges_each_newer_generat
         annotation(&fake, ANNOTATION_RANGES).as_deref(),
         Some(format!("3 {UPPER}").as_str())
     );
+
+    shutdown.cancel();
+    let ended = run.await.expect("task ok").expect("no error");
+    assert_eq!(ended, crate::ShardRunEnd::Stopped { released: true });
+}
+
+/// A client for the reconciler wrapper that no request may reach: every one fails.
+fn no_server() -> kube::Client {
+    let service = tower::service_fn(|_: http::Request<kube::client::Body>| async {
+        Err::<http::Response<kube::client::Body>, _>(std::io::Error::other("no API server here"))
+    });
+    kube::Client::new(service, "default")
+}
+
+fn secret(meta: ObjectMeta) -> Arc<Secret> {
+    Arc::new(Secret {
+        metadata: meta,
+        ..Secret::default()
+    })
+}
+
+/// Reconciles through the real wrapper, in the task that follows the Lease (as a controller
+/// runs under `Shard::run`), with a reconciler that never ends by itself: a revoke cancels
+/// both the reconcile that runs and the one the controller called but has not polled yet (it
+/// was judged under the old ranges), and the acknowledgement comes only after both ended. A
+/// reconcile called after the revoke does not run at all.
+#[tokio::test(start_paused = true)]
+async fn a_revoke_cancels_running_and_called_reconciles_before_acknowledging() {
+    use futures::stream::FuturesUnordered;
+    use futures::{FutureExt, StreamExt};
+    use kube::runtime::controller::Action;
+
+    type Outcome = Result<Action, crate::ReconcileError<std::io::Error>>;
+    let shard = shard();
+    let fake = FakeStore::new();
+    let shutdown = CancellationToken::new();
+    // The test hands the work objects to reconcile now, or to call now and poll later.
+    let (to_work, from_test) = tokio::sync::mpsc::unbounded_channel::<(Arc<Secret>, bool)>();
+    let (to_test, mut results) = tokio::sync::mpsc::unbounded_channel::<(String, Outcome)>();
+    let from_test = Arc::new(std::sync::Mutex::new(Some(from_test)));
+    let (started, mut starts) = tokio::sync::mpsc::unbounded_channel::<String>();
+    let run = {
+        let (shard, shutdown, lock) = (shard.clone(), shutdown.clone(), lock(&shard, &fake));
+        tokio::spawn(async move {
+            let work = |term: crate::Term| {
+                let mut from_test = from_test
+                    .lock()
+                    .expect("not poisoned")
+                    .take()
+                    .expect("one term");
+                let to_test = to_test.clone();
+                let started = started.clone();
+                let mut reconcile = shard.reconciler(
+                    no_server(),
+                    term.guard,
+                    move |object: Arc<Secret>, _: Arc<()>, _| {
+                        let started = started.clone();
+                        async move {
+                            let _ = started.send(object.metadata.name.clone().unwrap_or_default());
+                            std::future::pending::<Result<Action, std::io::Error>>().await
+                        }
+                    },
+                );
+                async move {
+                    let mut running = FuturesUnordered::new();
+                    let mut called = Vec::new();
+                    loop {
+                        tokio::select! {
+                            Some((object, poll_now)) = from_test.recv() => {
+                                let name = object.metadata.name.clone().unwrap_or_default();
+                                let future = reconcile(object, Arc::new(()));
+                                let future = async move { (name, future.await) };
+                                if poll_now {
+                                    running.push(future.boxed());
+                                } else {
+                                    called.push(future.boxed());
+                                }
+                            }
+                            Some(done) = running.next() => {
+                                let _ = to_test.send(done);
+                            }
+                            () = term.stop.cancelled() => return,
+                            // The called reconciles start once the revoke is under way.
+                            () = tokio::time::sleep(Duration::from_secs(1)), if !called.is_empty() => {
+                                running.extend(called.drain(..));
+                            }
+                        }
+                    }
+                }
+            };
+            shard.run(&lock, &shutdown, work).await
+        })
+    };
+    settle().await;
+    fake.modify(|lease| {
+        lease
+            .metadata
+            .labels
+            .get_or_insert_default()
+            .insert(LABEL_STATE.into(), "ready".into());
+    });
+    annotate(&fake, ANNOTATION_RANGES, &format!("1 {LOWER}"));
+    settle().await;
+    assert_eq!(
+        annotation(&fake, ANNOTATION_ACKNOWLEDGED).as_deref(),
+        Some("1")
+    );
+
+    // Two lower objects: one reconcile runs, the other is called and not polled yet.
+    let (running, called) = (object(true), {
+        let mut other = object(true);
+        let uid = (0..)
+            .map(|i| format!("other-{i}"))
+            .find(|u| fnv1a64(u) < 1 << 63)
+            .expect("found");
+        other.name = Some(uid.clone());
+        other.uid = Some(uid);
+        other
+    });
+    to_work
+        .send((secret(running.clone()), true))
+        .expect("work runs");
+    settle().await;
+    assert_eq!(starts.try_recv().ok(), running.name.clone(), "it runs");
+    to_work
+        .send((secret(called.clone()), false))
+        .expect("work runs");
+    settle().await;
+
+    // Generation 2: the upper half. Both reconciles are cancelled; no acknowledgement before.
+    annotate(&fake, ANNOTATION_RANGES, &format!("2 {UPPER}"));
+    settle().await;
+    let (name, outcome) = tokio::time::timeout(Duration::from_secs(30), results.recv())
+        .await
+        .expect("an outcome in time")
+        .expect("an outcome");
+    assert_eq!(Some(name), running.name);
+    assert!(
+        matches!(outcome, Err(crate::ReconcileError::Revoked { .. })),
+        "{outcome:?}"
+    );
+    assert_eq!(
+        annotation(&fake, ANNOTATION_ACKNOWLEDGED).as_deref(),
+        Some("1"),
+        "the called reconcile has not ended yet"
+    );
+    let (name, outcome) = tokio::time::timeout(Duration::from_secs(30), results.recv())
+        .await
+        .expect("an outcome in time")
+        .expect("an outcome");
+    assert_eq!(Some(name), called.name);
+    assert!(
+        matches!(outcome, Err(crate::ReconcileError::Revoked { .. })),
+        "{outcome:?}"
+    );
+    settle().await;
+    assert_eq!(
+        annotation(&fake, ANNOTATION_ACKNOWLEDGED).as_deref(),
+        Some("2")
+    );
+    assert!(starts.try_recv().is_err(), "the called reconcile never ran");
+
+    // Called after the revoke: judged under the new ranges, it does nothing.
+    to_work.send((secret(running), true)).expect("work runs");
+    settle().await;
+    let (_, outcome) = tokio::time::timeout(Duration::from_secs(30), results.recv())
+        .await
+        .expect("an outcome in time")
+        .expect("an outcome");
+    assert!(outcome.is_ok(), "{outcome:?}");
+    assert!(starts.try_recv().is_err(), "nothing ran");
 
     shutdown.cancel();
     let ended = run.await.expect("task ok").expect("no error");

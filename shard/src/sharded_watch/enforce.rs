@@ -11,7 +11,7 @@
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use http_body::Frame;
 use kube_sharding_api::ranges::ShardField;
@@ -83,7 +83,7 @@ pub(crate) struct Enforce {
     versions: Mutex<VecDeque<(String, u64)>>,
     held: Mutex<Held>,
     departures: broadcast::Sender<Departure>,
-    ignored_lists: AtomicU64,
+    ignored_lists: prometheus_client::metrics::counter::Counter,
     warned: AtomicBool,
     applied_logged: AtomicBool,
 }
@@ -93,6 +93,10 @@ pub(crate) struct Enforce {
 struct Held {
     generation: u64,
     objects: BTreeMap<String, ObjectKey>,
+    /// For each of `objects`, the generation of the selection under which the layer delivered
+    /// it first without a break since (its range kept all along): see
+    /// [`ShardedWatch::held_since`].
+    since: BTreeMap<String, u64>,
     /// Filled page by page while a list runs.
     listing: Option<BTreeMap<String, ObjectKey>>,
 }
@@ -125,7 +129,7 @@ impl Enforce {
             versions: Mutex::new(VecDeque::new()),
             held: Mutex::new(Held::default()),
             departures: broadcast::Sender::new(4096),
-            ignored_lists: AtomicU64::new(0),
+            ignored_lists: prometheus_client::metrics::counter::Counter::default(),
             warned: AtomicBool::new(false),
             applied_logged: AtomicBool::new(false),
         }
@@ -215,7 +219,28 @@ impl ShardedWatch {
         self.inner
             .enforce
             .as_ref()
-            .map_or(0, |e| e.ignored_lists.load(Ordering::Relaxed))
+            .map_or(0, |e| e.ignored_lists.get())
+    }
+
+    /// Registers the count of [`ShardedWatch::ignored_lists`] in `registry` (prometheus-client)
+    /// as the counter `kube_sharding_shard_selector_ignored_lists_total`, labelled with the
+    /// resource's plural name (`resource`): above 0, the API server ignores the shard selector
+    /// and every object crosses the network (docs/metrics.md). Only an enforcing handle counts;
+    /// the plain layer's registers nothing.
+    pub fn register_metrics(&self, registry: &mut prometheus_client::registry::Registry) {
+        let Some(enforce) = &self.inner.enforce else {
+            return;
+        };
+        registry
+            .sub_registry_with_label((
+                std::borrow::Cow::Borrowed("resource"),
+                std::borrow::Cow::Owned(self.inner.plural.clone()),
+            ))
+            .register(
+                "kube_sharding_shard_selector_ignored_lists",
+                "List responses without shardInfo although they carried the shard selector: the API server ignored it and the shard filtered on the client",
+                enforce.ignored_lists.clone(),
+            );
     }
 
     /// Sets the selection (`None`: nothing) and returns the objects delivered before that the
@@ -239,8 +264,24 @@ impl ShardedWatch {
         let gone = revoked(held.objects.values(), &snapshot);
         for key in &gone {
             held.objects.remove(&held_id(key));
+            held.since.remove(&held_id(key));
         }
         gone
+    }
+
+    /// The generation of the selection since which the layer has delivered the object with key
+    /// `key` without a break (its range kept through every change since), or the current one
+    /// for an object not delivered yet: what tells an object kept across new ranges from one
+    /// that arrives, or comes back, with them. 0 for the plain layer.
+    pub(crate) fn held_since(&self, key: &ObjectKey) -> u64 {
+        let Some(enforce) = &self.inner.enforce else {
+            return 0;
+        };
+        let held = lock(&enforce.held);
+        held.since
+            .get(&held_id(key))
+            .copied()
+            .unwrap_or(held.generation)
     }
 
     /// A receiver of the departures the layer itself sees: objects deleted while delivered
@@ -321,7 +362,7 @@ impl ShardedWatch {
                 );
             }
             if list.metadata.shard_info.is_none() {
-                enforce.ignored_lists.fetch_add(1, Ordering::Relaxed);
+                enforce.ignored_lists.inc();
                 if !enforce.warned.swap(true, Ordering::Relaxed) {
                     warn!(
                         event = EVENT_SELECTOR_IGNORED,
@@ -370,7 +411,13 @@ impl ShardedWatch {
             held.listing = Some(listing);
             return body;
         }
+        let generation = held.generation;
         let before = std::mem::replace(&mut held.objects, listing);
+        let Held { objects, since, .. } = &mut *held;
+        since.retain(|id, _| objects.contains_key(id));
+        for id in objects.keys() {
+            since.entry(id.clone()).or_insert(generation);
+        }
         for (id, key) in before {
             // Selected but not listed: deleted while nobody watched. (Revoked objects were
             // forgotten when their ranges went.)
@@ -412,12 +459,16 @@ impl ShardedWatch {
         }
         let mut held = lock(&enforce.held);
         if held.generation == snapshot.generation {
+            let id = held_id(&key);
             if deleted {
-                if held.objects.remove(&held_id(&key)).is_some() {
+                held.since.remove(&id);
+                if held.objects.remove(&id).is_some() {
                     enforce.deleted(key);
                 }
             } else {
-                held.objects.insert(held_id(&key), key);
+                let generation = held.generation;
+                held.since.entry(id.clone()).or_insert(generation);
+                held.objects.insert(id, key);
             }
         }
         true

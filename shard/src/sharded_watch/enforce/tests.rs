@@ -179,6 +179,14 @@ async fn the_layer_filters_restarts_and_keeps_what_it_delivered() {
     assert_eq!(got, expected, "only the lower half passes");
     assert_eq!(handle.server_filtering(), ServerFiltering::Ignored);
     assert_eq!(handle.ignored_lists(), 2, "both pages");
+    let mut registry = prometheus_client::registry::Registry::default();
+    handle.register_metrics(&mut registry);
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, &registry).expect("encodes");
+    assert!(
+        text.contains("kube_sharding_shard_selector_ignored_lists_total{resource=\"secrets\"} 2"),
+        "{text}"
+    );
 
     // A watch from an unknown resource version: told to list again, without the server.
     let before = server.requests.load(Ordering::SeqCst);

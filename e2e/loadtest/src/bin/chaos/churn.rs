@@ -54,6 +54,8 @@ pub(crate) struct ChurnConfig {
     pub(crate) seed: u64,
     /// The stream of `seed` to draw from: one per ring, so that rings churn independently.
     pub(crate) stream: u64,
+    /// Prefix of the Secrets' names ([`SECRET_PREFIX`] unless a ring needs another).
+    pub(crate) prefix: &'static str,
 }
 
 /// A Secret the churn created and believes still exists.
@@ -96,7 +98,7 @@ pub(crate) async fn run(
             Op::Create => {
                 let namespace =
                     config.namespaces[rng.below(config.namespaces.len() as u64) as usize].clone();
-                let name = format!("{SECRET_PREFIX}{next}");
+                let name = format!("{}{next}", config.prefix);
                 next += 1;
                 let with_extra = rng.below(4) == 0;
                 match create(&client, &namespace, &name, &mut rng, with_extra).await {

@@ -5,6 +5,11 @@
 //!   for them, or its pin's shard while that is available ([`pins::predict`]), every ConfigMap a
 //!   Secret controls carries its controller's, a ConfigMap without a controller carries none, and
 //!   no object carries the drain label.
+//! - **Convergence of a zero-write ring** (`spec.assignment: ServerSide`), which labels nothing:
+//!   the available shards are the running ones, each shard's Lease carries exactly the ranges the
+//!   ring of the available shards gives it ([`RangeRing`]) and has acknowledged their generation,
+//!   and every Secret's `checksums-<name>` ConfigMap was last written by the shard whose ranges
+//!   hold the hash of the Secret's uid (the shard labels what it writes).
 //! - **Nothing lost**: every Secret has its `checksums-<name>` ConfigMap, controlled by it, with
 //!   the lowercase hex SHA-256 of each of its values; no ConfigMap controlled by a Secret that is
 //!   gone survives.
@@ -17,6 +22,10 @@ use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Secret};
 use kube::api::{Api, ListParams};
 use kube::{Client, ResourceExt};
+use kube_sharding_api::range_lease::{
+    ANNOTATION_ACKNOWLEDGED, ANNOTATION_RANGES, Acknowledgement, PublishedRanges,
+};
+use kube_sharding_api::ranges::{RangeRing, fnv1a64};
 use sha2::{Digest, Sha256};
 
 use crate::pins::{self, PinCounts};
@@ -175,6 +184,77 @@ pub(crate) fn placement_problems(
     problems
 }
 
+/// Invariant 2 on a zero-write ring: where the published ranges, their acknowledgements and the
+/// writers of the checksum ConfigMaps differ from what the ring of `running` shards gives.
+pub(crate) fn zero_write_placement_problems(
+    snapshot: &Snapshot,
+    keys: &LabelKeys,
+    running: &BTreeSet<String>,
+) -> Vec<String> {
+    let mut problems = Vec::new();
+    let available = available_shards(&snapshot.leases);
+    if &available != running {
+        problems.push(format!(
+            "available shards by their Leases {available:?} differ from the running shards {running:?}"
+        ));
+    }
+    let ring = RangeRing::new(available.iter());
+    for lease in &snapshot.leases {
+        let Some(name) = lease.metadata.name.as_deref() else {
+            continue;
+        };
+        if !available.contains(name) {
+            continue;
+        }
+        let annotation = |key: &str| lease.annotations().get(key).map(String::as_str);
+        let published = annotation(ANNOTATION_RANGES).map(str::parse::<PublishedRanges>);
+        let Some(Ok(published)) = published else {
+            problems.push(format!("shard {name} has no valid ranges on its Lease"));
+            continue;
+        };
+        if *published.ranges() != ring.ranges_of(name) {
+            problems.push(format!(
+                "shard {name} has ranges of generation {} that are not its share of the ring",
+                published.generation()
+            ));
+        }
+        let acknowledged = annotation(ANNOTATION_ACKNOWLEDGED)
+            .and_then(|a| a.parse::<Acknowledgement>().ok())
+            .map(|a| a.generation);
+        if acknowledged != Some(published.generation()) {
+            problems.push(format!(
+                "shard {name} acknowledged {acknowledged:?}, its ranges are of generation {}",
+                published.generation()
+            ));
+        }
+    }
+    let written: HashMap<(&str, String), Option<&str>> = snapshot
+        .config_maps
+        .iter()
+        .filter(|(_, c)| c.metadata.deletion_timestamp.is_none())
+        .filter_map(|(ns, c)| {
+            let secret = c.name_any().strip_prefix(CHECKSUMS_PREFIX)?.to_string();
+            Some((
+                (ns.as_str(), secret),
+                c.labels().get(&keys.shard).map(String::as_str),
+            ))
+        })
+        .collect();
+    for ((ns, name), secret) in snapshot.live_secrets() {
+        let uid = secret.metadata.uid.as_deref().unwrap_or_default();
+        let expected = ring.owner(fnv1a64(uid));
+        // A missing ConfigMap is invariant 3's.
+        if let Some(writer) = written.get(&(ns, name.clone()))
+            && *writer != expected
+        {
+            problems.push(format!(
+                "{ns}/{CHECKSUMS_PREFIX}{name} was written by {writer:?}, the ranges give {expected:?}"
+            ));
+        }
+    }
+    problems
+}
+
 /// Invariant 3: what is missing, wrong or left over, as readable lines (empty when all is well).
 pub(crate) fn content_problems(snapshot: &Snapshot) -> Vec<String> {
     let mut problems = Vec::new();
@@ -252,6 +332,8 @@ pub(crate) struct Target<'a> {
     pub(crate) lease_namespace: &'a str,
     pub(crate) ring: &'a str,
     pub(crate) keys: &'a LabelKeys,
+    /// A zero-write ring: placement by published ranges ([`zero_write_placement_problems`]).
+    pub(crate) zero_write: bool,
 }
 
 /// Checks every second until both invariants have held for `settle`, or until `bound` after
@@ -278,7 +360,11 @@ pub(crate) async fn wait(
         let now = Instant::now();
         match snapshot {
             Ok(snapshot) => {
-                let placement = placement_problems(&snapshot, target.keys, &running());
+                let placement = if target.zero_write {
+                    zero_write_placement_problems(&snapshot, target.keys, &running())
+                } else {
+                    placement_problems(&snapshot, target.keys, &running())
+                };
                 let content = content_problems(&snapshot);
                 placed_since = if placement.is_empty() {
                     placed_since.or(Some(now))

@@ -11,6 +11,8 @@
 //! | the shard library acquired the Lease | `event: "lease_acquired"`, `transitions`, `resource_version` (of the Lease) |
 //! | the Lease was lost (renew deadline missed, or taken over) | `event: "lease_lost"`, `resource_version`; then `event: "shard_stopped"`, `reason: "lease_lost"` |
 //! | the Lease was released on graceful shutdown | `event: "lease_released"`, `resource_version` |
+//! | a reconcile ended (zero-write ring's holdings) | `event` one of `applied`, `up_to_date`, `awaiting_move`, `write_refused`, with `namespace`, `name` |
+//! | the shard let a Secret go (zero-write ring's holdings) | `event: "released"` or `"deleted"`, `namespace`, `name` |
 //!
 //! Logs of shards from before the Lease records had an `event` are read by their message text
 //! instead (`acquired Lease`, a message containing `it is lost`, `lost the shard Lease, stopped at
@@ -27,6 +29,28 @@ use k8s_openapi::jiff::Timestamp;
 pub(crate) enum LeaseEnd {
     Lost,
     Released,
+}
+
+/// What a record says about a shard's hold on one object, for the zero-write ring's check
+/// (`ownership::check_zero_write`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Mark {
+    /// The shard worked on the object: a reconcile started or ended.
+    Work,
+    /// The shard let the object go: released (its range revoked) or deleted.
+    LetGo,
+}
+
+impl Mark {
+    fn of(record: &serde_json::Value) -> Option<Self> {
+        match record["event"].as_str()? {
+            "reconcile" | "applied" | "up_to_date" | "awaiting_move" | "write_refused" => {
+                Some(Self::Work)
+            }
+            "released" | "deleted" => Some(Self::LetGo),
+            _ => None,
+        }
+    }
 }
 
 /// The kinds of record the checks use.
@@ -76,6 +100,8 @@ pub(crate) struct RunLog {
     pub(crate) acquired: Option<(Timestamp, i64)>,
     /// The first record saying the Lease was lost or released.
     pub(crate) lease_end: Option<(Timestamp, LeaseEnd)>,
+    /// Records of work on and letting go of objects: time, `namespace/name`, which.
+    pub(crate) marks: Vec<(Timestamp, String, Mark)>,
     /// Lines that were not JSON records with a timestamp (panics, say).
     pub(crate) other_lines: usize,
 }
@@ -134,6 +160,9 @@ impl RunLog {
                     record["name"].as_str().unwrap_or_default()
                 )
             };
+            if let Some(mark) = Mark::of(&record) {
+                log.marks.push((at, object(), mark));
+            }
             match Record::of(&record) {
                 Some(Record::Reconcile) => log.reconciles.push((at, object())),
                 Some(Record::Drain) => {

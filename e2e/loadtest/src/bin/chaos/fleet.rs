@@ -53,6 +53,17 @@ impl ShardTiming {
     }
 }
 
+/// Names of Secrets whose reconciles `--testing-reconcile-delay` slows down (checksum-controller's
+/// rule): the zero-write ring's churn creates only such Secrets.
+pub(crate) const SLOW_PREFIX: &str = "slow-";
+
+/// How long the zero-write ring's shards take over each reconcile of a churned Secret: long
+/// enough that new ranges usually find reconciles of revoked Secrets in flight, which the shard
+/// library must cancel and wait for before it acknowledges, and longer than a handover takes,
+/// so that one it failed to cancel is still running when the new owner starts (which the
+/// ownership check reports); short against the convergence bound.
+const SLOW_RECONCILE: &str = "4";
+
 /// A ring whose shards the fleet runs.
 #[derive(Clone, Debug)]
 pub(crate) struct ShardRing {
@@ -65,6 +76,9 @@ pub(crate) struct ShardRing {
     pub(crate) shard_prefix: &'static str,
     /// Its shards leave their ConfigMaps to the sharder (`--leave-children-to-sharder`).
     pub(crate) leaves_children: bool,
+    /// A zero-write ring's namespace: its shards run with `--server-side` and watch only it
+    /// (the shard library selects by hash range alone, not by the ring's namespace selector).
+    pub(crate) server_side_namespace: Option<String>,
 }
 
 /// How one process ended.
@@ -288,6 +302,18 @@ impl Fleet {
         }
         if ring.leaves_children {
             args.push("--leave-children-to-sharder".into());
+        }
+        if let Some(namespace) = &ring.server_side_namespace {
+            args.extend(
+                [
+                    "--server-side",
+                    "--namespace",
+                    namespace,
+                    "--testing-reconcile-delay",
+                    SLOW_RECONCILE,
+                ]
+                .map(str::to_string),
+            );
         }
         let mut process = Process::start("checksum-controller", args)?;
         process.passed();

@@ -3,11 +3,14 @@
 //! shard with nothing lost.
 //!
 //! It starts the local control plane of the test harness (or uses `KUBECONFIG`'s cluster), two
-//! `sharder` replicas with leader election behind one webhook address, and two rings over
-//! Secrets (controlling ConfigMaps) side by side, each in `--namespaces` namespaces of its own
-//! and with `--shards` `checksum-controller` shards of its own: one assigned by the sharder's
-//! webhook, one with `spec.assignment: Watch` (no webhook: the sharder labels new objects from
-//! its watch, docs/protocol.md §20). Then, for `--duration`, it:
+//! `sharder` replicas with leader election behind one webhook address, and three rings over
+//! Secrets side by side, each in namespaces of its own and with `--shards`
+//! `checksum-controller` shards of its own: one assigned by the sharder's webhook and one with
+//! `spec.assignment: Watch` (no webhook: the sharder labels new objects from its watch,
+//! docs/protocol.md §20), both over `--namespaces` namespaces with controlled ConfigMaps; and a
+//! zero-write ring (`spec.assignment: ServerSide`, docs/zero-write-rings.md) over one namespace,
+//! whose shards (`--server-side`) get hash ranges on their Leases and list and watch only those.
+//! Then, for `--duration`, it:
 //!
 //! - **churns** each ring's Secrets: creates, updates and deletes `--rate` per second, a quarter
 //!   of the creates with a `generateName` ConfigMap the Secret controls, beside a few Secrets
@@ -22,10 +25,14 @@
 //! convergence and checks four invariants, the first three per ring:
 //!
 //! 1. exclusive ownership, from the shards' reconcile, drain and Lease log records, the Lease
-//!    holder changes its own watch saw and the signals it sent (`ownership`);
+//!    holder changes its own watch saw and the signals it sent (`ownership`); in the zero-write
+//!    ring, from the shards' records of work and release: no Secret held by two processes at
+//!    overlapping times;
 //! 2. convergence, against a hash ring computed here from the protocol alone (`ring`) and the
 //!    pins (`pins`: a pin decides while its shard is available), within a bound derived from the
-//!    Lease durations (`convergence`);
+//!    Lease durations (`convergence`); in the zero-write ring, the published and acknowledged
+//!    ranges against `RangeRing` and each checksum ConfigMap written by the owner of its
+//!    Secret's uid;
 //! 3. nothing lost: checksums right, no ConfigMap of a deleted Secret left (`convergence`);
 //! 4. no leaks: sharder RSS and the API server's open watches back to the same order as before,
 //!    no process ended that the tool did not end (`probes`, `exits`).
@@ -241,7 +248,14 @@ async fn run(args: &Args, seed: u64, cluster: &Cluster) -> anyhow::Result<Report
     for (index, (prefix, assignment, shard_prefix, churn_stream)) in RINGS.into_iter().enumerate() {
         let leaves_children = args.leave_children_to_sharder && index == 0;
         let mut namespaces = Vec::new();
-        for _ in 0..args.namespaces {
+        // A zero-write shard selects by hash range alone, so its controller watches one
+        // namespace (`--namespace`), rather than every Secret of the cluster.
+        let count = if assignment == Assignment::ServerSide {
+            1
+        } else {
+            args.namespaces
+        };
+        for _ in 0..count {
             namespaces.push(cluster.namespace(&client, prefix).await?);
         }
         let lease_namespace = cluster
@@ -310,9 +324,10 @@ async fn run(args: &Args, seed: u64, cluster: &Cluster) -> anyhow::Result<Report
 /// `convergence`, `faults`) and the shards' `--clusterring` flag are written for one kind;
 /// mixing kinds would double those for no extra coverage of what is under test here, assignment
 /// without a webhook under faults.
-const RINGS: [(&str, Assignment, &str, u64); 2] = [
+const RINGS: [(&str, Assignment, &str, u64); 3] = [
     ("chaos", Assignment::Webhook, "shard", 2),
     ("chaos-watch", Assignment::Watch, "watch", 3),
+    ("chaos-zw", Assignment::ServerSide, "zw", 4),
 ];
 
 /// What the fault plan's draws depend on besides the seed.

@@ -26,6 +26,18 @@
 //! slack only forgives that ordering of log lines; it never lets a process's own reconcile come
 //! after its own end, which rule 2 compares within one log, free of clocks.
 //!
+//! A zero-write ring (`spec.assignment: ServerSide`) has no labels and no drains to read: its
+//! objects move by hash ranges, and a shard lets an object go by the revoke the shard library
+//! acknowledges. [`check_zero_write`] applies rules 2 and 3 as above and, instead of rule 1,
+//! compares the shards' holdings: a process (one term of it) holds an object from its first
+//! record of work on it (a reconcile's start or end) to its last such record before it logged
+//! letting it go (`released`, `deleted`), or to its last one if it never did (it was stopped,
+//! lost its Lease, or still holds it). Two processes may never hold one object at overlapping
+//! times: the library cancels and waits for reconciles of revoked objects before it
+//! acknowledges, and the sharder grants a range only after the acknowledgement or once the old
+//! holder can no longer run. The `released` record only ends a holding, never dates it: the
+//! example logs it from its departures stream, which may run after the acknowledgement.
+//!
 //! Drain acknowledgements logged after the process's own end are counted, not reported as
 //! violations: an acknowledgement only gives the object up, conditioned on the version it read,
 //! so it cannot make two shards own one object, and its record trails the write (a shard paused
@@ -35,7 +47,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 
-use crate::evidence::{LeaseEnd, RunLog};
+use crate::evidence::{LeaseEnd, Mark, RunLog};
 use crate::findings::{ShardCounts, Violation};
 use crate::leases::HolderChange;
 
@@ -108,6 +120,71 @@ pub(crate) fn check(
         }
     }
     handovers(runs, changes, history, &mut found);
+    found
+}
+
+/// The zero-write ring's rules: 2 and 3, and no object held by two processes at once (see
+/// the module docs).
+pub(crate) fn check_zero_write(runs: &[ShardRun], changes: &[HolderChange]) -> Ownership {
+    let mut found = Ownership::default();
+    for run in runs {
+        let c = found.counts.entry(run.shard.clone()).or_default();
+        c.processes += 1;
+        c.reconciles += run.log.reconciles.len();
+        found.violations.extend(after_end(run));
+        found.violations.extend(after_takeover(run, changes));
+    }
+    found.violations.extend(double_holdings(runs));
+    found
+}
+
+/// The holdings of each object per run: `(object, run index, first, last)`.
+fn holdings(runs: &[ShardRun]) -> BTreeMap<&str, Vec<(usize, Timestamp, Timestamp)>> {
+    let mut held: BTreeMap<&str, Vec<(usize, Timestamp, Timestamp)>> = BTreeMap::new();
+    for (index, run) in runs.iter().enumerate() {
+        let mut marks: Vec<&(Timestamp, String, Mark)> = run.log.marks.iter().collect();
+        marks.sort_by_key(|(at, ..)| *at);
+        let mut open: BTreeMap<&str, (Timestamp, Timestamp)> = BTreeMap::new();
+        for (at, object, mark) in marks {
+            match mark {
+                Mark::LetGo => {
+                    if let Some((first, last)) = open.remove(object.as_str()) {
+                        held.entry(object).or_default().push((index, first, last));
+                    }
+                }
+                Mark::Work => {
+                    let (_, last) = open.entry(object).or_insert((*at, *at));
+                    *last = *at;
+                }
+            }
+        }
+        for (object, (first, last)) in open {
+            held.entry(object).or_default().push((index, first, last));
+        }
+    }
+    held
+}
+
+/// Every pair of processes that held one object at overlapping times.
+fn double_holdings(runs: &[ShardRun]) -> Vec<Violation> {
+    let mut found = Vec::new();
+    for (object, held) in holdings(runs) {
+        for (i, (a, a_first, a_last)) in held.iter().enumerate() {
+            for (b, b_first, b_last) in &held[i + 1..] {
+                if a != b && a_first <= b_last && b_first <= a_last {
+                    found.push(Violation {
+                        invariant: "exclusive-ownership",
+                        detail: format!(
+                            "{object} was held by {} from {a_first} to {a_last} and by {} from \
+                             {b_first} to {b_last}",
+                            runs[*a].describe(),
+                            runs[*b].describe()
+                        ),
+                    });
+                }
+            }
+        }
+    }
     found
 }
 
@@ -485,5 +562,58 @@ mod tests {
     fn the_same_shard_reconciling_again_needs_no_handover() {
         let v = check_without_watch(&[run("a", &[(10, "ns/x"), (20, "ns/x")])], &[]);
         assert!(v.is_empty(), "{v:?}");
+    }
+
+    fn marked(shard: &str, marks: &[(i64, &str, Mark)]) -> ShardRun {
+        let mut run = run(shard, &[]);
+        run.log.marks = marks
+            .iter()
+            .map(|(at, o, m)| (t(*at), o.to_string(), *m))
+            .collect();
+        run
+    }
+
+    /// A zero-write handover: the old holder's work ends before its release, the new holder's
+    /// starts after; the same handover with the old holder still working (a reconcile the
+    /// revoke did not cancel) is reported, and so is a new holder starting early.
+    #[test]
+    fn zero_write_holdings_may_not_overlap() {
+        use Mark::{LetGo, Work};
+        let a = marked(
+            "a",
+            &[(10, "ns/x", Work), (11, "ns/x", Work), (14, "ns/x", LetGo)],
+        );
+        let b = marked("b", &[(12, "ns/x", Work), (13, "ns/x", Work)]);
+        assert!(check_zero_write(&[a, b], &[]).violations.is_empty());
+
+        // Back to a after b let go: two holdings of a, neither overlapping b's.
+        let a = marked(
+            "a",
+            &[(10, "ns/x", Work), (11, "ns/x", LetGo), (20, "ns/x", Work)],
+        );
+        let b = marked("b", &[(12, "ns/x", Work), (13, "ns/x", LetGo)]);
+        assert!(check_zero_write(&[a, b], &[]).violations.is_empty());
+
+        // A reconcile of a running on past b's start.
+        let a = marked(
+            "a",
+            &[(10, "ns/x", Work), (15, "ns/x", Work), (16, "ns/x", LetGo)],
+        );
+        let b = marked("b", &[(12, "ns/x", Work)]);
+        let violations = check_zero_write(&[a, b], &[]).violations;
+        assert_eq!(violations.len(), 1, "{violations:?}");
+        assert!(violations[0].detail.starts_with("ns/x was held by a"));
+
+        // Two processes of one shard name are two holders.
+        let first = marked("a", &[(10, "ns/x", Work), (15, "ns/x", Work)]);
+        let second = marked("a", &[(12, "ns/x", Work)]);
+        assert_eq!(check_zero_write(&[first, second], &[]).violations.len(), 1);
+
+        // Other objects do not interfere; reconciles after the Lease's end are still rule 2.
+        let mut a = marked("a", &[(10, "ns/x", Work)]);
+        a.log.reconciles.push((t(30), "ns/y".into()));
+        a.log.lease_end = Some((t(20), LeaseEnd::Lost));
+        let b = marked("b", &[(12, "ns/y", Work)]);
+        assert_eq!(check_zero_write(&[a, b], &[]).violations.len(), 1);
     }
 }

@@ -11,12 +11,17 @@ use e2e::fixtures::{create_ring, secrets_controlling_configmaps, wait_status};
 use e2e::process::poll_until;
 use e2e::{Cluster, IndependentRing, LABEL_NAMESPACE_NAME};
 use futures::future::join_all;
+use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, LabelSelectorRequirement};
 use k8s_openapi::jiff::SignedDuration;
 use kube::api::{Api, PostParams};
 use kube::{Client, ResourceExt};
-use kube_sharding_api::{Assignment, ClusterRingSpec};
+use kube_sharding_api::range_lease::{
+    ANNOTATION_ACKNOWLEDGED, ANNOTATION_RANGES, Acknowledgement, PublishedRanges,
+};
+use kube_sharding_api::ranges::{RangeRing, fnv1a64};
+use kube_sharding_api::{Assignment, ClusterRingSpec, RingResource};
 use tokio_util::sync::{CancellationToken, DropGuard};
 
 use crate::churn::{self, ChurnStats};
@@ -25,7 +30,7 @@ use crate::evidence::RunLog;
 use crate::exits::{self, Outages};
 use crate::faults::{FaultRecord, Injector};
 use crate::findings::{ExitCounts, ShardCounts, Violation};
-use crate::fleet::{Fleet, ShardRing, ShardTiming};
+use crate::fleet::{self, Fleet, ShardRing, ShardTiming};
 use crate::leases::LeaseLog;
 use crate::ownership;
 use crate::pins::{self, PinPlan};
@@ -190,6 +195,7 @@ pub(crate) async fn soak(scene: &Scene<'_>) -> anyhow::Result<Report> {
         let judged = judge_ring(
             fleet,
             index,
+            ring.assignment,
             &started.lease_logs[index],
             &started.versions[index],
             &outages,
@@ -307,6 +313,8 @@ async fn start(scene: &Scene<'_>, timing: ShardTiming) -> anyhow::Result<Started
             lease_namespace: ring.lease_namespace.clone(),
             shard_prefix: ring.shard_prefix,
             leaves_children: ring.leaves_children,
+            server_side_namespace: (ring.assignment == Assignment::ServerSide)
+                .then(|| ring.namespaces[0].clone()),
         })
         .collect();
     let fleet = Arc::new(
@@ -360,6 +368,10 @@ async fn start(scene: &Scene<'_>, timing: ShardTiming) -> anyhow::Result<Started
 
     let pins: Vec<PinPlan> = (0..scene.rings.len())
         .map(|index| {
+            // A zero-write ring ignores pins (docs/zero-write-rings.md): none to check.
+            if scene.rings[index].assignment == Assignment::ServerSide {
+                return PinPlan::default();
+            }
             let shards: Vec<String> = (0..scene.args.shards)
                 .map(|n| fleet.shard_name(index, n))
                 .collect();
@@ -385,8 +397,9 @@ async fn start(scene: &Scene<'_>, timing: ShardTiming) -> anyhow::Result<Started
         match ring.assignment {
             Assignment::Webhook => wait_webhook(client, namespace, &ring.keys, &shards).await?,
             Assignment::Watch => wait_watch(client, namespace, &ring.keys, &shards).await?,
-            // The soak runs no zero-write ring yet (docs/zero-write-rings.md, "Still to build").
-            Assignment::ServerSide => anyhow::bail!("the soak has no ServerSide ring"),
+            Assignment::ServerSide => {
+                wait_ranges(client, &ring.lease_namespace, &ring.name, &shards).await?;
+            }
         }
     }
     for (ring, plan) in scene.rings.iter().zip(&pins) {
@@ -413,10 +426,16 @@ async fn start(scene: &Scene<'_>, timing: ShardTiming) -> anyhow::Result<Started
     })
 }
 
-/// The ring: Secrets controlling ConfigMaps, in exactly its namespaces, assigned its way.
+/// The ring: Secrets controlling ConfigMaps, in exactly its namespaces, assigned its way. A
+/// zero-write ring hashes uids, which leaves no room for controlled resources: Secrets alone
+/// (their ConfigMaps are the shards' own, outside the ring).
 fn ring_spec(ring: &RingScene) -> ClusterRingSpec {
     ClusterRingSpec {
-        resources: vec![secrets_controlling_configmaps()],
+        resources: vec![if ring.assignment == Assignment::ServerSide {
+            RingResource::new("", "secrets")
+        } else {
+            secrets_controlling_configmaps()
+        }],
         namespace_selector: Some(LabelSelector {
             match_labels: None,
             match_expressions: Some(vec![LabelSelectorRequirement {
@@ -492,6 +511,50 @@ async fn wait_watch(
         }
     })
     .await
+}
+
+/// Waits until the sharder has published to each of `shards` its share of the ring of exactly
+/// these shards and each has acknowledged it: a zero-write ring's handover works before the
+/// faults start.
+async fn wait_ranges(
+    client: &Client,
+    lease_namespace: &str,
+    ring: &str,
+    shards: &[String],
+) -> anyhow::Result<()> {
+    let target = RangeRing::new(shards);
+    let api = Api::<Lease>::namespaced(client.clone(), lease_namespace);
+    poll_until(
+        "the ranges to be published and acknowledged",
+        STARTUP,
+        || {
+            let (api, target) = (api.clone(), &target);
+            async move {
+                for shard in shards {
+                    let Some(lease) = api.get_opt(shard).await? else {
+                        return Ok(None);
+                    };
+                    let annotations = lease.annotations();
+                    let published = annotations
+                        .get(ANNOTATION_RANGES)
+                        .and_then(|r| r.parse::<PublishedRanges>().ok());
+                    let acknowledged = annotations
+                        .get(ANNOTATION_ACKNOWLEDGED)
+                        .and_then(|a| a.parse::<Acknowledgement>().ok());
+                    let settled = published.is_some_and(|p| {
+                        *p.ranges() == target.ranges_of(shard)
+                            && acknowledged.is_some_and(|a| a.generation == p.generation())
+                    });
+                    if !settled {
+                        return Ok(None);
+                    }
+                }
+                Ok(Some(()))
+            }
+        },
+    )
+    .await
+    .with_context(|| format!("ring {ring}"))
 }
 
 /// Waits until every pinned Secret of `plan` is where its pin puts it among `shards` (the last,
@@ -610,6 +673,12 @@ async fn inject(scene: &Scene<'_>, fleet: &Arc<Fleet>) -> anyhow::Result<Chaos> 
                     objects: args.objects,
                     seed: scene.seed,
                     stream: ring.churn_stream,
+                    // The zero-write ring's shards take a while over these (see `fleet`).
+                    prefix: if ring.assignment == Assignment::ServerSide {
+                        fleet::SLOW_PREFIX
+                    } else {
+                        churn::SECRET_PREFIX
+                    },
                 },
                 churn_stop.clone(),
             ))
@@ -696,12 +765,13 @@ async fn converge(
     })
     .await?;
     for (index, ring) in scene.rings.iter().enumerate() {
-        let probes = create_probes(
-            &scene.client,
-            &ring.namespaces[0],
-            &fleet.wanted_shards(index),
-        )
-        .await?;
+        let shards = fleet.wanted_shards(index);
+        let namespace = &ring.namespaces[0];
+        let probes = if ring.assignment == Assignment::ServerSide {
+            create_uid_probes(&scene.client, namespace, &shards).await?
+        } else {
+            create_probes(&scene.client, namespace, &shards).await?
+        };
         progress(&format!(
             "created {} probe Secrets in ring {}, one for each shard, that the shards must reconcile",
             probes.len(),
@@ -723,6 +793,7 @@ async fn converge(
                     lease_namespace: &ring.lease_namespace,
                     ring: &ring.name,
                     keys: &ring.keys,
+                    zero_write: ring.assignment == Assignment::ServerSide,
                 },
                 || {
                     fleet
@@ -809,6 +880,41 @@ async fn create_probes(
     Ok(names)
 }
 
+/// [`create_probes`] for a zero-write ring, which hashes uids, unknown before creation:
+/// creates Secrets until each of `shards` owns one in the ring of exactly these shards.
+async fn create_uid_probes(
+    client: &Client,
+    namespace: &str,
+    shards: &[String],
+) -> anyhow::Result<Vec<String>> {
+    /// Plenty: at 5 shards the chance that 200 draws miss one is below 10^-19.
+    const MOST: usize = 200;
+    let ring = RangeRing::new(shards);
+    let api = Api::<Secret>::namespaced(client.clone(), namespace);
+    let mut missing: BTreeSet<&str> = shards.iter().map(String::as_str).collect();
+    let mut names = Vec::new();
+    for i in 0..MOST {
+        if missing.is_empty() {
+            return Ok(names);
+        }
+        let name = format!("probe-{i}");
+        let secret: Secret = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": name},
+            "stringData": {"probe": name},
+        }))?;
+        let created = api
+            .create(&PostParams::default(), &secret)
+            .await
+            .with_context(|| format!("failed to create probe Secret {name}"))?;
+        let uid = created.uid().context("a Secret without uid")?;
+        if let Some(owner) = ring.owner(fnv1a64(&uid)) {
+            missing.remove(owner);
+        }
+        names.push(name);
+    }
+    anyhow::bail!("{MOST} probe Secrets left {missing:?} without one")
+}
+
 /// Resident memory of every running sharder replica.
 fn rss(fleet: &Fleet) -> Vec<Rss> {
     (0..fleet.sharder_slots())
@@ -885,6 +991,7 @@ struct Judged {
 fn judge_ring(
     fleet: &Fleet,
     ring: usize,
+    assignment: Assignment,
     lease_log: &LeaseLog,
     versions: &VersionLog,
     outages: &Outages<'_>,
@@ -917,7 +1024,12 @@ fn judge_ring(
             }
         }
     }
-    let found = ownership::check(&runs, &lease_log.changes(), versions);
+    let found = match assignment {
+        Assignment::ServerSide => ownership::check_zero_write(&runs, &lease_log.changes()),
+        Assignment::Webhook | Assignment::Watch => {
+            ownership::check(&runs, &lease_log.changes(), versions)
+        }
+    };
     let mut violations = found.violations;
     let (exits, exit_violations) = exits::classify(&ended, outages);
     violations.extend(exit_violations);
