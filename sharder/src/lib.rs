@@ -7,7 +7,7 @@
 //! | [`core`] | the pure core: hash ring, hash keys, rebalance decision, owner wait, sync schedule, ring validation, desired webhook configuration |
 //! | `caches` | the caches of rings and shard Leases: reflectors, batching, the Lease index, the thread their watches run on, and the `Changes` hub the views and controllers subscribe to |
 //! | [`views`] | the ring views the webhook and the sync read, and the task that keeps them current |
-//! | [`controller`] | the leader's controllers, one module each: rings, shard Leases, the sharder's sync |
+//! | `controller` | the leader's controllers, one module each: rings, shard Leases, the sharder's sync |
 //! | `leader_election` | runs the controllers on the elected leader only; the process's identity |
 //! | [`webhook`] | the admission webhook that assigns objects, and its TLS server |
 //! | [`server`] | the HTTPS server with certificate reload, the metrics server (HTTPS behind TokenReview and SubjectAccessReview, or plain), the health server |
@@ -18,6 +18,7 @@
 //! | `reachability` | whether the API server reaches each ring's webhook; moves stop while it does not |
 //! | `client` | the API clients (controllers, leader election, caches) |
 //! | `context` | what the leader's controllers share |
+//! | [`records`] | the `event` of every log record at info level and above: what operators alert on and tests match |
 //! | `direct_moves` | the direct moves in flight off each shard, which hold back a returning shard's `ready` label |
 //! | [`cli`] | the kubectl plugin (`kubectl sharding`): status, explain, simulate |
 //!
@@ -29,7 +30,7 @@ mod caches;
 pub mod cli;
 mod client;
 mod context;
-pub mod controller;
+pub(crate) mod controller;
 pub mod core;
 mod direct_moves;
 mod events;
@@ -37,6 +38,7 @@ mod leader_election;
 pub mod metrics;
 mod observed;
 mod reachability;
+pub mod records;
 pub mod server;
 mod state_source;
 pub mod views;
@@ -201,9 +203,9 @@ pub async fn run(
 
     signal.cancelled().await;
     readiness.set_shutting_down();
-    tracing::info!(delay = ?config.shutdown_delay.0, "shutting down: not ready, serving the webhook a little longer");
+    tracing::info!(event = records::SHUTDOWN_STARTED, delay = ?config.shutdown_delay.0, "shutting down: not ready, serving the webhook a little longer");
     tokio::time::sleep(config.shutdown_delay.0).await;
-    tracing::info!("stopping every task");
+    tracing::info!(event = records::TASKS_STOPPING, "stopping every task");
     shutdown.cancel();
     let remaining = config
         .graceful_shutdown
@@ -214,7 +216,10 @@ pub async fn run(
     })
     .await;
     if drained.is_err() {
-        tracing::warn!("graceful shutdown timed out; stopping the remaining tasks");
+        tracing::warn!(
+            event = records::SHUTDOWN_TIMED_OUT,
+            "graceful shutdown timed out; stopping the remaining tasks"
+        );
         tasks.shutdown().await;
     }
     Ok(())
@@ -242,9 +247,9 @@ async fn report_caches_synced(
                 .await;
                 readiness.set_caches_synced();
                 synced.cancel();
-                tracing::info!("caches synced, ring views built");
+                tracing::info!(event = records::CACHES_SYNCED, "caches synced, ring views built");
             }
-            Err(error) => tracing::error!(%error, "caches failed to sync"),
+            Err(error) => tracing::error!(event = records::CACHES_SYNC_FAILED, %error, "caches failed to sync"),
         },
     }
 }

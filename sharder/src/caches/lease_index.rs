@@ -36,6 +36,8 @@ use tokio::sync::broadcast;
 
 use super::Renewals;
 
+use crate::records;
+
 /// How many changes a slow subscriber may fall behind before it is told to start over
 /// ([`LeaseChange::All`] semantics on `Lagged`).
 const CHANGES_CAPACITY: usize = 4096;
@@ -465,6 +467,7 @@ impl LeaseIndex {
             until,
         };
         tracing::info!(
+            event = records::SHARD_DEPARTURE_HELD,
             kind = %self.kind,
             ring,
             shard,
