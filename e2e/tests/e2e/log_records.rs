@@ -205,10 +205,30 @@ fn arguments(pieces: &[Piece], at: usize, from: usize) -> Vec<Piece> {
 /// messages.
 const MIN_MATCHED: usize = 8;
 
+/// The string constants of `source` (`const NAME: &str = "…";`), by name.
+fn string_constants(source: &str) -> Vec<(String, String)> {
+    let pieces = pieces(source);
+    let mut constants = Vec::new();
+    for pair in pieces.windows(2) {
+        let [Piece::Code(code), Piece::Str(text)] = pair else {
+            continue;
+        };
+        let Some(head) = code.trim_end().strip_suffix(": &str =") else {
+            continue;
+        };
+        let Some((_, name)) = head.rsplit_once("const ") else {
+            continue;
+        };
+        constants.push((name.trim().to_string(), text.clone()));
+    }
+    constants
+}
+
 /// The fixed parts of the log messages in `source`: each message (the last string argument of a
-/// record macro) split at its `{…}` placeholders, the parts of at least [`MIN_MATCHED`]
-/// characters.
+/// record macro, with the string constants of the file it names as `{NAME}` put in) split at its
+/// other `{…}` placeholders, the parts of at least [`MIN_MATCHED`] characters.
 fn message_parts(source: &str) -> Vec<String> {
+    let constants = string_constants(source);
     let mut parts = Vec::new();
     for (_, args) in log_macros(source) {
         let Some(message) = args.iter().rev().find_map(|p| match p {
@@ -217,6 +237,10 @@ fn message_parts(source: &str) -> Vec<String> {
         }) else {
             continue;
         };
+        let mut message = message.clone();
+        for (name, value) in &constants {
+            message = message.replace(&format!("{{{name}}}"), value);
+        }
         for part in message.split(['{', '}']).step_by(2) {
             let part = part.trim();
             if part.chars().count() >= MIN_MATCHED {
@@ -360,6 +384,8 @@ fn the_checks_find_what_they_look_for() {
         warn!(%error, ring = %name, "sync failed for {ring} after {n} tries");
         tracing::debug!(%peer, "TLS handshake failed");
         let url = "https://example"; error!("no event here");
+        pub const SYNC_STARTED: &str = "starting sync of ring";
+        info!(%ring, "{SYNC_STARTED}");
     "##;
     assert_eq!(
         message_parts(sharder),
@@ -368,6 +394,7 @@ fn the_checks_find_what_they_look_for() {
             "sync failed for",
             "TLS handshake failed",
             "no event here",
+            "starting sync of ring",
         ]
     );
     assert_eq!(
@@ -375,6 +402,7 @@ fn the_checks_find_what_they_look_for() {
         [
             r#"warn!: Some("sync failed for {ring} after {n} tries")"#,
             r#"error!: Some("no event here")"#,
+            r#"info!: Some("{SYNC_STARTED}")"#,
         ]
     );
 
@@ -387,6 +415,7 @@ fn the_checks_find_what_they_look_for() {
         r#"line.contains(r"TLS handshake")"#,
         r#"match message { "sync failed for" => 1, _ => 0 }"#,
         r#"message == "no event here""#,
+        r#"line.contains("starting sync")"#,
     ] {
         assert_eq!(
             message_matches(matching, &messages).len(),
