@@ -214,7 +214,7 @@ impl Events {
         };
         let api: Api<Event> = Api::namespaced(self.client.clone(), &namespace);
         if let Err(error) = api.create(&PostParams::default(), &event).await {
-            tracing::warn!(event = records::EVENT_PUBLISH_FAILED, %error, reason, "failed to publish an Event");
+            tracing::warn!(event = records::EVENT_KUBE_EVENT_FAILED, %error, reason, "failed to publish an Event");
         }
     }
 }

@@ -76,26 +76,26 @@ impl Election {
                 () = shutdown.cancelled() => return,
                 held = lock.acquire() => held,
             };
-            tracing::info!(event = records::LEADERSHIP_ACQUIRED, %identity, "became leader, starting controllers");
+            tracing::info!(event = records::EVENT_LEADERSHIP_ACQUIRED, %identity, "became leader, starting controllers");
             let ended = held
                 .run_while_held(&shutdown, |stop| controller::run_all(ctx.clone(), stop))
                 .await;
             match ended {
                 Ok(HeldRunEnd::LeaseLost) => {
                     tracing::error!(
-                        event = records::LEADERSHIP_LOST,
+                        event = records::EVENT_LEADERSHIP_LOST,
                         "lost leadership, stopped controllers"
                     );
                 }
                 Ok(HeldRunEnd::WorkEnded { .. }) if !shutdown.is_cancelled() => {
                     tracing::error!(
-                        event = records::CONTROLLERS_ENDED,
+                        event = records::EVENT_CONTROLLERS_ENDED,
                         "controllers stopped on their own; released leadership"
                     );
                 }
                 Ok(HeldRunEnd::WorkEnded { .. }) => {}
                 Err(error) => {
-                    tracing::warn!(event = records::LEADERSHIP_RELEASE_FAILED, %error, "failed to release leader election Lease")
+                    tracing::warn!(event = records::EVENT_LEADERSHIP_RELEASE_FAILED, %error, "failed to release leader election Lease")
                 }
             }
             if shutdown.is_cancelled() {

@@ -203,9 +203,9 @@ pub async fn run(
 
     signal.cancelled().await;
     readiness.set_shutting_down();
-    tracing::info!(event = records::SHUTDOWN_STARTED, delay = ?config.shutdown_delay.0, "shutting down: not ready, serving the webhook a little longer");
+    tracing::info!(event = records::EVENT_SHUTDOWN_STARTED, delay = ?config.shutdown_delay.0, "shutting down: not ready, serving the webhook a little longer");
     tokio::time::sleep(config.shutdown_delay.0).await;
-    tracing::info!(event = records::TASKS_STOPPING, "stopping every task");
+    tracing::info!(event = records::EVENT_TASKS_STOPPING, "stopping every task");
     shutdown.cancel();
     let remaining = config
         .graceful_shutdown
@@ -217,7 +217,7 @@ pub async fn run(
     .await;
     if drained.is_err() {
         tracing::warn!(
-            event = records::SHUTDOWN_TIMED_OUT,
+            event = records::EVENT_SHUTDOWN_TIMED_OUT,
             "graceful shutdown timed out; stopping the remaining tasks"
         );
         tasks.shutdown().await;
@@ -247,9 +247,9 @@ async fn report_caches_synced(
                 .await;
                 readiness.set_caches_synced();
                 synced.cancel();
-                tracing::info!(event = records::CACHES_SYNCED, "caches synced, ring views built");
+                tracing::info!(event = records::EVENT_CACHES_SYNCED, "caches synced, ring views built");
             }
-            Err(error) => tracing::error!(event = records::CACHES_SYNC_FAILED, %error, "caches failed to sync"),
+            Err(error) => tracing::error!(event = records::EVENT_CACHES_SYNC_FAILED, %error, "caches failed to sync"),
         },
     }
 }

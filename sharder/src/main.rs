@@ -60,14 +60,14 @@ async fn shutdown_on_signal(shutdown: CancellationToken) {
         signal(SignalKind::interrupt()),
     ) else {
         tracing::error!(
-            event = records::SIGNAL_HANDLERS_FAILED,
+            event = records::EVENT_SIGNAL_HANDLERS_FAILED,
             "failed to install signal handlers"
         );
         return;
     };
     tokio::select! { _ = term.recv() => {}, _ = int.recv() => {} }
     tracing::info!(
-        event = records::SHUTDOWN_SIGNALLED,
+        event = records::EVENT_SHUTDOWN_SIGNALLED,
         "received shutdown signal"
     );
     shutdown.cancel();

@@ -61,7 +61,7 @@ pub(crate) async fn serve(
     let addr = kube_sharding_api::config::parse_bind_address(&server_config.bind_address)?
         .context("webhook server address")?;
     let listener = server::bind(addr).await?;
-    tracing::info!(event = records::SERVING, address = %listener.local_addr()?, "serving webhook");
+    tracing::info!(event = records::EVENT_SERVING, address = %listener.local_addr()?, "serving webhook");
     tasks.spawn(server::serve_tls(
         listener,
         tls,
@@ -304,7 +304,7 @@ fn decide(
         request.resource.resource.as_str(),
     );
     let Some(resource) = view.resources.get(&group_resource) else {
-        tracing::warn!(event = records::RESOURCE_NOT_IN_RING, %ring, resource = %group_resource, "webhook called for a resource that is not part of the ring; allowing unchanged");
+        tracing::warn!(event = records::EVENT_RESOURCE_NOT_IN_RING, %ring, resource = %group_resource, "webhook called for a resource that is not part of the ring; allowing unchanged");
         return allow("resource is not part of the ring");
     };
     // The key reads only the controller reference: an owned copy of it, if there is one.

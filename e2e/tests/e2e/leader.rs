@@ -19,7 +19,7 @@ use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{ConfigMap, Secret};
 use kube::api::{Api, ObjectMeta, PostParams};
 use kube::{Client, ResourceExt};
-use kube_sharder::records::LEADERSHIP_ACQUIRED;
+use kube_sharder::records::EVENT_LEADERSHIP_ACQUIRED;
 use kube_sharding_api::labels;
 use serde_json::Value;
 use sha2::{Digest, Sha256};
@@ -34,7 +34,7 @@ fn leader_identities(process: &Process) -> Vec<String> {
     process
         .records()
         .iter()
-        .filter(|r| r["event"] == LEADERSHIP_ACQUIRED)
+        .filter(|r| r["event"] == EVENT_LEADERSHIP_ACQUIRED)
         .filter_map(|r| r["identity"].as_str().map(str::to_string))
         .collect()
 }

@@ -380,7 +380,7 @@ fn the_checks_find_what_they_look_for() {
     let sharder = r##"
         // info!("commented out, not a message");
         let quote = '"';
-        tracing::info!(event = records::SYNC_FINISHED, %ring, listed, "finished sync of ring");
+        tracing::info!(event = records::EVENT_SYNC_FINISHED, %ring, listed, "finished sync of ring");
         warn!(%error, ring = %name, "sync failed for {ring} after {n} tries");
         tracing::debug!(%peer, "TLS handshake failed");
         let url = "https://example"; error!("no event here");
@@ -409,7 +409,7 @@ fn the_checks_find_what_they_look_for() {
     let messages = message_parts(sharder);
     // Each way a test matched messages before: by a field key, by part of a message.
     for matching in [
-        r#"r["fields"]["message"] == SYNC_FINISHED"#,
+        r#"r["fields"]["message"] == EVENT_SYNC_FINISHED"#,
         r#"record.get("message")"#,
         r#"r.to_string().contains("finished sync")"#,
         r#"line.contains(r"TLS handshake")"#,
@@ -426,7 +426,7 @@ fn the_checks_find_what_they_look_for() {
     // By event; comments, JSON fixtures holding messages, short words, a message's phrase as a
     // test's own text: nothing found.
     for fine in [
-        r#"r["event"] == SYNC_FINISHED && r["ring"] == "ClusterRing/x""#,
+        r#"r["event"] == EVENT_SYNC_FINISHED && r["ring"] == "ClusterRing/x""#,
         r#"// waits for the "finished sync of ring" record"#,
         r##"r#"{"message":"finished sync of ring","event":"sync_finished"}"#"##,
         r#"ensure!(text.contains("failed"), "{text}")"#,

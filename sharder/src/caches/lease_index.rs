@@ -467,7 +467,7 @@ impl LeaseIndex {
             until,
         };
         tracing::info!(
-            event = records::SHARD_DEPARTURE_HELD,
+            event = records::EVENT_SHARD_DEPARTURE_HELD,
             kind = %self.kind,
             ring,
             shard,

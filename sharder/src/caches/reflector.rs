@@ -81,7 +81,7 @@ pub(super) fn spawn_reflector_into<K>(
             None => None,
             Some(Ok(event)) => Some(observe(&event)),
             Some(Err(error)) => {
-                tracing::warn!(event = records::CACHE_WATCH_FAILED, %error, "watch failed, retrying with backoff");
+                tracing::warn!(event = records::EVENT_CACHE_WATCH_FAILED, %error, "watch failed, retrying with backoff");
                 Some(true)
             }
         };

@@ -182,7 +182,7 @@ impl RangePublisher {
                 continue;
             };
             publish(ctx, entry.lease, publication).await?;
-            tracing::info!(event = records::RANGES_PUBLISHED, ring = %ring_ref, shard = %name, generation = publication.generation(), ranges = publication.ranges().ranges().len(), "published ranges");
+            tracing::info!(event = records::EVENT_RANGES_PUBLISHED, ring = %ring_ref, shard = %name, generation = publication.generation(), ranges = publication.ranges().ranges().len(), "published ranges");
         }
         for lease in clear {
             clear_annotations(ctx, lease).await?;
@@ -233,7 +233,7 @@ fn shard_ranges(lease: &Lease) -> ShardRanges {
     let annotations = lease.annotations();
     let published = annotations.get(ANNOTATION_RANGES).map(|value| {
         value.parse::<PublishedRanges>().unwrap_or_else(|error| {
-            tracing::warn!(event = records::RANGES_UNREADABLE, lease = %lease.name_any(), %error, "unreadable ranges annotation: the shard counts as holding every range until it acknowledges one of ours");
+            tracing::warn!(event = records::EVENT_RANGES_UNREADABLE, lease = %lease.name_any(), %error, "unreadable ranges annotation: the shard counts as holding every range until it acknowledges one of ours");
             // Never acknowledged, and unknown to the planner: it counts as holding everything.
             PublishedRanges::new(0, RangeSet::full()).expect("one range is within the limit")
         })

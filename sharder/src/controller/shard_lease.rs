@@ -339,7 +339,7 @@ struct Problems {
 }
 
 fn error_policy(_lease: Arc<Lease>, error: &Error, _state: Arc<State>) -> Action {
-    tracing::warn!(event = records::SHARD_LEASE_RECONCILE_FAILED, %error, "failed to reconcile shard Lease");
+    tracing::warn!(event = records::EVENT_SHARD_LEASE_RECONCILE_FAILED, %error, "failed to reconcile shard Lease");
     Action::requeue(Duration::from_secs(5))
 }
 
@@ -416,7 +416,7 @@ async fn reconcile(lease: Arc<Lease>, state: Arc<State>) -> Result<Action, Error
             api.patch(&name, &super::patch_params(), &Patch::Merge(&patch))
                 .await
                 .map_err(write_err("take over"))?;
-            tracing::info!(event = records::SHARD_LEASE_TAKEN_OVER, ring = %ring, shard = %name, "took over the Lease of an unresponsive shard");
+            tracing::info!(event = records::EVENT_SHARD_LEASE_TAKEN_OVER, ring = %ring, shard = %name, "took over the Lease of an unresponsive shard");
             let note = format!(
                 "Shard {name} stopped renewing its Lease and was declared dead; its objects move to the available shards"
             );
@@ -436,7 +436,7 @@ async fn reconcile(lease: Arc<Lease>, state: Arc<State>) -> Result<Action, Error
             };
             match api.delete(&name, &params).await {
                 Ok(_) => {
-                    tracing::info!(event = records::SHARD_LEASE_DELETED, ring = %ring, shard = %name, "deleted orphaned shard Lease")
+                    tracing::info!(event = records::EVENT_SHARD_LEASE_DELETED, ring = %ring, shard = %name, "deleted orphaned shard Lease")
                 }
                 Err(kube::Error::Api(s)) if s.code == 404 => {}
                 Err(e) => return Err(write_err("delete")(e)),
@@ -552,7 +552,7 @@ async fn report_problems(state: &State, lease: &Lease, ring: &AnyRing) -> Proble
         .filter(|e| previous.exclusion.as_ref() != Some(*e))
     {
         let message = exclusion.message(kind, &ring_ref.name, &shard);
-        tracing::warn!(event = records::SHARD_LEASE_EXCLUDED, ring = %ring_ref, %shard, %namespace, reason = exclusion.reason(), "{message}");
+        tracing::warn!(event = records::EVENT_SHARD_LEASE_EXCLUDED, ring = %ring_ref, %shard, %namespace, reason = exclusion.reason(), "{message}");
         for reference in [lease.object_ref(&()), ring.object_ref()] {
             ctx.events
                 .warning(
@@ -577,7 +577,7 @@ async fn report_problems(state: &State, lease: &Lease, ring: &AnyRing) -> Proble
             continue;
         };
         let message = format!("Shard {shard:?} of {ring_ref}: {error}");
-        tracing::warn!(event = records::SHARD_LEASE_INVALID, ring = %ring_ref, %shard, %namespace, reason, "{message}");
+        tracing::warn!(event = records::EVENT_SHARD_LEASE_INVALID, ring = %ring_ref, %shard, %namespace, reason, "{message}");
         ctx.events
             .warning(&lease.object_ref(&()), reason, "", message)
             .await;
@@ -592,7 +592,7 @@ async fn report_problems(state: &State, lease: &Lease, ring: &AnyRing) -> Proble
                 "ahead of"
             }
         );
-        tracing::warn!(event = records::SHARD_CLOCK_SKEWED, ring = %ring_ref, %shard, %namespace, reason = REASON_CLOCK_SKEW, "{message}");
+        tracing::warn!(event = records::EVENT_SHARD_CLOCK_SKEWED, ring = %ring_ref, %shard, %namespace, reason = REASON_CLOCK_SKEW, "{message}");
         ctx.events
             .warning(&lease.object_ref(&()), REASON_CLOCK_SKEW, "", message)
             .await;

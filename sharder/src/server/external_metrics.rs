@@ -357,7 +357,7 @@ async fn metric_value(
             );
         }
         Err(error) => {
-            tracing::warn!(event = records::EXTERNAL_METRICS_AUTHORIZATION_FAILED, error = %format!("{error:#}"), "failed to authorize an external metrics request");
+            tracing::warn!(event = records::EVENT_EXTERNAL_METRICS_AUTHORIZATION_FAILED, error = %format!("{error:#}"), "failed to authorize an external metrics request");
             return status(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "ServiceUnavailable",

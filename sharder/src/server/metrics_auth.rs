@@ -385,7 +385,7 @@ pub(crate) async fn require_access(
         Ok(Access::Unauthenticated) => unauthorized(),
         Ok(Access::Forbidden) => forbidden(),
         Err(error) => {
-            tracing::warn!(event = records::METRICS_REVIEW_FAILED, error = %format!("{error:#}"), "failed to review a metrics request");
+            tracing::warn!(event = records::EVENT_METRICS_REVIEW_FAILED, error = %format!("{error:#}"), "failed to review a metrics request");
             (StatusCode::SERVICE_UNAVAILABLE, UNAVAILABLE).into_response()
         }
     }

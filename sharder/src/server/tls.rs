@@ -228,16 +228,16 @@ pub(crate) async fn watch_certificate(
             Ok(true) => {
                 readiness.set_certificate_loaded();
                 tracing::info!(
-                    event = records::CERTIFICATE_LOADED,
+                    event = records::EVENT_CERTIFICATE_LOADED,
                     "loaded serving certificate"
                 );
             }
             Ok(false) => {}
             Err(error) => {
                 if reloader.is_loaded() {
-                    tracing::warn!(event = records::CERTIFICATE_RELOAD_FAILED, %error, "failed to reload serving certificate, keeping the previous one");
+                    tracing::warn!(event = records::EVENT_CERTIFICATE_RELOAD_FAILED, %error, "failed to reload serving certificate, keeping the previous one");
                 } else {
-                    tracing::warn!(event = records::CERTIFICATE_MISSING, %error, "serving certificate not available yet");
+                    tracing::warn!(event = records::EVENT_CERTIFICATE_MISSING, %error, "serving certificate not available yet");
                 }
             }
         }

@@ -269,10 +269,10 @@ pub(crate) async fn refresh(sources: &ViewSources, scope: Scope) {
                 .ring_calculations
                 .get_or_create(&RingLabel(ring_ref.clone()))
                 .inc();
-            tracing::info!(event = records::HASH_RING_REBUILT, ring = %ring_ref, shards = ?shards, "rebuilt hash ring");
+            tracing::info!(event = records::EVENT_HASH_RING_REBUILT, ring = %ring_ref, shards = ?shards, "rebuilt hash ring");
         }
         if !view.unresolved.is_empty() {
-            tracing::warn!(event = records::RESOURCES_UNRESOLVED, ring = %ring_ref, unresolved = ?view.unresolved, "some ring resources are not served by the API server (yet)");
+            tracing::warn!(event = records::EVENT_RESOURCES_UNRESOLVED, ring = %ring_ref, unresolved = ?view.unresolved, "some ring resources are not served by the API server (yet)");
         }
         sources.views.insert(view);
     }

@@ -182,7 +182,7 @@ impl Pins {
                 .inc();
             if !pins.full {
                 pins.full = true;
-                tracing::warn!(event = records::PINS_LIMIT_REACHED, %ring, max = MAX_PINS_PER_RING, "too many pinned main objects to remember: children of further pinned objects follow the ring until the sync moves them");
+                tracing::warn!(event = records::EVENT_PINS_LIMIT_REACHED, %ring, max = MAX_PINS_PER_RING, "too many pinned main objects to remember: children of further pinned objects follow the ring until the sync moves them");
             }
             return;
         }

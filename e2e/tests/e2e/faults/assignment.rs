@@ -19,7 +19,8 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use kube::ResourceExt;
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use kube_sharder::records::{
-    LEADERSHIP_ACQUIRED, MISSED_ASSIGNMENT_WATCH_FAILED, SYNC_FINISHED, SYNC_STARTED,
+    EVENT_LEADERSHIP_ACQUIRED, EVENT_MISSED_ASSIGNMENT_WATCH_FAILED, EVENT_SYNC_FINISHED,
+    EVENT_SYNC_STARTED,
 };
 use kube_sharding_api::labels;
 use serde_json::json;
@@ -57,7 +58,7 @@ async fn gated_ring(
     wait_webhook(client, &ns, &ring, &shards).await?;
     sharder
         .wait_for_record("the ring's first sync to finish", STARTUP, |r| {
-            r["event"] == SYNC_FINISHED
+            r["event"] == EVENT_SYNC_FINISHED
         })
         .await?;
     Ok(GatedRing {
@@ -170,7 +171,7 @@ async fn the_missed_assignment_watch_survives_an_apiserver_restart() -> anyhow::
         mut sharder,
     } = gated_ring(cluster, &client, "restart", settings).await?;
 
-    let syncs = records_of(&sharder, SYNC_STARTED);
+    let syncs = records_of(&sharder, EVENT_SYNC_STARTED);
 
     let dir = cluster
         .state_dir()
@@ -186,7 +187,7 @@ async fn the_missed_assignment_watch_survives_an_apiserver_restart() -> anyhow::
     // Otherwise the restart tested nothing.
     sharder
         .wait_for_record("the missed-assignment watch to fail", WAIT, |r| {
-            r["event"] == MISSED_ASSIGNMENT_WATCH_FAILED
+            r["event"] == EVENT_MISSED_ASSIGNMENT_WATCH_FAILED
         })
         .await?;
     // The API server calls the webhook again (its configurations are watched anew, too).
@@ -248,12 +249,12 @@ async fn the_missed_assignment_watch_survives_an_apiserver_restart() -> anyhow::
         "the sharder exited across the restart"
     );
     ensure!(
-        records_of(&sharder, SYNC_STARTED) == syncs,
+        records_of(&sharder, EVENT_SYNC_STARTED) == syncs,
         "a sync started across the restart: it, not the missed-assignment watch, may have \
          assigned the objects"
     );
     ensure!(
-        records_of(&sharder, LEADERSHIP_ACQUIRED) == 1,
+        records_of(&sharder, EVENT_LEADERSHIP_ACQUIRED) == 1,
         "the sharder lost leadership across the restart: its new term started a fresh watch"
     );
     sharder.passed();
@@ -309,10 +310,10 @@ async fn objects_of_a_namespace_that_joins_a_ring_are_assigned_within_seconds() 
     wait_webhook(&client, &home, &ring, &shards).await?;
     sharder
         .wait_for_record("the ring's first sync to finish", STARTUP, |r| {
-            r["event"] == SYNC_FINISHED
+            r["event"] == EVENT_SYNC_FINISHED
         })
         .await?;
-    let syncs = records_of(&sharder, SYNC_STARTED);
+    let syncs = records_of(&sharder, EVENT_SYNC_STARTED);
     // The sharder's only namespace-scoped watch of Secrets is the one of `home`.
     let namespace_watches = || {
         cluster.apiserver_metric(
@@ -369,7 +370,7 @@ async fn objects_of_a_namespace_that_joins_a_ring_are_assigned_within_seconds() 
         joined.elapsed()
     );
     ensure!(
-        records_of(&sharder, SYNC_STARTED) == syncs,
+        records_of(&sharder, EVENT_SYNC_STARTED) == syncs,
         "a sync started after the namespace joined: it, not the missed-assignment watch, may have \
          assigned the objects"
     );

@@ -16,7 +16,7 @@ use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Secret;
 use kube::ResourceExt;
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
-use kube_sharder::records::SYNC_STARTED;
+use kube_sharder::records::EVENT_SYNC_STARTED;
 use kube_sharding_api::{RingKind, RingRef, labels};
 use serde_json::json;
 
@@ -61,7 +61,7 @@ async fn shards_saying_they_leave_controlled_objects_have_them_moved_children_fi
         Ok(sharder
             .records()?
             .iter()
-            .filter(|r| r["event"] == SYNC_STARTED && r["ring"] == ring.as_str())
+            .filter(|r| r["event"] == EVENT_SYNC_STARTED && r["ring"] == ring.as_str())
             .map(|r| r["children_first"] == true)
             .collect())
     };

@@ -103,7 +103,7 @@ impl Announcer {
                 "Shard {shard} has not acknowledged the drain of {} objects for more than {:?}; it may be stuck",
                 drains.objects, timeout
             );
-            tracing::warn!(event = records::DRAINS_NOT_ACKNOWLEDGED, %ring, %shard, objects = drains.objects, oldest = ?drains.oldest, "drains not acknowledged");
+            tracing::warn!(event = records::EVENT_DRAINS_NOT_ACKNOWLEDGED, %ring, %shard, objects = drains.objects, oldest = ?drains.oldest, "drains not acknowledged");
             ctx.events
                 .warning(
                     &object.object_ref(),

@@ -277,7 +277,7 @@ async fn follow(
                 }
             },
             () = &mut list_deadline, if listed_once.len() < mains.len() && !gave_up => {
-                tracing::warn!(event = records::CONTROLLER_WATCH_LATE, %ring, "the watch of drained controllers did not list in time; a sync moves the held objects");
+                tracing::warn!(event = records::EVENT_CONTROLLER_WATCH_LATE, %ring, "the watch of drained controllers did not list in time; a sync moves the held objects");
                 followed.failed += waiting.len().max(1);
                 waiting = Waiting::default();
                 gave_up = true;
@@ -340,7 +340,7 @@ async fn follow(
             });
         }
     }
-    tracing::info!(event = records::CONTROLLED_OBJECTS_FOLLOWED, %ring, held = total, moved = followed.moved, failed = followed.failed, "controlled objects followed their controllers' acknowledged drains");
+    tracing::info!(event = records::EVENT_CONTROLLED_OBJECTS_FOLLOWED, %ring, held = total, moved = followed.moved, failed = followed.failed, "controlled objects followed their controllers' acknowledged drains");
     followed
 }
 

@@ -61,7 +61,7 @@ pub(crate) async fn run(ctx: Context, shutdown: CancellationToken) {
                     .get_or_create(&OutcomeLabels::new(&view.ring_ref(), "superseded"))
                     .inc();
             }
-            tracing::info!(event = records::SYNC_SUPERSEDED, ring = %key, "view changed during the sync; starting over with the current view");
+            tracing::info!(event = records::EVENT_SYNC_SUPERSEDED, ring = %key, "view changed during the sync; starting over with the current view");
         }
         let start = schedule.start_due(
             now,
@@ -106,7 +106,7 @@ pub(crate) async fn run(ctx: Context, shutdown: CancellationToken) {
                 if let Err(Error::Superseded { unsettled }) = &result
                     && *unsettled > 0
                 {
-                    tracing::info!(event = records::SUPERSEDED_MOVES_UNSETTLED, ring = %name, unsettled, "moves of a superseded sync landed where the current view does not want them; syncing the ring again");
+                    tracing::info!(event = records::EVENT_SUPERSEDED_MOVES_UNSETTLED, ring = %name, unsettled, "moves of a superseded sync landed where the current view does not want them; syncing the ring again");
                     schedule.again(&name, Instant::now());
                 }
                 if handles.get(&name).is_none_or(|(current, _)| *current != id) {
@@ -128,9 +128,9 @@ pub(crate) async fn run(ctx: Context, shutdown: CancellationToken) {
                 if let Some(backoff) = retry {
                     let error = error.unwrap_or_default();
                     if waiting {
-                        tracing::info!(event = records::SYNC_WAITING, %error, ring = %name, retry_in = ?backoff, "sync again soon");
+                        tracing::info!(event = records::EVENT_SYNC_WAITING, %error, ring = %name, retry_in = ?backoff, "sync again soon");
                     } else {
-                        tracing::warn!(event = records::SYNC_FAILED, %error, ring = %name, retry_in = ?backoff, "sync failed");
+                        tracing::warn!(event = records::EVENT_SYNC_FAILED, %error, ring = %name, retry_in = ?backoff, "sync failed");
                     }
                 }
             }

@@ -287,7 +287,7 @@ pub(super) async fn sync_ring(
     let ring = view.ring_ref();
     let started = Instant::now();
     let children_first = children_first(ctx, view);
-    tracing::info!(event = records::SYNC_STARTED, %ring, shards = view.hash_ring.len(), children_first, "starting sync of ring");
+    tracing::info!(event = records::EVENT_SYNC_STARTED, %ring, shards = view.hash_ring.len(), children_first, "starting sync of ring");
     let mut stats = SyncStats::default();
     let mut tally = Tally {
         following: children_first
@@ -310,7 +310,7 @@ pub(super) async fn sync_ring(
         if main_failed && !resource.is_main() {
             // Controllers not listed may still sit on their old shards: moving their controlled
             // objects now could put them ahead of their controllers. The sync fails and runs again.
-            tracing::warn!(event = records::RESOURCE_NOT_SYNCED, %ring, resource = %gr, "not syncing a controlled resource: a main resource could not be listed");
+            tracing::warn!(event = records::EVENT_RESOURCE_NOT_SYNCED, %ring, resource = %gr, "not syncing a controlled resource: a main resource could not be listed");
             continue;
         }
         if let Err(error) = sync_resource(patcher, view, gr, resource, &mut stats, &mut tally).await
@@ -334,7 +334,7 @@ pub(super) async fn sync_ring(
     }
     let duration = started.elapsed();
     tracing::info!(
-        event = records::SYNC_FINISHED,
+        event = records::EVENT_SYNC_FINISHED,
         %ring,
         ?duration,
         listed = stats.listed,
@@ -432,7 +432,7 @@ async fn drains_may_go(tally: &mut Tally, ring: &kube_sharding_api::RingRef) -> 
         listed = tokio::time::timeout(DRAINS_WAIT, following.listed()) => listed.unwrap_or(false),
     };
     if !listed {
-        tracing::warn!(event = records::CONTROLLER_WATCH_LATE, %ring, "the watch of drained controllers did not list in time; the held objects wait for the next sync");
+        tracing::warn!(event = records::EVENT_CONTROLLER_WATCH_LATE, %ring, "the watch of drained controllers did not list in time; the held objects wait for the next sync");
         tally.no_following = true;
         tally.following = None;
     }
@@ -570,11 +570,11 @@ async fn sync_list(
                 .list_inconsistent_continuations
                 .get_or_create(&labels)
                 .inc_by(u64::from(page.inconsistent_continuations));
-            tracing::info!(event = records::LIST_CONTINUED_INCONSISTENTLY, %ring, resource = %gr, "continue token expired (410 Gone); listing on from where it stopped, at the current revision");
+            tracing::info!(event = records::EVENT_LIST_CONTINUED_INCONSISTENTLY, %ring, resource = %gr, "continue token expired (410 Gone); listing on from where it stopped, at the current revision");
         }
         if page.restarted {
             ctx.metrics.list_restarts.get_or_create(&labels).inc();
-            tracing::info!(event = records::LIST_RESTARTED, %ring, resource = %gr, "continue token expired (410 Gone) with no token to go on with; listing again from the first page");
+            tracing::info!(event = records::EVENT_LIST_RESTARTED, %ring, resource = %gr, "continue token expired (410 Gone) with no token to go on with; listing again from the first page");
             stats.listed = checkpoint.0;
             tally.objects = checkpoint.1.clone();
             tally.owner_wait.waiting = checkpoint.2;

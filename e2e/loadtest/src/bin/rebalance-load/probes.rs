@@ -13,7 +13,7 @@ use kube::api::ListParams;
 
 use kube_sharder::core::list_scope::PAGE_SIZE;
 use kube_sharder::metrics::{DRAINS, MOVEMENTS};
-use kube_sharder::records::SYNC_FINISHED;
+use kube_sharder::records::EVENT_SYNC_FINISHED;
 use kube_sharding_api::{RingKind, RingRef};
 
 use crate::report::{Counters, MemorySample, PageProbe, SyncRecord};
@@ -72,7 +72,7 @@ pub(crate) fn sync_records(sharder: &Process, ring: &str) -> Vec<SyncRecord> {
     sharder
         .records()
         .iter()
-        .filter(|r| r["event"] == SYNC_FINISHED && r["ring"] == ring)
+        .filter(|r| r["event"] == EVENT_SYNC_FINISHED && r["ring"] == ring)
         .map(|f| SyncRecord {
             duration: f["duration"].as_str().unwrap_or_default().to_string(),
             listed: f["listed"].as_u64().unwrap_or_default(),

@@ -34,7 +34,7 @@ use k8s_openapi::api::core::v1::{ConfigMap, Secret};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, ObjectMeta, Patch, PostParams};
-use kube_sharder::records::SYNC_FINISHED;
+use kube_sharder::records::EVENT_SYNC_FINISHED;
 use kube_sharding_api::{ClusterRing, RingKind, RingRef};
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
@@ -320,7 +320,7 @@ pub(crate) async fn run(args: &Args, cluster: &Cluster) -> anyhow::Result<()> {
             .wait_for_record(
                 "the fresh sharder's first sync",
                 Duration::from_secs(600),
-                |r| r["event"] == SYNC_FINISHED,
+                |r| r["event"] == EVENT_SYNC_FINISHED,
             )
             .await?;
         let synced = memory(sharder.id().context("the sharder exited")?)?;
