@@ -8,7 +8,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, MicroTime, O
 use k8s_openapi::jiff::Timestamp;
 use kube::api::ObjectMeta;
 use kube_sharding_api::labels::ANNOTATION_WEIGHT;
-use kube_sharding_api::{ClusterRing, ClusterRingSpec, GroupResource, RingKind, RingResource};
+use kube_sharding_api::{GroupResource, RingKind};
 
 use super::cluster::{LoadedRing, Namespaces, SelectorSource};
 use crate::core::any_ring::AnyRing;
@@ -50,17 +50,7 @@ pub(crate) fn lease(name: &str, holder: &str, renewed_ago: i64, weight: Option<&
 
 /// Ring `r` over Secrets controlling ConfigMaps, with these Leases.
 pub(crate) fn loaded(leases: Vec<Lease>) -> LoadedRing {
-    let ring = ClusterRing::new(
-        "r",
-        ClusterRingSpec {
-            resources: vec![RingResource::controlling(
-                "",
-                "secrets",
-                vec![GroupResource::new("", "configmaps")],
-            )],
-            ..ClusterRingSpec::default()
-        },
-    );
+    let ring = crate::test_rings::secrets_ring("r");
     let infos = HashMap::from([
         (GroupResource::new("", "secrets"), info("Secret")),
         (GroupResource::new("", "configmaps"), info("ConfigMap")),

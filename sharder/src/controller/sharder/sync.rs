@@ -23,11 +23,11 @@ use crate::core::key::KeyOutcome;
 use crate::core::list_scope::{ListScope, list_scope};
 use crate::core::owner_wait::OwnerWait;
 use crate::core::rebalance::RebalanceDecision;
-use crate::events::{
+use crate::leader::events::{
     REASON_PIN_UNSATISFIED, REASON_REBALANCE_FINISHED, REASON_REBALANCE_STARTED, REASON_SYNC_FAILED,
 };
+use crate::leader::observed::{DrainsSeen, RingObjects, uid_hash};
 use crate::metrics::{Metrics, OutcomeLabels, RingLabel};
-use crate::observed::{DrainsSeen, RingObjects, uid_hash};
 use crate::views::{ResolvedResource, RingView};
 
 /// A failed sync; the ring is synced again after a backoff.
