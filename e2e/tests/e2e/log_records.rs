@@ -1,8 +1,8 @@
 //! Log records are recognised by their `event`, never by their message: the message is for people
 //! and may be reworded at any time, so a test, a load tool or the chaos checks that matched it would
 //! break, or (worse, for a check that looks for a record's absence) pass blindly. The sharder's
-//! events are in `kube_sharder::records`; the shard library's and the example shard's are in their
-//! crates.
+//! events are in `kube_sharder::records`, the shard library's in `kube_sharding::records`; the
+//! example shard's are documented with its flags.
 //!
 //! Two checks over the source, read as text (string literals and comments told apart, nothing
 //! more):
