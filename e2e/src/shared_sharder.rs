@@ -46,10 +46,17 @@ impl SharedSharder {
         counter_of(&self.files.metrics()?, metric, ring, resource)
     }
 
-    /// Its log so far (plain text, one line per record; every test of the process writes to it).
-    pub fn log(&self) -> anyhow::Result<String> {
-        std::fs::read_to_string(&self.log)
-            .with_context(|| format!("failed to read {}", self.log.display()))
+    /// Its log records so far, in order: JSON objects with the fields at the top level, as the
+    /// sharder prints them with `--log-format=json` (every test of the process writes to it;
+    /// match records by their `event`, see `kube_sharder::records`).
+    pub fn records(&self) -> anyhow::Result<Vec<serde_json::Value>> {
+        let text = std::fs::read_to_string(&self.log)
+            .with_context(|| format!("failed to read {}", self.log.display()))?;
+        Ok(text
+            .lines()
+            .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+            .filter(serde_json::Value::is_object)
+            .collect())
     }
 
     /// A guard that prints the sharder's log unless the test calls
@@ -91,7 +98,8 @@ fn start_shared() -> anyhow::Result<SharedSharder> {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let _ = tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::new("info"))
-        .with_ansi(false)
+        .json()
+        .flatten_event(true)
         .with_writer(std::sync::Mutex::new(log_file))
         .try_init();
     std::thread::Builder::new()

@@ -6,12 +6,12 @@
 //! | `ring` | the ring controller (one per ring kind): validates each ring, applies its webhook configuration, writes its status |
 //! | `ranges` | the ring controller's step for `assignment: ServerSide` rings: publishes hash ranges on the shards' Leases, revoke before grant |
 //! | `shard_lease` | the shard-lease controller (one per ring kind): keeps shard states current, takes over and deletes Leases |
-//! | [`sharder`] | the sharder controller: syncs every ring, draining and moving objects; assigns objects the webhook missed; announces membership changes and stuck drains |
+//! | `sharder` | the sharder controller: syncs every ring, draining and moving objects; assigns objects the webhook missed; announces membership changes and stuck drains |
 
 mod ranges;
 pub(crate) mod ring;
 pub(crate) mod shard_lease;
-pub mod sharder;
+pub(crate) mod sharder;
 
 use kube::api::PatchParams;
 use kube_sharding_api::{ClusterRing, ControllerRing};

@@ -15,6 +15,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::context::Context;
 use crate::controller;
+use crate::records;
 
 /// How this replica runs the controllers: under the leader-election Lease, or always.
 pub(crate) enum Election {
@@ -75,19 +76,27 @@ impl Election {
                 () = shutdown.cancelled() => return,
                 held = lock.acquire() => held,
             };
-            tracing::info!(%identity, "became leader, starting controllers");
+            tracing::info!(event = records::EVENT_LEADERSHIP_ACQUIRED, %identity, "became leader, starting controllers");
             let ended = held
                 .run_while_held(&shutdown, |stop| controller::run_all(ctx.clone(), stop))
                 .await;
             match ended {
                 Ok(HeldRunEnd::LeaseLost) => {
-                    tracing::error!("lost leadership, stopped controllers");
+                    tracing::error!(
+                        event = records::EVENT_LEADERSHIP_LOST,
+                        "lost leadership, stopped controllers"
+                    );
                 }
                 Ok(HeldRunEnd::WorkEnded { .. }) if !shutdown.is_cancelled() => {
-                    tracing::error!("controllers stopped on their own; released leadership");
+                    tracing::error!(
+                        event = records::EVENT_CONTROLLERS_ENDED,
+                        "controllers stopped on their own; released leadership"
+                    );
                 }
                 Ok(HeldRunEnd::WorkEnded { .. }) => {}
-                Err(error) => tracing::warn!(%error, "failed to release leader election Lease"),
+                Err(error) => {
+                    tracing::warn!(event = records::EVENT_LEADERSHIP_RELEASE_FAILED, %error, "failed to release leader election Lease")
+                }
             }
             if shutdown.is_cancelled() {
                 return;

@@ -8,7 +8,7 @@
 //! | `caches` | the caches of rings and shard Leases: reflectors, batching, the Lease index, the thread their watches run on |
 //! | `changes` | the change hub: every change a controller or the ring views can wake on, announced in one place |
 //! | [`views`] | the ring views the webhook and the sync read, and the task that keeps them current |
-//! | [`controller`] | the leader's controllers, one module each: rings, shard Leases, the sharder's sync |
+//! | `controller` | the leader's controllers, one module each: rings, shard Leases, the sharder's sync |
 //! | `leader_election` | runs the controllers on the elected leader only; the process's identity |
 //! | [`webhook`] | the admission webhook that assigns objects, and its TLS server |
 //! | [`server`] | the HTTPS server with certificate reload, the metrics server (HTTPS behind TokenReview and SubjectAccessReview, or plain), the health server |
@@ -17,6 +17,7 @@
 //! | `state_source` | the state metrics' source: the caches, what was observed, reachability |
 //! | `client` | the API clients (controllers, leader election, caches) |
 //! | `context` | what the leader's controllers share |
+//! | [`records`] | the `event` of every log record at info level and above: what operators alert on and tests match |
 //! | [`cli`] | the kubectl plugin (`kubectl sharding`): status, explain, simulate |
 //! | `test_rings` | ring fixtures of the unit tests |
 //!
@@ -29,11 +30,12 @@ mod changes;
 pub mod cli;
 mod client;
 mod context;
-pub mod controller;
+pub(crate) mod controller;
 pub mod core;
 mod leader;
 mod leader_election;
 pub mod metrics;
+pub mod records;
 pub mod server;
 mod state_source;
 #[cfg(test)]
@@ -203,9 +205,9 @@ pub async fn run(
 
     signal.cancelled().await;
     readiness.set_shutting_down();
-    tracing::info!(delay = ?config.shutdown_delay.0, "shutting down: not ready, serving the webhook a little longer");
+    tracing::info!(event = records::EVENT_SHUTDOWN_STARTED, delay = ?config.shutdown_delay.0, "shutting down: not ready, serving the webhook a little longer");
     tokio::time::sleep(config.shutdown_delay.0).await;
-    tracing::info!("stopping every task");
+    tracing::info!(event = records::EVENT_TASKS_STOPPING, "stopping every task");
     shutdown.cancel();
     let remaining = config
         .graceful_shutdown
@@ -216,7 +218,10 @@ pub async fn run(
     })
     .await;
     if drained.is_err() {
-        tracing::warn!("graceful shutdown timed out; stopping the remaining tasks");
+        tracing::warn!(
+            event = records::EVENT_SHUTDOWN_TIMED_OUT,
+            "graceful shutdown timed out; stopping the remaining tasks"
+        );
         tasks.shutdown().await;
     }
     Ok(())
@@ -244,9 +249,9 @@ async fn report_caches_synced(
                 .await;
                 readiness.set_caches_synced();
                 synced.cancel();
-                tracing::info!("caches synced, ring views built");
+                tracing::info!(event = records::EVENT_CACHES_SYNCED, "caches synced, ring views built");
             }
-            Err(error) => tracing::error!(%error, "caches failed to sync"),
+            Err(error) => tracing::error!(event = records::EVENT_CACHES_SYNC_FAILED, %error, "caches failed to sync"),
         },
     }
 }

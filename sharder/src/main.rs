@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 
 use clap::{Parser, ValueEnum};
+use kube_sharder::records;
 use tokio_util::sync::CancellationToken;
 
 /// Assigns objects of ClusterRings to shards and moves them when shards come and go.
@@ -35,7 +36,9 @@ fn main() -> anyhow::Result<()> {
     let builder = tracing_subscriber::fmt().with_env_filter(filter);
     match args.log_format {
         LogFormat::Text => builder.init(),
-        LogFormat::Json => builder.json().init(),
+        // Each record's fields at the top level, as the shard library's users print them: one
+        // shape of record, `event` included, for every process of a ring.
+        LogFormat::Json => builder.json().flatten_event(true).init(),
     }
     let _ = rustls::crypto::ring::default_provider().install_default();
     let mut config = kube_sharder::load_config(args.config.as_deref())?;
@@ -56,11 +59,17 @@ async fn shutdown_on_signal(shutdown: CancellationToken) {
         signal(SignalKind::terminate()),
         signal(SignalKind::interrupt()),
     ) else {
-        tracing::error!("failed to install signal handlers");
+        tracing::error!(
+            event = records::EVENT_SIGNAL_HANDLERS_FAILED,
+            "failed to install signal handlers"
+        );
         return;
     };
     tokio::select! { _ = term.recv() => {}, _ = int.recv() => {} }
-    tracing::info!("received shutdown signal");
+    tracing::info!(
+        event = records::EVENT_SHUTDOWN_SIGNALLED,
+        "received shutdown signal"
+    );
     shutdown.cancel();
     tokio::select! { _ = term.recv() => {}, _ = int.recv() => {} }
     std::process::exit(1);

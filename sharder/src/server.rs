@@ -41,6 +41,8 @@ use tokio::task::JoinSet;
 use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 
+use crate::records;
+
 /// How long the accept loop pauses after a failed `accept` (out of file descriptors, say), so a
 /// persistent error does not spin a core.
 const ACCEPT_ERROR_PAUSE: Duration = Duration::from_millis(100);
@@ -245,7 +247,7 @@ pub(crate) async fn serve_admin(
                     .server_config()
                     .context("failed to build the metrics TLS config")?,
             ));
-            tracing::info!(address = %listener.local_addr()?, "serving metrics over HTTPS to authorized clients");
+            tracing::info!(event = records::EVENT_SERVING, address = %listener.local_addr()?, "serving metrics over HTTPS to authorized clients");
             tasks.spawn(serve_tls(
                 listener,
                 acceptor,
@@ -255,7 +257,7 @@ pub(crate) async fn serve_admin(
                 config.graceful_shutdown.0,
             ));
         } else {
-            tracing::warn!(address = %listener.local_addr()?, "serving metrics over plain HTTP without authentication (metrics.secure is false)");
+            tracing::warn!(event = records::EVENT_METRICS_UNAUTHENTICATED, address = %listener.local_addr()?, "serving metrics over plain HTTP without authentication (metrics.secure is false)");
             tasks.spawn(serve(
                 listener,
                 None,
@@ -268,7 +270,7 @@ pub(crate) async fn serve_admin(
     }
     if let Some(addr) = config.health.socket_addr()? {
         let listener = bind(addr).await?;
-        tracing::info!(address = %listener.local_addr()?, "serving health probes");
+        tracing::info!(event = records::EVENT_SERVING, address = %listener.local_addr()?, "serving health probes");
         tasks.spawn(serve(
             listener,
             None,
@@ -323,7 +325,7 @@ pub async fn serve(
             accepted = listener.accept() => match accepted {
                 Ok(conn) => conn,
                 Err(error) => {
-                    tracing::warn!(%error, ?local, "failed to accept a connection");
+                    tracing::warn!(event = records::EVENT_ACCEPT_FAILED, %error, ?local, "failed to accept a connection");
                     tokio::time::sleep(ACCEPT_ERROR_PAUSE).await;
                     continue;
                 }
@@ -410,6 +412,7 @@ pub async fn serve(
         .is_err()
     {
         tracing::warn!(
+            event = records::EVENT_CONNECTIONS_LEFT_OPEN,
             ?local,
             "connections still open after the shutdown grace period"
         );

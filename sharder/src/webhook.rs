@@ -35,6 +35,7 @@ use crate::core::key::{
     GENERATE_NAME_NOT_SUPPORTED, KeyError, KeyOutcome, ObjectInfo, ResourceRole,
 };
 use crate::metrics::{Metrics, OutcomeLabels};
+use crate::records;
 use crate::server;
 use crate::server::tls::CertReloader;
 use crate::views::{ControllerLookup, RingView, Views, controller_shard};
@@ -60,7 +61,7 @@ pub(crate) async fn serve(
     let addr = kube_sharding_api::config::parse_bind_address(&server_config.bind_address)?
         .context("webhook server address")?;
     let listener = server::bind(addr).await?;
-    tracing::info!(address = %listener.local_addr()?, "serving webhook");
+    tracing::info!(event = records::EVENT_SERVING, address = %listener.local_addr()?, "serving webhook");
     tasks.spawn(server::serve_tls(
         listener,
         tls,
@@ -303,7 +304,7 @@ fn decide(
         request.resource.resource.as_str(),
     );
     let Some(resource) = view.resources.get(&group_resource) else {
-        tracing::warn!(%ring, resource = %group_resource, "webhook called for a resource that is not part of the ring; allowing unchanged");
+        tracing::warn!(event = records::EVENT_RESOURCE_NOT_IN_RING, %ring, resource = %group_resource, "webhook called for a resource that is not part of the ring; allowing unchanged");
         return allow("resource is not part of the ring");
     };
     // The key reads only the controller reference: an owned copy of it, if there is one.

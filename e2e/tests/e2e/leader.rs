@@ -19,6 +19,7 @@ use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{ConfigMap, Secret};
 use kube::api::{Api, ObjectMeta, PostParams};
 use kube::{Client, ResourceExt};
+use kube_sharder::records::EVENT_LEADERSHIP_ACQUIRED;
 use kube_sharding_api::labels;
 use serde_json::Value;
 use sha2::{Digest, Sha256};
@@ -28,28 +29,13 @@ const SHARDS: [&str; 3] = ["shard-a", "shard-b", "shard-c"];
 /// Generous bound for processes starting up and caches syncing on a busy machine.
 const STARTUP: Duration = Duration::from_secs(60);
 
-/// The message of a JSON log record, whether the event's fields are flattened or nested.
-fn message(record: &Value) -> &str {
-    record["fields"]["message"]
-        .as_str()
-        .or_else(|| record["message"].as_str())
-        .unwrap_or_default()
-}
-
-/// A field of a JSON log record, whether the event's fields are flattened or nested.
-fn field<'a>(record: &'a Value, name: &str) -> Option<&'a str> {
-    record["fields"][name]
-        .as_str()
-        .or_else(|| record[name].as_str())
-}
-
-/// Identities this sharder process logged "became leader" with.
+/// Identities this sharder process logged becoming the leader with.
 fn leader_identities(process: &Process) -> Vec<String> {
     process
         .records()
         .iter()
-        .filter(|r| message(r).contains("became leader"))
-        .filter_map(|r| field(r, "identity").map(str::to_string))
+        .filter(|r| r["event"] == EVENT_LEADERSHIP_ACQUIRED)
+        .filter_map(|r| r["identity"].as_str().map(str::to_string))
         .collect()
 }
 

@@ -10,6 +10,7 @@ mod external_metrics;
 mod faults;
 mod leader;
 mod load;
+mod log_records;
 mod manifests;
 mod module_graph;
 mod monitoring;

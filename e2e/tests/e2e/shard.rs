@@ -265,11 +265,9 @@ async fn shard_exits_when_its_lease_is_taken_over_and_waits_for_expiry_to_rejoin
         "a shard that lost its Lease exits non-zero"
     );
     assert!(
-        process
-            .records()
-            .iter()
-            .any(|r| r["level"] == "ERROR"
-                && r["message"].as_str().is_some_and(|m| m.contains("lost"))),
+        process.records().iter().any(|r| r["level"] == "ERROR"
+            && r["event"] == "shard_stopped"
+            && r["reason"] == "lease_lost"),
         "the shard logs the loss"
     );
     let lost = events(&process, "lease_lost");

@@ -17,7 +17,7 @@ use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, LabelSelectorRequirement};
 use kube::ResourceExt;
 use kube::api::{Api, ListParams, ObjectMeta, PostParams};
-use kube_sharder::controller::sharder::{LIST_CONTINUED_INCONSISTENTLY, SYNC_FINISHED};
+use kube_sharder::records::{EVENT_LIST_CONTINUED_INCONSISTENTLY, EVENT_SYNC_FINISHED};
 use kube_sharding_api::{ClusterRingSpec, RingKind, RingRef, RingResource, labels};
 
 /// Generous bound for processes starting up and caches syncing on a busy machine.
@@ -152,7 +152,7 @@ async fn a_sync_goes_on_when_its_continue_tokens_expire() -> anyhow::Result<()> 
     let logged = sharder
         .records()
         .iter()
-        .filter(|r| r["fields"]["message"] == LIST_CONTINUED_INCONSISTENTLY)
+        .filter(|r| r["event"] == EVENT_LIST_CONTINUED_INCONSISTENTLY)
         .count();
     eprintln!(
         "expired tokens: {count} Secrets assigned in {converged:?}; {compactions} compactions, \
@@ -247,7 +247,7 @@ async fn a_sync_lists_only_the_namespaces_its_ring_selects() -> anyhow::Result<(
         sharder
             .records()
             .iter()
-            .filter(|r| r["fields"]["message"] == SYNC_FINISHED && r["fields"]["ring"] == ring)
+            .filter(|r| r["event"] == EVENT_SYNC_FINISHED && r["ring"] == ring)
             .count()
     };
     // Counted from the first finished sync of each ring on, when the missed-assignment watches

@@ -35,6 +35,7 @@ use kube_sharding_api::load::ANNOTATION_LOAD;
 
 use super::Renewals;
 use crate::changes::{Changes, LeaseChange};
+use crate::records;
 
 /// The shard Leases of one ring kind grouped by ring, over the kind's Lease cache.
 #[derive(Debug)]
@@ -443,6 +444,7 @@ impl LeaseIndex {
             until,
         };
         tracing::info!(
+            event = records::EVENT_SHARD_DEPARTURE_HELD,
             kind = %self.kind,
             ring,
             shard,

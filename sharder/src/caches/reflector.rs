@@ -11,6 +11,8 @@ use serde::de::DeserializeOwned;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
+use crate::records;
+
 /// Starts a task in `tasks` that keeps a cache of the objects `api` and `config` select until
 /// shutdown, handing every event to `observe` after the cache applied it (`observe` answers whether
 /// the event changed something others act on, see `CACHE_READ_PAUSE`); returns the cache.
@@ -79,7 +81,7 @@ pub(super) fn spawn_reflector_into<K>(
             None => None,
             Some(Ok(event)) => Some(observe(&event)),
             Some(Err(error)) => {
-                tracing::warn!(%error, "watch failed, retrying with backoff");
+                tracing::warn!(event = records::EVENT_CACHE_WATCH_FAILED, %error, "watch failed, retrying with backoff");
                 Some(true)
             }
         };

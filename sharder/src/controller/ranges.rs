@@ -38,6 +38,7 @@ use super::ring::Error;
 use crate::context::Context;
 use crate::core::membership::{Member, ring_members, shards_of};
 use crate::core::range_handover::{RangeHandover, ShardRanges};
+use crate::records;
 
 /// How long a step waits for the Lease cache to show a publication written by an earlier step;
 /// after that the planner goes on with what the cache shows (it then counts the shard as holding
@@ -181,7 +182,7 @@ impl RangePublisher {
                 continue;
             };
             publish(ctx, entry.lease, publication).await?;
-            tracing::info!(ring = %ring_ref, shard = %name, generation = publication.generation(), ranges = publication.ranges().ranges().len(), "published ranges");
+            tracing::info!(event = records::EVENT_RANGES_PUBLISHED, ring = %ring_ref, shard = %name, generation = publication.generation(), ranges = publication.ranges().ranges().len(), "published ranges");
         }
         for lease in clear {
             clear_annotations(ctx, lease).await?;
@@ -232,7 +233,7 @@ fn shard_ranges(lease: &Lease) -> ShardRanges {
     let annotations = lease.annotations();
     let published = annotations.get(ANNOTATION_RANGES).map(|value| {
         value.parse::<PublishedRanges>().unwrap_or_else(|error| {
-            tracing::warn!(lease = %lease.name_any(), %error, "unreadable ranges annotation: the shard counts as holding every range until it acknowledges one of ours");
+            tracing::warn!(event = records::EVENT_RANGES_UNREADABLE, lease = %lease.name_any(), %error, "unreadable ranges annotation: the shard counts as holding every range until it acknowledges one of ours");
             // Never acknowledged, and unknown to the planner: it counts as holding everything.
             PublishedRanges::new(0, RangeSet::full()).expect("one range is within the limit")
         })

@@ -31,6 +31,7 @@ use crate::core::membership::ring_members;
 use crate::core::validation::validate_ring;
 use crate::core::webhook_config::{FIELD_MANAGER, desired_webhook_configuration};
 use crate::leader::events::REASON_WEBHOOK_UNREACHABLE;
+use crate::records;
 
 /// Errors of one reconciliation.
 #[derive(Debug, thiserror::Error)]
@@ -168,7 +169,7 @@ fn error_policy<R: RingObject>(ring: Arc<R>, error: &Error, _state: Arc<State>) 
     match error {
         Error::Invalid(_) => Action::await_change(),
         _ => {
-            tracing::warn!(%error, ring = %ring.ring_ref(), category = error.category(), "failed to reconcile ring");
+            tracing::warn!(event = records::EVENT_RING_RECONCILE_FAILED, %error, ring = %ring.ring_ref(), category = error.category(), "failed to reconcile ring");
             Action::requeue(Duration::from_secs(5))
         }
     }
@@ -344,7 +345,7 @@ async fn apply_webhook_configuration<R: RingObject>(
             action: "apply webhook configuration",
             source,
         })?;
-        tracing::info!(webhook_configuration = %name, "applied webhook configuration");
+        tracing::info!(event = records::EVENT_WEBHOOK_CONFIGURATION_APPLIED, webhook_configuration = %name, "applied webhook configuration");
     }
     Ok(())
 }
@@ -375,7 +376,7 @@ async fn remove_webhook_configuration<R: RingObject>(
     };
     match api.delete(&name, &params).await {
         Ok(_) => {
-            tracing::info!(webhook_configuration = %name, "deleted webhook configuration: the ring's objects are assigned by the sharder's watch");
+            tracing::info!(event = records::EVENT_WEBHOOK_CONFIGURATION_DELETED, webhook_configuration = %name, "deleted webhook configuration: the ring's objects are assigned by the sharder's watch");
             Ok(())
         }
         // Gone already, or replaced (the UID precondition failed): the cache catches up and the

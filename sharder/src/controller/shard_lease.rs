@@ -30,6 +30,7 @@ use crate::leader::events::{
     REASON_CLOCK_SKEW, REASON_INVALID_LEAVES_CONTROLLED_OBJECTS, REASON_INVALID_WEIGHT,
     REASON_SHARD_DEAD,
 };
+use crate::records;
 
 /// Longest requeue; far-away boundaries (absurd durations) are re-evaluated at least this often.
 const MAX_REQUEUE: Duration = Duration::from_secs(3600);
@@ -339,7 +340,7 @@ struct Problems {
 }
 
 fn error_policy(_lease: Arc<Lease>, error: &Error, _state: Arc<State>) -> Action {
-    tracing::warn!(%error, "failed to reconcile shard Lease");
+    tracing::warn!(event = records::EVENT_SHARD_LEASE_RECONCILE_FAILED, %error, "failed to reconcile shard Lease");
     Action::requeue(Duration::from_secs(5))
 }
 
@@ -416,7 +417,7 @@ async fn reconcile(lease: Arc<Lease>, state: Arc<State>) -> Result<Action, Error
             api.patch(&name, &super::patch_params(), &Patch::Merge(&patch))
                 .await
                 .map_err(write_err("take over"))?;
-            tracing::info!(ring = %ring, shard = %name, "took over the Lease of an unresponsive shard");
+            tracing::info!(event = records::EVENT_SHARD_LEASE_TAKEN_OVER, ring = %ring, shard = %name, "took over the Lease of an unresponsive shard");
             let note = format!(
                 "Shard {name} stopped renewing its Lease and was declared dead; its objects move to the available shards"
             );
@@ -436,7 +437,7 @@ async fn reconcile(lease: Arc<Lease>, state: Arc<State>) -> Result<Action, Error
             };
             match api.delete(&name, &params).await {
                 Ok(_) => {
-                    tracing::info!(ring = %ring, shard = %name, "deleted orphaned shard Lease")
+                    tracing::info!(event = records::EVENT_SHARD_LEASE_DELETED, ring = %ring, shard = %name, "deleted orphaned shard Lease")
                 }
                 Err(kube::Error::Api(s)) if s.code == 404 => {}
                 Err(e) => return Err(write_err("delete")(e)),
@@ -552,7 +553,7 @@ async fn report_problems(state: &State, lease: &Lease, ring: &AnyRing) -> Proble
         .filter(|e| previous.exclusion.as_ref() != Some(*e))
     {
         let message = exclusion.message(kind, &ring_ref.name, &shard);
-        tracing::warn!(ring = %ring_ref, %shard, %namespace, reason = exclusion.reason(), "{message}");
+        tracing::warn!(event = records::EVENT_SHARD_LEASE_EXCLUDED, ring = %ring_ref, %shard, %namespace, reason = exclusion.reason(), "{message}");
         for reference in [lease.object_ref(&()), ring.object_ref()] {
             ctx.events
                 .warning(
@@ -577,7 +578,7 @@ async fn report_problems(state: &State, lease: &Lease, ring: &AnyRing) -> Proble
             continue;
         };
         let message = format!("Shard {shard:?} of {ring_ref}: {error}");
-        tracing::warn!(ring = %ring_ref, %shard, %namespace, reason, "{message}");
+        tracing::warn!(event = records::EVENT_SHARD_LEASE_INVALID, ring = %ring_ref, %shard, %namespace, reason, "{message}");
         ctx.events
             .warning(&lease.object_ref(&()), reason, "", message)
             .await;
@@ -592,7 +593,7 @@ async fn report_problems(state: &State, lease: &Lease, ring: &AnyRing) -> Proble
                 "ahead of"
             }
         );
-        tracing::warn!(ring = %ring_ref, %shard, %namespace, reason = REASON_CLOCK_SKEW, "{message}");
+        tracing::warn!(event = records::EVENT_SHARD_CLOCK_SKEWED, ring = %ring_ref, %shard, %namespace, reason = REASON_CLOCK_SKEW, "{message}");
         ctx.events
             .warning(&lease.object_ref(&()), REASON_CLOCK_SKEW, "", message)
             .await;

@@ -21,7 +21,4 @@ mod patch_limit;
 mod run;
 mod sync;
 
-pub use self::owner_moves::CONTROLLED_OBJECTS_FOLLOWED;
 pub(crate) use self::run::run;
-pub use self::run::{SUPERSEDED_MOVES_UNSETTLED, SYNC_SUPERSEDED};
-pub use self::sync::{LIST_CONTINUED_INCONSISTENTLY, LIST_RESTARTED, SYNC_FINISHED, SYNC_STARTED};

@@ -23,6 +23,8 @@ use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, ObjectMeta, PostParams};
 use prometheus_client::metrics::counter::Counter;
 
+use crate::records;
+
 /// Reason of the Normal Event when a sync starts draining or moving objects of a ring.
 pub const REASON_REBALANCE_STARTED: &str = "RebalanceStarted";
 /// Reason of the Normal Event when a sync that drained or moved objects finished.
@@ -212,7 +214,7 @@ impl Events {
         };
         let api: Api<Event> = Api::namespaced(self.client.clone(), &namespace);
         if let Err(error) = api.create(&PostParams::default(), &event).await {
-            tracing::warn!(%error, reason, "failed to publish an Event");
+            tracing::warn!(event = records::EVENT_KUBE_EVENT_FAILED, %error, reason, "failed to publish an Event");
         }
     }
 }

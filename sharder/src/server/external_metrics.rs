@@ -43,6 +43,7 @@ use super::metrics_auth::cache::ExpiringCache;
 use super::metrics_auth::{Attributes, Lane, MAX_ENTRIES, REVIEW_TIMEOUT, User, access_review};
 use crate::metrics::StateSource;
 use crate::metrics::load::{RingLoad, ring_load};
+use crate::records;
 
 /// The API group.
 pub(crate) const GROUP: &str = "external.metrics.k8s.io";
@@ -356,7 +357,7 @@ async fn metric_value(
             );
         }
         Err(error) => {
-            tracing::warn!(error = %format!("{error:#}"), "failed to authorize an external metrics request");
+            tracing::warn!(event = records::EVENT_EXTERNAL_METRICS_AUTHORIZATION_FAILED, error = %format!("{error:#}"), "failed to authorize an external metrics request");
             return status(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "ServiceUnavailable",

@@ -42,6 +42,8 @@ use tokio::sync::Semaphore;
 
 use self::cache::ExpiringCache;
 
+use crate::records;
+
 /// The path every scrape is authorized for, whatever it asks: the server has no other route.
 pub(crate) const METRICS_PATH: &str = "/metrics";
 
@@ -383,7 +385,7 @@ pub(crate) async fn require_access(
         Ok(Access::Unauthenticated) => unauthorized(),
         Ok(Access::Forbidden) => forbidden(),
         Err(error) => {
-            tracing::warn!(error = %format!("{error:#}"), "failed to review a metrics request");
+            tracing::warn!(event = records::EVENT_METRICS_REVIEW_FAILED, error = %format!("{error:#}"), "failed to review a metrics request");
             (StatusCode::SERVICE_UNAVAILABLE, UNAVAILABLE).into_response()
         }
     }

@@ -17,6 +17,8 @@ use tokio_util::sync::CancellationToken;
 
 use super::Readiness;
 
+use crate::records;
+
 /// How often the certificate files are checked for changes.
 pub(crate) const RELOAD_INTERVAL: Duration = Duration::from_secs(2);
 
@@ -225,14 +227,17 @@ pub(crate) async fn watch_certificate(
         match reloader.reload_if_changed() {
             Ok(true) => {
                 readiness.set_certificate_loaded();
-                tracing::info!("loaded serving certificate");
+                tracing::info!(
+                    event = records::EVENT_CERTIFICATE_LOADED,
+                    "loaded serving certificate"
+                );
             }
             Ok(false) => {}
             Err(error) => {
                 if reloader.is_loaded() {
-                    tracing::warn!(%error, "failed to reload serving certificate, keeping the previous one");
+                    tracing::warn!(event = records::EVENT_CERTIFICATE_RELOAD_FAILED, %error, "failed to reload serving certificate, keeping the previous one");
                 } else {
-                    tracing::warn!(%error, "serving certificate not available yet");
+                    tracing::warn!(event = records::EVENT_CERTIFICATE_MISSING, %error, "serving certificate not available yet");
                 }
             }
         }

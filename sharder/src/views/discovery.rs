@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use kube::Client;
 use kube_sharding_api::GroupResource;
 
+use crate::records;
 use crate::views::ResourceInfo;
 
 /// Discovery of resources, cached (a resource that is not served yet is looked up again next
@@ -46,7 +47,7 @@ impl Discovery {
             .is_some();
         if removed {
             self.generation.fetch_add(1, Ordering::SeqCst);
-            tracing::info!(resource = %gr, "forgot a resource's discovered version; it is looked up again");
+            tracing::info!(event = records::EVENT_DISCOVERY_FORGOTTEN, resource = %gr, "forgot a resource's discovered version; it is looked up again");
         }
     }
 
@@ -86,7 +87,7 @@ impl Discovery {
             match self.group_resources(&group).await {
                 Ok(list) => found.extend(list),
                 Err(error) => {
-                    tracing::warn!(%error, group = %group, "failed to discover resources of API group");
+                    tracing::warn!(event = records::EVENT_DISCOVERY_FAILED, %error, group = %group, "failed to discover resources of API group");
                 }
             }
         }

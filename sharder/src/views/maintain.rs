@@ -21,6 +21,7 @@ use crate::changes::LeaseChange;
 use crate::core::any_ring::AnyRing;
 use crate::core::membership::{RingShards, ring_shards};
 use crate::metrics::RingLabel;
+use crate::records;
 
 /// How often rings with unresolved resources (e.g. a CRD installed later) are resolved again.
 const UNRESOLVED_RETRY: Duration = Duration::from_secs(10);
@@ -269,10 +270,10 @@ pub(crate) async fn refresh(sources: &ViewSources, scope: Scope) {
                 .ring_calculations
                 .get_or_create(&RingLabel(ring_ref.clone()))
                 .inc();
-            tracing::info!(ring = %ring_ref, shards = ?shards, "rebuilt hash ring");
+            tracing::info!(event = records::EVENT_HASH_RING_REBUILT, ring = %ring_ref, shards = ?shards, "rebuilt hash ring");
         }
         if !view.unresolved.is_empty() {
-            tracing::warn!(ring = %ring_ref, unresolved = ?view.unresolved, "some ring resources are not served by the API server (yet)");
+            tracing::warn!(event = records::EVENT_RESOURCES_UNRESOLVED, ring = %ring_ref, unresolved = ?view.unresolved, "some ring resources are not served by the API server (yet)");
         }
         sources.views.insert(view);
     }

@@ -27,6 +27,7 @@ use prometheus_client::metrics::family::Family;
 
 use crate::core::pin::is_valid_pin;
 use crate::metrics::RingLabel;
+use crate::records;
 
 /// Most pins remembered per ring; beyond it new pins are not remembered (their children follow
 /// the ring until the leader's sync moves them), so no caller can grow the map without bound.
@@ -181,7 +182,7 @@ impl Pins {
                 .inc();
             if !pins.full {
                 pins.full = true;
-                tracing::warn!(%ring, max = MAX_PINS_PER_RING, "too many pinned main objects to remember: children of further pinned objects follow the ring until the sync moves them");
+                tracing::warn!(event = records::EVENT_PINS_LIMIT_REACHED, %ring, max = MAX_PINS_PER_RING, "too many pinned main objects to remember: children of further pinned objects follow the ring until the sync moves them");
             }
             return;
         }

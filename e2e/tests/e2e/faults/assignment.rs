@@ -18,7 +18,10 @@ use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use kube::ResourceExt;
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
-use kube_sharder::controller::sharder::{SYNC_FINISHED, SYNC_STARTED};
+use kube_sharder::records::{
+    EVENT_LEADERSHIP_ACQUIRED, EVENT_MISSED_ASSIGNMENT_WATCH_FAILED, EVENT_SYNC_FINISHED,
+    EVENT_SYNC_STARTED,
+};
 use kube_sharding_api::labels;
 use serde_json::json;
 
@@ -55,7 +58,7 @@ async fn gated_ring(
     wait_webhook(client, &ns, &ring, &shards).await?;
     sharder
         .wait_for_record("the ring's first sync to finish", STARTUP, |r| {
-            r["fields"]["message"] == SYNC_FINISHED
+            r["event"] == EVENT_SYNC_FINISHED
         })
         .await?;
     Ok(GatedRing {
@@ -132,12 +135,12 @@ async fn objects_missed_during_a_webhook_outage_are_assigned_once_it_ends() -> a
     Ok(())
 }
 
-/// Log records of `process` whose message is `message`.
-fn records_with_message(process: &e2e::process::Process, message: &str) -> usize {
+/// How many log records of `process` have the `event` `event`.
+fn records_of(process: &e2e::process::Process, event: &str) -> usize {
     process
         .records()
         .iter()
-        .filter(|r| r["fields"]["message"] == message)
+        .filter(|r| r["event"] == event)
         .count()
 }
 
@@ -168,7 +171,7 @@ async fn the_missed_assignment_watch_survives_an_apiserver_restart() -> anyhow::
         mut sharder,
     } = gated_ring(cluster, &client, "restart", settings).await?;
 
-    let syncs = records_with_message(&sharder, SYNC_STARTED);
+    let syncs = records_of(&sharder, EVENT_SYNC_STARTED);
 
     let dir = cluster
         .state_dir()
@@ -184,7 +187,7 @@ async fn the_missed_assignment_watch_survives_an_apiserver_restart() -> anyhow::
     // Otherwise the restart tested nothing.
     sharder
         .wait_for_record("the missed-assignment watch to fail", WAIT, |r| {
-            r.to_string().contains("missed-assignment watch failed")
+            r["event"] == EVENT_MISSED_ASSIGNMENT_WATCH_FAILED
         })
         .await?;
     // The API server calls the webhook again (its configurations are watched anew, too).
@@ -246,12 +249,12 @@ async fn the_missed_assignment_watch_survives_an_apiserver_restart() -> anyhow::
         "the sharder exited across the restart"
     );
     ensure!(
-        records_with_message(&sharder, SYNC_STARTED) == syncs,
+        records_of(&sharder, EVENT_SYNC_STARTED) == syncs,
         "a sync started across the restart: it, not the missed-assignment watch, may have \
          assigned the objects"
     );
     ensure!(
-        records_with_message(&sharder, "became leader, starting controllers") == 1,
+        records_of(&sharder, EVENT_LEADERSHIP_ACQUIRED) == 1,
         "the sharder lost leadership across the restart: its new term started a fresh watch"
     );
     sharder.passed();
@@ -307,10 +310,10 @@ async fn objects_of_a_namespace_that_joins_a_ring_are_assigned_within_seconds() 
     wait_webhook(&client, &home, &ring, &shards).await?;
     sharder
         .wait_for_record("the ring's first sync to finish", STARTUP, |r| {
-            r["fields"]["message"] == SYNC_FINISHED
+            r["event"] == EVENT_SYNC_FINISHED
         })
         .await?;
-    let syncs = records_with_message(&sharder, SYNC_STARTED);
+    let syncs = records_of(&sharder, EVENT_SYNC_STARTED);
     // The sharder's only namespace-scoped watch of Secrets is the one of `home`.
     let namespace_watches = || {
         cluster.apiserver_metric(
@@ -367,7 +370,7 @@ async fn objects_of_a_namespace_that_joins_a_ring_are_assigned_within_seconds() 
         joined.elapsed()
     );
     ensure!(
-        records_with_message(&sharder, SYNC_STARTED) == syncs,
+        records_of(&sharder, EVENT_SYNC_STARTED) == syncs,
         "a sync started after the namespace joined: it, not the missed-assignment watch, may have \
          assigned the objects"
     );

@@ -16,7 +16,7 @@ use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Secret;
 use kube::ResourceExt;
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
-use kube_sharder::controller::sharder::SYNC_STARTED;
+use kube_sharder::records::EVENT_SYNC_STARTED;
 use kube_sharding_api::{RingKind, RingRef, labels};
 use serde_json::json;
 
@@ -57,12 +57,12 @@ async fn shards_saying_they_leave_controlled_objects_have_them_moved_children_fi
     let (ns, ring) = follow_only_after_left(cluster, &client, "leave", true).await?;
     // The shared sharder's log: its syncs of this ring, whether each walked children first.
     let syncs = || -> anyhow::Result<Vec<bool>> {
-        let fields = format!("ring=ClusterRing/{ring} shards=");
+        let ring = RingRef::new(RingKind::ClusterRing, &ring).to_string();
         Ok(sharder
-            .log()?
-            .lines()
-            .filter(|line| line.contains(SYNC_STARTED) && line.contains(&fields))
-            .map(|line| line.contains("children_first=true"))
+            .records()?
+            .iter()
+            .filter(|r| r["event"] == EVENT_SYNC_STARTED && r["ring"] == ring.as_str())
+            .map(|r| r["children_first"] == true)
             .collect())
     };
     let seen = syncs()?;

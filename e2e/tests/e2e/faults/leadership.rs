@@ -19,6 +19,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 use kube::api::{Api, Patch, PatchParams, PostParams};
+use kube_sharder::records::EVENT_LEADERSHIP_LOST;
 use kube_sharding_api::labels;
 use serde_json::json;
 
@@ -103,7 +104,7 @@ async fn leadership_loss_stops_every_controller_watch() -> anyhow::Result<()> {
         .await?;
     sharder
         .wait_for_record("the sharder to notice the loss", WAIT, |r| {
-            r.to_string().contains("lost leadership")
+            r["event"] == EVENT_LEADERSHIP_LOST
         })
         .await?;
     wait_watches(cluster, "secrets", baseline, Duration::from_secs(3)).await?;

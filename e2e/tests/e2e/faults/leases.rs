@@ -18,6 +18,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 use kube::api::{Api, ListParams, ObjectMeta, Patch, PatchParams, PostParams};
+use kube_sharder::records::EVENT_SYNC_FINISHED;
 use kube_sharding_api::{RingKind, labels};
 use serde_json::json;
 
@@ -501,7 +502,7 @@ async fn a_sharder_started_during_a_departure_still_drains_until_it_is_over() ->
     files.wait_ready(STARTUP).await?;
     second
         .wait_for_record("the new sharder to lead", STARTUP, |r| {
-            r.to_string().contains("finished sync of ring")
+            r["event"] == EVENT_SYNC_FINISHED
         })
         .await?;
     let led_after = renewed.elapsed();

@@ -18,7 +18,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
-use kube_sharder::controller::sharder::SUPERSEDED_MOVES_UNSETTLED;
+use kube_sharder::records::EVENT_SUPERSEDED_MOVES_UNSETTLED;
 use kube_sharding_api::labels;
 use serde_json::json;
 
@@ -135,7 +135,7 @@ async fn a_move_landing_after_a_newer_sync_listed_it_is_corrected() -> anyhow::R
     leave_and_return_after_a_move(&leases, &secrets, &on_d, initially, Some(&gate)).await?;
     sharder
         .wait_for_record("the stopped sync's late move reported", WAIT, |r| {
-            r["fields"]["message"] == SUPERSEDED_MOVES_UNSETTLED
+            r["event"] == EVENT_SUPERSEDED_MOVES_UNSETTLED
         })
         .await?;
     gate.delay_answers(Duration::ZERO);

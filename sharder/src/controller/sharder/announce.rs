@@ -15,6 +15,7 @@ use crate::context::Context;
 use crate::leader::events::{
     REASON_DRAIN_NOT_ACKNOWLEDGED, REASON_SHARD_JOINED, REASON_SHARD_LEFT,
 };
+use crate::records;
 use crate::views::RingView;
 
 /// How often pending drains are compared with `drainTimeout`.
@@ -104,7 +105,7 @@ impl Announcer {
                 "Shard {shard} has not acknowledged the drain of {} objects for more than {:?}; it may be stuck",
                 drains.objects, timeout
             );
-            tracing::warn!(%ring, %shard, objects = drains.objects, oldest = ?drains.oldest, "drains not acknowledged");
+            tracing::warn!(event = records::EVENT_DRAINS_NOT_ACKNOWLEDGED, %ring, %shard, objects = drains.objects, oldest = ?drains.oldest, "drains not acknowledged");
             ctx.events
                 .warning(
                     &object.object_ref(),

@@ -36,6 +36,7 @@ use tokio_util::sync::CancellationToken;
 use super::patch::{PatchError, Patcher, api_resource};
 use crate::core::list_scope::{ListScope, watch_scope};
 use crate::core::rebalance::RebalanceDecision;
+use crate::records;
 use crate::views::RingView;
 
 /// Concurrent patches per watched resource of a ring with a webhook, where this path only
@@ -345,7 +346,7 @@ async fn watch_unassigned(
             Ok(watcher::Event::Apply(obj) | watcher::Event::InitApply(obj)) => obj,
             Ok(_) => continue,
             Err(error) => {
-                tracing::warn!(%error, %ring, resource = %gr, watching = %reach, "missed-assignment watch failed, retrying with backoff");
+                tracing::warn!(event = records::EVENT_MISSED_ASSIGNMENT_WATCH_FAILED, %error, %ring, resource = %gr, watching = %reach, "missed-assignment watch failed, retrying with backoff");
                 if let watcher::Error::InitialListFailed(kube::Error::Api(status))
                 | watcher::Error::WatchStartFailed(kube::Error::Api(status)) = &error
                     && status.code == 404
@@ -517,6 +518,7 @@ async fn assign(
                 // Retrying with what we read before would conflict forever: leave the object
                 // to the periodic sync, which lists instead.
                 tracing::warn!(
+                    event = records::EVENT_MISSED_ASSIGNMENT_FORBIDDEN,
                     %ring,
                     resource = %gr,
                     "the sharder may not get objects of this resource (grant get in the ring's \

@@ -37,12 +37,8 @@ use super::patch::{Patcher, api_resource};
 use crate::core::key::KeyOutcome;
 use crate::core::owner_wait::{HeldChild, OwnerWait, Waiting};
 use crate::core::rebalance::RebalanceDecision;
+use crate::records;
 use crate::views::{ResolvedResource, RingView};
-
-/// Message of the log record when a ring's held-back controlled objects have all moved after
-/// their controllers, with the fields `ring`, `moved` and `failed`.
-pub const CONTROLLED_OBJECTS_FOLLOWED: &str =
-    "controlled objects followed their controllers' acknowledged drains";
 
 /// How long the watches of drained controllers may take to list before the following gives up
 /// and leaves the held objects to a sync (a watch that cannot list, for want of rights say,
@@ -191,7 +187,7 @@ impl Handover {
         };
         if !listed {
             let ring = self.view.ring_ref();
-            tracing::warn!(%ring, "the watch of drained controllers did not list in time; the held objects wait for the next sync");
+            tracing::warn!(event = records::EVENT_CONTROLLER_WATCH_LATE, %ring, "the watch of drained controllers did not list in time; the held objects wait for the next sync");
             self.give_up();
         }
     }
@@ -410,7 +406,7 @@ async fn follow(
                 }
             },
             () = &mut list_deadline, if listed_once.len() < mains.len() && !gave_up => {
-                tracing::warn!(%ring, "the watch of drained controllers did not list in time; a sync moves the held objects");
+                tracing::warn!(event = records::EVENT_CONTROLLER_WATCH_LATE, %ring, "the watch of drained controllers did not list in time; a sync moves the held objects");
                 followed.failed += waiting.len().max(1);
                 waiting = Waiting::default();
                 gave_up = true;
@@ -473,7 +469,7 @@ async fn follow(
             });
         }
     }
-    tracing::info!(%ring, held = total, moved = followed.moved, failed = followed.failed, "{CONTROLLED_OBJECTS_FOLLOWED}");
+    tracing::info!(event = records::EVENT_CONTROLLED_OBJECTS_FOLLOWED, %ring, held = total, moved = followed.moved, failed = followed.failed, "controlled objects followed their controllers' acknowledged drains");
     followed
 }
 

@@ -20,6 +20,7 @@ use crate::leader::direct_moves::DirectMove;
 use crate::leader::events::{REASON_WEBHOOK_REACHABLE, REASON_WEBHOOK_UNREACHABLE};
 use crate::leader::reachability::MoveGate;
 use crate::metrics::Metrics;
+use crate::records;
 use crate::views::{ResourceInfo, RingView, controller_shard};
 
 /// Sends the sharder controller's patches, at most `controller.sharder.maxPatchesInFlight` at
@@ -385,7 +386,7 @@ impl Patcher {
             .reachability
             .failed(ring, std::time::Instant::now())
         {
-            tracing::warn!(%ring, reason = REASON_WEBHOOK_UNREACHABLE, "a moved object came back unassigned: the API server does not reach the ring's webhook; moves stop until a probe lands");
+            tracing::warn!(event = records::EVENT_WEBHOOK_UNREACHABLE, %ring, reason = REASON_WEBHOOK_UNREACHABLE, "a moved object came back unassigned: the API server does not reach the ring's webhook; moves stop until a probe lands");
             if let Some(object) = self.ctx.caches.ring(ring) {
                 let note = "A moved object came back unassigned: the API server does not reach this ring's webhook. Moves stop until a dry-run probe lands (every few seconds)".to_string();
                 self.ctx
@@ -399,7 +400,7 @@ impl Patcher {
     /// Records a move (or probe) the webhook assigned; reports a webhook that answers again.
     async fn webhook_answered(&self, ring: &RingRef) {
         if self.ctx.reachability.landed(ring) {
-            tracing::info!(%ring, "the ring's webhook answers again; moves resume");
+            tracing::info!(event = records::EVENT_WEBHOOK_REACHABLE, %ring, "the ring's webhook answers again; moves resume");
             if let Some(object) = self.ctx.caches.ring(ring) {
                 let note =
                     "The API server reaches this ring's webhook again; moves resume".to_string();

@@ -18,17 +18,8 @@ use crate::context::Context;
 use crate::core::sync_schedule::SyncSchedule;
 use crate::leader::events::REASON_WEBHOOK_UNREACHABLE;
 use crate::metrics::OutcomeLabels;
+use crate::records;
 use crate::views::RingView;
-
-/// Message of the log record when a running sync is stopped because its ring's view changed (or
-/// the ring is gone), with the field `ring`; a sync with the current view starts right after.
-pub const SYNC_SUPERSEDED: &str =
-    "view changed during the sync; starting over with the current view";
-
-/// Message of the info record when moves of a sync stopped for a newer view landed where that
-/// view does not want them, and the ring is synced again after the running sync; with the fields
-/// `ring` and `unsettled`.
-pub const SUPERSEDED_MOVES_UNSETTLED: &str = "moves of a superseded sync landed where the current view does not want them; syncing the ring again";
 
 /// Runs the sharder controller until `shutdown` fires. Dropping it (on lost leadership) stops the
 /// syncs and the missed-assignment watches it started, which it owns.
@@ -70,7 +61,7 @@ pub(crate) async fn run(ctx: Context, shutdown: CancellationToken) {
                     .get_or_create(&OutcomeLabels::new(&view.ring_ref(), "superseded"))
                     .inc();
             }
-            tracing::info!(ring = %key, "{SYNC_SUPERSEDED}");
+            tracing::info!(event = records::EVENT_SYNC_SUPERSEDED, ring = %key, "view changed during the sync; starting over with the current view");
         }
         let start = schedule.start_due(
             now,
@@ -115,7 +106,7 @@ pub(crate) async fn run(ctx: Context, shutdown: CancellationToken) {
                 if let Err(Error::Superseded { unsettled }) = &result
                     && *unsettled > 0
                 {
-                    tracing::info!(ring = %name, unsettled, "{SUPERSEDED_MOVES_UNSETTLED}");
+                    tracing::info!(event = records::EVENT_SUPERSEDED_MOVES_UNSETTLED, ring = %name, unsettled, "moves of a superseded sync landed where the current view does not want them; syncing the ring again");
                     schedule.again(&name, Instant::now());
                 }
                 if handles.get(&name).is_none_or(|(current, _)| *current != id) {
@@ -137,9 +128,9 @@ pub(crate) async fn run(ctx: Context, shutdown: CancellationToken) {
                 if let Some(backoff) = retry {
                     let error = error.unwrap_or_default();
                     if waiting {
-                        tracing::info!(%error, ring = %name, retry_in = ?backoff, "sync again soon");
+                        tracing::info!(event = records::EVENT_SYNC_WAITING, %error, ring = %name, retry_in = ?backoff, "sync again soon");
                     } else {
-                        tracing::warn!(%error, ring = %name, retry_in = ?backoff, "sync failed");
+                        tracing::warn!(event = records::EVENT_SYNC_FAILED, %error, ring = %name, retry_in = ?backoff, "sync failed");
                     }
                 }
             }

@@ -6,6 +6,7 @@ use std::collections::HashSet;
 use std::sync::Arc;
 
 use crate::context::Context;
+use crate::records;
 
 use futures::StreamExt;
 use kube::api::{Api, DynamicObject};
@@ -28,24 +29,6 @@ use crate::leader::events::{
 use crate::leader::observed::{DrainsSeen, uid_hash};
 use crate::metrics::{Metrics, OutcomeLabels, RingLabel};
 use crate::views::{ResolvedResource, RingView};
-
-/// Message of the info record when a sync list's continue token expired (410 Gone) and the list
-/// goes on with the token of that answer, reading later pages at a newer revision; with the
-/// fields `ring` and `resource`.
-pub const LIST_CONTINUED_INCONSISTENTLY: &str =
-    "continue token expired (410 Gone); listing on from where it stopped, at the current revision";
-
-/// Message of the info record when a sync list's continue token expired (410 Gone) with no token
-/// to go on with, and the list starts over from its first page; with the fields `ring` and
-/// `resource`.
-pub const LIST_RESTARTED: &str = "continue token expired (410 Gone) with no token to go on with; listing again from the first page";
-/// Message of the log record at the start of every sync of a ring, with the fields `ring` and
-/// `shards`.
-pub const SYNC_STARTED: &str = "starting sync of ring";
-
-/// Message of the log record at the end of every sync of a ring, with the fields `ring`,
-/// `duration`, `listed`, `drained`, `moved`, `failed` and `held`.
-pub const SYNC_FINISHED: &str = "finished sync of ring";
 
 /// A failed sync; the ring is synced again after a backoff.
 #[derive(Debug, thiserror::Error)]
@@ -213,7 +196,7 @@ pub(super) async fn sync_ring(
         view.hash_key,
         view.resources.values().any(|r| !r.is_main()),
     );
-    tracing::info!(%ring, shards = view.hash_ring.len(), children_first, "{SYNC_STARTED}");
+    tracing::info!(event = records::EVENT_SYNC_STARTED, %ring, shards = view.hash_ring.len(), children_first, "starting sync of ring");
     let mut stats = SyncStats::default();
     let mut tally = Tally {
         counts: ObjectTally::new(view.hash_key, children_first),
@@ -241,7 +224,7 @@ pub(super) async fn sync_ring(
         if main_failed && !resource.is_main() {
             // Controllers not listed may still sit on their old shards: moving their controlled
             // objects now could put them ahead of their controllers. The sync fails and runs again.
-            tracing::warn!(%ring, resource = %gr, "not syncing a controlled resource: a main resource could not be listed");
+            tracing::warn!(event = records::EVENT_RESOURCE_NOT_SYNCED, %ring, resource = %gr, "not syncing a controlled resource: a main resource could not be listed");
             continue;
         }
         if let Err(error) = sync_resource(patcher, view, gr, resource, &mut stats, &mut tally).await
@@ -260,6 +243,7 @@ pub(super) async fn sync_ring(
     }
     let duration = started.elapsed();
     tracing::info!(
+        event = records::EVENT_SYNC_FINISHED,
         %ring,
         ?duration,
         listed = stats.listed,
@@ -267,7 +251,7 @@ pub(super) async fn sync_ring(
         moved = stats.moved,
         failed = stats.failed,
         held = stats.held,
-        "{SYNC_FINISHED}"
+        "finished sync of ring"
     );
     for (object, problem) in std::mem::take(&mut tally.pin_problems) {
         ctx.events
@@ -437,11 +421,11 @@ async fn sync_list(
                 .list_inconsistent_continuations
                 .get_or_create(&labels)
                 .inc_by(u64::from(page.inconsistent_continuations));
-            tracing::info!(%ring, resource = %gr, "{LIST_CONTINUED_INCONSISTENTLY}");
+            tracing::info!(event = records::EVENT_LIST_CONTINUED_INCONSISTENTLY, %ring, resource = %gr, "continue token expired (410 Gone); listing on from where it stopped, at the current revision");
         }
         if page.restarted {
             ctx.metrics.list_restarts.get_or_create(&labels).inc();
-            tracing::info!(%ring, resource = %gr, "{LIST_RESTARTED}");
+            tracing::info!(event = records::EVENT_LIST_RESTARTED, %ring, resource = %gr, "continue token expired (410 Gone) with no token to go on with; listing again from the first page");
             stats.listed = checkpoint.0;
             tally.counts.rewind(&checkpoint.1);
         }

@@ -24,6 +24,7 @@ use rustls::server::WebPkiClientVerifier;
 use rustls::server::danger::ClientCertVerifier;
 use tokio::sync::Mutex;
 
+use crate::records;
 use crate::server::metrics_auth::User;
 
 /// Namespace and name of the ConfigMap the API server publishes its request-header settings in.
@@ -250,11 +251,11 @@ impl FrontProxy {
         let kept = match (read, current.take()) {
             (Ok(config), _) => (Ok(config), now + CONFIG_TTL),
             (Err(error), Some((Ok(previous), _))) => {
-                tracing::warn!(error = %format!("{error:#}"), "failed to read the request-header settings again, keeping the previous ones");
+                tracing::warn!(event = records::EVENT_REQUEST_HEADER_SETTINGS_FAILED, error = %format!("{error:#}"), "failed to read the request-header settings again, keeping the previous ones");
                 (Ok(previous), now + RETRY_AFTER_FAILURE)
             }
             (Err(error), _) => {
-                tracing::warn!(error = %format!("{error:#}"), "failed to read the request-header settings");
+                tracing::warn!(event = records::EVENT_REQUEST_HEADER_SETTINGS_FAILED, error = %format!("{error:#}"), "failed to read the request-header settings");
                 (Err(error), now + RETRY_AFTER_FAILURE)
             }
         };

@@ -14,11 +14,10 @@
 //! | a reconcile ended (zero-write ring's holdings) | `event` one of `applied`, `up_to_date`, `awaiting_move`, `write_refused`, with `namespace`, `name` |
 //! | the shard let a Secret go (zero-write ring's holdings) | `event: "released"` or `"deleted"`, `namespace`, `name` |
 //!
-//! Logs of shards from before the Lease records had an `event` are read by their message text
-//! instead (`acquired Lease`, a message containing `it is lost`, `lost the shard Lease, stopped at
-//! once`, `released Lease`). Either way the names are the shard's, not the tool's: if they
-//! change, loss and release evidence disappears and the ownership check reports violations rather
-//! than missing them, so a rename cannot make the check pass silently.
+//! Records are recognised by their `event` only, never by their message, which is free to change.
+//! The names are the shard's, not the tool's: if they change, loss and release evidence disappears
+//! and the ownership check reports violations rather than missing them, so a rename cannot make
+//! the check pass silently.
 
 use std::path::Path;
 
@@ -64,9 +63,8 @@ enum Record {
 }
 
 impl Record {
-    /// What `record` reports: by its `event` field, else (logs of older shards) by its message.
+    /// What `record` reports, by its `event` field.
     fn of(record: &serde_json::Value) -> Option<Self> {
-        let message = record["message"].as_str().unwrap_or_default();
         match record["event"].as_str() {
             Some("reconcile") => Some(Self::Reconcile),
             Some("drain") => Some(Self::Drain),
@@ -76,15 +74,7 @@ impl Record {
             Some("shard_stopped") if record["reason"].as_str() == Some("lease_lost") => {
                 Some(Self::Lost)
             }
-            Some(_) => None,
-            None if message == "acquired Lease" => Some(Self::Acquired),
-            None if message.contains("it is lost")
-                || message.starts_with("lost the shard Lease") =>
-            {
-                Some(Self::Lost)
-            }
-            None if message == "released Lease" => Some(Self::Released),
-            None => None,
+            _ => None,
         }
     }
 }
@@ -195,17 +185,6 @@ impl RunLog {
 mod tests {
     use super::*;
 
-    /// Lines as checksum-controller printed them with `--log-format=json` before the Lease
-    /// records had an `event`.
-    const LOG_BY_MESSAGE: &str = r#"{"timestamp":"2026-01-01T00:00:00.000001Z","level":"INFO","message":"acquiring shard Lease","shard":"shard-0"}
-{"timestamp":"2026-01-01T00:00:01.000000Z","level":"INFO","message":"acquired Lease","lease":"shard-0","namespace":"leases","identity":"shard-0","transitions":3}
-{"timestamp":"2026-01-01T00:00:02.000000Z","level":"INFO","message":"reconciling Secret","event":"reconcile","namespace":"ns","name":"s-1","shard":"shard-0"}
-{"timestamp":"2026-01-01T00:00:03.000000Z","level":"INFO","message":"acknowledged drain","event":"drain","namespace":"ns","name":"s-1","shard":"shard-0","resource_version":"12"}
-{"timestamp":"2026-01-01T00:00:04.000000Z","level":"WARN","message":"Lease was taken over or removed, it is lost","lease":"shard-0","holder":"shardlease-controller"}
-{"timestamp":"2026-01-01T00:00:04.100000Z","level":"ERROR","message":"lost the shard Lease, stopped at once","shard":"shard-0"}
-thread 'main' panicked at somewhere
-"#;
-
     /// Lines as checksum-controller prints them with `--log-format=json`.
     const LOG: &str = r#"{"timestamp":"2026-01-01T00:00:00.000001Z","level":"INFO","message":"acquiring shard Lease","shard":"shard-0"}
 {"timestamp":"2026-01-01T00:00:01.000000Z","level":"INFO","message":"acquired Lease","event":"lease_acquired","lease":"shard-0","namespace":"leases","identity":"shard-0","transitions":3,"resource_version":"100"}
@@ -213,32 +192,29 @@ thread 'main' panicked at somewhere
 {"timestamp":"2026-01-01T00:00:03.000000Z","level":"INFO","message":"acknowledged drain","event":"drain","namespace":"ns","name":"s-1","shard":"shard-0","resource_version":"12"}
 {"timestamp":"2026-01-01T00:00:04.000000Z","level":"WARN","message":"Lease was taken over or removed, it is lost","event":"lease_lost","lease":"shard-0","namespace":"leases","holder":"shardlease-controller","resource_version":"104"}
 {"timestamp":"2026-01-01T00:00:04.100000Z","level":"ERROR","message":"lost the shard Lease, stopped at once","event":"shard_stopped","reason":"lease_lost","shard":"shard-0"}
+thread 'main' panicked at somewhere
 "#;
 
-    /// Both logs hold the same records: today's, found by their `event`, and older ones
-    /// without it, found by their message.
     #[test]
     fn reads_the_records_the_checks_use() {
         let at = |s: &str| s.parse::<Timestamp>().expect("timestamp");
-        for (log, other_lines) in [(LOG, 0), (LOG_BY_MESSAGE, 1)] {
-            let log = RunLog::parse(log);
-            assert_eq!(
-                log.reconciles,
-                [(at("2026-01-01T00:00:02Z"), "ns/s-1".to_string())]
-            );
-            assert_eq!(
-                log.drains,
-                [(at("2026-01-01T00:00:03Z"), "ns/s-1".to_string(), Some(12))]
-            );
-            assert_eq!(log.acquired, Some((at("2026-01-01T00:00:01Z"), 3)));
-            // The first loss record counts.
-            assert_eq!(
-                log.lease_end,
-                Some((at("2026-01-01T00:00:04Z"), LeaseEnd::Lost))
-            );
-            assert_eq!(log.lost_at(), Some(at("2026-01-01T00:00:04Z")));
-            assert_eq!(log.other_lines, other_lines);
-        }
+        let log = RunLog::parse(LOG);
+        assert_eq!(
+            log.reconciles,
+            [(at("2026-01-01T00:00:02Z"), "ns/s-1".to_string())]
+        );
+        assert_eq!(
+            log.drains,
+            [(at("2026-01-01T00:00:03Z"), "ns/s-1".to_string(), Some(12))]
+        );
+        assert_eq!(log.acquired, Some((at("2026-01-01T00:00:01Z"), 3)));
+        // The first loss record counts.
+        assert_eq!(
+            log.lease_end,
+            Some((at("2026-01-01T00:00:04Z"), LeaseEnd::Lost))
+        );
+        assert_eq!(log.lost_at(), Some(at("2026-01-01T00:00:04Z")));
+        assert_eq!(log.other_lines, 1);
     }
 
     #[test]
@@ -269,12 +245,14 @@ thread 'main' panicked at somewhere
     }
 
     #[test]
-    fn an_old_release_is_not_a_loss() {
+    fn a_record_without_an_event_counts_for_nothing() {
+        // The messages of the records the checks use, without their `event`.
         let log = RunLog::parse(
-            r#"{"timestamp":"2026-01-01T00:00:05Z","level":"INFO","message":"released Lease","lease":"shard-0"}"#,
+            r#"{"timestamp":"2026-01-01T00:00:01Z","level":"INFO","message":"acquired Lease","transitions":1}
+{"timestamp":"2026-01-01T00:00:05Z","level":"INFO","message":"released Lease","lease":"shard-0"}"#,
         );
-        assert_eq!(log.lease_end.map(|(_, end)| end), Some(LeaseEnd::Released));
-        assert_eq!(log.lost_at(), None);
+        assert_eq!(log.acquired, None);
+        assert_eq!(log.lease_end, None);
     }
 
     #[test]

@@ -47,7 +47,7 @@
 //! | `report` | the report, as JSON or text |
 //! | `timeline` | objects per shard over the scale-out, as CSV and an SVG chart |
 //!
-//! The sharder's page size, end-of-sync log message and counter names are imported from the
+//! The sharder's page size, end-of-sync record `event` and counter names are imported from the
 //! `sharder` crate, so the tool follows when they change.
 
 mod handover;

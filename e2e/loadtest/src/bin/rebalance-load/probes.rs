@@ -11,9 +11,9 @@ use http_body_util::BodyExt;
 use kube::Client;
 use kube::api::ListParams;
 
-use kube_sharder::controller::sharder::SYNC_FINISHED;
 use kube_sharder::core::list_scope::PAGE_SIZE;
 use kube_sharder::metrics::{DRAINS, MOVEMENTS};
+use kube_sharder::records::EVENT_SYNC_FINISHED;
 use kube_sharding_api::{RingKind, RingRef};
 
 use crate::report::{Counters, MemorySample, PageProbe, SyncRecord};
@@ -65,23 +65,20 @@ pub(crate) async fn restart_sharder(
     Ok(process)
 }
 
-/// The sharder's "finished sync of ring" records of ClusterRing `ring`, in order.
+/// The sharder's `sync_finished` records of ClusterRing `ring`, in order.
 pub(crate) fn sync_records(sharder: &Process, ring: &str) -> Vec<SyncRecord> {
     // The records name a ring by kind and name (`ClusterRing/<name>`).
     let ring = RingRef::new(RingKind::ClusterRing, ring).to_string();
     sharder
         .records()
         .iter()
-        .filter(|r| r["fields"]["message"] == SYNC_FINISHED && r["fields"]["ring"] == ring)
-        .map(|r| {
-            let f = &r["fields"];
-            SyncRecord {
-                duration: f["duration"].as_str().unwrap_or_default().to_string(),
-                listed: f["listed"].as_u64().unwrap_or_default(),
-                drained: f["drained"].as_u64().unwrap_or_default(),
-                moved: f["moved"].as_u64().unwrap_or_default(),
-                failed: f["failed"].as_u64().unwrap_or_default(),
-            }
+        .filter(|r| r["event"] == EVENT_SYNC_FINISHED && r["ring"] == ring)
+        .map(|f| SyncRecord {
+            duration: f["duration"].as_str().unwrap_or_default().to_string(),
+            listed: f["listed"].as_u64().unwrap_or_default(),
+            drained: f["drained"].as_u64().unwrap_or_default(),
+            moved: f["moved"].as_u64().unwrap_or_default(),
+            failed: f["failed"].as_u64().unwrap_or_default(),
         })
         .collect()
 }

@@ -50,7 +50,7 @@ pub(crate) struct MemorySample {
     pub(crate) vm_rss_kib: u64,
 }
 
-/// A "finished sync of ring" record of the sharder.
+/// A `sync_finished` record of the sharder.
 #[derive(Debug, Clone, Serialize)]
 pub(crate) struct SyncRecord {
     pub(crate) duration: String,

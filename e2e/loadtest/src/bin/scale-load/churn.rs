@@ -34,7 +34,7 @@ use k8s_openapi::api::core::v1::{ConfigMap, Secret};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, ObjectMeta, Patch, PostParams};
-use kube_sharder::controller::sharder::SYNC_FINISHED;
+use kube_sharder::records::EVENT_SYNC_FINISHED;
 use kube_sharding_api::{ClusterRing, RingKind, RingRef};
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
@@ -320,14 +320,13 @@ pub(crate) async fn run(args: &Args, cluster: &Cluster) -> anyhow::Result<()> {
             .wait_for_record(
                 "the fresh sharder's first sync",
                 Duration::from_secs(600),
-                |r| r["fields"]["message"] == SYNC_FINISHED,
+                |r| r["event"] == EVENT_SYNC_FINISHED,
             )
             .await?;
         let synced = memory(sharder.id().context("the sharder exited")?)?;
-        let fields = &sync["fields"];
         let sync = FreshSync {
-            listed: fields["listed"].as_u64().unwrap_or_default(),
-            duration: fields["duration"].as_str().unwrap_or_default().to_string(),
+            listed: sync["listed"].as_u64().unwrap_or_default(),
+            duration: sync["duration"].as_str().unwrap_or_default().to_string(),
             rss_mib: mib(synced.rss_kib),
             hwm_mib: mib(synced.hwm_kib),
         };

@@ -8,7 +8,7 @@ use e2e::fixtures::wait_status;
 use e2e::process::Process;
 use e2e::sharder_process::{SharderFiles, SharderSettings};
 use kube::Client;
-use kube_sharder::controller::sharder::SYNC_FINISHED;
+use kube_sharder::records::EVENT_SYNC_FINISHED;
 
 /// CPU time (user + system) a process used so far, in seconds.
 pub(crate) fn cpu_seconds(pid: u32) -> anyhow::Result<f64> {
@@ -42,7 +42,7 @@ pub(crate) async fn start_settled_sharder(
         .wait_for_record(
             "the ring's first sync to finish",
             Duration::from_secs(120),
-            |r| r["fields"]["message"] == SYNC_FINISHED,
+            |r| r["event"] == EVENT_SYNC_FINISHED,
         )
         .await?;
     tokio::time::sleep(Duration::from_secs(settle_seconds)).await;
