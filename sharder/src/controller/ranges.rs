@@ -16,6 +16,12 @@
 //!   holder without the shard's release mark, docs/protocol.md §18) may still run, nothing of the
 //!   ring moves: its Lease no longer says what it holds.
 //!
+//! On a ring hashing namespaces, a namespace carrying the ring's pin annotation with the name of
+//! an available shard has its one hash cut out of its owner's target and added to the pinned
+//! shard's ([`RangeRing::ranges_with_pins`]); the planner moves it like any range, revoke before
+//! grant. Namespaces come from the sharder's Namespace cache, and a Namespace change reconciles
+//! the rings.
+//!
 //! The planner assumes that its writes are seen before its next step: until the Lease cache shows
 //! every publication written (or [`PENDING_FOR`] passed), the next step waits.
 
@@ -32,7 +38,7 @@ use kube_sharding_api::range_lease::{
     ANNOTATION_ACKNOWLEDGED, ANNOTATION_RANGES, Acknowledgement, PublishedRanges,
 };
 use kube_sharding_api::ranges::{RangeRing, RangeSet};
-use kube_sharding_api::{RingObject, RingRef};
+use kube_sharding_api::{HashKey, RingObject, RingRef};
 
 use super::ring::Error;
 use crate::context::Context;
@@ -151,8 +157,9 @@ impl RangePublisher {
                 .iter()
                 .map(|(name, e)| (name.clone(), e.ranges.clone()))
                 .collect();
+            let pins = namespace_pins(ring, ctx);
             let target = RangeRing::weighted(available.iter().map(|(n, w)| (n.as_str(), *w)))
-                .ranges()
+                .ranges_with_pins(pins.iter().map(|(ns, shard)| (ns.as_str(), shard.as_str())))
                 .into_iter()
                 .filter(|(name, _)| entries.contains_key(name))
                 .collect();
@@ -191,6 +198,26 @@ impl RangePublisher {
             retry: false,
         })
     }
+}
+
+/// The namespace pins of a ring hashing namespaces, from the Namespace cache: every namespace
+/// carrying the ring's pin annotation, with the shard it names (docs/zero-write-rings.md). A
+/// ring hashing uids has none: a namespace's objects are spread over the whole space there, and
+/// object pins would need a watch of the ring's objects, which this mode does without.
+fn namespace_pins<R: RingObject>(ring: &R, ctx: &Context) -> Vec<(String, String)> {
+    if ring.ring_spec().hash_key() != HashKey::Namespace {
+        return Vec::new();
+    }
+    let key = ring.ring_ref().pin_annotation();
+    ctx.caches
+        .namespaces
+        .state()
+        .iter()
+        .filter_map(|namespace| {
+            let shard = namespace.annotations().get(&key)?;
+            Some((namespace.name_any(), shard.clone()))
+        })
+        .collect()
 }
 
 /// The shards of the ring by name, from its members: each name once, its available Lease first,
