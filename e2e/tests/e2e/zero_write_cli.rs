@@ -14,6 +14,7 @@ use e2e::process::poll_until;
 use e2e::scenario::SharedScenario;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{ConfigMap, Namespace};
+use k8s_openapi::api::events::v1::Event;
 use kube::api::{Api, ObjectMeta, Patch, PostParams};
 use kube::{Client, ResourceExt};
 use kube_sharding_api::labels::ANNOTATION_WEIGHT;
@@ -370,6 +371,26 @@ async fn kubectl_sharding_reads_a_server_side_ring_from_its_leases() -> anyhow::
     .await?;
     println!("{}", plugin_table(&["status", &ring]).await?);
     wait_target(&client, &ns, &target_four).await?;
+
+    // A namespace pin cannot work on a ring hashing uids: the sharder reports it on the
+    // Namespace, status lists it, and the ranges stay the hash ring's.
+    Api::<Namespace>::all(client.clone())
+        .patch(
+            &ns,
+            &e2e::patch_params(),
+            &Patch::Merge(
+                json!({"metadata": {"annotations": {ring_ref.pin_annotation(): "shard-a"}}}),
+            ),
+        )
+        .await?;
+    wait_pin_event(&client, &ns, &ring, "is ignored").await?;
+    let status = plugin_json(&["status", &ring]).await?;
+    ensure!(
+        status["rings"][0]["ranges"]["ignoredNamespacePins"] == json!([ns]),
+        "{}",
+        status["rings"][0]["ranges"]
+    );
+    wait_target(&client, &ns, &target_four).await?;
     poll_until("status to show the settled ring of four", WAIT, || async {
         let status = plugin_json(&["status", &ring]).await?;
         let leases = lease_ranges(&client, &ns).await?;
@@ -383,6 +404,37 @@ async fn kubectl_sharding_reads_a_server_side_ring_from_its_leases() -> anyhow::
     .await?;
     logs.passed();
     Ok(())
+}
+
+/// Waits for a `PinUnsatisfied` Warning Event on Namespace `namespace` about `ring` whose note
+/// contains `words` (Events of cluster-scoped objects are in `default`).
+async fn wait_pin_event(
+    client: &Client,
+    namespace: &str,
+    ring: &str,
+    words: &str,
+) -> anyhow::Result<()> {
+    let events = Api::<Event>::namespaced(client.clone(), "default");
+    poll_until(
+        &format!("a PinUnsatisfied Event on {namespace}"),
+        WAIT,
+        || async {
+            let found = events
+                .list(&Default::default())
+                .await?
+                .items
+                .into_iter()
+                .any(|e| {
+                    e.reason.as_deref() == Some("PinUnsatisfied")
+                        && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(namespace)
+                        && e.note
+                            .as_deref()
+                            .is_some_and(|n| n.contains(ring) && n.contains(words))
+                });
+            Ok(found.then_some(()))
+        },
+    )
+    .await
 }
 
 /// A `ServerSide` ring hashing namespaces over ConfigMaps in `namespace`.
@@ -434,6 +486,21 @@ async fn a_namespace_pin_moves_the_namespaces_hash_revoke_before_grant() -> anyh
     let hashes = RangeRing::new(shards);
     let plain = hashes.ranges();
     wait_target(&client, &ns, &plain).await?;
+
+    // A pin to a shard that is not available decides nothing and is reported on the Namespace.
+    pin(&client, &ns, &ring_ref, Some("shard-z")).await?;
+    wait_pin_event(&client, &ns, &ring, "not an available shard").await?;
+    let leases = lease_ranges(&client, &ns).await?;
+    for (shard, set) in &plain {
+        ensure!(
+            leases[shard]
+                .published
+                .as_ref()
+                .map(PublishedRanges::ranges)
+                == Some(set),
+            "{shard}'s ranges changed for a pin to an unavailable shard"
+        );
+    }
 
     // Pin the namespace to a shard the hash ring does not give it, while the owner holds back
     // its acknowledgement: the owner is cut down first, the pinned shard granted after.
