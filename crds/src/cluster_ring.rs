@@ -235,6 +235,15 @@ pub struct DepartedShard {
 }
 
 impl ClusterRingSpec {
+    /// A ring over `resources` with every other field unset, so the defaults apply (the sharder's
+    /// namespace selector, hashing by object, Leases from any namespace, webhook assignment).
+    pub fn new(resources: impl IntoIterator<Item = RingResource>) -> Self {
+        Self {
+            resources: resources.into_iter().collect(),
+            ..Self::default()
+        }
+    }
+
     /// The hash key in effect: [`HashKey::Object`] when unset.
     pub fn hash_key(&self) -> HashKey {
         self.hash_key.unwrap_or_default()

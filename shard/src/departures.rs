@@ -1,26 +1,5 @@
-//! Departures: objects that left this shard, told apart from objects that were deleted.
-//!
-//! A shard's watches select its shard label, so the API server reports an object that moved to
-//! another shard exactly like one that was deleted: a DELETED event (carrying the object as it
-//! was before it stopped matching). After a watch restart (a re-list) there is not even that:
-//! the object is simply missing. A controller that keeps local state per object (a cache, a
-//! connection, a metric series) must drop it in both cases but usually handles them
-//! differently: a deleted object's external resources are cleaned up, a released object's are
-//! left for its new shard.
-//!
-//! [`Shard::departures`] watches the shard's objects of one resource and, for every object that
-//! leaves the watch, asks the API server (one GET by name, without the label selector) which it
-//! was:
-//!
-//! - the object is gone, or a different object (another UID) carries its name:
-//!   [`Departure::Deleted`];
-//! - the object exists without this shard's label: [`Departure::Released`], with how it left
-//!   ([`Release`]);
-//! - the object exists with this shard's label again (it came back meanwhile): nothing.
-//!
-//! Objects the controller knew from before the watch started (its state from an earlier
-//! membership term, say) are passed with [`Departures::with_known`]; those missing from the
-//! first listing are reported the same way.
+//! The watch that reports objects leaving the shard, told apart from deleted ones
+//! ([`Shard::departures`], [`Departures`]).
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -34,100 +13,9 @@ use serde::de::DeserializeOwned;
 use tracing::{debug, warn};
 
 use crate::Shard;
-use crate::drain::Disposition;
-use crate::lease::error_chain;
-
-/// Identity of an object of one resource: namespace (none when cluster-scoped), name and UID.
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct ObjectKey {
-    /// Namespace, `None` for cluster-scoped objects.
-    pub namespace: Option<String>,
-    /// Name.
-    pub name: String,
-    /// UID, when known: an object recreated under the same name has another one.
-    pub uid: Option<String>,
-}
-
-impl ObjectKey {
-    /// The key of an object from its metadata.
-    pub fn of(meta: &ObjectMeta) -> Self {
-        Self {
-            namespace: meta.namespace.clone(),
-            name: meta.name.clone().unwrap_or_default(),
-            uid: meta.uid.clone(),
-        }
-    }
-
-    /// `(namespace, name)`: what identifies the object in the API, whatever its UID.
-    fn slot(&self) -> (Option<String>, String) {
-        (self.namespace.clone(), self.name.clone())
-    }
-}
-
-impl std::fmt::Display for ObjectKey {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match &self.namespace {
-            Some(namespace) => write!(f, "{namespace}/{}", self.name),
-            None => f.write_str(&self.name),
-        }
-    }
-}
-
-/// How an object left this shard.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Release {
-    /// It carried the drain label when it left: the drain this shard acknowledged (the
-    /// protocol's way for an object to leave a live shard).
-    Drained,
-    /// Its shard label changed or went away without a drain, while the shard watched.
-    Reassigned,
-    /// It was missing when the shard listed its objects: it left while the shard was not
-    /// watching (not a member, or its watch restarting).
-    FoundMoved,
-    /// Zero-write rings: its hash range was revoked from this shard (a new generation of
-    /// ranges without it, or a new membership term, which starts with no ranges).
-    RangeRevoked,
-}
-
-impl Release {
-    /// A fixed name for logs and metric labels.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Drained => "drained",
-            Self::Reassigned => "reassigned",
-            Self::FoundMoved => "found_moved",
-            Self::RangeRevoked => "range_revoked",
-        }
-    }
-}
-
-/// An object that left this shard's watch, classified by a read of the API server.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Departure {
-    /// The object still exists but belongs to this shard no more. Drop local state for it,
-    /// leave its external resources to its new shard.
-    Released {
-        /// The object.
-        object: ObjectKey,
-        /// How it left.
-        how: Release,
-    },
-    /// The object is gone from the API server (or was replaced by a new object of the same
-    /// name). Clean up after it.
-    Deleted {
-        /// The object.
-        object: ObjectKey,
-    },
-}
-
-impl Departure {
-    /// The object that departed.
-    pub fn object(&self) -> &ObjectKey {
-        match self {
-            Self::Released { object, .. } | Self::Deleted { object } => object,
-        }
-    }
-}
+use crate::departure::{Departure, ObjectKey, Release};
+use crate::records::error_chain;
+use crate::shard::Disposition;
 
 /// An object that left the watch, not yet classified.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -278,6 +166,28 @@ pub(crate) fn classify(
 
 /// A watch of one resource's objects on this shard that reports [`Departure`]s. Made by
 /// [`Shard::departures`]; run it with [`Departures::stream`].
+///
+/// A shard's watches select its shard label, so the API server reports an object that moved to
+/// another shard exactly like one that was deleted: a DELETED event (carrying the object as it
+/// was before it stopped matching). After a watch restart (a re-list) there is not even that:
+/// the object is simply missing. A controller that keeps local state per object (a cache, a
+/// connection, a metric series) must drop it in both cases but usually handles them
+/// differently: a deleted object's external resources are cleaned up, a released object's are
+/// left for its new shard.
+///
+/// [`Shard::departures`] watches the shard's objects of one resource and, for every object that
+/// leaves the watch, asks the API server (one GET by name, without the label selector) which it
+/// was:
+///
+/// - the object is gone, or a different object (another UID) carries its name:
+///   [`Departure::Deleted`];
+/// - the object exists without this shard's label: [`Departure::Released`], with how it left
+///   ([`Release`]);
+/// - the object exists with this shard's label again (it came back meanwhile): nothing.
+///
+/// Objects the controller knew from before the watch started (its state from an earlier
+/// membership term, say) are passed with [`Departures::with_known`]; those missing from the
+/// first listing are reported the same way.
 #[derive(Debug, Clone)]
 #[must_use]
 pub struct Departures<K: Resource + Clone> {

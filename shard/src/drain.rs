@@ -25,41 +25,12 @@ use kube::api::{Api, ApiResource, DynamicObject, Patch, PatchParams};
 use kube::runtime::Predicate;
 use kube::runtime::controller::Action;
 use kube::{Client, Resource, ResourceExt};
-use serde_json::json;
 use tracing::{debug, info};
 
-use crate::Shard;
 use crate::lease::{GuardEnd, LeaseGuard};
 use crate::ownership::{Fetch, Ownership};
-
-/// What a shard does with an object it was handed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Disposition {
-    /// Assigned to this shard and not draining: run the controller's reconciler.
-    Reconcile,
-    /// Assigned to this shard and draining: acknowledge the drain, never reconcile.
-    Drain,
-    /// Not assigned to this shard (label missing or naming another shard): do nothing.
-    Ignore,
-}
-
-/// The JSON merge patch acknowledging a drain: removes the shard and the drain label in one
-/// write, which the API server rejects (409) if the object changed since `resource_version`.
-pub fn drain_patch(
-    shard_label_key: &str,
-    drain_label_key: &str,
-    resource_version: &str,
-) -> serde_json::Value {
-    json!({
-        "metadata": {
-            "resourceVersion": resource_version,
-            "labels": {
-                shard_label_key: null,
-                drain_label_key: null,
-            }
-        }
-    })
-}
+use crate::records::EVENT_DRAIN;
+use crate::shard::{Disposition, Shard};
 
 /// Error of a reconciler wrapped by [`Shard::reconciler`].
 #[derive(Debug, thiserror::Error)]
@@ -397,7 +368,7 @@ where
                     source,
                 })?;
                 info!(
-                    event = "drain",
+                    event = EVENT_DRAIN,
                     %namespace,
                     %name,
                     shard = %shard_name,

@@ -97,13 +97,12 @@
 //! - [`Shard::departures`]: a stream of objects that left the shard ([`Departure::Released`]),
 //!   told apart from deleted ones ([`Departure::Deleted`]), for local state.
 //!
+//! Every item a shard uses is at the crate root. Two modules stand apart:
+//!
 //! | module | what |
 //! |---|---|
-//! | [`lease`] | the Lease lock, [`LeaseGuard`], [`HeldLease::run_while_held`], and the pure acquire decision it uses |
-//! | [`drain`] | the reconciler wrapper that acknowledges drains and cancels reconciles when the Lease ends |
-//! | [`departures`] | released versus deleted objects |
-//! | [`load`] | [`LoadMeter`]: the load the shard reports on its Lease (objects, queue depth, reconcile latency and errors) |
-//! | [`sharded_watch`] | zero-write rings: a `shardSelector` on one resource's lists and watches, whether the server applied it, the client-side filter, and the restarts on new ranges |
+//! | [`records`] | the log records the crate writes for machines: their `event` values and fields |
+//! | [`sharded_watch`] | zero-write rings: a `shardSelector` on one resource's lists and watches, whether the server applied it, the client-side filter, and the restarts on new ranges; a tower layer usable in a client stack of your own |
 //!
 //! # Zero-write rings
 //!
@@ -148,33 +147,41 @@
 //! client filters with the same hash and says so once in its log. See
 //! `docs/zero-write-rings.md`.
 //!
-//! The crate logs through `tracing` and never installs a subscriber. The example shard of the
+//! The crate logs through `tracing` and never installs a subscriber; the records meant for
+//! machines carry an `event` field whose values are in [`records`]. The example shard of the
 //! repository, `checksum-controller`, is a package of its own, so this crate carries only
 //! library dependencies.
 
 #![deny(missing_docs)]
 
-pub mod departures;
-pub mod drain;
-pub mod lease;
-pub mod load;
+mod departure;
+mod departures;
+mod drain;
+mod lease;
+mod load;
 mod membership;
 mod ownership;
+pub mod records;
 mod server_side;
 mod shard;
 pub mod sharded_watch;
 mod shutdown;
 
-pub use crate::departures::{Departure, Departures, ObjectKey, Release};
-pub use crate::drain::{Disposition, DrainPassthrough, ReconcileError};
-pub use crate::lease::{GuardEnd, HeldLease, HeldRunEnd, LeaseGuard, LeaseLock, LeaseLockConfig};
+pub use crate::departure::{Departure, ObjectKey, Release};
+pub use crate::departures::Departures;
+pub use crate::drain::{DrainPassthrough, ReconcileError};
+pub use crate::lease::{
+    Error as LeaseError, GuardEnd, HeldLease, HeldRunEnd, LeaseGuard, LeaseLock, LeaseLockConfig,
+};
 pub use crate::load::{DEFAULT_LOAD_WINDOW, LoadMeter};
-pub use crate::membership::{EVENT_SHARD_EXCLUDED, EVENT_TERM_STARTED, ShardRunEnd, Term};
+pub use crate::membership::{ShardRunEnd, Term};
 pub use crate::ownership::{Ownership, OwnershipError};
-pub use crate::server_side::{EVENT_RANGES_ACKNOWLEDGED, EVENT_RANGES_APPLIED, RestartBackoff};
-pub use crate::shard::{DEFAULT_JUDGEMENT_FALLBACK, DEFAULT_REJOIN_PAUSE, Shard};
-pub use crate::shutdown::{EVENT_LEASE_KEPT, OnShutdown, STATEFULSET_READ_TIMEOUT, StatefulSetPod};
+pub use crate::server_side::RestartBackoff;
+pub use crate::shard::{DEFAULT_JUDGEMENT_FALLBACK, DEFAULT_REJOIN_PAUSE, Disposition, Shard};
+pub use crate::shutdown::{OnShutdown, STATEFULSET_READ_TIMEOUT, StatefulSetPod};
 /// The kind of ring a [`Shard`] joins.
 pub use kube_sharding_api::RingKind;
+/// The timing of a Lease lock ([`LeaseLockConfig::with_timing`]).
+pub use kube_sharding_api::lease::LeaseTiming;
 /// The field a zero-write ring's selectors hash ([`Shard::server_side`]).
 pub use kube_sharding_api::ranges::ShardField;

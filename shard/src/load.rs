@@ -1,52 +1,4 @@
-//! What a shard reports about its load on its Lease (docs/protocol.md §23).
-//!
-//! A [`LoadMeter`] collects the controller's signals; the Lease lock writes its
-//! [report](LoadMeter::report) into the annotation
-//! [`ANNOTATION_LOAD`](kube_sharding_api::load::ANNOTATION_LOAD) with the renewals it sends
-//! anyway, so reporting costs no request. Give the meter to the shard with
-//! [`Shard::with_load_meter`](crate::Shard::with_load_meter), and:
-//!
-//! - [`Shard::reconciler`](crate::Shard::reconciler) measures every reconcile of your reconciler
-//!   (duration, and an error when it returns one);
-//! - [`LoadMeter::track`] on the watch stream of the main resource counts the shard's objects and
-//!   which of them changed since their last successful reconcile (the queue depth).
-//!
-//! ```no_run
-//! # use std::sync::Arc;
-//! # use futures::StreamExt;
-//! # use k8s_openapi::api::core::v1::Secret;
-//! # use kube::{Api, Client, runtime::{WatchStreamExt, reflector, watcher, controller::{Action, Controller}}};
-//! # use kube_sharding::{LeaseLock, LoadMeter, Ownership, OwnershipError, Shard, Term};
-//! # async fn reconcile(_: Arc<Secret>, _: Arc<()>, _: Ownership) -> Result<Action, OwnershipError> { Ok(Action::await_change()) }
-//! # async fn run(client: Client) -> anyhow::Result<()> {
-//! let meter = LoadMeter::new();
-//! let shard = Shard::new("my-ring", "my-controller-0", "default").with_load_meter(meter.clone());
-//! let lock = LeaseLock::new(client.clone(), shard.lease_config())?; // reports what `meter` holds
-//! # let shutdown = tokio_util::sync::CancellationToken::new();
-//! shard.run(&lock, &shutdown, |term: Term| {
-//!     let (reader, writer) = reflector::store();
-//!     // Tracked before the cache sees it: a reconcile never runs ahead of its object's event.
-//!     let secrets = meter
-//!         .track(watcher(Api::<Secret>::all(client.clone()), shard.watcher_config()).default_backoff())
-//!         .reflect(writer)
-//!         .applied_objects();
-//!     Controller::for_stream(secrets, reader)
-//!         .graceful_shutdown_on(term.stop.cancelled_owned())
-//!         .run(shard.reconciler(client.clone(), term.guard, reconcile),
-//!              |_, _, _| Action::await_change(), Arc::new(()))
-//!         .for_each(|_| async {})
-//! }).await?;
-//! # Ok(()) }
-//! ```
-//!
-//! (`Controller::for_stream` needs kube's `unstable-runtime` feature.) A controller that counts
-//! by itself sets [`LoadMeter::set_objects`] and [`LoadMeter::set_queue_depth`] instead, and
-//! times reconciles with [`LoadMeter::measure`] or [`LoadMeter::record`].
-//!
-//! Memory is bounded whatever the reconcile rate: latencies go into a fixed number of
-//! log-scaled buckets per twelfth of the window (about 7.5 KiB per meter, percentiles to within
-//! 19 %), and the queue keeps one entry per object the tracked watch holds, dropped when the
-//! object is deleted or leaves the shard.
+//! What a shard reports about its load on its Lease: [`LoadMeter`].
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -69,7 +21,55 @@ const SLOTS: usize = 12;
 /// doubling), the last one everything above 2^39.75 µs (about eleven days).
 const BUCKETS: usize = 160;
 
-/// Collects a shard's load for the reports on its Lease (see the [module docs](self)).
+/// Collects a shard's load for the reports on its Lease (docs/protocol.md §23).
+///
+/// A [`LoadMeter`] collects the controller's signals; the Lease lock writes its
+/// [report](LoadMeter::report) into the annotation
+/// [`ANNOTATION_LOAD`](kube_sharding_api::load::ANNOTATION_LOAD) with the renewals it sends
+/// anyway, so reporting costs no request. Give the meter to the shard with
+/// [`Shard::with_load_meter`](crate::Shard::with_load_meter), and:
+///
+/// - [`Shard::reconciler`](crate::Shard::reconciler) measures every reconcile of your reconciler
+///   (duration, and an error when it returns one);
+/// - [`LoadMeter::track`] on the watch stream of the main resource counts the shard's objects and
+///   which of them changed since their last successful reconcile (the queue depth).
+///
+/// ```no_run
+/// # use std::sync::Arc;
+/// # use futures::StreamExt;
+/// # use k8s_openapi::api::core::v1::Secret;
+/// # use kube::{Api, Client, runtime::{WatchStreamExt, reflector, watcher, controller::{Action, Controller}}};
+/// # use kube_sharding::{LeaseLock, LoadMeter, Ownership, OwnershipError, Shard, Term};
+/// # async fn reconcile(_: Arc<Secret>, _: Arc<()>, _: Ownership) -> Result<Action, OwnershipError> { Ok(Action::await_change()) }
+/// # async fn run(client: Client) -> anyhow::Result<()> {
+/// let meter = LoadMeter::new();
+/// let shard = Shard::new("my-ring", "my-controller-0", "default").with_load_meter(meter.clone());
+/// let lock = LeaseLock::new(client.clone(), shard.lease_config())?; // reports what `meter` holds
+/// # let shutdown = tokio_util::sync::CancellationToken::new();
+/// shard.run(&lock, &shutdown, |term: Term| {
+///     let (reader, writer) = reflector::store();
+///     // Tracked before the cache sees it: a reconcile never runs ahead of its object's event.
+///     let secrets = meter
+///         .track(watcher(Api::<Secret>::all(client.clone()), shard.watcher_config()).default_backoff())
+///         .reflect(writer)
+///         .applied_objects();
+///     Controller::for_stream(secrets, reader)
+///         .graceful_shutdown_on(term.stop.cancelled_owned())
+///         .run(shard.reconciler(client.clone(), term.guard, reconcile),
+///              |_, _, _| Action::await_change(), Arc::new(()))
+///         .for_each(|_| async {})
+/// }).await?;
+/// # Ok(()) }
+/// ```
+///
+/// (`Controller::for_stream` needs kube's `unstable-runtime` feature.) A controller that counts
+/// by itself sets [`LoadMeter::set_objects`] and [`LoadMeter::set_queue_depth`] instead, and
+/// times reconciles with [`LoadMeter::measure`] or [`LoadMeter::record`].
+///
+/// Memory is bounded whatever the reconcile rate: latencies go into a fixed number of
+/// log-scaled buckets per twelfth of the window (about 7.5 KiB per meter, percentiles to within
+/// 19 %), and the queue keeps one entry per object the tracked watch holds, dropped when the
+/// object is deleted or leaves the shard.
 ///
 /// Cheap to clone: clones share one meter. Thread-safe; every call takes a short lock.
 #[derive(Clone)]

@@ -13,15 +13,8 @@ use tracing::{error, info, warn};
 
 use crate::Shard;
 use crate::lease::{Error, LeaseGuard, LeaseLock, RunEnd};
+use crate::records::{EVENT_SHARD_EXCLUDED, EVENT_TERM_STARTED};
 use crate::shutdown::{self, OnShutdown, ShutdownDecision};
-
-/// `event` of the record [`Shard::run`] logs, at error level, when the shard stepped out of its
-/// ring because the sharder excluded its Lease.
-pub const EVENT_SHARD_EXCLUDED: &str = "shard_excluded";
-
-/// `event` of the record [`Shard::run`] logs when a term's work starts, with `waited_ms`: how
-/// long it waited for the sharder to judge a Lease just created or taken over (0 otherwise).
-pub const EVENT_TERM_STARTED: &str = "term_started";
 
 /// How the wait for the sharder's judgement of a new holding ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -281,3 +274,8 @@ impl Shard {
         }
     }
 }
+
+#[cfg(test)]
+mod tests;
+#[cfg(test)]
+mod tests_ranges;

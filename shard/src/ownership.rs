@@ -9,8 +9,8 @@ use futures::future::BoxFuture;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
 use crate::Shard;
-use crate::drain::Disposition;
 use crate::lease::{GuardEnd, LeaseGuard};
+use crate::shard::Disposition;
 
 /// Reads the object's current metadata from the API server; `None` when it does not exist.
 pub(crate) type Fetch =

@@ -21,18 +21,10 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use crate::departures::{Departure, ObjectKey, Release};
-use crate::lease::{LeaseGuard, LeaseLock, error_chain};
+use crate::departure::{Departure, ObjectKey, Release};
+use crate::lease::{LeaseGuard, LeaseLock};
+use crate::records::{EVENT_RANGES_ACKNOWLEDGED, EVENT_RANGES_APPLIED, error_chain};
 use crate::sharded_watch::ShardedWatch;
-
-/// `event` of the record logged when the shard runs with a new generation of ranges, before it
-/// acknowledges it: `generation`, `ranges`, `share` (of the hash space), `released` (objects of
-/// revoked ranges), `cancelled` (reconciles cancelled and waited for) and `took_ms`.
-pub const EVENT_RANGES_APPLIED: &str = "ranges_applied";
-
-/// `event` of the record logged when the shard wrote its acknowledgement of a generation, with
-/// `generation` and `took_ms` since the generation was seen.
-pub const EVENT_RANGES_ACKNOWLEDGED: &str = "ranges_acknowledged";
 
 /// The zero-write part of a [`Shard`](crate::Shard): the hashed field, the enforcing handle of
 /// the ring's resource and the reconciles in flight. Clones share the state.

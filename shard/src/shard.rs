@@ -11,7 +11,6 @@ use kube_sharding_api::labels;
 use kube_sharding_api::range_lease::{ANNOTATION_ACKNOWLEDGED, ANNOTATION_RANGES};
 use kube_sharding_api::ranges::ShardField;
 
-use crate::drain::{self, Disposition};
 use crate::lease::LeaseLockConfig;
 use crate::load::LoadMeter;
 use crate::server_side::{InFlightGuard, ServerSide};
@@ -46,6 +45,17 @@ pub struct Shard {
     on_shutdown: OnShutdown,
     server_side: Option<ServerSide>,
     load_meter: Option<LoadMeter>,
+}
+
+/// What a shard does with an object it was handed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Disposition {
+    /// Assigned to this shard and not draining: run the controller's reconciler.
+    Reconcile,
+    /// Assigned to this shard and draining: acknowledge the drain, never reconcile.
+    Drain,
+    /// Not assigned to this shard (label missing or naming another shard): do nothing.
+    Ignore,
 }
 
 /// How long [`Shard::run`] waits by default before rejoining after an exclusion.
@@ -260,7 +270,7 @@ impl Shard {
 
     /// The shard reporting its load (docs/protocol.md §23) from `meter` on its Lease
     /// ([`Shard::lease_config`] writes the report with every renewal), and measuring every
-    /// reconcile of [`Shard::reconciler`] with it. See [`crate::load`] for counting objects
+    /// reconcile of [`Shard::reconciler`] with it. See [`LoadMeter`] for counting objects
     /// and the queue.
     #[must_use]
     pub fn with_load_meter(mut self, meter: LoadMeter) -> Self {
@@ -403,14 +413,19 @@ impl Shard {
             .is_some_and(|l| l.contains_key(&self.drain_label_key))
     }
 
-    /// The merge patch that acknowledges a drain of an object at `resource_version` (see
-    /// [`drain::drain_patch`]).
+    /// The JSON merge patch that acknowledges a drain of an object at `resource_version`: it
+    /// removes the shard and the drain label in one write, which the API server rejects (409)
+    /// if the object changed since.
     pub fn drain_patch(&self, resource_version: &str) -> serde_json::Value {
-        drain::drain_patch(
-            &self.shard_label_key,
-            &self.drain_label_key,
-            resource_version,
-        )
+        serde_json::json!({
+            "metadata": {
+                "resourceVersion": resource_version,
+                "labels": {
+                    &self.shard_label_key: null,
+                    &self.drain_label_key: null,
+                }
+            }
+        })
     }
 }
 

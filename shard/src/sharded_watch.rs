@@ -403,7 +403,7 @@ impl Service<Request<kube::client::Body>> for ClientService {
 
 mod enforce;
 use enforce::Snapshot;
-pub use enforce::{EVENT_SELECTOR_APPLIED, EVENT_SELECTOR_IGNORED, WatchBody};
+pub use enforce::WatchBody;
 
 /// The selection of `selector` (`None`: nothing), for tests of the pure parts.
 #[cfg(test)]
@@ -422,9 +422,9 @@ pub(crate) fn enforce_snapshot(selector: Option<ShardSelector>) -> Snapshot {
 /// Which of `held` `selection` no longer selects (see [`ShardedWatch::revoke_to`]).
 #[cfg(test)]
 pub(crate) fn revoked_of(
-    held: &[crate::departures::ObjectKey],
+    held: &[crate::departure::ObjectKey],
     selection: &Snapshot,
-) -> Vec<crate::departures::ObjectKey> {
+) -> Vec<crate::departure::ObjectKey> {
     enforce::revoked(held, selection)
 }
 

@@ -1,6 +1,7 @@
-//! What [`Shard::run`] does with the shard's Lease when it stops on shutdown: release it (the
-//! sharder moves the objects away at once), or, for a StatefulSet pod whose identity comes
-//! back, leave it held so that the returning pod renews it and carries on with the same objects.
+//! What [`Shard::run`](crate::Shard::run) does with the shard's Lease when it stops on shutdown:
+//! release it (the sharder moves the objects away at once), or, for a StatefulSet pod whose
+//! identity comes back, leave it held so that the returning pod renews it and carries on with the
+//! same objects.
 //!
 //! The decision is not a guess: at shutdown the shard reads its StatefulSet and keeps the Lease
 //! only when the StatefulSet will recreate a pod of the shard's name (its ordinal lies within
@@ -14,20 +15,14 @@ use k8s_openapi::api::apps::v1::StatefulSet;
 use kube::{Api, Client};
 use tracing::info;
 
-#[cfg(doc)]
-use crate::Shard;
-
-/// `event` of the record [`Shard::run`] logs when it stopped on shutdown and left its Lease
-/// held for the returning pod ([`OnShutdown::KeepIfReturning`]), with `statefulset`, `ordinal`
-/// and `replicas`.
-pub const EVENT_LEASE_KEPT: &str = "lease_kept";
+use crate::records::EVENT_LEASE_KEPT;
 
 /// How long the shutdown waits for its StatefulSet read before it gives up and releases: a stop
 /// must not hang on an API server that does not answer.
 pub const STATEFULSET_READ_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// What [`Shard::run`] does with the shard's Lease when it stops on shutdown
-/// ([`Shard::with_on_shutdown`]).
+/// What [`Shard::run`](crate::Shard::run) does with the shard's Lease when it stops on
+/// shutdown ([`Shard::with_on_shutdown`](crate::Shard::with_on_shutdown)).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub enum OnShutdown {
     /// Release the Lease, marked as the shard's own: the sharder moves the shard's objects to
@@ -202,7 +197,7 @@ impl Reader {
                 let api: Api<StatefulSet> = Api::namespaced(client.clone(), namespace);
                 match tokio::time::timeout(STATEFULSET_READ_TIMEOUT, api.get_opt(name)).await {
                     Ok(Ok(found)) => Ok(found),
-                    Ok(Err(error)) => Err(crate::lease::error_chain(&error)),
+                    Ok(Err(error)) => Err(crate::records::error_chain(&error)),
                     Err(_) => Err(format!("no answer within {STATEFULSET_READ_TIMEOUT:?}")),
                 }
             }

@@ -34,17 +34,11 @@ fn state(shards: usize) -> WebhookState {
             generation: Some(1),
             ..Default::default()
         },
-        spec: ClusterRingSpec {
-            resources: vec![RingResource {
-                group: String::new(),
-                resource: "secrets".into(),
-                controlled_resources: vec![GroupResource::new("", "configmaps")],
-            }],
-            namespace_selector: None,
-            hash_key: None,
-            lease_namespaces: Vec::new(),
-            assignment: None,
-        },
+        spec: ClusterRingSpec::new([RingResource::controlling(
+            "",
+            "secrets",
+            [GroupResource::new("", "configmaps")],
+        )]),
         status: None,
     };
     let info = ResourceInfo::core_namespaced;
@@ -53,10 +47,10 @@ fn state(shards: usize) -> WebhookState {
         (GroupResource::new("", "configmaps"), info("ConfigMap")),
     ]);
     let shards: BTreeMap<String, u32> = (0..shards).map(|i| (format!("shard-{i}"), 1)).collect();
-    let rings = Arc::new(Views::default());
-    rings.insert(build_view(&ring, &shards, &discovered, &Default::default()));
+    let views = Arc::new(Views::default());
+    views.insert(build_view(&ring, &shards, &discovered, &Default::default()));
     WebhookState {
-        rings,
+        views,
         metrics: Metrics::default(),
         client: None,
     }

@@ -1,16 +1,14 @@
 //! The caches every replica keeps (rings of both kinds, shard Leases grouped by ring, Namespaces),
-//! the tasks that fill them, and the hub that announces their changes.
+//! the tasks that fill them; they announce their changes on the change hub (`crate::changes`).
 //!
 //! | module | what |
 //! |---|---|
 //! | `reflector` | one watch task per cache, reading in batches |
 //! | `lease_index` | the shard Leases of one ring kind grouped by ring, and which changes matter |
-//! | `changes` | the change hub the ring views and the controllers subscribe to |
 //! | `thread` | the single-threaded runtime the watches run on |
 //! | `slim` | what the caches keep of each object: only the fields the sharder reads |
 //! | `renewals` | shard liveness by the sharder's clock: when each Lease was seen renewed |
 
-mod changes;
 mod lease_index;
 mod reflector;
 mod renewals;
@@ -31,11 +29,11 @@ use kube_sharding_api::{ClusterRing, ControllerRing, RingKind, RingRef};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-pub(crate) use self::changes::Changes;
-pub(crate) use self::lease_index::{LeaseChange, LeaseIndex, state_label_is_stale};
+pub(crate) use self::lease_index::{LeaseIndex, state_label_is_stale};
 use self::reflector::{Runner, Watched, spawn_reflector, spawn_reflector_into};
 pub(crate) use self::renewals::{Renewals, SKEW_WARNING};
 pub(crate) use self::thread::CacheThread;
+use crate::changes::Changes;
 use crate::core::any_ring::AnyRing;
 
 /// The caches of one sharder process, filled by watches on the caches' thread.
@@ -103,7 +101,7 @@ impl Caches {
         let [cluster_ring_leases, controller_ring_leases] = RingKind::ALL.map(|kind| {
             let (store, writer) = kube::runtime::reflector::store();
             let renewals = Arc::new(Renewals::default());
-            let index = LeaseIndex::new(kind, store, renewals.clone());
+            let index = LeaseIndex::new(kind, store, renewals.clone(), changes.clone());
             let observer = index.clone();
             let changes = changes.clone();
             spawn_reflector_into(

@@ -6,11 +6,11 @@ use kube::Client;
 use kube_sharding_api::config::SharderConfig;
 
 use crate::caches::Caches;
-use crate::direct_moves::DirectMoves;
-use crate::events::Events;
+use crate::leader::direct_moves::DirectMoves;
+use crate::leader::events::Events;
+use crate::leader::observed::Observed;
+use crate::leader::reachability::Reachability;
 use crate::metrics::Metrics;
-use crate::observed::Observed;
-use crate::reachability::Reachability;
 use crate::views::{Discovery, Views};
 
 /// Shared state of one sharder process.

@@ -10,7 +10,7 @@
 
 use anyhow::Context as _;
 use kube::Client;
-use kube_sharding::lease::{HeldRunEnd, LeaseLock, LeaseLockConfig};
+use kube_sharding::{HeldRunEnd, LeaseLock, LeaseLockConfig};
 use tokio_util::sync::CancellationToken;
 
 use crate::context::Context;

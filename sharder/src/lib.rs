@@ -5,40 +5,39 @@
 //! | module | what |
 //! |---|---|
 //! | [`core`] | the pure core: hash ring, hash keys, rebalance decision, owner wait, sync schedule, ring validation, desired webhook configuration |
-//! | `caches` | the caches of rings and shard Leases: reflectors, batching, the Lease index, the thread their watches run on, and the `Changes` hub the views and controllers subscribe to |
+//! | `caches` | the caches of rings and shard Leases: reflectors, batching, the Lease index, the thread their watches run on |
+//! | `changes` | the change hub: every change a controller or the ring views can wake on, announced in one place |
 //! | [`views`] | the ring views the webhook and the sync read, and the task that keeps them current |
 //! | [`controller`] | the leader's controllers, one module each: rings, shard Leases, the sharder's sync |
 //! | `leader_election` | runs the controllers on the elected leader only; the process's identity |
 //! | [`webhook`] | the admission webhook that assigns objects, and its TLS server |
 //! | [`server`] | the HTTPS server with certificate reload, the metrics server (HTTPS behind TokenReview and SubjectAccessReview, or plain), the health server |
 //! | [`metrics`] | counters, and the state metrics rendered from a `StateSource` |
+//! | `leader` | what the leader keeps: each ring's observed objects, webhook reachability, direct moves in flight, Events |
 //! | `state_source` | the state metrics' source: the caches, what was observed, reachability |
-//! | `events` | rate-limited Events and every Event reason |
-//! | `observed` | what the leader learned about each ring's objects in its latest sync |
-//! | `reachability` | whether the API server reaches each ring's webhook; moves stop while it does not |
 //! | `client` | the API clients (controllers, leader election, caches) |
 //! | `context` | what the leader's controllers share |
-//! | `direct_moves` | the direct moves in flight off each shard, which hold back a returning shard's `ready` label |
 //! | [`cli`] | the kubectl plugin (`kubectl sharding`): status, explain, simulate |
+//! | `test_rings` | ring fixtures of the unit tests |
 //!
 //! [`run`] lists the tasks of the process and stops them all on one shutdown signal. The Lease
 //! rules (shard states, expiry, takeover, timing) are shared with the shard library in
 //! [`kube_sharding_api::lease`].
 
 mod caches;
+mod changes;
 pub mod cli;
 mod client;
 mod context;
 pub mod controller;
 pub mod core;
-mod direct_moves;
-mod events;
+mod leader;
 mod leader_election;
 pub mod metrics;
-mod observed;
-mod reachability;
 pub mod server;
 mod state_source;
+#[cfg(test)]
+mod test_rings;
 pub mod views;
 pub mod webhook;
 
@@ -52,9 +51,12 @@ use prometheus_client::registry::Registry;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use crate::caches::{CacheThread, Caches, Changes};
+use crate::caches::{CacheThread, Caches};
+use crate::changes::Changes;
 use crate::context::Context;
-use crate::events::Events;
+use crate::leader::direct_moves::DirectMoves;
+use crate::leader::events::Events;
+use crate::leader::reachability::Reachability;
 use crate::metrics::{Metrics, StateCollector};
 use crate::server::Readiness;
 use crate::state_source::CacheState;
@@ -89,7 +91,7 @@ pub async fn run(
     let caches = Caches::start(
         clients.caches,
         &cache_thread,
-        changes,
+        changes.clone(),
         &mut tasks,
         &shutdown,
     );
@@ -105,8 +107,8 @@ pub async fn run(
             metrics.events_suppressed.clone(),
         )),
         observed: Arc::default(),
-        reachability: Arc::default(),
-        direct_moves: Arc::default(),
+        reachability: Arc::new(Reachability::new(changes.clone())),
+        direct_moves: Arc::new(DirectMoves::new(changes)),
         metrics,
     };
     // Refused leader-election settings stop the process here, before it serves anything.
@@ -163,7 +165,7 @@ pub async fn run(
     webhook::serve(
         &config,
         webhook::WebhookState {
-            rings: ctx.views.clone(),
+            views: ctx.views.clone(),
             metrics: ctx.metrics.clone(),
             client: Some(client.clone()),
         },

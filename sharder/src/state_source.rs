@@ -11,9 +11,9 @@ use kube_sharding_api::{RingKind, RingRef};
 
 use crate::caches::Caches;
 use crate::core::membership::{Exclusion, ring_members};
+use crate::leader::observed::Observed;
+use crate::leader::reachability::Reachability;
 use crate::metrics::{ObjectsSnapshot, RingSnapshot, ShardSnapshot, StateSource};
-use crate::observed::Observed;
-use crate::reachability::Reachability;
 
 /// State metrics read from the caches at scrape time.
 #[derive(Debug)]

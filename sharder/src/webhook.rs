@@ -92,7 +92,7 @@ const MAX_RING_NAME: usize = 253;
 #[derive(Clone)]
 pub struct WebhookState {
     /// Current views of the rings.
-    pub rings: Arc<Views>,
+    pub views: Arc<Views>,
     /// Counters to increment on assignments.
     pub metrics: Metrics,
     /// Reads a controller whose ring changed lately, to label a child it gets meanwhile with the
@@ -168,7 +168,7 @@ async fn handle(
         return Err((StatusCode::NOT_FOUND, UNKNOWN_RING).into_response());
     }
     let ring = RingRef::new(kind, ring);
-    if state.rings.get(&ring).is_none() {
+    if state.views.get(&ring).is_none() {
         tracing::debug!("webhook called for a ring the sharder does not know (yet)");
         return Err((StatusCode::NOT_FOUND, UNKNOWN_RING).into_response());
     }
@@ -179,7 +179,7 @@ async fn handle(
             let (mut decision, lookup, warnings) = decide(&state, &ring, &request);
             if let (Some(lookup), AdmissionDecision::Assign { shard, .. }) = (lookup, &mut decision)
                 && let Some(client) = state.client.clone()
-                && let Some(current) = controller_shard(client, &state.rings, &ring, &lookup).await
+                && let Some(current) = controller_shard(client, &state.views, &ring, &lookup).await
             {
                 *shard = current;
             }
@@ -286,7 +286,7 @@ fn decide(
         return allow("request carries no object");
     };
     let meta = &object.metadata;
-    let Some(view) = state.rings.get(ring) else {
+    let Some(view) = state.views.get(ring) else {
         // Gone between the router's check and here.
         return allow("unknown ring");
     };
@@ -388,7 +388,7 @@ fn pin_warnings(
                     "Annotation {key} is ignored: a controlled object follows its controller's pin"
                 ));
             }
-        } else if !state.rings.all().iter().any(|v| v.pin_annotation == key) {
+        } else if !state.views.all().iter().any(|v| v.pin_annotation == key) {
             warnings.push(format!(
                 "Annotation {key} names no ring this sharder knows: it pins nothing"
             ));

@@ -925,7 +925,7 @@ async fn an_excluded_shard_steps_out_and_touches_nothing() -> anyhow::Result<()>
     )?;
     let excluded = process
         .wait_for_record("the shard to step out", WAIT, |r| {
-            r["event"] == kube_sharding::EVENT_SHARD_EXCLUDED
+            r["event"] == kube_sharding::records::EVENT_SHARD_EXCLUDED
         })
         .await?;
     ensure!(
@@ -1030,7 +1030,7 @@ async fn a_new_shard_starts_when_the_sharder_has_labelled_its_lease() -> anyhow:
         .await?;
     let started = process
         .wait_for_record("the term's work started", WAIT, |r| {
-            r["event"] == kube_sharding::EVENT_TERM_STARTED
+            r["event"] == kube_sharding::records::EVENT_TERM_STARTED
         })
         .await?;
     let reconciled = process

@@ -28,7 +28,7 @@
 //! | `drain` (a drain was acknowledged) | `namespace`, `name`, `shard`, `resource_version` (of the Secret, the version the patch was conditioned on), `took_ms` (the acknowledging write's round trip, milliseconds) |
 //! | `released` (a Secret left this shard, [`kube_sharding::Departure::Released`]) | `namespace`, `name`, `shard`, `how` (`drained`, `reassigned`, `found_moved`), `had_state`, `checksums` (of the dropped record), `released_total` |
 //! | `deleted` (a Secret of this shard was deleted, [`kube_sharding::Departure::Deleted`]) | `namespace`, `name`, `shard`, `had_state`, `checksums`, `deleted_total` |
-//! | `lease_acquired`, `lease_lost`, `lease_released`, `lease_excluded` (the shard library's) | `lease`, `namespace`, `resource_version` (of the Lease as written), see `kube_sharding::lease` |
+//! | `lease_acquired`, `lease_lost`, `lease_released`, `lease_excluded` (the shard library's) | `lease`, `namespace`, `resource_version` (of the Lease as written), see [`kube_sharding::records`] |
 //! | `shard_excluded` (the shard library's: stepped out of the ring, rejoining after a pause) | `shard`, `reason`, `released` |
 //! | `lease_kept` (the shard library's: on SIGTERM with `--on-shutdown=keep-if-returning`, the StatefulSet recreates this pod, the Lease stays held for it) | `shard`, `statefulset`, `ordinal`, `replicas` |
 //! | `shard_stopped` | `shard`, `reason` (`lease_lost` or `shutdown`), `lease_kept` (with `shutdown`) |
@@ -54,7 +54,6 @@ use kube::runtime::controller::{self, Action, Controller};
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, Resource, ResourceExt};
-use kube_sharding::lease::error_chain;
 use kube_sharding::{
     Departure, LeaseLock, LoadMeter, ObjectKey, OnShutdown, Ownership, OwnershipError,
     ReconcileError, RestartBackoff, Shard, ShardField, ShardRunEnd, StatefulSetPod, Term,
@@ -583,6 +582,18 @@ fn error_policy(
 }
 
 /// The host name: `HOSTNAME` (set to the pod name by Kubernetes), else the kernel's.
+/// The error with its sources joined by `: `, for the one-line `error` field of the records.
+fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
+
 fn hostname() -> Option<String> {
     std::env::var("HOSTNAME")
         .ok()

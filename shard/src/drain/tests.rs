@@ -5,6 +5,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use k8s_openapi::api::core::v1::Secret;
 use kube::api::ObjectMeta;
 use kube::runtime::predicates;
+use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
 use super::*;

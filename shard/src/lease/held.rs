@@ -13,10 +13,8 @@ use super::decision::{AcquireDecision, RenewDeadline, desired_spec, is_held_by};
 use super::guard::{GuardEnd, LeaseGuard};
 use super::lock::Inner;
 use super::store::{is_conflict, is_not_found, is_refusal};
-use super::{
-    EVENT_EXCLUDED, EVENT_LOST, EVENT_RELEASED, Error, LeaseLockConfig, error_chain,
-    resource_version,
-};
+use super::{Error, LeaseLockConfig, resource_version};
+use crate::records::{EVENT_LEASE_EXCLUDED, EVENT_LEASE_LOST, EVENT_LEASE_RELEASED, error_chain};
 
 /// Outcome of one renewal.
 enum Renewal {
@@ -113,7 +111,7 @@ impl Inner {
                 // sees the loss.
                 guard.lose();
                 warn!(
-                    event = EVENT_LOST,
+                    event = EVENT_LEASE_LOST,
                     lease = %config.name,
                     namespace = %config.namespace,
                     renew_deadline = ?config.renew_deadline(),
@@ -142,7 +140,7 @@ impl Inner {
                     guard.exclude(reason.clone());
                     lease = *current;
                     error!(
-                        event = EVENT_EXCLUDED,
+                        event = EVENT_LEASE_EXCLUDED,
                         lease = %config.name,
                         namespace = %config.namespace,
                         %reason,
@@ -154,7 +152,7 @@ impl Inner {
                 Ok(Ok(Renewal::Lost(holder))) => {
                     guard.lose();
                     warn!(
-                        event = EVENT_LOST,
+                        event = EVENT_LEASE_LOST,
                         lease = %config.name,
                         namespace = %config.namespace,
                         holder = holder.as_deref().unwrap_or("<none>"),
@@ -262,7 +260,7 @@ impl HeldLease {
             return Ok(false);
         };
         info!(
-            event = EVENT_RELEASED,
+            event = EVENT_LEASE_RELEASED,
             lease = %self.inner.config.name,
             namespace = %self.inner.config.namespace,
             resource_version = resource_version(&released),

@@ -16,9 +16,9 @@ use super::decision::{
 };
 use super::guard::LeaseGuard;
 use super::store::{Store, is_conflict, is_not_found, is_refusal};
-use super::{
-    EVENT_ACQUIRED, EVENT_EXCLUDED, EVENT_RELEASED, Error, HeldLease, LeaseLockConfig, error_chain,
-    resource_version,
+use super::{Error, HeldLease, LeaseLockConfig, resource_version};
+use crate::records::{
+    EVENT_LEASE_ACQUIRED, EVENT_LEASE_EXCLUDED, EVENT_LEASE_RELEASED, error_chain,
 };
 use kube_sharding_api::load::ANNOTATION_LOAD;
 
@@ -34,7 +34,39 @@ fn system_clock() -> Timestamp {
     Timestamp::from_microsecond(micros).unwrap_or(Timestamp::UNIX_EPOCH)
 }
 
-/// A lock over one Lease. Cheap to clone; clones lock the same Lease under the same identity.
+/// A lock over one `coordination.k8s.io/v1` Lease: acquire, renew in the background, notice
+/// loss, release. Cheap to clone; clones lock the same Lease under the same identity.
+///
+/// The same lock serves a shard's membership Lease (name = identity = shard name, ring label) and
+/// leader election among replicas (a fixed Lease name, one identity per replica, no labels):
+///
+/// ```no_run
+/// # async fn leader_only_work(_stop: tokio_util::sync::CancellationToken) {}
+/// # async fn example(client: kube::Client) -> Result<(), kube_sharding::LeaseError> {
+/// use kube_sharding::{HeldRunEnd, LeaseLock, LeaseLockConfig};
+/// use tokio_util::sync::CancellationToken;
+///
+/// let shutdown = CancellationToken::new();
+/// let config = LeaseLockConfig::new("sharding-system", "sharder", "sharder-7d9f-abcde");
+/// let lock = LeaseLock::new(client, config)?;
+/// loop {
+///     // Resolves once this replica is the leader.
+///     let held = lock.acquire().await;
+///     // Leader-only work runs here; it is dropped at once when leadership is lost, or stopped
+///     // on shutdown, after which leadership is handed over at once.
+///     match held.run_while_held(&shutdown, leader_only_work).await? {
+///         HeldRunEnd::LeaseLost => continue,
+///         HeldRunEnd::WorkEnded { .. } => return Ok(()),
+///     }
+/// }
+/// # }
+/// ```
+///
+/// Every write is a compare-and-swap on the Lease's `resourceVersion`: creating fails when someone
+/// created the Lease first, and updates fail when someone wrote in between. A failed write never
+/// counts as holding the Lease.
+///
+/// It logs a record when it acquires, loses and releases the Lease (see [`crate::records`]).
 #[derive(Clone)]
 pub struct LeaseLock {
     pub(super) inner: Arc<Inner>,
@@ -151,7 +183,7 @@ impl LeaseLock {
                 Ok(Attempt::Excluded(reason)) => {
                     if last_exclusion.as_ref() != Some(&reason) {
                         error!(
-                            event = EVENT_EXCLUDED,
+                            event = EVENT_LEASE_EXCLUDED,
                             lease = %self.inner.config.name,
                             namespace = %self.inner.config.namespace,
                             %reason,
@@ -202,7 +234,7 @@ impl LeaseLock {
     fn start_renewing(&self, lease: Lease, written_at: Instant, fresh: Fresh) -> HeldLease {
         let config = &self.inner.config;
         info!(
-            event = EVENT_ACQUIRED,
+            event = EVENT_LEASE_ACQUIRED,
             lease = %config.name,
             namespace = %config.namespace,
             identity = %config.identity,
@@ -357,7 +389,7 @@ impl Inner {
     async fn release_excluded(&self, lease: Lease) -> Result<(), Error> {
         if let Some(released) = self.release(Some(lease)).await? {
             info!(
-                event = EVENT_RELEASED,
+                event = EVENT_LEASE_RELEASED,
                 lease = %self.config.name,
                 namespace = %self.config.namespace,
                 resource_version = resource_version(&released),

@@ -19,15 +19,8 @@ use tokio::sync::broadcast;
 use tracing::warn;
 
 use super::*;
-use crate::departures::{Departure, ObjectKey};
-
-/// `event` of the record logged once per handle when a list response showed that the server
-/// ignored the selector.
-pub const EVENT_SELECTOR_IGNORED: &str = "shard_selector_ignored";
-
-/// `event` of the record logged once per handle, at info level, when a list response showed
-/// that the server applied the selector (it carried `metadata.shardInfo`).
-pub const EVENT_SELECTOR_APPLIED: &str = "shard_selector_applied";
+use crate::departure::{Departure, ObjectKey};
+use crate::records::{EVENT_SELECTOR_APPLIED, EVENT_SELECTOR_IGNORED};
 
 /// How many delivered resource versions the layer remembers: a resuming watch names the last
 /// one its watcher saw, which is among the most recent ones.

@@ -32,31 +32,9 @@ use kube_sharding_api::RingKind;
 use kube_sharding_api::labels::{ANNOTATION_RELEASED_BY, LABEL_STATE};
 use kube_sharding_api::lease::{ShardLease, ShardState};
 use kube_sharding_api::load::ANNOTATION_LOAD;
-use tokio::sync::broadcast;
 
 use super::Renewals;
-
-/// How many changes a slow subscriber may fall behind before it is told to start over
-/// ([`LeaseChange::All`] semantics on `Lagged`).
-const CHANGES_CAPACITY: usize = 4096;
-
-/// What changed among the Leases of one kind.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) enum LeaseChange {
-    /// The membership of `rings` may have changed because of `lease` (the ring it left and the
-    /// ring it joined, when its ring label changed).
-    Membership {
-        /// The Lease.
-        lease: ObjectRef<Lease>,
-        /// The rings (names, of the index's kind) whose members may have changed.
-        rings: Vec<String>,
-    },
-    /// The Lease's state label no longer matches its timing, or its holder's clock skew crossed
-    /// the warning threshold; membership is unchanged.
-    State(ObjectRef<Lease>),
-    /// The cache was listed again: anything may have changed.
-    All,
-}
+use crate::changes::{Changes, LeaseChange};
 
 /// The shard Leases of one ring kind grouped by ring, over the kind's Lease cache.
 #[derive(Debug)]
@@ -67,7 +45,7 @@ pub(crate) struct LeaseIndex {
     /// This index, for the timers that end departures.
     this: std::sync::Weak<LeaseIndex>,
     inner: RwLock<Inner>,
-    changes: broadcast::Sender<LeaseChange>,
+    changes: Arc<Changes>,
 }
 
 #[derive(Debug, Default)]
@@ -157,15 +135,21 @@ impl Inner {
 }
 
 impl LeaseIndex {
-    /// An empty index of the Leases of `kind`, whose cache is `store`, which `renewals` prepares.
-    pub(crate) fn new(kind: RingKind, store: Store<Lease>, renewals: Arc<Renewals>) -> Arc<Self> {
+    /// An empty index of the Leases of `kind`, whose cache is `store`, which `renewals` prepares;
+    /// it announces its changes on `changes`.
+    pub(crate) fn new(
+        kind: RingKind,
+        store: Store<Lease>,
+        renewals: Arc<Renewals>,
+        changes: Arc<Changes>,
+    ) -> Arc<Self> {
         Arc::new_cyclic(|this| Self {
             kind,
             store,
             renewals,
             this: this.clone(),
             inner: RwLock::default(),
-            changes: broadcast::Sender::new(CHANGES_CAPACITY),
+            changes,
         })
     }
 
@@ -247,11 +231,6 @@ impl LeaseIndex {
     /// References to the Leases of ring `ring` named `name` (at most one per namespace).
     pub(crate) fn ring_lease_refs_named(&self, ring: &str, name: &str) -> Vec<ObjectRef<Lease>> {
         self.map_ring_leases(ring, |lease| (lease.name == name).then(|| lease.clone()))
-    }
-
-    /// A receiver of the changes from now on.
-    pub(crate) fn subscribe(&self) -> broadcast::Receiver<LeaseChange> {
-        self.changes.subscribe()
     }
 
     /// The shards of ring `ring` whose Lease left the ring at most two lease durations after its
@@ -344,8 +323,7 @@ impl LeaseIndex {
             return false;
         };
         let membership = !matches!(change, LeaseChange::State(_));
-        // Nobody listening (a replica that does not lead) is fine.
-        let _ = self.changes.send(change);
+        self.changes.lease_change(self.kind, change);
         membership
     }
 
@@ -527,10 +505,13 @@ impl LeaseIndex {
         }
         inner.bump(ring);
         drop(inner);
-        let _ = self.changes.send(LeaseChange::Membership {
-            lease: departure.lease.clone(),
-            rings: vec![ring.to_string()],
-        });
+        self.changes.lease_change(
+            self.kind,
+            LeaseChange::Membership {
+                lease: departure.lease.clone(),
+                rings: vec![ring.to_string()],
+            },
+        );
     }
 
     /// Rebuilds the index from the cache, which a new listing just replaced (objects deleted
@@ -642,14 +623,15 @@ mod tests {
     struct Fixture {
         writer: reflector::store::Writer<Lease>,
         index: Arc<LeaseIndex>,
-        changes: broadcast::Receiver<LeaseChange>,
+        changes: tokio::sync::broadcast::Receiver<LeaseChange>,
     }
 
     impl Fixture {
         fn new() -> Self {
             let (store, writer) = reflector::store();
-            let index = LeaseIndex::new(KIND, store, Arc::default());
-            let changes = index.subscribe();
+            let hub = Arc::new(Changes::default());
+            let changes = hub.lease_changes(KIND);
+            let index = LeaseIndex::new(KIND, store, Arc::default(), hub);
             Self {
                 writer,
                 index,

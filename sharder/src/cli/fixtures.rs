@@ -53,17 +53,7 @@ pub(crate) fn lease(name: &str, holder: &str, renewed_ago: i64, weight: Option<&
 
 /// Ring `r` over Secrets controlling ConfigMaps, with these Leases.
 pub(crate) fn loaded(leases: Vec<Lease>) -> LoadedRing {
-    let ring = ClusterRing::new(
-        "r",
-        ClusterRingSpec {
-            resources: vec![RingResource::controlling(
-                "",
-                "secrets",
-                vec![GroupResource::new("", "configmaps")],
-            )],
-            ..ClusterRingSpec::default()
-        },
-    );
+    let ring = crate::test_rings::secrets_ring("r");
     let infos = HashMap::from([
         (GroupResource::new("", "secrets"), info("Secret")),
         (GroupResource::new("", "configmaps"), info("ConfigMap")),

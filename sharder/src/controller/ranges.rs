@@ -50,7 +50,7 @@ use crate::context::Context;
 use crate::core::membership::{Member, ring_members, shards_of};
 use crate::core::pin::is_valid_pin;
 use crate::core::range_handover::{RangeHandover, ShardRanges};
-use crate::events::REASON_PIN_UNSATISFIED;
+use crate::leader::events::REASON_PIN_UNSATISFIED;
 
 /// How long a step waits for the Lease cache to show a publication written by an earlier step;
 /// after that the planner goes on with what the cache shows (it then counts the shard as holding

@@ -30,7 +30,7 @@ use crate::context::Context;
 use crate::core::membership::ring_members;
 use crate::core::validation::validate_ring;
 use crate::core::webhook_config::{FIELD_MANAGER, desired_webhook_configuration};
-use crate::events::REASON_WEBHOOK_UNREACHABLE;
+use crate::leader::events::REASON_WEBHOOK_UNREACHABLE;
 
 /// Errors of one reconciliation.
 #[derive(Debug, thiserror::Error)]
@@ -153,7 +153,7 @@ fn namespace_changes(ctx: &Context) -> impl futures::Stream<Item = ()> + Send + 
 fn reachability_flips<R: RingObject>(
     ctx: &Context,
 ) -> impl futures::Stream<Item = ()> + Send + 'static {
-    let receiver = ctx.reachability.subscribe();
+    let receiver = ctx.caches.changes.reachability_flips();
     futures::stream::unfold(receiver, |mut receiver| async move {
         loop {
             match receiver.recv().await {

@@ -21,11 +21,12 @@ use tokio::sync::broadcast::error::RecvError;
 use tokio_util::sync::CancellationToken;
 use tokio_util::time::{DelayQueue, delay_queue};
 
-use crate::caches::{LeaseChange, LeaseIndex, SKEW_WARNING, state_label_is_stale};
+use crate::caches::{LeaseIndex, SKEW_WARNING, state_label_is_stale};
+use crate::changes::LeaseChange;
 use crate::context::Context;
 use crate::core::any_ring::AnyRing;
 use crate::core::membership::{Exclusion, ring_members};
-use crate::events::{
+use crate::leader::events::{
     REASON_CLOCK_SKEW, REASON_INVALID_LEAVES_CONTROLLED_OBJECTS, REASON_INVALID_WEIGHT,
     REASON_SHARD_DEAD,
 };
@@ -104,8 +105,8 @@ fn triggers(
 ) -> impl Stream<Item = Result<ObjectRef<Lease>, Infallible>> + Send + 'static {
     let state = Triggers {
         kind: index.kind(),
-        changes: index.subscribe(),
-        landed: ctx.direct_moves.subscribe(),
+        changes: ctx.caches.changes.lease_changes(index.kind()),
+        landed: ctx.caches.changes.landed_direct_moves(),
         rings: ctx.caches.changes.rings(),
         known_rings: ring_names(&ctx, index.kind()),
         boundaries: Boundaries::default(),

@@ -183,16 +183,7 @@ mod tests {
     use kube_sharding_api::{ClusterRing, ClusterRingSpec, GroupResource, RingResource};
 
     fn ring(name: &str, resources: Vec<RingResource>) -> ClusterRing {
-        ClusterRing::new(
-            name,
-            ClusterRingSpec {
-                resources,
-                namespace_selector: None,
-                hash_key: None,
-                lease_namespaces: Vec::new(),
-                assignment: None,
-            },
-        )
+        ClusterRing::new(name, ClusterRingSpec::new(resources))
     }
 
     fn res(group: &str, resource: &str, controlled: &[(&str, &str)]) -> RingResource {

@@ -113,26 +113,13 @@ fn rule(gr: &GroupResource) -> RuleWithOperations {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kube_sharding_api::ClusterRing;
     use kube_sharding_api::config::{
         ServiceReference as ConfigService, WebhookClientConfig as Cfg,
     };
-    use kube_sharding_api::{ClusterRing, ClusterRingSpec, RingResource};
 
     fn ring() -> ClusterRing {
-        let mut ring = ClusterRing::new(
-            "example",
-            ClusterRingSpec {
-                resources: vec![RingResource::controlling(
-                    "",
-                    "secrets",
-                    vec![GroupResource::new("", "configmaps")],
-                )],
-                namespace_selector: None,
-                hash_key: None,
-                lease_namespaces: Vec::new(),
-                assignment: None,
-            },
-        );
+        let mut ring = crate::test_rings::secrets_ring("example");
         ring.metadata.uid = Some("uid-1".into());
         ring
     }

@@ -14,7 +14,7 @@ use prometheus_client::metrics::gauge::Gauge;
 
 use super::load::{RingLoad, counted_load, ring_load};
 use super::{ResourceLabels, RingLabel};
-use crate::observed::{PendingDrains, RingObjects};
+use crate::leader::observed::{PendingDrains, RingObjects};
 
 /// What the state metrics report about one ring.
 #[derive(Clone, Debug, PartialEq)]

@@ -134,27 +134,14 @@ mod tests {
     use axum::http::{Request, Response};
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
     use kube::client::Body;
-    use kube_sharding_api::{ClusterRing, ClusterRingSpec, GroupResource, RingResource};
+    use kube_sharding_api::GroupResource;
 
     use super::*;
     use crate::views::{ResourceInfo, build_view};
 
     /// A ring of Secrets controlling ConfigMaps, on shards a and b.
     fn view() -> RingView {
-        let ring = ClusterRing::new(
-            "example",
-            ClusterRingSpec {
-                resources: vec![RingResource::controlling(
-                    "",
-                    "secrets",
-                    vec![GroupResource::new("", "configmaps")],
-                )],
-                namespace_selector: None,
-                hash_key: None,
-                lease_namespaces: Vec::new(),
-                assignment: None,
-            },
-        );
+        let ring = crate::test_rings::secrets_ring("example");
         let info = ResourceInfo::core_namespaced;
         let discovered = HashMap::from([
             (GroupResource::new("", "secrets"), info("Secret")),

@@ -16,7 +16,8 @@ use tokio_util::sync::CancellationToken;
 use super::discovery::Discovery;
 use super::registry::Views;
 use super::view::build_view;
-use crate::caches::{Caches, LeaseChange};
+use crate::caches::Caches;
+use crate::changes::LeaseChange;
 use crate::core::any_ring::AnyRing;
 use crate::core::membership::{RingShards, ring_shards};
 use crate::metrics::RingLabel;
@@ -103,7 +104,7 @@ impl Scope {
 }
 
 /// Rebuilds ring views until `shutdown` fires: every view when a ring changes (`rings`, from the
-/// caches' change hub), the views of the rings a Lease membership change concerns (renewals
+/// change hub), the views of the rings a Lease membership change concerns (renewals
 /// concern none), and rings with unresolved resources every few seconds.
 pub(crate) async fn maintain(
     sources: ViewSources,
@@ -112,7 +113,7 @@ pub(crate) async fn maintain(
 ) {
     let mut retry = tokio::time::interval(UNRESOLVED_RETRY);
     let [mut cluster_leases, mut controller_leases] =
-        RingKind::ALL.map(|kind| sources.caches.lease_index(kind).subscribe());
+        RingKind::ALL.map(|kind| sources.caches.changes.lease_changes(kind));
     loop {
         let mut scope = tokio::select! {
             () = shutdown.cancelled() => return,

@@ -381,10 +381,7 @@ mod tests {
                         vec![GroupResource::new("", "configmaps")],
                     ),
                 ],
-                namespace_selector: None,
-                hash_key: None,
-                lease_namespaces: Vec::new(),
-                assignment: None,
+                ..Default::default()
             },
         );
         let discovered = HashMap::from([
@@ -429,10 +426,7 @@ mod tests {
             "r",
             ClusterRingSpec {
                 resources: vec![RingResource::new("", "secrets")],
-                namespace_selector: None,
-                hash_key: None,
-                lease_namespaces: Vec::new(),
-                assignment: None,
+                ..Default::default()
             },
         );
         let discovered = HashMap::from([(GroupResource::new("", "secrets"), info("Secret", true))]);
@@ -465,15 +459,8 @@ mod tests {
     #[test]
     fn controller_ring_view_with_namespace_keys() {
         let spec = ClusterRingSpec {
-            resources: vec![RingResource::controlling(
-                "",
-                "secrets",
-                vec![GroupResource::new("", "configmaps")],
-            )],
-            namespace_selector: None,
             hash_key: Some(HashKey::Namespace),
-            lease_namespaces: Vec::new(),
-            assignment: None,
+            ..ClusterRingSpec::new([crate::test_rings::secrets_controlling_config_maps()])
         };
         let ring = ControllerRing::new("r", spec.into());
         let discovered = HashMap::from([
@@ -554,13 +541,8 @@ mod tests {
             let ring = ClusterRing::new(
                 "r",
                 ClusterRingSpec {
-                    resources: vec![RingResource::controlling(
-                        "",
-                        "secrets",
-                        vec![GroupResource::new("", "configmaps")],
-                    )],
                     hash_key: Some(hash_key),
-                    ..Default::default()
+                    ..ClusterRingSpec::new([crate::test_rings::secrets_controlling_config_maps()])
                 },
             );
             let view = build_view(&ring, &shards, &discovered, &Default::default());

@@ -5,9 +5,7 @@ use axum::http::{Request as HttpRequest, StatusCode};
 use http_body_util::BodyExt;
 use k8s_openapi::ByteString;
 use kube::api::ObjectMeta;
-use kube_sharding_api::{
-    ClusterRing, ClusterRingSpec, ControllerRing, GroupResource, HashKey, RingResource,
-};
+use kube_sharding_api::{ClusterRing, ClusterRingSpec, ControllerRing, GroupResource, HashKey};
 use serde_json::{Value, json};
 use tower::ServiceExt;
 
@@ -37,17 +35,7 @@ fn state(shards: &[&str]) -> WebhookState {
             name: Some("example".into()),
             ..Default::default()
         },
-        spec: ClusterRingSpec {
-            resources: vec![RingResource::controlling(
-                "",
-                "secrets",
-                vec![GroupResource::new("", "configmaps")],
-            )],
-            namespace_selector: None,
-            hash_key: None,
-            lease_namespaces: Vec::new(),
-            assignment: None,
-        },
+        spec: ClusterRingSpec::new([crate::test_rings::secrets_controlling_config_maps()]),
         status: None,
     };
     let info = ResourceInfo::core_namespaced;
@@ -56,21 +44,21 @@ fn state(shards: &[&str]) -> WebhookState {
         (GroupResource::new("", "configmaps"), info("ConfigMap")),
     ]);
     let shards: BTreeMap<String, u32> = shards.iter().map(|s| (s.to_string(), 1)).collect();
-    let rings = Arc::new(Views::default());
+    let views = Arc::new(Views::default());
     let selector = Default::default();
     // A ControllerRing of the same name, hashing by namespace, beside the ClusterRing.
     let mut controller_spec = ring.spec.clone();
     controller_spec.hash_key = Some(HashKey::Namespace);
     let controller_ring = ControllerRing::new("example", controller_spec.into());
-    rings.insert(build_view(&ring, &shards, &discovered, &selector));
-    rings.insert(build_view(
+    views.insert(build_view(&ring, &shards, &discovered, &selector));
+    views.insert(build_view(
         &controller_ring,
         &shards,
         &discovered,
         &selector,
     ));
     WebhookState {
-        rings,
+        views,
         metrics: Metrics::default(),
         client: None,
     }
@@ -478,17 +466,7 @@ fn a_child_of_a_controller_that_may_be_moving_asks_for_its_controller() {
         ("shard-c".to_string(), 1),
     ]);
     let mut view = build_view(
-        &ClusterRing::new(
-            "example",
-            ClusterRingSpec {
-                resources: vec![RingResource::controlling(
-                    "",
-                    "secrets",
-                    vec![GroupResource::new("", "configmaps")],
-                )],
-                ..Default::default()
-            },
-        ),
+        &crate::test_rings::secrets_ring("example"),
         &shards,
         &HashMap::from([
             (
@@ -503,7 +481,7 @@ fn a_child_of_a_controller_that_may_be_moving_asks_for_its_controller() {
         &Default::default(),
     );
     view.earlier = vec![(HashRing::new(["shard-a"]), std::time::Instant::now())];
-    state.rings.insert(view);
+    state.views.insert(view);
     let (decision, lookup, _) = decide(&state, &ring, &child(&moved));
     assert!(matches!(decision, AdmissionDecision::Assign { .. }));
     let lookup = lookup.expect("the controller is read");

@@ -12,7 +12,9 @@ use std::time::Duration;
 use kube_sharding_api::RingRef;
 
 use crate::context::Context;
-use crate::events::{REASON_DRAIN_NOT_ACKNOWLEDGED, REASON_SHARD_JOINED, REASON_SHARD_LEFT};
+use crate::leader::events::{
+    REASON_DRAIN_NOT_ACKNOWLEDGED, REASON_SHARD_JOINED, REASON_SHARD_LEFT,
+};
 use crate::views::RingView;
 
 /// How often pending drains are compared with `drainTimeout`.

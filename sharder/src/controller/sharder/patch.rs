@@ -16,10 +16,10 @@ use crate::context::Context;
 use crate::core::key::{KeyOutcome, ObjectInfo};
 use crate::core::owner_wait::HeldChild;
 use crate::core::rebalance::RebalanceDecision;
-use crate::direct_moves::DirectMove;
-use crate::events::{REASON_WEBHOOK_REACHABLE, REASON_WEBHOOK_UNREACHABLE};
+use crate::leader::direct_moves::DirectMove;
+use crate::leader::events::{REASON_WEBHOOK_REACHABLE, REASON_WEBHOOK_UNREACHABLE};
+use crate::leader::reachability::MoveGate;
 use crate::metrics::Metrics;
-use crate::reachability::MoveGate;
 use crate::views::{ResourceInfo, RingView, controller_shard};
 
 /// Sends the sharder controller's patches, at most `controller.sharder.maxPatchesInFlight` at

@@ -16,7 +16,7 @@ use super::patch::Patcher;
 use super::sync::{Error, SyncStats, sync_ring};
 use crate::context::Context;
 use crate::core::sync_schedule::SyncSchedule;
-use crate::events::REASON_WEBHOOK_UNREACHABLE;
+use crate::leader::events::REASON_WEBHOOK_UNREACHABLE;
 use crate::metrics::OutcomeLabels;
 use crate::views::RingView;
 

@@ -22,11 +22,11 @@ use crate::core::key::KeyOutcome;
 use crate::core::list_scope::{ListScope, list_scope};
 use crate::core::owner_wait::OwnerWait;
 use crate::core::rebalance::RebalanceDecision;
-use crate::events::{
+use crate::leader::events::{
     REASON_PIN_UNSATISFIED, REASON_REBALANCE_FINISHED, REASON_REBALANCE_STARTED, REASON_SYNC_FAILED,
 };
+use crate::leader::observed::{DrainsSeen, RingObjects, uid_hash};
 use crate::metrics::{Metrics, OutcomeLabels, RingLabel};
-use crate::observed::{DrainsSeen, RingObjects, uid_hash};
 use crate::views::{ResolvedResource, RingView};
 
 /// Message of the info record when a sync list's continue token expired (410 Gone) and the list

@@ -18,7 +18,7 @@ fn pinned_state(shards: &[&str], namespaces: &[(&str, &str)]) -> WebhookState {
     }
     let pins = crate::views::Pins::new(store);
     let state = state(shards);
-    for view in state.rings.all() {
+    for view in state.views.all() {
         let mut rebuilt = build_view(
             &ClusterRing::new(&view.name, Default::default()),
             &BTreeMap::new(),
@@ -34,7 +34,7 @@ fn pinned_state(shards: &[&str], namespaces: &[(&str, &str)]) -> WebhookState {
         rebuilt.hash_key = view.hash_key;
         rebuilt.resources = view.resources.clone();
         rebuilt.pins = pins.clone();
-        state.rings.insert(rebuilt);
+        state.views.insert(rebuilt);
     }
     state
 }
@@ -173,7 +173,7 @@ async fn a_dry_run_pin_is_answered_but_not_remembered() {
     // The ClusterRing's view: the state also holds a ControllerRing of the same name, and the
     // views come in no fixed order.
     let view = state
-        .rings
+        .views
         .all()
         .into_iter()
         .find(|view| view.kind == kube_sharding_api::RingKind::ClusterRing)

@@ -196,7 +196,7 @@ fn sharder_state(shard_counts: &[usize]) -> (WebhookState, Vec<(usize, ExpectedR
         rings.push((count, expected));
     }
     let state = WebhookState {
-        rings: views,
+        views,
         metrics: Metrics::default(),
         client: None,
     };

@@ -2,37 +2,22 @@
 //! an earlier holding are dropped by the take, generations are applied in order and
 //! acknowledged, and only after the reconciles of revoked ranges ended.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use k8s_openapi::jiff::Timestamp;
 use kube_sharding_api::labels::LABEL_STATE;
 use kube_sharding_api::range_lease::{ANNOTATION_ACKNOWLEDGED, ANNOTATION_RANGES};
 use kube_sharding_api::ranges::{ShardField, fnv1a64};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::lock::Clock;
-use super::store::Store;
-use super::store::fake::FakeStore;
-use super::*;
-use crate::Disposition;
+use crate::lease::LeaseLock;
+use crate::lease::testing::{FakeStore, fake_lock};
+use crate::shard::Disposition;
 
 const LOWER: &str = "0000000000000000-8000000000000000";
 const UPPER: &str = "8000000000000000-10000000000000000";
-
-fn test_clock() -> Clock {
-    let wall_start = Timestamp::from_second(1_700_000_000).expect("valid timestamp");
-    let start = Instant::now();
-    Arc::new(move || {
-        let micros = i64::try_from((Instant::now() - start).as_micros()).expect("small");
-        wall_start
-            .checked_add(k8s_openapi::jiff::SignedDuration::from_micros(micros))
-            .expect("in range")
-    })
-}
 
 fn shard() -> crate::Shard {
     crate::Shard::new("r", "shard-a", "ns").server_side::<Secret>(ShardField::Uid)
@@ -44,7 +29,7 @@ fn lock(shard: &crate::Shard, fake: &FakeStore) -> LeaseLock {
         .with_lease_duration(Duration::from_secs(15))
         .with_renew_deadline(Duration::from_secs(10))
         .with_retry_period(Duration::from_secs(2));
-    LeaseLock::with_store(Store::Fake(fake.clone()), config, test_clock()).expect("valid")
+    fake_lock(fake, config).expect("valid")
 }
 
 async fn settle() {

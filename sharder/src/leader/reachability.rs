@@ -10,11 +10,12 @@
 //! again. The ring controller reports the state in the ring's `Ready` condition.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kube_sharding_api::RingRef;
-use tokio::sync::broadcast;
+
+use crate::changes::Changes;
 
 /// First delay between probes of an unreachable webhook.
 pub(crate) const PROBE_INITIAL: Duration = Duration::from_secs(1);
@@ -47,20 +48,19 @@ pub(crate) enum MoveGate {
 #[derive(Debug)]
 pub(crate) struct Reachability {
     rings: Mutex<HashMap<RingRef, Unreachable>>,
-    /// Rings whose reachability flipped, for the ring controller to update their status.
-    flipped: broadcast::Sender<RingRef>,
-}
-
-impl Default for Reachability {
-    fn default() -> Self {
-        Self {
-            rings: Mutex::default(),
-            flipped: broadcast::Sender::new(64),
-        }
-    }
+    /// Where flips are announced, for the ring controller to update the ring's status.
+    changes: Arc<Changes>,
 }
 
 impl Reachability {
+    /// Every webhook reachable until a move says otherwise; flips are announced on `changes`.
+    pub(crate) fn new(changes: Arc<Changes>) -> Self {
+        Self {
+            rings: Mutex::default(),
+            changes,
+        }
+    }
+
     /// Whether `ring`'s webhook is known to be unreachable.
     pub(crate) fn is_unreachable(&self, ring: &RingRef) -> bool {
         self.rings.lock().is_ok_and(|m| m.contains_key(ring))
@@ -106,7 +106,7 @@ impl Reachability {
         let newly = state.failures == 1;
         drop(map);
         if newly {
-            let _ = self.flipped.send(ring.clone());
+            self.changes.reachability_flipped(ring.clone());
         }
         newly
     }
@@ -118,7 +118,7 @@ impl Reachability {
             .lock()
             .is_ok_and(|mut m| m.remove(ring).is_some());
         if recovered {
-            let _ = self.flipped.send(ring.clone());
+            self.changes.reachability_flipped(ring.clone());
         }
         recovered
     }
@@ -128,11 +128,6 @@ impl Reachability {
         if let Ok(mut map) = self.rings.lock() {
             map.retain(|r, _| keep(r));
         }
-    }
-
-    /// Notified with every ring whose reachability flipped.
-    pub(crate) fn subscribe(&self) -> broadcast::Receiver<RingRef> {
-        self.flipped.subscribe()
     }
 }
 
@@ -145,8 +140,9 @@ mod tests {
     fn moves_stop_after_a_miss_and_probes_back_off() {
         let ring = RingRef::new(RingKind::ClusterRing, "r");
         let other = RingRef::new(RingKind::ControllerRing, "r");
-        let reach = Reachability::default();
-        let mut flips = reach.subscribe();
+        let changes = Arc::new(Changes::default());
+        let reach = Reachability::new(changes.clone());
+        let mut flips = changes.reachability_flips();
         let t0 = Instant::now();
         assert_eq!(reach.gate(&ring, t0), MoveGate::Open);
         assert!(reach.failed(&ring, t0), "just became unreachable");

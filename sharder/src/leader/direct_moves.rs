@@ -12,34 +12,23 @@
 //! Both sides decide under one lock and from the same Lease cache: once the shard-lease
 //! controller found no move in flight for a Lease it saw held, every later [`DirectMoves::begin`]
 //! sees that Lease held too and refuses. When the last move off a shard lands, the registry says
-//! so ([`DirectMoves::subscribe`]), and the controller looks at that shard's Lease again at once.
+//! so (on the change hub,
+//! [`Changes::landed_direct_moves`]), and the controller looks at that shard's Lease again at once.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use kube_sharding_api::RingRef;
-use tokio::sync::broadcast;
 
-/// How many "the last move off a shard landed" notices a slow subscriber may fall behind by
-/// before it is told it lagged (and looks at every Lease).
-const LANDED_CAPACITY: usize = 256;
+use crate::changes::Changes;
 
 /// The direct moves in flight, by ring and the shard they leave.
 #[derive(Debug)]
 pub(crate) struct DirectMoves {
     /// Ring → shard → moves in flight off it (never 0: an entry goes with its last move).
     in_flight: Mutex<HashMap<RingRef, HashMap<String, usize>>>,
-    /// (ring, shard) whenever the last move in flight off that shard landed.
-    landed: broadcast::Sender<(RingRef, String)>,
-}
-
-impl Default for DirectMoves {
-    fn default() -> Self {
-        Self {
-            in_flight: Mutex::default(),
-            landed: broadcast::Sender::new(LANDED_CAPACITY),
-        }
-    }
+    /// Where the last move in flight off a shard landing is announced.
+    changes: Arc<Changes>,
 }
 
 /// One direct move in flight; dropping it ends it.
@@ -52,6 +41,14 @@ pub(crate) struct DirectMove {
 }
 
 impl DirectMoves {
+    /// No move in flight; landings are announced on `changes`.
+    pub(crate) fn new(changes: Arc<Changes>) -> Self {
+        Self {
+            in_flight: Mutex::default(),
+            changes,
+        }
+    }
+
     /// Starts a direct move of an object of `ring` off `shard`, unless `shard_is_back` (asked
     /// under the lock, from the Lease cache) says the shard holds its Lease again: then `None`,
     /// and the move must not be sent.
@@ -77,11 +74,6 @@ impl DirectMoves {
         })
     }
 
-    /// Notices of (ring, shard) each time the last direct move in flight off that shard landed.
-    pub(crate) fn subscribe(&self) -> broadcast::Receiver<(RingRef, String)> {
-        self.landed.subscribe()
-    }
-
     /// Whether a direct move of an object of `ring` off `shard` is in flight.
     pub(crate) fn in_flight(&self, ring: &RingRef, shard: &str) -> bool {
         let in_flight = self.in_flight.lock().unwrap_or_else(|e| e.into_inner());
@@ -105,11 +97,9 @@ impl Drop for DirectMove {
             *count -= 1;
             if *count == 0 {
                 shards.remove(&self.shard);
-                // Nobody listening (no shard-lease controller of this kind) is no error.
-                let _ = self
-                    .moves
-                    .landed
-                    .send((self.ring.clone(), self.shard.clone()));
+                self.moves
+                    .changes
+                    .direct_moves_landed(self.ring.clone(), self.shard.clone());
             }
         }
         if shards.is_empty() {
@@ -129,7 +119,7 @@ mod tests {
 
     #[test]
     fn a_move_is_in_flight_until_dropped() {
-        let moves = Arc::new(DirectMoves::default());
+        let moves = Arc::new(DirectMoves::new(Arc::default()));
         let first = moves.begin(&ring("r"), "shard-a", || false).expect("sent");
         let second = moves.begin(&ring("r"), "shard-a", || false).expect("sent");
         assert!(moves.in_flight(&ring("r"), "shard-a"));
@@ -145,8 +135,9 @@ mod tests {
 
     #[test]
     fn the_last_move_off_a_shard_is_announced_when_it_lands() {
-        let moves = Arc::new(DirectMoves::default());
-        let mut landed = moves.subscribe();
+        let changes = Arc::new(Changes::default());
+        let moves = Arc::new(DirectMoves::new(changes.clone()));
+        let mut landed = changes.landed_direct_moves();
         let first = moves.begin(&ring("r"), "shard-a", || false).expect("sent");
         let second = moves.begin(&ring("r"), "shard-a", || false).expect("sent");
         let other = moves.begin(&ring("r"), "shard-b", || false).expect("sent");
@@ -167,7 +158,7 @@ mod tests {
 
     #[test]
     fn no_move_starts_once_the_shard_is_back() {
-        let moves = Arc::new(DirectMoves::default());
+        let moves = Arc::new(DirectMoves::new(Arc::default()));
         assert!(moves.begin(&ring("r"), "shard-a", || true).is_none());
         assert!(!moves.in_flight(&ring("r"), "shard-a"), "nothing counted");
     }
