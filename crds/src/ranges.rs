@@ -221,6 +221,31 @@ impl RangeSet {
         self.ranges.iter().map(HashRange::width).sum()
     }
 
+    /// This set without the one hash `hash` (a range holding it is split around it).
+    #[must_use]
+    pub fn without_hash(&self, hash: u64) -> Self {
+        let mut ranges = Vec::with_capacity(self.ranges.len() + 1);
+        for range in &self.ranges {
+            if range.contains(hash) {
+                ranges.extend(HashRange::new(range.start, u128::from(hash)));
+                // Past the top (hash 2^64 - 1) nothing is left above.
+                if let Ok(above) = u64::try_from(u128::from(hash) + 1) {
+                    ranges.extend(HashRange::new(above, range.end));
+                }
+            } else {
+                ranges.push(*range);
+            }
+        }
+        Self::new(ranges)
+    }
+
+    /// This set with the one hash `hash` added.
+    #[must_use]
+    pub fn with_hash(&self, hash: u64) -> Self {
+        let point = HashRange::new(hash, u128::from(hash) + 1).expect("one hash is a range");
+        Self::new(self.ranges.iter().copied().chain([point]))
+    }
+
     /// The fraction of the hash space the set holds, from 0 to 1.
     #[must_use]
     pub fn share(&self) -> f64 {
@@ -529,6 +554,37 @@ impl RangeRing {
             .zip(arcs)
             .map(|(name, arcs)| (name.clone(), RangeSet::from_arcs(arcs)))
             .collect()
+    }
+
+    /// Every shard's ranges with namespace pins applied, for a ring hashing namespaces: each pair
+    /// `(namespace, shard)` whose shard is in the ring takes the namespace's one hash
+    /// (`[h, h + 1)`, `h = fnv1a64(namespace)`) from its owner and gives it to the pinned shard.
+    /// A pin naming a shard outside the ring is ignored (the ring decides, as for label rings).
+    /// Should two pinned namespaces share a hash, the pin of the smaller namespace name decides.
+    /// The result is still a partition of the space.
+    #[must_use]
+    pub fn ranges_with_pins<'a>(
+        &self,
+        pins: impl IntoIterator<Item = (&'a str, &'a str)>,
+    ) -> BTreeMap<String, RangeSet> {
+        let mut ranges = self.ranges();
+        let mut pins: Vec<(&str, &str)> = pins.into_iter().collect();
+        pins.sort_unstable();
+        let mut taken = std::collections::BTreeSet::new();
+        for (namespace, shard) in pins {
+            let hash = fnv1a64(namespace);
+            if !ranges.contains_key(shard) || !taken.insert(hash) {
+                continue;
+            }
+            for (name, set) in &mut ranges {
+                *set = if name == shard {
+                    set.with_hash(hash)
+                } else {
+                    set.without_hash(hash)
+                };
+            }
+        }
+        ranges
     }
 
     /// The ranges of `shard` (empty when it is not in the ring).

@@ -9,6 +9,7 @@
 //! | `status` | `status [RING]`: rings, shards and where the objects are |
 //! | `explain` | `explain RESOURCE NAME`: one object in every ring covering it, and why it is where it is |
 //! | `simulate` | `simulate RING`: what adding or removing shards would move |
+//! | `ranges` | rings with `assignment: ServerSide`: published and target hash ranges, holders, handover state |
 //! | `output` | tables, ages, JSON and YAML |
 //! | `fixtures` | (tests only) rings, Leases and objects the tests of the plugin build on |
 //!
@@ -19,6 +20,7 @@ mod explain;
 #[cfg(test)]
 mod fixtures;
 mod output;
+mod ranges;
 mod resources;
 mod simulate;
 mod status;
@@ -301,7 +303,7 @@ pub async fn run(cli: Cli, out: &mut dyn Write) -> Result<(), Error> {
         } => {
             let (ring, kind) = ring_arg(&ring, kind)?;
             let report = simulate::run(&connection, ring, kind, &add, &remove, scope).await?;
-            output::render(cli.output, &report, simulate::table)?
+            output::render(cli.output, &report, simulate::report_table)?
         }
     };
     out.write_all(rendered.as_bytes())

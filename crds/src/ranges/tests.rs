@@ -359,3 +359,71 @@ fn token_count_keeps_selectors_short_and_shares_near_even() {
         );
     }
 }
+
+#[test]
+fn a_hash_is_cut_out_and_added_as_a_one_hash_range() {
+    let set = RangeSet::new([range(0, 100), range(200, 300)]);
+    assert_eq!(
+        set.without_hash(50),
+        RangeSet::new([range(0, 50), range(51, 100), range(200, 300)])
+    );
+    assert_eq!(
+        set.without_hash(0),
+        RangeSet::new([range(1, 100), range(200, 300)])
+    );
+    assert_eq!(
+        set.without_hash(150),
+        set,
+        "a hash outside the set changes nothing"
+    );
+    assert_eq!(
+        RangeSet::full().without_hash(u64::MAX),
+        RangeSet::new([range(0, u128::from(u64::MAX))])
+    );
+    assert_eq!(
+        set.with_hash(100),
+        RangeSet::new([range(0, 101), range(200, 300)])
+    );
+    assert_eq!(
+        set.with_hash(150),
+        RangeSet::new([range(0, 100), range(150, 151), range(200, 300)])
+    );
+    assert_eq!(RangeSet::empty().with_hash(u64::MAX).width(), 1);
+}
+
+#[test]
+fn namespace_pins_move_exactly_their_namespaces_hash() {
+    let ring = RangeRing::new(["a", "b", "c"]);
+    let plain = ring.ranges();
+    let namespace = "team-blue";
+    let hash = fnv1a64(namespace);
+    let owner = ring.owner(hash).expect("an owner").to_string();
+    let pinned_to = ["a", "b", "c"]
+        .into_iter()
+        .find(|s| *s != owner)
+        .expect("another shard");
+    let pinned = ring.ranges_with_pins([(namespace, pinned_to), ("other", "not-a-shard")]);
+    assert_partition(&pinned);
+    assert!(pinned[pinned_to].contains(hash));
+    assert!(!pinned[&owner].contains(hash));
+    // Only the one hash moved: the owner lost a width of 1, the pinned shard gained it, the
+    // third shard is untouched, and the pin to a shard outside the ring did nothing.
+    assert_eq!(pinned[&owner].width() + 1, plain[&owner].width());
+    assert_eq!(pinned[pinned_to].width(), plain[pinned_to].width() + 1);
+    for (shard, set) in &plain {
+        if shard != &owner && shard != pinned_to {
+            assert_eq!(&pinned[shard], set);
+        }
+    }
+    // A pin to the owner changes nothing; no pins change nothing.
+    assert_eq!(ring.ranges_with_pins([(namespace, owner.as_str())]), plain);
+    assert_eq!(ring.ranges_with_pins([]), plain);
+    // The selector of the pinned shard still writes and reads back.
+    let selector =
+        ShardSelector::new(ShardField::Namespace, pinned[pinned_to].clone()).expect("not empty");
+    assert_eq!(
+        selector.to_string().parse::<ShardSelector>(),
+        Ok(selector.clone())
+    );
+    assert!(selector.matches_value(namespace));
+}

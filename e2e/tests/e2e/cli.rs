@@ -64,7 +64,7 @@ async fn kubectl_sharding(args: &[&str]) -> anyhow::Result<Run> {
 }
 
 /// The answer of a successful run with `-o json`.
-async fn json(args: &[&str]) -> anyhow::Result<Value> {
+pub(crate) async fn json(args: &[&str]) -> anyhow::Result<Value> {
     let run = kubectl_sharding(&[args, &["-o", "json"]].concat()).await?;
     ensure!(
         run.output.status.success(),
@@ -75,7 +75,7 @@ async fn json(args: &[&str]) -> anyhow::Result<Value> {
 }
 
 /// The text of a successful run with the default (table) output.
-async fn table(args: &[&str]) -> anyhow::Result<String> {
+pub(crate) async fn table(args: &[&str]) -> anyhow::Result<String> {
     let run = kubectl_sharding(args).await?;
     ensure!(
         run.output.status.success(),

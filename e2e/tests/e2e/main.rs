@@ -29,5 +29,6 @@ mod trust;
 mod watch_assignment;
 mod webhook_server;
 mod zero_write;
+mod zero_write_cli;
 mod zero_write_e2e;
 mod zero_write_shard;

@@ -171,7 +171,7 @@ pub(crate) fn record(
 
 /// Plays the shards' acknowledgements: every Lease held by its shard acknowledges its published
 /// generation, a shard in `delays` only that long after it first saw the generation.
-fn acknowledge(
+pub(crate) fn acknowledge(
     client: &Client,
     namespace: &str,
     delays: Arc<Mutex<BTreeMap<String, Duration>>>,

@@ -20,6 +20,7 @@ use kube_sharding_api::{
 };
 use serde::Serialize;
 
+use super::ranges::{RingRanges, is_server_side};
 use super::{ConnectionArgs, Error};
 use crate::core::any_ring::AnyRing;
 use crate::core::list_scope::PAGE_SIZE;
@@ -176,6 +177,8 @@ pub(crate) struct Namespaces {
     pub(crate) labels: NamespaceLabels,
     /// Pins for the views: the namespaces' pin annotations, and no controller pins yet.
     pub(crate) pins: Pins,
+    /// The same pin annotations by namespace, for the target ranges of ServerSide rings.
+    pub(crate) pin_annotations: BTreeMap<String, BTreeMap<String, String>>,
 }
 
 impl Namespaces {
@@ -184,6 +187,7 @@ impl Namespaces {
     pub(crate) fn from_metadata(items: impl IntoIterator<Item = ObjectMeta>) -> Self {
         let (store, mut writer) = kube::runtime::reflector::store::<Namespace>();
         let mut labels = NamespaceLabels::new();
+        let mut pin_annotations = BTreeMap::new();
         for meta in items {
             let Some(name) = meta.name else {
                 continue;
@@ -195,6 +199,7 @@ impl Namespaces {
                 .filter(|(key, _)| key.starts_with(PIN_ANNOTATION_PREFIX))
                 .collect();
             if !pins.is_empty() {
+                pin_annotations.insert(name.clone(), pins.clone());
                 let namespace = Namespace {
                     metadata: ObjectMeta {
                         name: Some(name.clone()),
@@ -210,6 +215,7 @@ impl Namespaces {
         Self {
             labels,
             pins: Pins::new(store),
+            pin_annotations,
         }
     }
 }
@@ -365,6 +371,8 @@ pub(crate) struct LoadedRing {
     pub(crate) selector_source: SelectorSource,
     /// Why the sharder does not act on the ring, if it does not.
     pub(crate) invalid: Option<String>,
+    /// For a ServerSide ring: its published and target ranges, set by [`give_pins`].
+    pub(crate) ranges: Option<RingRanges>,
 }
 
 /// Loads the Leases of every ring and builds its view from them and the served resources
@@ -398,16 +406,21 @@ pub(crate) async fn load_rings(
             leases,
             view,
             selector_source,
+            ranges: None,
         });
     }
     Ok(loaded)
 }
 
-/// Lets the views of `loaded` read the namespace pins of `pins`. Namespaces are read after the
-/// rings' Leases, so a user without either permission is told about the Leases first.
-pub(crate) fn give_pins(loaded: &mut [LoadedRing], pins: &Pins) {
+/// Lets the views of `loaded` read the namespace pins of `namespaces`, and computes the ranges of
+/// ServerSide rings with them. Namespaces are read after the rings' Leases, so a user without
+/// either permission is told about the Leases first.
+pub(crate) fn give_pins(loaded: &mut [LoadedRing], namespaces: &Namespaces) {
     for ring in loaded {
-        ring.view.pins = pins.clone();
+        ring.view.pins = namespaces.pins.clone();
+        if is_server_side(ring) {
+            ring.ranges = Some(RingRanges::new(ring, &namespaces.pin_annotations));
+        }
     }
 }
 

@@ -16,6 +16,7 @@ use serde::Serialize;
 use super::Error;
 use super::cluster::{self, Connection, LoadedRing, covers};
 use super::output::{Table, or_dash};
+use super::ranges::{RingRanges, hash_text, object_hash};
 use super::resources::Catalog;
 use super::status::{assignment_name, hash_key_name};
 use crate::core::key::{
@@ -73,6 +74,30 @@ pub(crate) struct RingExplanation {
     /// What else helps to understand it.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub(crate) notes: Vec<String>,
+    /// On a `ServerSide` ring: the object's hash, the shard whose published ranges hold it and
+    /// the shard the target gives it (`desiredShard`). Its labels mean nothing there.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) ranges: Option<RangeExplanation>,
+}
+
+/// Where the hash of an object of a `ServerSide` ring lies.
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub(crate) struct RangeExplanation {
+    /// The hashed field: `object.metadata.uid` or `object.metadata.namespace`.
+    pub(crate) field: &'static str,
+    /// The field's value on the object.
+    pub(crate) value: String,
+    /// Its 64-bit FNV-1a hash, `0x` and 16 hex digits.
+    pub(crate) hash: String,
+    /// The shard whose latest published ranges hold the hash (its Lease held by it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) held_by: Option<String>,
+    /// The generation of that publication.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) generation: Option<u64>,
+    /// Whether that shard acknowledged that generation.
+    pub(crate) acknowledged: bool,
 }
 
 /// The pin that applies to an object in one ring.
@@ -136,6 +161,9 @@ pub(crate) fn explain_ring(
 ) -> Option<RingExplanation> {
     let view = &ring.view;
     let resource = view.resources.get(gr)?;
+    if let Some(ranges) = &ring.ranges {
+        return Some(explain_ranges(ring, ranges, resource, meta, selected));
+    }
     let placement = view.placement(&gr.group, resource, meta);
     let RingRef { kind, name } = ring.ring.ring_ref();
     let states: BTreeMap<String, (ShardState, bool)> = ring_members(
@@ -197,7 +225,151 @@ pub(crate) fn explain_ring(
         },
         verdict,
         reason,
+        ranges: None,
     })
+}
+
+/// The object `meta` in the `ServerSide` ring `ring` with `ranges`.
+fn explain_ranges(
+    ring: &LoadedRing,
+    ranges: &RingRanges,
+    resource: &ResolvedResource,
+    meta: &ObjectMeta,
+    selected: bool,
+) -> RingExplanation {
+    let view = &ring.view;
+    let RingRef { kind, name } = ring.ring.ring_ref();
+    let labels = meta.labels.clone().unwrap_or_default();
+    let mut explanation = RingExplanation {
+        ring_kind: kind.kind(),
+        ring: name,
+        role: if resource.is_main() {
+            "main"
+        } else {
+            "controlled"
+        },
+        hash_key: hash_key_name(view.hash_key),
+        assignment: assignment_name(view.assignment),
+        key: None,
+        desired_shard: None,
+        pin: None,
+        shard_label: Label {
+            value: labels.get(&view.shard_label).cloned(),
+            key: view.shard_label.clone(),
+        },
+        drain_label: Label {
+            value: labels.get(&view.drain_label).cloned(),
+            key: view.drain_label.clone(),
+        },
+        verdict: Verdict::InPlace,
+        reason: String::new(),
+        notes: Vec::new(),
+        ranges: None,
+    };
+    if let Some(invalid) = &ring.invalid {
+        explanation.verdict = Verdict::RingInvalid;
+        explanation.reason = format!("the sharder does not act on this ring: {invalid}");
+        return explanation;
+    }
+    if !selected {
+        let namespace = meta.namespace.as_deref().unwrap_or_default();
+        explanation.verdict = Verdict::NamespaceNotSelected;
+        explanation.reason = format!(
+            "namespace {namespace} is not selected by {}, so the ring's shards do not handle the object",
+            ring.selector_source.describe()
+        );
+        return explanation;
+    }
+    let Some((value, hash)) = object_hash(ranges.field, meta) else {
+        explanation.verdict = Verdict::NoName;
+        explanation.reason = "it has no uid yet, so it has no hash".into();
+        return explanation;
+    };
+    let holder = ranges.holder(hash);
+    let wanted = ranges.wanted(hash);
+    let hash_words = hash_text(hash);
+    explanation.key = Some(value.clone());
+    explanation.desired_shard = wanted.map(str::to_string);
+    explanation.ranges = Some(RangeExplanation {
+        field: ranges.field.path(),
+        value,
+        hash: hash_words.clone(),
+        held_by: holder.map(|(shard, ..)| shard.to_string()),
+        generation: holder.map(|(_, generation, _)| generation),
+        acknowledged: holder.is_some_and(|(_, generation, acked)| acked == Some(generation)),
+    });
+    let (verdict, reason) = match (holder, wanted) {
+        (_, None) => (
+            Verdict::NoAvailableShard,
+            "the ring has no available shard, so the sharder gives its ranges to nobody".into(),
+        ),
+        (Some((held, generation, acked)), Some(wanted)) if held == wanted => (
+            Verdict::InPlace,
+            if acked == Some(generation) {
+                format!(
+                    "its hash {hash_words} is in the ranges published to {held} (generation {generation}, acknowledged), the shard the ring wants"
+                )
+            } else {
+                format!(
+                    "its hash {hash_words} is in the ranges published to {held} (generation {generation}, not acknowledged yet), the shard the ring wants"
+                )
+            },
+        ),
+        (Some((held, generation, _)), Some(wanted)) => (
+            Verdict::WaitingForSharder,
+            format!(
+                "its hash {hash_words} is in the ranges published to {held} (generation {generation}), but the ring's target gives it to {wanted}: the sharder revokes it from {held} first and grants it to {wanted} once {held} acknowledges (or can no longer be running)"
+            ),
+        ),
+        (None, Some(wanted)) => (
+            Verdict::WaitingForSharder,
+            format!(
+                "its hash {hash_words} is in no shard's published ranges: revoked from its previous shard (or never granted) and not yet granted to {wanted}, the shard the ring wants; the grant follows the acknowledgement of every revoke it waits for"
+            ),
+        ),
+    };
+    explanation.verdict = verdict;
+    explanation.reason = reason;
+    let namespace = meta.namespace.as_deref().unwrap_or_default();
+    if let Some(pin) = ranges.pins.iter().find(|p| p.namespace == namespace) {
+        let reason = match pin.state {
+            "honoured" => format!(
+                "the pin of namespace {namespace} names {}, an available shard: its hash goes to {} whatever the hash ring says",
+                pin.shard, pin.shard
+            ),
+            "unavailable" => format!(
+                "the pin of namespace {namespace} names {}, which is not an available shard, so the hash ring decides until {} becomes available",
+                pin.shard, pin.shard
+            ),
+            _ => format!(
+                "the pin of namespace {namespace} is {:?}, which is not a shard name, so the hash ring decides",
+                pin.shard
+            ),
+        };
+        explanation.pin = Some(PinExplanation {
+            source: PinSource::Namespace.as_str(),
+            annotation: view.pin_annotation.clone(),
+            value: pin.shard.clone(),
+            state: pin.state,
+            reason,
+        });
+    }
+    if ranges.ignored_pins.iter().any(|ns| ns == namespace) {
+        explanation.notes.push(format!(
+            "the pin of namespace {namespace} is ignored: a ring hashing uids spreads a namespace over the whole hash space"
+        ));
+    }
+    if view.own_pin(meta).is_some() {
+        explanation.notes.push(
+            "its own pin annotation is ignored: on a ServerSide ring the sharder never reads the ring's objects, so object pins cannot work".into(),
+        );
+    }
+    if view.hash_key == HashKey::Namespace && !namespace.is_empty() {
+        explanation.notes.push(format!(
+            "the ring hashes by namespace: all of its objects in namespace {namespace} are on one shard"
+        ));
+    }
+    explanation
 }
 
 fn not_selected(
@@ -551,7 +723,7 @@ pub(crate) async fn run(
         Some(ns) if !loaded.is_empty() => cluster::namespaces(client, Some(ns)).await?,
         _ => cluster::Namespaces::from_metadata([]),
     };
-    cluster::give_pins(&mut loaded, &namespaces.pins);
+    cluster::give_pins(&mut loaded, &namespaces);
     remember_controller_pins(client, &loaded, gr, &meta).await?;
     let now = Timestamp::now();
     let rings = loaded
@@ -599,6 +771,10 @@ pub(crate) fn table(report: &ExplainReport) -> String {
             text.push_str(&table.render("  "));
             continue;
         }
+        if let Some(ranges) = &ring.ranges {
+            text.push_str(&ranges_rows(ring, ranges).render("  "));
+            continue;
+        }
         let mut table = Table::new(["hash key:", &or_dash(ring.key.as_ref())]);
         table.row(vec![
             "ring wants:".into(),
@@ -620,6 +796,40 @@ pub(crate) fn table(report: &ExplainReport) -> String {
         text.push_str(&table.render("  "));
     }
     text
+}
+
+/// The rows of an object of a `ServerSide` ring: its hash, who holds it, who should.
+fn ranges_rows(ring: &RingExplanation, ranges: &RangeExplanation) -> Table {
+    let mut table = Table::new(["hashes:", &format!("{} = {}", ranges.field, ranges.value)]);
+    table.row(vec!["hash:".into(), ranges.hash.clone()]);
+    let held = match (&ranges.held_by, ranges.generation) {
+        (Some(shard), Some(generation)) => format!(
+            "{shard} (generation {generation}, {})",
+            if ranges.acknowledged {
+                "acknowledged"
+            } else {
+                "not acknowledged yet"
+            }
+        ),
+        _ => "no shard".into(),
+    };
+    table.row(vec!["held by:".into(), held]);
+    table.row(vec![
+        "ring wants:".into(),
+        or_dash(ring.desired_shard.as_ref()),
+    ]);
+    if let Some(pin) = &ring.pin {
+        table.row(vec![
+            "pin:".into(),
+            format!("{}: {}", pin.state, pin.reason),
+        ]);
+    }
+    table.row(vec!["verdict:".into(), format!("{:?}", ring.verdict)]);
+    table.row(vec!["why:".into(), ring.reason.clone()]);
+    for note in &ring.notes {
+        table.row(vec!["note:".into(), note.clone()]);
+    }
+    table
 }
 
 fn label(label: &Label) -> String {
@@ -1003,5 +1213,90 @@ ClusterRing r (main resource, hashKey Object, assignment Webhook)
   why:           it is on a, the shard the ring wants
 ";
         assert_eq!(table(&report), expected);
+    }
+
+    #[test]
+    fn an_object_of_a_server_side_ring_is_explained_by_its_hash() {
+        use super::super::fixtures::{server_side, with_ranges};
+        use kube_sharding_api::ranges::{RangeRing, fnv1a64};
+        let target = RangeRing::new(["a", "b"]).ranges();
+        let annotation = |generation: u64, shard: &str| {
+            kube_sharding_api::range_lease::PublishedRanges::new(generation, target[shard].clone())
+                .expect("within the limits")
+                .to_string()
+        };
+        // b has not been granted its share yet: a was cut down and acknowledged.
+        let ring = server_side(
+            vec![
+                with_ranges(
+                    lease("a", "a", 1, None),
+                    Some(&annotation(4, "a")),
+                    Some("4"),
+                ),
+                lease("b", "b", 1, None),
+            ],
+            HashKey::Object,
+        );
+        let uid_for = |shard: &str| {
+            (0..10_000)
+                .map(|i| format!("uid-{i}"))
+                .find(|uid| target[shard].contains(fnv1a64(uid)))
+                .expect("a uid in the shard's target")
+        };
+        let with_uid = |uid: &str| ObjectMeta {
+            uid: Some(uid.into()),
+            ..object("s", &[], None)
+        };
+        let in_a = explain_ring(&ring, &secrets(), &with_uid(&uid_for("a")), true, now())
+            .expect("covered");
+        assert_eq!(in_a.verdict, Verdict::InPlace);
+        let ranges = in_a.ranges.as_ref().expect("ranges");
+        assert_eq!(ranges.field, "object.metadata.uid");
+        assert_eq!(ranges.hash, format!("0x{:016x}", fnv1a64(&uid_for("a"))));
+        assert_eq!(
+            (
+                ranges.held_by.as_deref(),
+                ranges.generation,
+                ranges.acknowledged
+            ),
+            (Some("a"), Some(4), true)
+        );
+        assert_eq!(in_a.desired_shard.as_deref(), Some("a"));
+        let in_b = explain_ring(&ring, &secrets(), &with_uid(&uid_for("b")), true, now())
+            .expect("covered");
+        assert_eq!(in_b.verdict, Verdict::WaitingForSharder);
+        assert_eq!(in_b.desired_shard.as_deref(), Some("b"));
+        assert!(in_b.ranges.as_ref().is_some_and(|r| r.held_by.is_none()));
+        assert!(
+            in_b.reason.contains("in no shard's published ranges"),
+            "{}",
+            in_b.reason
+        );
+        let report = ExplainReport {
+            resource: "secrets".into(),
+            kind: "Secret".into(),
+            name: "s".into(),
+            namespace: Some("ns".into()),
+            rings: vec![in_a],
+        };
+        let text = table(&report);
+        assert!(
+            text.contains("held by:      a (generation 4, acknowledged)"),
+            "{text}"
+        );
+        assert!(!text.contains("shard label:"), "{text}");
+        // An object's own pin cannot work on such a ring, and says so.
+        let pinned_object = pinned(with_uid(&uid_for("a")), &ring.view, "b");
+        let explained =
+            explain_ring(&ring, &secrets(), &pinned_object, true, now()).expect("covered");
+        assert_eq!(explained.desired_shard.as_deref(), Some("a"));
+        assert!(
+            explained
+                .notes
+                .iter()
+                .any(|n| n.contains("object pins cannot work")),
+            "{:?}",
+            explained.notes
+        );
     }
 }

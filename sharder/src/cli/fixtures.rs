@@ -8,7 +8,10 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, MicroTime, O
 use k8s_openapi::jiff::Timestamp;
 use kube::api::ObjectMeta;
 use kube_sharding_api::labels::ANNOTATION_WEIGHT;
-use kube_sharding_api::{GroupResource, RingKind};
+use kube_sharding_api::range_lease::{ANNOTATION_ACKNOWLEDGED, ANNOTATION_RANGES};
+use kube_sharding_api::{
+    Assignment, ClusterRing, ClusterRingSpec, GroupResource, HashKey, RingKind, RingResource,
+};
 
 use super::cluster::{LoadedRing, Namespaces, SelectorSource};
 use crate::core::any_ring::AnyRing;
@@ -63,6 +66,7 @@ pub(crate) fn loaded(leases: Vec<Lease>) -> LoadedRing {
         view,
         selector_source: SelectorSource::Ring,
         invalid: None,
+        ranges: None,
     }
 }
 
@@ -126,4 +130,37 @@ pub(crate) fn pin_namespace(view: &mut RingView, value: &str) {
         ..ObjectMeta::default()
     };
     view.pins = Namespaces::from_metadata([pinned(ns, view, value)]).pins;
+}
+
+/// `lease` with the range annotations `ranges` and `acknowledged`.
+pub(crate) fn with_ranges(mut lease: Lease, ranges: Option<&str>, ack: Option<&str>) -> Lease {
+    let annotations = lease.metadata.annotations.get_or_insert_default();
+    for (key, value) in [(ANNOTATION_RANGES, ranges), (ANNOTATION_ACKNOWLEDGED, ack)] {
+        if let Some(value) = value {
+            annotations.insert(key.to_string(), value.to_string());
+        }
+    }
+    lease
+}
+
+/// Ring `r` over Secrets, `ServerSide`, hashing `hash_key`, with these Leases.
+pub(crate) fn server_side(leases: Vec<Lease>, hash_key: HashKey) -> LoadedRing {
+    let mut ring = loaded(leases);
+    let spec = ClusterRingSpec {
+        resources: vec![RingResource::new("", "secrets")],
+        assignment: Some(Assignment::ServerSide),
+        hash_key: Some(hash_key),
+        ..ClusterRingSpec::default()
+    };
+    ring.ring = AnyRing::Cluster(Arc::new(ClusterRing::new("r", spec)));
+    ring.view.assignment = Assignment::ServerSide;
+    ring.view.hash_key = hash_key;
+    ring.view
+        .resources
+        .retain(|gr, _| gr == &GroupResource::new("", "secrets"));
+    ring.ranges = Some(super::ranges::RingRanges::new(
+        &ring,
+        &std::collections::BTreeMap::new(),
+    ));
+    ring
 }

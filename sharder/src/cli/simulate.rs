@@ -19,12 +19,15 @@ use serde::Serialize;
 
 use super::cluster::{self, Connection};
 use super::output::{Table, imbalance, or_dash, ratio};
+use super::ranges::{RingRanges, is_server_side, percent, target_ranges};
 use super::resources::Catalog;
 use super::{Error, ring_not_found};
 use crate::core::hash_ring::HashRing;
 use crate::core::key::KeyOutcome;
 use crate::core::pin::PinOutcome;
+use crate::core::range_handover::{intersection, union};
 use crate::views::RingView;
+use kube_sharding_api::ranges::RangeSet;
 
 /// A shard that joins a simulated ring, or an available shard that gets another weight:
 /// `NAME` (weight 1) or `NAME:WEIGHT`.
@@ -318,6 +321,181 @@ impl Simulation {
     }
 }
 
+/// What `simulate` prints: objects for a label ring, shares of the hash space for a
+/// `ServerSide` ring (whose placement does not depend on objects).
+#[derive(Debug, Serialize)]
+#[serde(untagged)]
+pub(crate) enum Report {
+    /// A label ring: objects counted.
+    Objects(SimulationReport),
+    /// A `ServerSide` ring: ranges compared.
+    Ranges(RangeSimulation),
+}
+
+/// A simulated change of a `ServerSide` ring: the target ranges before and after, as shares of
+/// the 64-bit hash space (in percent).
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub(crate) struct RangeSimulation {
+    /// `ClusterRing` or `ControllerRing`.
+    pub(crate) kind: &'static str,
+    /// The ring's name.
+    pub(crate) name: String,
+    /// Always `ServerSide`.
+    pub(crate) assignment: &'static str,
+    /// The hashed field.
+    pub(crate) field: &'static str,
+    /// Shards added or given another weight, as `NAME:WEIGHT`.
+    pub(crate) added: Vec<String>,
+    /// Shards removed.
+    pub(crate) removed: Vec<String>,
+    /// Per shard before and after, every shard of either side.
+    pub(crate) shards: Vec<RangeShardMoves>,
+    /// The share moving between each pair of shards.
+    pub(crate) moves: Vec<RangeMove>,
+    /// The share of the hash space that would move.
+    pub(crate) moved_share_percent: f64,
+    /// Namespace pins honoured before and after (a ring hashing namespaces).
+    pub(crate) pinned_namespaces: usize,
+    /// `max / mean` share per shard, before.
+    pub(crate) imbalance_before: Option<f64>,
+    /// `max / mean` share per shard, after.
+    pub(crate) imbalance_after: Option<f64>,
+}
+
+/// One shard of a `ServerSide` ring before and after the change.
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub(crate) struct RangeShardMoves {
+    /// Shard name.
+    pub(crate) name: String,
+    /// Its weight before; `None` when it was not available.
+    pub(crate) weight_before: Option<u32>,
+    /// Its weight after; `None` when it is removed.
+    pub(crate) weight_after: Option<u32>,
+    /// Its target's ranges before.
+    pub(crate) ranges_before: usize,
+    /// Its target's share before, in percent.
+    pub(crate) share_before_percent: f64,
+    /// The share it would lose.
+    pub(crate) out_percent: f64,
+    /// The share it would gain.
+    pub(crate) in_percent: f64,
+    /// Its target's ranges after.
+    pub(crate) ranges_after: usize,
+    /// Its target's share after, in percent.
+    pub(crate) share_after_percent: f64,
+}
+
+/// The share of the hash space moving from one shard to another.
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub(crate) struct RangeMove {
+    /// The shard losing it; `None` when the ring has no available shard now.
+    pub(crate) from: Option<String>,
+    /// The shard gaining it; `None` when no shard is left.
+    pub(crate) to: Option<String>,
+    /// The share, in percent.
+    pub(crate) share_percent: f64,
+}
+
+/// Compares the targets of the ring before (`before`, its available shards) and after the change
+/// (`after`), both with the ring's namespace pins.
+pub(crate) fn simulate_ranges(
+    ring: &RingRef,
+    ranges: &RingRanges,
+    before: &BTreeMap<String, u32>,
+    after: &BTreeMap<String, u32>,
+    add: &[ShardChange],
+    remove: &[String],
+) -> RangeSimulation {
+    let target = |shards: &BTreeMap<String, u32>| {
+        target_ranges(shards.iter().map(|(n, w)| (n.as_str(), *w)), &ranges.pins)
+    };
+    let (old, new) = (target(before), target(after));
+    let empty = RangeSet::empty();
+    let mut names: Vec<&String> = old.keys().chain(new.keys()).collect();
+    names.sort_unstable();
+    names.dedup();
+    let mut moves = Vec::new();
+    let (mut out, mut gained) = (BTreeMap::new(), BTreeMap::new());
+    // Whatever no shard holds on one side (an empty ring) moves from or to nobody.
+    let side = |map: &BTreeMap<String, RangeSet>| -> Vec<(Option<String>, RangeSet)> {
+        if map.is_empty() {
+            vec![(None, RangeSet::full())]
+        } else {
+            map.iter()
+                .map(|(n, s)| (Some(n.clone()), s.clone()))
+                .collect()
+        }
+    };
+    let mut moved = RangeSet::empty();
+    for (from, old_set) in side(&old) {
+        for (to, new_set) in side(&new) {
+            if from == to {
+                continue;
+            }
+            let shared = intersection(&old_set, &new_set);
+            if shared.is_empty() {
+                continue;
+            }
+            moved = union(&moved, &shared);
+            if let Some(from) = &from {
+                let entry: &mut RangeSet = out.entry(from.clone()).or_default();
+                *entry = union(entry, &shared);
+            }
+            if let Some(to) = &to {
+                let entry: &mut RangeSet = gained.entry(to.clone()).or_default();
+                *entry = union(entry, &shared);
+            }
+            moves.push(RangeMove {
+                from: from.clone(),
+                to,
+                share_percent: percent(&shared),
+            });
+        }
+    }
+    let shards = names
+        .iter()
+        .map(|name| {
+            let (old_set, new_set) = (
+                old.get(*name).unwrap_or(&empty),
+                new.get(*name).unwrap_or(&empty),
+            );
+            RangeShardMoves {
+                name: (*name).clone(),
+                weight_before: before.get(*name).copied(),
+                weight_after: after.get(*name).copied(),
+                ranges_before: old_set.ranges().len(),
+                share_before_percent: percent(old_set),
+                out_percent: percent(out.get(*name).unwrap_or(&empty)),
+                in_percent: percent(gained.get(*name).unwrap_or(&empty)),
+                ranges_after: new_set.ranges().len(),
+                share_after_percent: percent(new_set),
+            }
+        })
+        .collect();
+    // Widths are below 2^64 + 1; the imbalance of shares needs no more precision than f64's.
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+    let widths = |map: &BTreeMap<String, RangeSet>| -> Vec<usize> {
+        map.values().map(|s| (s.share() * 1e12) as usize).collect()
+    };
+    RangeSimulation {
+        kind: ring.kind.kind(),
+        name: ring.name.clone(),
+        assignment: "ServerSide",
+        field: ranges.field.path(),
+        added: add.iter().map(ToString::to_string).collect(),
+        removed: remove.to_vec(),
+        shards,
+        moves,
+        moved_share_percent: percent(&moved),
+        pinned_namespaces: ranges.pins.iter().filter(|p| p.state == "honoured").count(),
+        imbalance_before: imbalance(widths(&old)),
+        imbalance_after: imbalance(widths(&new)),
+    }
+}
+
 /// Reads the ring and its objects and simulates the change.
 pub(crate) async fn run(
     connection: &Connection,
@@ -326,7 +504,7 @@ pub(crate) async fn run(
     add: &[ShardChange],
     remove: &[String],
     namespace: Option<&str>,
-) -> Result<SimulationReport, Error> {
+) -> Result<Report, Error> {
     let client = &connection.client;
     let kinds = kind.map_or_else(|| RingKind::ALL.to_vec(), |k| vec![k]);
     let rings = cluster::rings(client, &kinds, Some(name)).await?;
@@ -340,8 +518,10 @@ pub(crate) async fn run(
     }
     let catalog = Catalog::discover(client).await?;
     let mut loaded = cluster::load_rings(client, rings, &catalog.infos()).await?;
-    let namespaces = cluster::namespaces(client, namespace).await?;
-    cluster::give_pins(&mut loaded, &namespaces.pins);
+    // A ServerSide ring's target depends on the pins of every namespace, and not on objects.
+    let server_side = loaded.iter().any(is_server_side);
+    let namespaces = cluster::namespaces(client, namespace.filter(|_| !server_side)).await?;
+    cluster::give_pins(&mut loaded, &namespaces);
     let Some(ring) = loaded.first() else {
         return Err(ring_not_found(name, kind));
     };
@@ -353,6 +533,11 @@ pub(crate) async fn run(
         .map(|(shard, weight)| (shard.to_string(), weight))
         .collect();
     let after = shards_after(&ring_ref, &before, add, remove)?;
+    if let Some(ranges) = &ring.ranges {
+        return Ok(Report::Ranges(simulate_ranges(
+            &ring_ref, ranges, &before, &after, add, remove,
+        )));
+    }
     let mut simulation = Simulation::new(&after);
     cluster::walk_objects(
         client,
@@ -364,7 +549,94 @@ pub(crate) async fn run(
         },
     )
     .await?;
-    Ok(simulation.report(&ring_ref, &before, add, remove, namespace))
+    Ok(Report::Objects(
+        simulation.report(&ring_ref, &before, add, remove, namespace),
+    ))
+}
+
+/// The report as text.
+pub(crate) fn report_table(report: &Report) -> String {
+    match report {
+        Report::Objects(report) => table(report),
+        Report::Ranges(report) => ranges_table(report),
+    }
+}
+
+/// A `ServerSide` ring's simulation as text: shares per shard, the moves, the balance.
+pub(crate) fn ranges_table(report: &RangeSimulation) -> String {
+    let mut changes: Vec<String> = report.added.iter().map(|a| format!("+{a}")).collect();
+    changes.extend(report.removed.iter().map(|r| format!("-{r}")));
+    let mut text = format!(
+        "{} {}: simulating {} on the hash ranges of {} (assignment ServerSide: no object moves, only ranges)\n",
+        report.kind,
+        report.name,
+        if changes.is_empty() {
+            "no change".to_string()
+        } else {
+            changes.join(", ")
+        },
+        report.field,
+    );
+    let share = |percent: f64| format!("{percent:.2}%");
+    let mut shards = Table::new([
+        "SHARD",
+        "WEIGHT",
+        "RANGES",
+        "SHARE",
+        "OUT",
+        "IN",
+        "AFTER",
+        "RANGES AFTER",
+    ]);
+    for shard in &report.shards {
+        let weight = if shard.weight_before == shard.weight_after {
+            or_dash(shard.weight_before)
+        } else {
+            format!(
+                "{} -> {}",
+                or_dash(shard.weight_before),
+                or_dash(shard.weight_after)
+            )
+        };
+        shards.row(vec![
+            shard.name.clone(),
+            weight,
+            shard.ranges_before.to_string(),
+            share(shard.share_before_percent),
+            share(shard.out_percent),
+            share(shard.in_percent),
+            share(shard.share_after_percent),
+            shard.ranges_after.to_string(),
+        ]);
+    }
+    text.push_str(&shards.render("  "));
+    text.push_str(&format!(
+        "  {} of the hash space would move: each moving range is revoked from its shard and granted once that shard acknowledges\n",
+        share(report.moved_share_percent)
+    ));
+    if !report.moves.is_empty() {
+        let mut moves = Table::new(["FROM", "TO", "SHARE"]);
+        for m in &report.moves {
+            moves.row(vec![
+                m.from.clone().unwrap_or_else(|| "(no shard)".into()),
+                m.to.clone().unwrap_or_else(|| "(no shard)".into()),
+                share(m.share_percent),
+            ]);
+        }
+        text.push_str(&moves.render("  "));
+    }
+    text.push_str(&format!(
+        "  imbalance (max/mean share per shard): {} before, {} after\n",
+        ratio(report.imbalance_before),
+        ratio(report.imbalance_after)
+    ));
+    if report.pinned_namespaces > 0 {
+        text.push_str(&format!(
+            "  {} namespace pins honoured now; a pin to a removed shard goes back to the hash ring\n",
+            report.pinned_namespaces
+        ));
+    }
+    text
 }
 
 /// The report as text: per shard before and after, the moves between shards, the balance.
@@ -701,5 +973,56 @@ mod tests {
             ),
             (0, 50)
         );
+    }
+
+    #[test]
+    fn a_server_side_ring_simulates_shares_of_the_hash_space() {
+        use super::super::fixtures::{lease, server_side};
+        use kube_sharding_api::HashKey;
+        use kube_sharding_api::ranges::RangeRing;
+        let ring = server_side(
+            vec![lease("a", "a", 1, None), lease("b", "b", 1, None)],
+            HashKey::Object,
+        );
+        let ranges = ring.ranges.as_ref().expect("ranges");
+        let before = weights(&[("a", 1), ("b", 1)]);
+        let add = vec![ShardChange {
+            name: "c".into(),
+            weight: 1,
+        }];
+        let after = shards_after(&ring_ref(), &before, &add, &[]).expect("valid");
+        let report = simulate_ranges(&ring_ref(), ranges, &before, &after, &add, &[]);
+        // Consistent hashing: exactly the newcomer's target moves, all of it to the newcomer.
+        let newcomer = RangeRing::new(["a", "b", "c"]).ranges_of("c");
+        assert!((report.moved_share_percent - percent(&newcomer)).abs() < 0.011);
+        assert!(report.moves.iter().all(|m| m.to.as_deref() == Some("c")));
+        let c = report.shards.iter().find(|s| s.name == "c").expect("c");
+        assert_eq!((c.weight_before, c.weight_after), (None, Some(1)));
+        assert_eq!((c.share_before_percent, c.out_percent), (0.0, 0.0));
+        assert!((c.in_percent - report.moved_share_percent).abs() < 0.011);
+        let out: f64 = report.shards.iter().map(|s| s.out_percent).sum();
+        assert!(
+            (out - report.moved_share_percent).abs() < 0.03,
+            "{report:?}"
+        );
+        let text = ranges_table(&report);
+        assert!(
+            text.starts_with(
+                "ClusterRing r: simulating +c:1 on the hash ranges of object.metadata.uid"
+            ),
+            "{text}"
+        );
+        assert!(text.contains("of the hash space would move"), "{text}");
+
+        // Removing b moves exactly b's share, to a.
+        let after = shards_after(&ring_ref(), &before, &[], &["b".into()]).expect("valid");
+        let report = simulate_ranges(&ring_ref(), ranges, &before, &after, &[], &["b".into()]);
+        let b = RangeRing::new(["a", "b"]).ranges_of("b");
+        assert!((report.moved_share_percent - percent(&b)).abs() < 0.011);
+        assert_eq!(report.moves.len(), 1);
+        assert_eq!(report.moves[0].from.as_deref(), Some("b"));
+        assert_eq!(report.moves[0].to.as_deref(), Some("a"));
+        let a = report.shards.iter().find(|s| s.name == "a").expect("a");
+        assert!((a.share_after_percent - 100.0).abs() < 1e-9);
     }
 }

@@ -14,6 +14,11 @@ use serde::Serialize;
 
 use super::cluster::{self, Connection, LoadedRing, SelectorSource};
 use super::output::{Table, age, imbalance, or_dash, ratio};
+#[cfg(test)]
+use super::ranges::percent;
+use super::ranges::{
+    MemberRanges, NamespacePin, RingRanges, is_server_side, member_ranges, object_hash,
+};
 use super::resources::Catalog;
 use super::{Error, ring_not_found};
 use crate::core::key::KeyOutcome;
@@ -82,6 +87,32 @@ pub(crate) struct RingStatus {
     pub(crate) imbalance: Option<f64>,
     /// The load its available shards report on their Leases, summed (docs/protocol.md §23).
     pub(crate) load: RingLoad,
+    /// For a `ServerSide` ring: its range generation, the hashed field, whether a handover is
+    /// pending and its namespace pins. Its objects are then counted by the published ranges
+    /// holding their hash: `members[].objects` are in the shard's ranges, `unassigned` in no
+    /// shard's, and `members[].wanted` in its target.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) ranges: Option<RingRangesStatus>,
+}
+
+/// The ranges of a `ServerSide` ring.
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub(crate) struct RingRangesStatus {
+    /// The field hashed with 64-bit FNV-1a: `object.metadata.uid` or `object.metadata.namespace`.
+    pub(crate) field: &'static str,
+    /// `status.rangeGeneration`: the ring's latest published generation.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) range_generation: Option<u64>,
+    /// Whether some shard has not acknowledged its publication or holds other ranges than its
+    /// target.
+    pub(crate) handover_pending: bool,
+    /// Namespace pins of a ring hashing namespaces.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub(crate) pinned_namespaces: Vec<NamespacePin>,
+    /// Namespaces carrying the ring's pin on a ring hashing uids, where pins cannot work.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub(crate) ignored_namespace_pins: Vec<String>,
 }
 
 /// One shard of a ring.
@@ -127,6 +158,9 @@ pub(crate) struct ShardStatus {
     /// What is wrong with its load report, if anything (it counts as none).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(crate) load_error: Option<String>,
+    /// On a `ServerSide` ring: its published ranges, acknowledgement and target.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) ranges: Option<MemberRanges>,
 }
 
 /// A shard's load report, each signal only when the shard reports it.
@@ -243,6 +277,40 @@ impl Tally {
         }
     }
 
+    /// Counts one object of resource `gr` of a `ServerSide` ring, held by the published ranges of
+    /// `held_by` and given by the target to `wanted`.
+    pub(crate) fn observe_ranges(
+        &mut self,
+        gr: &GroupResource,
+        held_by: Option<&str>,
+        wanted: Option<&str>,
+    ) {
+        self.objects += 1;
+        if let Some(wanted) = wanted {
+            *self.wanted.entry(wanted.to_string()).or_default() += 1;
+        }
+        let Some(held_by) = held_by else {
+            let unassigned = &mut self.unassigned;
+            *unassigned.objects.entry(gr.to_string()).or_default() += 1;
+            unassigned.total += 1;
+            if wanted.is_some() {
+                unassigned.waiting_for_sharder += 1;
+            } else {
+                unassigned.no_available_shard += 1;
+            }
+            return;
+        };
+        *self
+            .assigned
+            .entry(held_by.to_string())
+            .or_default()
+            .entry(gr.to_string())
+            .or_default() += 1;
+        if wanted != Some(held_by) {
+            self.misplaced += 1;
+        }
+    }
+
     /// The counts of objects labelled for `shard`: per resource, total, draining, wanted.
     fn shard(&self, shard: &str) -> (BTreeMap<String, usize>, usize, usize, usize) {
         let objects = self.assigned.get(shard).cloned().unwrap_or_default();
@@ -278,7 +346,12 @@ pub(crate) fn ring_status(ring: &LoadedRing, tally: Tally, now: Timestamp) -> Ri
             let valid_load = load.as_ref().and_then(|l| l.as_ref().ok());
             loads.push((member.is_available(), valid_load.copied()));
             let (objects, total, draining, wanted) = tally.shard(&shard);
+            let ranges = ring.ranges.as_ref().map(|ranges| {
+                let target = ranges.target.get(&shard).filter(|_| member.is_available());
+                member_ranges(member.lease, target)
+            });
             ShardStatus {
+                ranges,
                 namespace: member.lease.namespace(),
                 state: Some(lease.state(now).as_str()),
                 holder: lease.holder_identity.map(str::to_string),
@@ -323,6 +396,7 @@ pub(crate) fn ring_status(ring: &LoadedRing, tally: Tally, now: Timestamp) -> Ri
             wanted,
             load: None,
             load_error: None,
+            ranges: None,
         });
     }
     let load = sum_loads(loads.iter().map(|(available, l)| (*available, l.as_ref())));
@@ -346,7 +420,17 @@ pub(crate) fn ring_status(ring: &LoadedRing, tally: Tally, now: Timestamp) -> Ri
         .map(|(gr, r)| (!r.is_main(), gr.to_string()))
         .collect();
     resources.sort();
+    let ranges = ring.ranges.as_ref().map(|ranges| RingRangesStatus {
+        field: ranges.field.path(),
+        range_generation: status.and_then(|s| s.range_generation),
+        handover_pending: members
+            .iter()
+            .any(|m| m.ranges.as_ref().is_some_and(|r| r.pending.is_some())),
+        pinned_namespaces: ranges.pins.clone(),
+        ignored_namespace_pins: ranges.ignored_pins.clone(),
+    });
     RingStatus {
+        ranges,
         kind: kind.kind(),
         name,
         ready_message: condition
@@ -417,7 +501,14 @@ pub(crate) async fn run(
     let catalog = Catalog::discover(client).await?;
     let mut loaded = cluster::load_rings(client, rings, &catalog.infos()).await?;
     let namespaces = cluster::namespaces(client, namespace).await?;
-    cluster::give_pins(&mut loaded, &namespaces.pins);
+    // The target of a ServerSide ring hashing namespaces depends on the pins of every namespace.
+    cluster::give_pins(&mut loaded, &namespaces);
+    if namespace.is_some() && loaded.iter().any(is_server_side) {
+        let all = cluster::namespaces(client, None).await?;
+        for ring in loaded.iter_mut().filter(|ring| is_server_side(ring)) {
+            ring.ranges = Some(RingRanges::new(ring, &all.pin_annotations));
+        }
+    }
     let mut tallies: Vec<Tally> = loaded.iter().map(|_| Tally::default()).collect();
     cluster::walk_objects(
         client,
@@ -425,7 +516,18 @@ pub(crate) async fn run(
         namespace,
         &namespaces.labels,
         |index, gr, meta| {
-            tallies[index].observe(&loaded[index].view, gr, meta);
+            let ring = &loaded[index];
+            match &ring.ranges {
+                Some(ranges) => {
+                    let hash = object_hash(ranges.field, meta).map(|(_, hash)| hash);
+                    tallies[index].observe_ranges(
+                        gr,
+                        hash.and_then(|h| ranges.holder(h)).map(|(shard, ..)| shard),
+                        hash.and_then(|h| ranges.wanted(h)),
+                    );
+                }
+                None => tallies[index].observe(&ring.view, gr, meta),
+            }
         },
     )
     .await?;
@@ -471,6 +573,12 @@ fn ring_table(ring: &RingStatus, now: Timestamp) -> String {
         ring.hash_key,
         ring.assignment
     );
+    if let Some(ranges) = &ring.ranges {
+        text.insert_str(
+            text.len() - 1,
+            &format!(", rangeGeneration {}", or_dash(ranges.range_generation)),
+        );
+    }
     if let Some(message) = &ring.ready_message {
         text.push_str(&format!("  not ready: {message}\n"));
     }
@@ -487,6 +595,11 @@ fn ring_table(ring: &RingStatus, now: Timestamp) -> String {
     }
     if let Some(line) = controlled_objects_line(ring) {
         text.push_str(&line);
+    }
+    if let Some(ranges) = &ring.ranges {
+        text.push_str(&ranges_table(ring, ranges, now));
+        text.push_str(&load_table(ring));
+        return text;
     }
     let mut header: Vec<String> = ["SHARD", "NAMESPACE", "STATE", "HOLDER", "RENEWED", "WEIGHT"]
         .map(String::from)
@@ -557,6 +670,108 @@ fn ring_table(ring: &RingStatus, now: Timestamp) -> String {
         ratio(ring.imbalance)
     ));
     text.push_str(&load_table(ring));
+    text
+}
+
+/// The shards of a `ServerSide` ring with their published ranges, acknowledgements and targets,
+/// the objects in each shard's ranges, and the handover's state.
+fn ranges_table(ring: &RingStatus, ranges: &RingRangesStatus, now: Timestamp) -> String {
+    let mut header: Vec<String> = [
+        "SHARD",
+        "NAMESPACE",
+        "STATE",
+        "HOLDER",
+        "RENEWED",
+        "WEIGHT",
+        "GENERATION",
+        "ACKNOWLEDGED",
+        "RANGES",
+        "SHARE",
+        "TARGET",
+    ]
+    .map(String::from)
+    .into();
+    header.extend(ring.resources.iter().map(|r| r.to_uppercase()));
+    header.extend(["TOTAL", "WANTED", "NOTE"].map(String::from));
+    let mut table = Table::new(header);
+    let share = |percent: f64| format!("{percent:.2}%");
+    for shard in &ring.members {
+        let r = shard.ranges.as_ref();
+        let mut row = vec![
+            shard.name.clone(),
+            or_dash(shard.namespace.as_ref()),
+            shard.state.unwrap_or("no Lease").to_string(),
+            or_dash(shard.holder.as_ref().filter(|h| !h.is_empty())),
+            or_dash(shard.renew_time.map(|t| age(t, now))),
+            shard.weight.to_string(),
+            or_dash(r.and_then(|r| r.generation)),
+            or_dash(r.and_then(|r| r.acknowledged)),
+            or_dash(r.map(|r| r.ranges)),
+            or_dash(r.map(|r| share(r.share_percent))),
+            or_dash(r.map(|r| share(r.target_share_percent))),
+        ];
+        row.extend(
+            ring.resources
+                .iter()
+                .map(|r| shard.objects.get(r).copied().unwrap_or(0).to_string()),
+        );
+        row.push(shard.total.to_string());
+        row.push(shard.wanted.to_string());
+        let mut notes = vec![shard_note(shard)];
+        if let Some(error) = r.and_then(|r| r.error.as_ref()) {
+            notes.push(error.clone());
+        }
+        if let Some(pending) = r.and_then(|r| r.pending.as_ref()) {
+            notes.push(format!("pending: {pending}"));
+        }
+        notes.retain(|n| !n.is_empty());
+        row.push(notes.join("; "));
+        table.row(row);
+    }
+    let mut outside = vec!["(no shard's ranges)".to_string()];
+    outside.extend(std::iter::repeat_n(String::new(), 10));
+    outside.extend(ring.resources.iter().map(|r| {
+        ring.unassigned
+            .objects
+            .get(r)
+            .copied()
+            .unwrap_or(0)
+            .to_string()
+    }));
+    outside.push(ring.unassigned.total.to_string());
+    table.row(outside);
+    let mut text = table.render("  ");
+    let t = &ring.totals;
+    let u = &ring.unassigned;
+    text.push_str(&format!(
+        "  {} objects: {} in a shard's published ranges ({} not in the shard the target gives them), {} in no shard's ranges ({} waiting for a grant, {} for lack of an available shard)\n",
+        t.objects, t.assigned, t.misplaced, t.unassigned, u.waiting_for_sharder, u.no_available_shard,
+    ));
+    text.push_str(&format!(
+        "  ranges of 64-bit FNV-1a of {}: {}\n",
+        ranges.field,
+        if ranges.handover_pending {
+            "handover pending (see the shards' notes)"
+        } else {
+            "settled: every shard holds its target and acknowledged it"
+        }
+    ));
+    for pin in &ranges.pinned_namespaces {
+        text.push_str(&format!(
+            "  namespace {} pinned to {} (hash {}): {}\n",
+            pin.namespace, pin.shard, pin.hash, pin.state
+        ));
+    }
+    if !ranges.ignored_namespace_pins.is_empty() {
+        text.push_str(&format!(
+            "  pins of namespaces {} are ignored: a ring hashing uids spreads a namespace over the whole hash space\n",
+            ranges.ignored_namespace_pins.join(", ")
+        ));
+    }
+    text.push_str(&format!(
+        "  imbalance (max/mean objects per available shard): {}\n",
+        ratio(ring.imbalance)
+    ));
     text
 }
 
@@ -932,5 +1147,96 @@ ClusterRing r: Ready=Unknown, 0 shards, 0 available, hashKey Object, assignment 
             )],
         };
         assert!(!table_at(&quiet, now()).contains("load reported"));
+    }
+
+    #[test]
+    fn a_server_side_ring_shows_ranges_acknowledgements_and_the_objects_in_them() {
+        use super::super::fixtures::{server_side, with_ranges};
+        use kube_sharding_api::ranges::RangeRing;
+        let target = RangeRing::new(["a", "b"]).ranges();
+        let annotation = |generation: u64, shard: &str| {
+            kube_sharding_api::range_lease::PublishedRanges::new(generation, target[shard].clone())
+                .expect("within the limits")
+                .to_string()
+        };
+        let ring = server_side(
+            vec![
+                with_ranges(
+                    lease("a", "a", 1, None),
+                    Some(&annotation(4, "a")),
+                    Some("4"),
+                ),
+                // b was granted its share and has not acknowledged it yet.
+                with_ranges(
+                    lease("b", "b", 1, None),
+                    Some(&annotation(5, "b")),
+                    Some("3"),
+                ),
+            ],
+            HashKey::Object,
+        );
+        let ranges = ring.ranges.as_ref().expect("a ServerSide ring has ranges");
+        let secrets = GroupResource::new("", "secrets");
+        let mut tally = Tally::default();
+        let (in_a, in_b) = (
+            target["a"].ranges()[0].start(),
+            target["b"].ranges()[0].start(),
+        );
+        for hash in [in_a, in_b, in_b] {
+            tally.observe_ranges(
+                &secrets,
+                ranges.holder(hash).map(|(s, ..)| s),
+                ranges.wanted(hash),
+            );
+        }
+        let status = ring_status(&ring, tally, now());
+        let range_status = status.ranges.as_ref().expect("ranges");
+        assert!(range_status.handover_pending);
+        assert_eq!(range_status.field, "object.metadata.uid");
+        let a = status.members[0].ranges.as_ref().expect("a's ranges");
+        assert_eq!(
+            (a.generation, a.acknowledged, a.ranges, a.pending.as_ref()),
+            (Some(4), Some(4), target["a"].ranges().len(), None)
+        );
+        assert!((a.share_percent - percent(&target["a"])).abs() < 1e-9);
+        let b = status.members[1].ranges.as_ref().expect("b's ranges");
+        assert_eq!(
+            b.pending.as_deref(),
+            Some("waiting for its acknowledgement of generation 5")
+        );
+        assert_eq!((status.members[0].total, status.members[1].total), (1, 2));
+        assert_eq!(status.totals.unassigned, 0);
+        let json = serde_json::to_value(&status).expect("serializes");
+        assert_eq!(json["members"][1]["ranges"]["generation"], 5);
+        assert_eq!(json["members"][1]["ranges"]["acknowledged"], 3);
+        assert_eq!(json["ranges"]["handoverPending"], true);
+        let text = table_at(
+            &StatusReport {
+                namespace: None,
+                rings: vec![status],
+            },
+            now(),
+        );
+        assert!(
+            text.starts_with("ClusterRing r: Ready=Unknown, 0 shards, 0 available, hashKey Object, assignment ServerSide, rangeGeneration -\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("GENERATION   ACKNOWLEDGED   RANGES   SHARE"),
+            "{text}"
+        );
+        assert!(
+            text.contains("pending: waiting for its acknowledgement of generation 5"),
+            "{text}"
+        );
+        assert!(
+            text.contains("  3 objects: 3 in a shard's published ranges (0 not in the shard the target gives them), 0 in no shard's ranges"),
+            "{text}"
+        );
+        assert!(
+            text.contains("ranges of 64-bit FNV-1a of object.metadata.uid: handover pending"),
+            "{text}"
+        );
+        println!("{text}");
     }
 }

@@ -16,28 +16,41 @@
 //!   holder without the shard's release mark, docs/protocol.md §18) may still run, nothing of the
 //!   ring moves: its Lease no longer says what it holds.
 //!
+//! A namespace pin the ring cannot honour (any pin on a ring hashing uids, or one naming no
+//! available shard) gets one `PinUnsatisfied` Warning Event on the Namespace while it lasts.
+//! Object pins cannot be seen: the ring's objects are not read.
+//!
+//! On a ring hashing namespaces, a namespace carrying the ring's pin annotation with the name of
+//! an available shard has its one hash cut out of its owner's target and added to the pinned
+//! shard's ([`RangeRing::ranges_with_pins`]); the planner moves it like any range, revoke before
+//! grant. Namespaces come from the sharder's Namespace cache, and a Namespace change reconciles
+//! the rings.
+//!
 //! The planner assumes that its writes are seen before its next step: until the Lease cache shows
 //! every publication written (or [`PENDING_FOR`] passed), the next step waits.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::{Namespace, ObjectReference};
 use k8s_openapi::jiff::Timestamp;
-use kube::ResourceExt;
 use kube::api::{Api, Patch};
+use kube::{Resource, ResourceExt};
 use kube_sharding_api::lease::ShardLease;
 use kube_sharding_api::range_lease::{
     ANNOTATION_ACKNOWLEDGED, ANNOTATION_RANGES, Acknowledgement, PublishedRanges,
 };
 use kube_sharding_api::ranges::{RangeRing, RangeSet};
-use kube_sharding_api::{RingObject, RingRef};
+use kube_sharding_api::{HashKey, RingObject, RingRef};
 
 use super::ring::Error;
 use crate::context::Context;
 use crate::core::membership::{Member, ring_members, shards_of};
+use crate::core::pin::is_valid_pin;
 use crate::core::range_handover::{RangeHandover, ShardRanges};
+use crate::leader::events::REASON_PIN_UNSATISFIED;
 use crate::records;
 
 /// How long a step waits for the Lease cache to show a publication written by an earlier step;
@@ -69,6 +82,9 @@ struct RingPlanner {
     handover: RangeHandover,
     /// Lease (namespace, name) → the ranges value written and when.
     pending: HashMap<(String, String), (String, Instant)>,
+    /// Namespace pins whose problem was reported, (namespace, value): each is reported once
+    /// while it lasts, not on every step.
+    reported: BTreeSet<(String, String)>,
 }
 
 /// A shard as the step sees it: its Lease and what the planner is told.
@@ -111,7 +127,7 @@ impl RangePublisher {
         let available = shards_of(&members).available;
         let entries = shard_entries(&members);
 
-        let (plan, clear) = {
+        let (plan, clear, pin_events) = {
             let mut rings = self.lock();
             let planner = rings
                 .entry(ring_ref.clone())
@@ -119,12 +135,14 @@ impl RangePublisher {
                     uid: ring.uid(),
                     handover: RangeHandover::new(recorded.unwrap_or(0)),
                     pending: HashMap::new(),
+                    reported: BTreeSet::new(),
                 });
             if planner.uid != ring.uid() {
                 *planner = RingPlanner {
                     uid: ring.uid(),
                     handover: RangeHandover::new(recorded.unwrap_or(0)),
                     pending: HashMap::new(),
+                    reported: BTreeSet::new(),
                 };
             }
             let instant = Instant::now();
@@ -148,12 +166,28 @@ impl RangePublisher {
                     retry: true,
                 });
             }
+            // Pins this ring cannot honour, each reported once while it lasts.
+            let mut current = BTreeSet::new();
+            let pin_events: Vec<(ObjectReference, String)> = pinned_namespaces(ring, ctx)
+                .into_iter()
+                .filter_map(|(namespace, value)| {
+                    let problem = pin_problem(ring.ring_spec().hash_key(), &value, &available)?;
+                    Some(((namespace, value), problem))
+                })
+                .filter_map(|((namespace, value), problem)| {
+                    let key = (namespace.name_any(), value);
+                    current.insert(key.clone());
+                    (!planner.reported.contains(&key)).then(|| (namespace.object_ref(&()), problem))
+                })
+                .collect();
+            planner.reported = current;
             let shards: BTreeMap<String, ShardRanges> = entries
                 .iter()
                 .map(|(name, e)| (name.clone(), e.ranges.clone()))
                 .collect();
+            let pins = namespace_pins(ring, ctx);
             let target = RangeRing::weighted(available.iter().map(|(n, w)| (n.as_str(), *w)))
-                .ranges()
+                .ranges_with_pins(pins.iter().map(|(ns, shard)| (ns.as_str(), shard.as_str())))
                 .into_iter()
                 .filter(|(name, _)| entries.contains_key(name))
                 .collect();
@@ -174,8 +208,19 @@ impl RangePublisher {
                 .filter(|e| e.ranges.stopped && has_range_annotations(e.lease))
                 .map(|e| e.lease)
                 .collect();
-            (plan, clear)
+            (plan, clear, pin_events)
         };
+
+        for (namespace, problem) in pin_events {
+            ctx.events
+                .warning(
+                    &namespace,
+                    REASON_PIN_UNSATISFIED,
+                    &ring_ref.name,
+                    format!("{ring_ref}: {problem}"),
+                )
+                .await;
+        }
 
         for (name, publication) in &plan.writes {
             let Some(entry) = entries.get(name) else {
@@ -192,6 +237,61 @@ impl RangePublisher {
             retry: false,
         })
     }
+}
+
+/// The namespace pins of a ring hashing namespaces, from the Namespace cache: every namespace
+/// carrying the ring's pin annotation, with the shard it names (docs/zero-write-rings.md). A
+/// ring hashing uids has none: a namespace's objects are spread over the whole space there, and
+/// object pins would need a watch of the ring's objects, which this mode does without.
+fn namespace_pins<R: RingObject>(ring: &R, ctx: &Context) -> Vec<(String, String)> {
+    if ring.ring_spec().hash_key() != HashKey::Namespace {
+        return Vec::new();
+    }
+    pinned_namespaces(ring, ctx)
+        .into_iter()
+        .map(|(namespace, shard)| (namespace.name_any(), shard))
+        .collect()
+}
+
+/// Every cached Namespace carrying the ring's pin annotation, with the annotation's value.
+fn pinned_namespaces<R: RingObject>(
+    ring: &R,
+    ctx: &Context,
+) -> Vec<(std::sync::Arc<Namespace>, String)> {
+    let key = ring.ring_ref().pin_annotation();
+    ctx.caches
+        .namespaces
+        .state()
+        .into_iter()
+        .filter_map(|namespace| {
+            let shard = namespace.annotations().get(&key)?.clone();
+            Some((namespace, shard))
+        })
+        .collect()
+}
+
+/// Why the pin `value` of a namespace does not decide its objects' shard on a ServerSide ring
+/// hashing `hash_key` whose available shards are `available`; `None` when it does.
+fn pin_problem(
+    hash_key: HashKey,
+    value: &str,
+    available: &BTreeMap<String, u32>,
+) -> Option<String> {
+    if hash_key != HashKey::Namespace {
+        return Some(format!(
+            "the namespace's pin to {value:?} is ignored: the ring hashes object uids (assignment ServerSide, hashKey Object), which spreads a namespace over the whole hash space; pin namespaces of a ring with hashKey Namespace"
+        ));
+    }
+    if !is_valid_pin(value) {
+        return Some(format!(
+            "the namespace's pin {value:?} is not a shard name (a non-empty label value), so the hash ring decides"
+        ));
+    }
+    (!available.contains_key(value)).then(|| {
+        format!(
+            "the namespace's pin names {value}, which is not an available shard, so the hash ring decides until {value} becomes available"
+        )
+    })
 }
 
 /// The shards of the ring by name, from its members: each name once, its available Lease first,
@@ -405,5 +505,21 @@ mod tests {
         assert_eq!(entries.keys().collect::<Vec<_>>(), ["a", "b"]);
         assert_eq!(entries["a"].lease.namespace().as_deref(), Some("new"));
         assert_eq!(entries["a"].ranges.acknowledged, Some(1));
+    }
+
+    #[test]
+    fn pins_a_server_side_ring_cannot_honour_are_named() {
+        let available: BTreeMap<String, u32> = [("a".to_string(), 1)].into();
+        assert_eq!(pin_problem(HashKey::Namespace, "a", &available), None);
+        let unavailable = pin_problem(HashKey::Namespace, "z", &available).unwrap_or_default();
+        assert!(
+            unavailable.contains("not an available shard"),
+            "{unavailable}"
+        );
+        let invalid = pin_problem(HashKey::Namespace, "-a-", &available).unwrap_or_default();
+        assert!(invalid.contains("not a shard name"), "{invalid}");
+        // On a ring hashing uids every namespace pin is ignored, even one naming a shard.
+        let ignored = pin_problem(HashKey::Object, "a", &available).unwrap_or_default();
+        assert!(ignored.contains("is ignored"), "{ignored}");
     }
 }

@@ -106,6 +106,9 @@ pub(crate) async fn run<R: RingObject>(ctx: Context, shutdown: CancellationToken
         // Shard Lease changes that matter for membership reconcile the rings (for their status);
         // renewals, which change only `renewTime`, do not: they would cost work per renewal.
         .reconcile_all_on(lease_changes(&state.ctx))
+        // A namespace pin changes a ServerSide ring's ranges; Namespaces change seldom, and a
+        // reconcile of an unchanged ring sends no request.
+        .reconcile_all_on(namespace_changes(&state.ctx))
         // When a ring's webhook becomes unreachable or reachable again, the rings of its kind are
         // reconciled (flips are rare, and unchanged rings cost no request), updating its status.
         .reconcile_all_on(reachability_flips::<R>(&state.ctx))
@@ -132,6 +135,15 @@ pub(crate) async fn run<R: RingObject>(ctx: Context, shutdown: CancellationToken
 /// Fires when a shard Lease changed in a way membership depends on.
 fn lease_changes(ctx: &Context) -> impl futures::Stream<Item = ()> + Send + 'static {
     let receiver = ctx.caches.changes.leases();
+    futures::stream::unfold(receiver, |mut receiver| async move {
+        receiver.changed().await.ok()?;
+        Some(((), receiver))
+    })
+}
+
+/// Fires when a Namespace changed.
+fn namespace_changes(ctx: &Context) -> impl futures::Stream<Item = ()> + Send + 'static {
+    let receiver = ctx.caches.changes.namespaces();
     futures::stream::unfold(receiver, |mut receiver| async move {
         receiver.changed().await.ok()?;
         Some(((), receiver))
