@@ -254,6 +254,29 @@ pub(crate) async fn range_generation(client: &Client, ring: &str) -> anyhow::Res
     Ok(ring.status.and_then(|s| s.range_generation))
 }
 
+/// Leases of three shards of ClusterRing `ring`: `shard-a` and `shard-b` of weight 1, `shard-c`
+/// of weight 2.
+pub(crate) async fn create_three_shards(
+    client: &Client,
+    ns: &str,
+    ring: &str,
+) -> anyhow::Result<()> {
+    for shard in ["shard-a", "shard-b"] {
+        create_lease(client, ns, ring, shard, 3600).await?;
+    }
+    let ring_ref = RingRef::new(RingKind::ClusterRing, ring);
+    create_annotated_lease(
+        client,
+        ns,
+        &ring_ref,
+        "shard-c",
+        3600,
+        [(ANNOTATION_WEIGHT, "2")],
+    )
+    .await?;
+    Ok(())
+}
+
 pub(crate) fn server_side_spec(namespace: &str, resource: &str) -> ClusterRingSpec {
     ClusterRingSpec {
         resources: vec![RingResource::new("", resource)],
@@ -301,19 +324,7 @@ async fn a_server_side_ring_revokes_before_it_grants_and_writes_no_object() -> a
     acknowledge(&client, &ns, Arc::clone(&delays), stop.clone());
 
     // Three shards, one of weight 2: each gets its share, the shares partition the space.
-    for shard in ["shard-a", "shard-b"] {
-        create_lease(&client, &ns, &ring, shard, 3600).await?;
-    }
-    let ring_ref = RingRef::new(RingKind::ClusterRing, &ring);
-    create_annotated_lease(
-        &client,
-        &ns,
-        &ring_ref,
-        "shard-c",
-        3600,
-        [(ANNOTATION_WEIGHT, "2")],
-    )
-    .await?;
+    create_three_shards(&client, &ns, &ring).await?;
     let three = wait_settled(
         &client,
         &ns,

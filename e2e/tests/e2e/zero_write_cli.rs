@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{Context, ensure};
-use e2e::fixtures::{WAIT, create_annotated_lease, create_lease, create_ring, wait_status};
+use e2e::fixtures::{WAIT, create_lease, create_ring, wait_status};
 use e2e::process::poll_until;
 use e2e::scenario::SharedScenario;
 use k8s_openapi::api::coordination::v1::Lease;
@@ -17,7 +17,6 @@ use k8s_openapi::api::core::v1::{ConfigMap, Namespace};
 use k8s_openapi::api::events::v1::Event;
 use kube::api::{Api, ObjectMeta, Patch, PostParams};
 use kube::{Client, ResourceExt};
-use kube_sharding_api::labels::ANNOTATION_WEIGHT;
 use kube_sharding_api::range_lease::{
     ANNOTATION_ACKNOWLEDGED, ANNOTATION_RANGES, Acknowledgement, PublishedRanges,
 };
@@ -27,7 +26,9 @@ use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
 use crate::cli::{json as plugin_json, table as plugin_table};
-use crate::zero_write::{acknowledge, overlaps, range_generation, record, server_side_spec};
+use crate::zero_write::{
+    acknowledge, create_three_shards, overlaps, range_generation, record, server_side_spec,
+};
 
 /// What one shard Lease says about ranges.
 struct LeaseRanges {
@@ -216,19 +217,8 @@ async fn kubectl_sharding_reads_a_server_side_ring_from_its_leases() -> anyhow::
     let _stop_on_drop = stop.clone().drop_guard();
     let delays = Arc::new(Mutex::new(BTreeMap::new()));
     acknowledge(&client, &ns, Arc::clone(&delays), stop.clone());
-    for shard in ["shard-a", "shard-b"] {
-        create_lease(&client, &ns, &ring, shard, 3600).await?;
-    }
+    create_three_shards(&client, &ns, &ring).await?;
     let ring_ref = RingRef::new(RingKind::ClusterRing, &ring);
-    create_annotated_lease(
-        &client,
-        &ns,
-        &ring_ref,
-        "shard-c",
-        3600,
-        [(ANNOTATION_WEIGHT, "2")],
-    )
-    .await?;
     let three = [("shard-a", 1), ("shard-b", 1), ("shard-c", 2)];
     let target = RangeRing::weighted(three).ranges();
     wait_target(&client, &ns, &target).await?;
