@@ -329,9 +329,10 @@ impl Shard {
     /// last page's 100 to 450 were).
     pub fn watcher_config(&self) -> watcher::Config {
         if self.server_side.is_some() {
-            let mut config = watcher::Config::default();
-            config.page_size = None;
-            return config;
+            return watcher::Config {
+                page_size: None,
+                ..watcher::Config::default()
+            };
         }
         watcher::Config::default().labels(&self.label_selector())
     }

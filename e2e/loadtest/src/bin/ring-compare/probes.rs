@@ -92,7 +92,9 @@ pub(crate) fn writes(before: &str, after: &str) -> Writes {
             .iter()
             .filter(|(kind, _)| kind.split(' ').nth(1) == Some(resource))
             .map(|(_, n)| n)
+            // An empty sum is -0.0, which would print as "-0".
             .sum::<f64>()
+            + 0.0
     };
     let (secrets, configmaps, leases) = (of("secrets"), of("configmaps"), of("leases"));
     let all: f64 = by_kind.iter().map(|(_, n)| n).sum();
@@ -223,6 +225,7 @@ apiserver_request_total{code=\"200\",resource=\"clusterrings\",subresource=\"sta
                 .contains(&("PATCH clusterrings/status".to_string(), 1.0))
         );
         assert_eq!(object_writes(after), 19.0);
+        assert_eq!(writes(before, before).secrets.to_string(), "0");
     }
 
     #[test]

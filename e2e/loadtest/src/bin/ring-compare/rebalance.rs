@@ -337,7 +337,7 @@ impl Bench<'_> {
                 .range_records
                 .iter()
                 .filter(|(at, r)| *at >= t0 && *at <= t1 && r["event"] == "ranges_acknowledged")
-                .filter_map(|(_, r)| r["took_ms"].as_u64())
+                .filter_map(|(_, r)| r["took_ms"].as_f64())
                 .collect();
             shards.push(ShardTraffic {
                 owns,

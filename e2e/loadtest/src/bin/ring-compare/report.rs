@@ -108,8 +108,11 @@ pub(crate) struct ShardTraffic {
     pub(crate) server_filtered: bool,
     /// Zero-write rings: `took_ms` of each acknowledgement it wrote in the window (from seeing a
     /// new generation to the acknowledgement on its Lease).
-    pub(crate) acknowledged_ms: Vec<u64>,
+    pub(crate) acknowledged_ms: Vec<f64>,
 }
+
+/// One cell of the text table, from one mode's rebalance.
+type Cell = fn(&Rebalance) -> String;
 
 fn mib(kib: u64) -> String {
     format!("{:.1} MiB", kib as f64 / 1024.0)
@@ -156,7 +159,7 @@ impl Report {
             .map(|m| m.rebalances.iter().map(|r| r.change).collect())
             .unwrap_or_default();
         for (i, change) in changes.iter().enumerate() {
-            let rows: [(String, fn(&Rebalance) -> String); 11] = [
+            let rows: [(String, Cell); 11] = [
                 (format!("**{change}** Secrets moved"), |r| {
                     r.moved.to_string()
                 }),
