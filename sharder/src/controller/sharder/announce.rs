@@ -15,6 +15,7 @@ use crate::context::Context;
 use crate::leader::events::{
     REASON_DRAIN_NOT_ACKNOWLEDGED, REASON_SHARD_JOINED, REASON_SHARD_LEFT,
 };
+use crate::leader::observed::PendingDrains;
 use crate::records;
 use crate::views::RingView;
 
@@ -89,15 +90,35 @@ impl Announcer {
             .retain(|ring| self.members.contains_key(ring));
     }
 
-    /// Warns once per shard whose oldest pending drain is older than `drainTimeout`.
-    pub(super) async fn stuck_drains(&mut self, ctx: &Context) {
+    /// The shards whose oldest pending drain just passed `timeout`, each once until its drains
+    /// cleared: `pending` as [`Observed::pending_drains`](crate::leader::observed::Observed::pending_drains)
+    /// gives it.
+    fn newly_stuck(
+        &mut self,
+        pending: BTreeMap<(RingRef, String), PendingDrains>,
+        timeout: Duration,
+    ) -> Vec<((RingRef, String), PendingDrains)> {
+        self.warned.retain(|key| pending.contains_key(key));
+        let stuck: Vec<_> = pending
+            .into_iter()
+            .filter(|(key, drains)| drains.oldest >= timeout && !self.warned.contains(key))
+            .collect();
+        self.warned.extend(stuck.iter().map(|(key, _)| key.clone()));
+        stuck
+    }
+
+    /// Warns once per shard whose oldest pending drain is older than `drainTimeout`, and returns
+    /// the rings of those shards: the caller syncs them again. A drain that looks stuck may have
+    /// been acknowledged and assigned straight back to the same shard by a replica whose view of
+    /// the ring was older (its Lease watch reconnecting after an API server restart, say); only a
+    /// sync drains such an object again, and waiting for the periodic one would leave it on the
+    /// wrong shard for up to `syncPeriod`. A sync drains nothing twice, and this happens once per
+    /// shard until its drains clear, so a shard that is really stuck costs one extra sync.
+    pub(super) async fn stuck_drains(&mut self, ctx: &Context) -> Vec<RingRef> {
         let timeout = ctx.config.controller.sharder.drain_timeout.0;
         let pending = ctx.observed.pending_drains(std::time::Instant::now());
-        self.warned.retain(|key| pending.contains_key(key));
-        for ((ring, shard), drains) in pending {
-            if drains.oldest < timeout || self.warned.contains(&(ring.clone(), shard.clone())) {
-                continue;
-            }
+        let mut rings = Vec::new();
+        for ((ring, shard), drains) in self.newly_stuck(pending, timeout) {
             let Some(object) = ctx.caches.ring(&ring) else {
                 continue;
             };
@@ -105,7 +126,7 @@ impl Announcer {
                 "Shard {shard} has not acknowledged the drain of {} objects for more than {:?}; it may be stuck",
                 drains.objects, timeout
             );
-            tracing::warn!(event = records::EVENT_DRAINS_NOT_ACKNOWLEDGED, %ring, %shard, objects = drains.objects, oldest = ?drains.oldest, "drains not acknowledged");
+            tracing::warn!(event = records::EVENT_DRAINS_NOT_ACKNOWLEDGED, %ring, %shard, objects = drains.objects, oldest = ?drains.oldest, "drains not acknowledged; syncing the ring again");
             ctx.events
                 .warning(
                     &object.object_ref(),
@@ -114,8 +135,11 @@ impl Announcer {
                     note,
                 )
                 .await;
-            self.warned.insert((ring, shard));
+            if !rings.contains(&ring) {
+                rings.push(ring);
+            }
         }
+        rings
     }
 }
 
@@ -133,5 +157,41 @@ mod tests {
         // A weight change alone is neither.
         let (joined, left) = membership_changes(&after, &after);
         assert!(joined.is_empty() && left.is_empty());
+    }
+
+    #[test]
+    fn a_shard_is_stuck_once_until_its_drains_clear() {
+        let timeout = Duration::from_secs(10);
+        let key = (
+            RingRef::new(kube_sharding_api::RingKind::ClusterRing, "r"),
+            "shard-a".to_string(),
+        );
+        let pending = |oldest: u64| {
+            BTreeMap::from([(
+                key.clone(),
+                PendingDrains {
+                    objects: 3,
+                    oldest: Duration::from_secs(oldest),
+                },
+            )])
+        };
+        let mut announcer = Announcer::default();
+        assert!(
+            announcer.newly_stuck(pending(9), timeout).is_empty(),
+            "not yet"
+        );
+        let stuck = announcer.newly_stuck(pending(10), timeout);
+        assert_eq!(stuck.len(), 1);
+        assert_eq!(stuck[0].0, key);
+        assert!(
+            announcer.newly_stuck(pending(30), timeout).is_empty(),
+            "once per episode: a stuck shard costs one extra sync"
+        );
+        assert!(announcer.newly_stuck(BTreeMap::new(), timeout).is_empty());
+        assert_eq!(
+            announcer.newly_stuck(pending(12), timeout).len(),
+            1,
+            "drains cleared, then stuck again: a new episode"
+        );
     }
 }

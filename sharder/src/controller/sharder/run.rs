@@ -95,7 +95,11 @@ pub(crate) async fn run(ctx: Context, shutdown: CancellationToken) {
         tokio::select! {
             () = shutdown.cancelled() => break,
             _ = changes.changed() => {}
-            _ = drain_check.tick() => announcer.stuck_drains(&ctx).await,
+            _ = drain_check.tick() => {
+                for ring in announcer.stuck_drains(&ctx).await {
+                    schedule.again(&ring.to_string(), Instant::now());
+                }
+            }
             () = tokio::time::sleep_until(schedule.next_wake(now)) => {}
             (name, followed) = owner_moves.next_done() => {
                 schedule.followed(&name, followed.failed == 0, Instant::now());
