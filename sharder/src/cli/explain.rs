@@ -1217,14 +1217,10 @@ ClusterRing r (main resource, hashKey Object, assignment Webhook)
 
     #[test]
     fn an_object_of_a_server_side_ring_is_explained_by_its_hash() {
-        use super::super::fixtures::{server_side, with_ranges};
+        use super::super::fixtures::{published, server_side, with_ranges};
         use kube_sharding_api::ranges::{RangeRing, fnv1a64};
         let target = RangeRing::new(["a", "b"]).ranges();
-        let annotation = |generation: u64, shard: &str| {
-            kube_sharding_api::range_lease::PublishedRanges::new(generation, target[shard].clone())
-                .expect("within the limits")
-                .to_string()
-        };
+        let annotation = |generation: u64, shard: &str| published(generation, &target[shard]);
         // b has not been granted its share yet: a was cut down and acknowledged.
         let ring = server_side(
             vec![

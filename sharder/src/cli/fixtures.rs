@@ -132,6 +132,13 @@ pub(crate) fn pin_namespace(view: &mut RingView, value: &str) {
     view.pins = Namespaces::from_metadata([pinned(ns, view, value)]).pins;
 }
 
+/// The ranges annotation publishing `ranges` at `generation`.
+pub(crate) fn published(generation: u64, ranges: &kube_sharding_api::ranges::RangeSet) -> String {
+    kube_sharding_api::range_lease::PublishedRanges::new(generation, ranges.clone())
+        .expect("within the limits")
+        .to_string()
+}
+
 /// `lease` with the range annotations `ranges` and `acknowledged`.
 pub(crate) fn with_ranges(mut lease: Lease, ranges: Option<&str>, ack: Option<&str>) -> Lease {
     let annotations = lease.metadata.annotations.get_or_insert_default();

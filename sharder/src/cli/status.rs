@@ -1151,14 +1151,10 @@ ClusterRing r: Ready=Unknown, 0 shards, 0 available, hashKey Object, assignment 
 
     #[test]
     fn a_server_side_ring_shows_ranges_acknowledgements_and_the_objects_in_them() {
-        use super::super::fixtures::{server_side, with_ranges};
+        use super::super::fixtures::{published, server_side, with_ranges};
         use kube_sharding_api::ranges::RangeRing;
         let target = RangeRing::new(["a", "b"]).ranges();
-        let annotation = |generation: u64, shard: &str| {
-            kube_sharding_api::range_lease::PublishedRanges::new(generation, target[shard].clone())
-                .expect("within the limits")
-                .to_string()
-        };
+        let annotation = |generation: u64, shard: &str| published(generation, &target[shard]);
         let ring = server_side(
             vec![
                 with_ranges(
